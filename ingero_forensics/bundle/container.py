@@ -1,0 +1,308 @@
+"""The .bundle container: a JSON manifest in a zstd skippable frame, then one zstd frame
+holding the SQLite database image.
+
+    offset 0   u32 LE 0x184D2A5E        skippable-frame magic (bytes 5E 2A 4D 18)
+    offset 4   u32 LE N                 manifest length, 2 <= N <= 1 MiB
+    offset 8   N bytes                  manifest, UTF-8 JSON object
+    offset 8+N one zstd frame           content size and XXH64 content checksum present;
+                                        content = the SQLite database image; nothing follows
+
+The manifest can be read with two small reads and no decompression (``read_manifest``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import zstandard
+
+from ..errors import BundleError
+from .schema import FORMAT_VERSION, MANIFEST_TABLES
+
+SKIPPABLE_MAGIC = 0x184D2A5E
+ZSTD_MAGIC = 0xFD2FB528
+SQLITE_MAGIC = b"SQLite format 3\x00"
+MANIFEST_MAGIC = "ingero-forensics-bundle"
+MAX_MANIFEST_BYTES = 1 << 20
+#: Default ceiling on a declared database size; a larger claim is refused before any
+#: decompression (decompression-bomb guard). Override with INGERO_MAX_DB_BYTES.
+DEFAULT_MAX_DB_BYTES = 64 << 30
+BUNDLE_SUFFIX = ".bundle"
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
+_CHUNK = 1 << 20
+
+
+def validate_node_name(name: str) -> str:
+    if not isinstance(name, str) or not NODE_NAME_RE.match(name):
+        raise ValueError(
+            f"invalid node name {name!r}: use 1-63 characters of A-Z a-z 0-9 . _ -")
+    return name
+
+
+def bundle_filename(node: str, start_utc_ns: int, index: int) -> str:
+    """Name a sealed segment so that sorting names sorts by node, then time.
+
+    '+' sorts below every character a node name may contain, so one node's files stay
+    contiguous even when another node's name extends it (node-1 vs node-1.a).
+    """
+    import time as _time
+    stamp = _time.strftime("%Y%m%dT%H%M%S", _time.gmtime(start_utc_ns // 1_000_000_000))
+    return f"{validate_node_name(node)}+{stamp}Z+{index:06d}{BUNDLE_SUFFIX}"
+
+
+def max_db_bytes() -> int:
+    try:
+        return int(os.environ.get("INGERO_MAX_DB_BYTES", DEFAULT_MAX_DB_BYTES))
+    except ValueError:
+        return DEFAULT_MAX_DB_BYTES
+
+
+# --------------------------------------------------------------------------- manifest
+
+_REQUIRED = {
+    "magic": str, "format_version": int, "node": str, "host": dict, "segment": dict,
+    "capture": dict, "tables": dict, "database": dict,
+}
+_HOST_KEYS = ("hostname", "boot_id", "kernel_release", "tool_version")
+_CAPTURE_KEYS = ("start_utc_ns", "end_utc_ns", "start_mono_ns", "end_mono_ns")
+
+
+def check_manifest(path, m) -> dict:
+    """Validate a parsed manifest's structure; raise BundleError naming what is wrong."""
+    if not isinstance(m, dict):
+        raise BundleError(path, "manifest is not a JSON object")
+    if m.get("magic") != MANIFEST_MAGIC:
+        raise BundleError(path, "not an ingero bundle (manifest magic missing)")
+    ver = m.get("format_version")
+    if not isinstance(ver, int) or isinstance(ver, bool) or ver < 1:
+        raise BundleError(path, f"invalid format_version {ver!r}")
+    if ver > FORMAT_VERSION:
+        raise BundleError(path, f"bundle format version {ver} is newer than this tool "
+                                f"supports ({FORMAT_VERSION}); upgrade ingero-forensics")
+    for key, typ in _REQUIRED.items():
+        if not isinstance(m.get(key), typ) or isinstance(m.get(key), bool):
+            raise BundleError(path, f"manifest field {key!r} missing or not a {typ.__name__}")
+    try:
+        validate_node_name(m["node"])
+    except ValueError as e:
+        raise BundleError(path, f"manifest: {e}") from None
+    for key in _HOST_KEYS:
+        if not isinstance(m["host"].get(key), str):
+            raise BundleError(path, f"manifest field host.{key} missing or not a string")
+    for key in _CAPTURE_KEYS:
+        if not _is_int(m["capture"].get(key)):
+            raise BundleError(path, f"manifest field capture.{key} missing or not an integer")
+    if not _is_int(m["segment"].get("index")) or not isinstance(m["segment"].get("id"), str):
+        raise BundleError(path, "manifest field segment.index/segment.id missing")
+    db = m["database"]
+    if not _is_int(db.get("size")) or db["size"] < 512:
+        raise BundleError(path, "manifest field database.size missing or too small")
+    sha = db.get("sha256")
+    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise BundleError(path, "manifest field database.sha256 missing or not 64 hex digits")
+    for t in MANIFEST_TABLES:
+        if not _is_int(m["tables"].get(t)) or m["tables"][t] < 0:
+            raise BundleError(path, f"manifest field tables.{t} missing or not a count")
+    return m
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_manifest(path) -> dict:
+    """Read and validate a bundle's manifest without touching the compressed database."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            m, _ = _read_header(path, f)
+    except OSError as e:
+        raise BundleError(path, f"cannot read: {e.strerror or e}") from None
+    return m
+
+
+def _read_header(path, f) -> tuple[dict, int]:
+    head = f.read(8)
+    if len(head) < 8:
+        raise BundleError(path, "truncated: file is shorter than a bundle header")
+    magic, n = struct.unpack("<II", head)
+    if magic != SKIPPABLE_MAGIC:
+        if head[:4] == SQLITE_MAGIC[:4] and (head + f.read(8))[:16] == SQLITE_MAGIC:
+            raise BundleError(path, "plain SQLite database, not a bundle (no manifest frame)")
+        if magic == ZSTD_MAGIC:
+            raise BundleError(path, "plain zstd file, not a bundle (no manifest frame)")
+        raise BundleError(path, "not an ingero bundle (wrong magic bytes)")
+    if not 2 <= n <= MAX_MANIFEST_BYTES:
+        raise BundleError(path, f"manifest length {n} out of range")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise BundleError(path, "truncated inside the manifest")
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise BundleError(path, "manifest is not valid UTF-8 JSON") from None
+    return check_manifest(path, m), 8 + n
+
+
+def encode_header(manifest: dict) -> bytes:
+    raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ValueError("manifest exceeds 1 MiB")
+    return struct.pack("<II", SKIPPABLE_MAGIC, len(raw)) + raw
+
+
+# ------------------------------------------------------------------------ seal / open
+
+def file_sha256(path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def fsync_dir(path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bundle(db_path, out_path, manifest: dict, *, level: int = 3) -> Path:
+    """Seal a closed SQLite file into out_path atomically (temp file, fsync, rename).
+
+    manifest gets its database.size and database.sha256 filled in here. On any error the
+    temporary file is removed and out_path is untouched.
+    """
+    db_path, out_path = Path(db_path), Path(out_path)
+    size, sha = file_sha256(db_path)
+    manifest = dict(manifest)
+    manifest["database"] = {"size": size, "sha256": sha, "compression": "zstd"}
+    header = encode_header(manifest)
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    cctx = zstandard.ZstdCompressor(level=level, write_checksum=True,
+                                    write_content_size=True, threads=-1)
+    try:
+        with open(db_path, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(header)
+            cctx.copy_stream(src, dst, size=size, read_size=_CHUNK, write_size=_CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out_path)
+        fsync_dir(out_path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def _frame_end(path, f, start: int, file_size: int) -> int:
+    """Walk the zstd frame's block headers; return the offset just past the frame."""
+    f.seek(start)
+    head = f.read(18)
+    try:
+        params = zstandard.get_frame_parameters(head)
+        hsize = zstandard.frame_header_size(head)
+    except zstandard.ZstdError as e:
+        raise BundleError(path, f"corrupt zstd frame header ({e})") from None
+    if not params.has_checksum:
+        raise BundleError(path, "zstd frame has no content checksum")
+    pos = start + hsize
+    while True:
+        f.seek(pos)
+        bh = f.read(3)
+        if len(bh) < 3:
+            raise BundleError(path, "truncated inside the compressed database")
+        v = bh[0] | bh[1] << 8 | bh[2] << 16
+        last, btype, bsize = v & 1, (v >> 1) & 3, v >> 3
+        if btype == 3:
+            raise BundleError(path, "corrupt zstd block (reserved block type)")
+        pos += 3 + (1 if btype == 1 else bsize)
+        if pos > file_size:
+            raise BundleError(path, "truncated inside the compressed database")
+        if last:
+            return pos + 4  # content checksum
+
+
+def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
+    """Verify a bundle's container and stream its database image to out_path.
+
+    Checks, in order: header and manifest; declared size against the limit and the free
+    space where out_path lives; the frame structure (checksum flag, no trailing bytes,
+    declared content size); then decompresses in bounded chunks, never past the declared
+    size, verifying zstd's checksum, the size and the sha256. Returns the manifest.
+    """
+    path, out_path = Path(path), Path(out_path)
+    limit = max_db_bytes() if limit is None else limit
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            manifest, frame_start = _read_header(path, f)
+            want_size = manifest["database"]["size"]
+            if want_size > limit:
+                raise BundleError(path, f"declared database size {want_size} bytes exceeds "
+                                        f"the limit of {limit} (possible decompression bomb)")
+            free = _free_bytes(out_path.parent)
+            if free is not None and want_size > free:
+                raise BundleError(path, f"declared database size {want_size} bytes exceeds "
+                                        f"free space in {out_path.parent}")
+            f.seek(frame_start)
+            magic = f.read(4)
+            if len(magic) < 4:
+                raise BundleError(path, "truncated: no database frame after the manifest")
+            if struct.unpack("<I", magic)[0] != ZSTD_MAGIC:
+                raise BundleError(path, "no zstd frame after the manifest")
+            f.seek(frame_start)
+            fcs = zstandard.frame_content_size(f.read(18))
+            if fcs != want_size:
+                raise BundleError(path, f"manifest says {want_size} bytes but the zstd frame "
+                                        f"declares {fcs}")
+            end = _frame_end(path, f, frame_start, file_size)
+            if end != file_size:
+                raise BundleError(path, f"{file_size - end} unexpected bytes after the "
+                                        "database frame")
+            f.seek(frame_start)
+            _stream_out(path, f, out_path, want_size, manifest["database"]["sha256"])
+    except OSError as e:
+        raise BundleError(path, f"cannot read: {e.strerror or e}") from None
+    return manifest
+
+
+def _stream_out(path, f, out_path, want_size: int, want_sha: str) -> None:
+    h = hashlib.sha256()
+    got = 0
+    dctx = zstandard.ZstdDecompressor(max_window_size=1 << 27)
+    try:
+        with dctx.stream_reader(f, read_size=_CHUNK, read_across_frames=False) as r, \
+                open(out_path, "wb") as out:
+            while True:
+                chunk = r.read(_CHUNK)
+                if not chunk:
+                    break
+                got += len(chunk)
+                if got > want_size:
+                    raise BundleError(path, "database frame is larger than declared")
+                h.update(chunk)
+                out.write(chunk)
+    except zstandard.ZstdError as e:
+        raise BundleError(path, f"corrupt compressed database ({e})") from None
+    if got != want_size:
+        raise BundleError(path, f"truncated: database is {got} bytes, manifest says {want_size}")
+    if h.hexdigest() != want_sha:
+        raise BundleError(path, "database sha256 does not match the manifest")
+
+
+def _free_bytes(directory) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize

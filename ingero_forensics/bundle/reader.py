@@ -1,0 +1,144 @@
+"""Open a bundle read-only after verifying it end to end.
+
+The database image is decompressed to a temporary file (never into memory whole), then
+checked: SQLite header, integrity, application_id and user_version, no views, triggers,
+virtual tables or generated columns, every table and column of the format present, and
+the row counts equal to the manifest's. Only then is it handed out, on a hardened
+read-only connection that executes no SQL stored in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import apsw
+
+from ..db import connect_untrusted
+from ..errors import BundleError
+from .container import SQLITE_MAGIC, decompress_db, read_manifest
+from .schema import APPLICATION_ID, MANIFEST_TABLES, TABLES
+
+
+class Bundle:
+    """A verified bundle: ``manifest``, ``db_path`` (temporary image), ``con`` (read-only)."""
+
+    def __init__(self, path: Path, manifest: dict, db_path: Path, con: apsw.Connection):
+        self.path = path
+        self.manifest = manifest
+        self.db_path = db_path
+        self.con = con
+
+    @property
+    def node(self) -> str:
+        return self.manifest["node"]
+
+    def close(self) -> None:
+        if self.con is not None:
+            self.con.close()
+            self.con = None
+        try:
+            os.unlink(self.db_path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_bundle(path, *, tmpdir=None, limit: int | None = None,
+                integrity: str = "quick") -> Bundle:
+    """Verify and open a bundle. Raises BundleError naming the file and the reason.
+
+    integrity: "quick" (PRAGMA quick_check), "full" (integrity_check) or "none".
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix="ingero-", suffix=".db", dir=tmpdir)
+    os.close(fd)
+    tmp = Path(tmp)
+    con = None
+    try:
+        manifest = decompress_db(path, tmp, limit=limit)
+        con = verify_database(path, tmp, manifest, integrity=integrity)
+        return Bundle(path, manifest, tmp, con)
+    except BaseException:
+        if con is not None:
+            con.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def verify_database(path, db_path, manifest: dict, *, integrity: str = "quick") -> apsw.Connection:
+    with open(db_path, "rb") as f:
+        if f.read(16) != SQLITE_MAGIC:
+            raise BundleError(path, "database image is not SQLite")
+    try:
+        con = connect_untrusted(db_path)
+    except apsw.Error as e:
+        raise BundleError(path, f"database cannot be opened ({e})") from None
+    try:
+        _verify(path, con, manifest, integrity)
+    except apsw.Error as e:
+        con.close()
+        raise BundleError(path, f"database is corrupt ({type(e).__name__}: {e})") from None
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _verify(path, con, manifest, integrity):
+    if integrity != "none":
+        pragma = "integrity_check" if integrity == "full" else "quick_check"
+        res = [r[0] for r in con.execute(f"PRAGMA {pragma}(5)")]
+        if res != ["ok"]:
+            raise BundleError(path, f"SQLite {pragma} failed: {'; '.join(res)[:200]}")
+    app_id = con.execute("PRAGMA application_id").fetchone()[0]
+    if app_id != APPLICATION_ID:
+        raise BundleError(path, f"database application_id is {app_id:#x}, not a bundle "
+                                f"database ({APPLICATION_ID:#x})")
+    user_version = con.execute("PRAGMA user_version").fetchone()[0]
+    if user_version != manifest["format_version"]:
+        raise BundleError(path, f"database user_version {user_version} does not match the "
+                                f"manifest format_version {manifest['format_version']}")
+    objects = {}
+    for typ, name, sql in con.execute("SELECT type, name, sql FROM sqlite_schema"):
+        if typ in ("trigger", "view"):
+            raise BundleError(path, f"database contains a {typ} ({name}); bundles may not "
+                                    "carry executable SQL")
+        if typ == "table" and sql and sql.lstrip().upper().startswith("CREATE VIRTUAL"):
+            raise BundleError(path, f"database contains a virtual table ({name})")
+        objects[name] = typ
+    for t in TABLES:
+        if objects.get(t.name) != "table":
+            raise BundleError(path, f"table {t.name} is missing")
+        cols = {}
+        for row in con.execute(f"PRAGMA table_xinfo({t.name})"):
+            cols[row[1]] = row[6]  # hidden: 2/3 = generated column
+        missing = [c for c in t.column_names if c not in cols]
+        if missing:
+            raise BundleError(path, f"table {t.name} lacks column(s) {', '.join(missing)}")
+        if any(h in (2, 3) for h in cols.values()):
+            raise BundleError(path, f"table {t.name} has generated columns")
+    meta = {}
+    for k, v in con.execute("SELECT key, value FROM meta"):
+        try:
+            meta[k] = json.loads(v)
+        except (TypeError, ValueError):
+            raise BundleError(path, f"meta value for {k!r} is not JSON") from None
+    if meta.get("node") != manifest["node"]:
+        raise BundleError(path, f"meta node {meta.get('node')!r} does not match the manifest "
+                                f"node {manifest['node']!r}")
+    for t in MANIFEST_TABLES:
+        n = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+        if n != manifest["tables"][t]:
+            raise BundleError(path, f"table {t} has {n} rows but the manifest says "
+                                    f"{manifest['tables'][t]}")
+
+
+__all__ = ["Bundle", "open_bundle", "read_manifest", "verify_database"]

@@ -1,0 +1,384 @@
+"""The bundle schema, format version 1: every table, column, unit and meaning.
+
+This catalogue is the one place the bundle tables are defined. The DDL is generated
+from it, the reader validates bundles against it, the merge derives the fleet.db tables
+from it, and docs/bundle-format.md carries a table section rendered from it (a test
+keeps the two identical). Other modules never write CREATE or ALTER for bundle tables.
+
+Clock domain: every ``*_ns`` timestamp in a bundle is CLOCK_MONOTONIC nanoseconds of the
+node that wrote it (what ``bpf_ktime_get_ns()`` returns), valid within one boot
+(``boot_id`` in the manifest). ``clock_samples`` maps it to UTC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FORMAT_VERSION = 1
+#: PRAGMA application_id of a bundle database: ASCII "INGF".
+APPLICATION_ID = 0x494E4746
+
+NCCL_OPS = (
+    "ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST",
+    "REDUCE", "ALL_TO_ALL", "SEND", "RECV",
+)
+#: ncclDataType_t values (nccl.h order) and their byte sizes.
+NCCL_DATATYPES = (
+    ("int8", 1), ("uint8", 1), ("int32", 4), ("uint32", 4), ("int64", 8),
+    ("uint64", 8), ("float16", 2), ("float32", 4), ("float64", 8), ("bfloat16", 2),
+    ("float8e4m3", 1), ("float8e5m2", 1),
+)
+#: ncclRedOp_t values (nccl.h order); values >= 5 are user-defined PreMulSum ops.
+NCCL_REDOPS = ("sum", "prod", "max", "min", "avg")
+NCCL_COMM_APIS = (
+    "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommInitRankScalable",
+    "ncclCommInitAll", "ncclCommSplit", "ncclCommDestroy", "ncclCommAbort",
+)
+MEMCPY_KINDS = ("HtoH", "HtoD", "DtoH", "DtoD", "default")
+TCP_EVENTS = ("tcp_retransmit_skb", "tcp_probe")
+TCP_SCOPES = ("job", "background")
+SCHED_KINDS = ("runq_delay", "off_cpu")
+BLOCK_OPS = ("read", "write", "discard", "flush", "other")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+CLOCK_SOURCES = ("system", "chrony", "ptp")
+STAT_SOURCES = ("nccl", "cuda", "sched", "block", "tcp")
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str  # INTEGER, REAL or TEXT
+    nullable: bool
+    unit: str
+    doc: str
+    #: allowed values for TEXT enums (documented; validated by the merge)
+    values: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+    indexes: tuple[tuple[str, ...], ...] = field(default=())
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def data_columns(self) -> tuple[str, ...]:
+        """Columns a writer supplies: all but the INTEGER PRIMARY KEY (the rowid)."""
+        return tuple(c.name for c in self.columns[1:])
+
+
+def C(name, type_, nullable, unit, doc, values=None):
+    return Column(name, type_, nullable, unit, doc, tuple(values) if values else None)
+
+
+def _id(doc="Row id, unique within this bundle (the SQLite rowid)."):
+    return C("id", "INTEGER", False, "", doc)
+
+
+_PID = C("pid", "INTEGER", False, "", "Process id (tgid) in the node's initial PID namespace.")
+_TID = C("tid", "INTEGER", False, "", "Thread id in the node's initial PID namespace.")
+_STACK = C("stack_id", "INTEGER", True, "",
+           "User stack of the call: stacks.stack_id of this bundle; NULL when not captured.")
+_TS = C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",
+        "Start of the event (for calls: entry).")
+
+TABLES: tuple[Table, ...] = (
+    Table("meta", "Key/value facts about the segment; mirrors the manifest so an unsealed "
+          "spool can be sealed after a crash. Keys are listed in the spec.", (
+        C("key", "TEXT", False, "", "Key (primary key)."),
+        C("value", "TEXT", False, "", "Value; JSON for structured values."),
+    )),
+    Table("nccl_events", "One row per NCCL collective or point-to-point host call.", (
+        _id(), _TS,
+        C("duration_ns", "INTEGER", False, "ns",
+          "Entry to return of the host call. NCCL calls are asynchronous: this is the "
+          "enqueue time, the wait shows in a later synchronization (cuda_events)."),
+        C("op", "TEXT", False, "", "Operation.", NCCL_OPS),
+        C("rank", "INTEGER", True, "", "Rank of the caller in the communicator; NULL if the "
+          "communicator was created before capture started."),
+        C("nranks", "INTEGER", True, "", "Communicator size; NULL as for rank."),
+        C("comm_id_hash", "TEXT", True, "",
+          "Communicator identity: 16 lowercase hex digits, the splitmix64 fold of the full "
+          "128-byte ncclUniqueId (split children: derived from the parent hash, color and "
+          "key). Identical on every rank of the communicator; NULL if unknown."),
+        C("seq", "INTEGER", True, "", "Per-communicator call counter on this rank, 1 for the "
+          "first collective or p2p call after init. (comm_id_hash, seq) names the same "
+          "collective on every rank. NULL when comm_id_hash is NULL."),
+        C("count", "INTEGER", True, "elements", "Element count argument."),
+        C("datatype", "TEXT", True, "", "ncclDataType_t as a name.",
+          tuple(n for n, _ in NCCL_DATATYPES)),
+        C("redop", "TEXT", True, "", "Reduction (ALL_REDUCE, REDUCE, REDUCE_SCATTER): "
+          "sum, prod, max, min, avg, or premul_sum:N for user ops; NULL otherwise."),
+        C("peer", "INTEGER", True, "", "SEND/RECV peer rank, BROADCAST/REDUCE root; NULL otherwise."),
+        C("stream", "INTEGER", True, "", "cudaStream_t handle value (0 = default stream)."),
+        C("bytes", "INTEGER", True, "bytes", "count x datatype size: the caller's send size."),
+        C("group_depth", "INTEGER", True, "", "ncclGroupStart nesting depth at the call "
+          "(0 = not grouped); NULL if group calls were not traced."),
+        C("return_code", "INTEGER", True, "", "ncclResult_t returned (0 = ncclSuccess)."),
+        _PID, _TID, _STACK,
+    ), indexes=(("comm_id_hash", "seq"), ("timestamp_ns",))),
+    Table("nccl_comm_events", "Communicator lifecycle: init, split, destroy, abort.", (
+        _id(), _TS,
+        C("duration_ns", "INTEGER", False, "ns", "Entry to return of the call."),
+        C("api", "TEXT", False, "", "The NCCL function.", NCCL_COMM_APIS),
+        C("comm_id_hash", "TEXT", True, "", "Identity of the communicator (see nccl_events)."),
+        C("parent_hash", "TEXT", True, "", "ncclCommSplit: the parent's comm_id_hash."),
+        C("split_color", "INTEGER", True, "", "ncclCommSplit color."),
+        C("split_key", "INTEGER", True, "", "ncclCommSplit key."),
+        C("rank", "INTEGER", True, "", "Rank of the caller."),
+        C("nranks", "INTEGER", True, "", "Communicator size."),
+        C("comm_handle", "INTEGER", True, "", "ncclComm_t pointer value in the process."),
+        C("return_code", "INTEGER", True, "", "ncclResult_t returned."),
+        _PID, _TID,
+    )),
+    Table("cuda_events", "CUDA runtime and driver API calls kept one by one "
+          "(synchronizations, copies, allocations, graph launches, sampled launches).", (
+        _id(), _TS,
+        C("duration_ns", "INTEGER", True, "ns", "Entry to return; NULL for entry-only probes."),
+        C("api", "TEXT", False, "", "Function name, e.g. cudaStreamSynchronize, cuMemcpyHtoD_v2."),
+        C("layer", "TEXT", False, "", "runtime (libcudart) or driver (libcuda).",
+          ("runtime", "driver")),
+        C("stream", "INTEGER", True, "", "Stream handle argument, when the call has one."),
+        C("bytes", "INTEGER", True, "bytes", "Size argument of copies and allocations."),
+        C("memcpy_kind", "TEXT", True, "", "cudaMemcpyKind of copies.", MEMCPY_KINDS),
+        C("kernel", "TEXT", True, "", "Kernel launched (symbolized host stub), when known."),
+        C("device", "INTEGER", True, "", "CUDA device ordinal, when known."),
+        C("return_code", "INTEGER", True, "", "cudaError_t / CUresult returned."),
+        _PID, _TID, _STACK,
+    ), indexes=(("pid", "tid", "timestamp_ns"),)),
+    Table("event_stats", "In-kernel aggregates for calls too frequent to keep one by one "
+          "(cudaLaunchKernel, sched spans under the threshold): one row per interval and key.", (
+        _id(),
+        C("interval_start_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Start of the interval."),
+        C("interval_end_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "End of the interval."),
+        C("source", "TEXT", False, "", "Probe family.", STAT_SOURCES),
+        C("name", "TEXT", False, "", "API name (cuda, nccl) or span kind (sched, block)."),
+        C("pid", "INTEGER", True, "", "Process, or NULL if aggregated over processes."),
+        C("tid", "INTEGER", True, "", "Thread, or NULL if aggregated over threads."),
+        C("stack_id", "INTEGER", True, "", "Stack, or NULL if aggregated over stacks."),
+        C("count", "INTEGER", False, "calls", "Number of calls or spans."),
+        C("total_ns", "INTEGER", True, "ns", "Sum of durations; NULL for entry-only counts."),
+        C("max_ns", "INTEGER", True, "ns", "Longest duration."),
+        C("hist_log2", "TEXT", True, "", "JSON array: element i counts durations in "
+          "[2^i, 2^(i+1)) ns; trailing zeros omitted."),
+    )),
+    Table("tcp_events", "TCP retransmits (and optional tcp_probe samples) seen by the kernel.", (
+        _id(), _TS,
+        C("event", "TEXT", False, "", "Tracepoint name.", TCP_EVENTS),
+        C("family", "INTEGER", False, "", "4 or 6."),
+        C("saddr", "TEXT", False, "", "Source address as text (IPv4 dotted quad, IPv6 RFC 5952)."),
+        C("daddr", "TEXT", False, "", "Destination address as text."),
+        C("sport", "INTEGER", False, "", "Source port."),
+        C("dport", "INTEGER", False, "", "Destination port."),
+        C("state", "TEXT", True, "", "TCP state name without the TCP_ prefix, e.g. ESTABLISHED."),
+        C("pid", "INTEGER", True, "", "Task current when the tracepoint fired. Unreliable "
+          "(softirq context); use owner_pid for attribution."),
+        C("netns", "INTEGER", True, "", "Network namespace inode of the socket, when known."),
+        C("owner_pid", "INTEGER", True, "", "Traced process owning the connection (4-tuple "
+          "found in its namespace's connection table); NULL for background traffic."),
+        C("scope", "TEXT", False, "", "job: a connection of a traced process; background: "
+          "anything else on the node (other jobs, ssh, containers).", TCP_SCOPES),
+        C("srtt_us", "INTEGER", True, "us", "Smoothed RTT (tcp_probe rows)."),
+        C("snd_cwnd", "INTEGER", True, "segments", "Congestion window (tcp_probe rows)."),
+    ), indexes=(("timestamp_ns",),)),
+    Table("sched_events", "Scheduler spans of traced threads above the capture threshold.", (
+        _id(),
+        C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",
+          "Span start: wakeup (runq_delay) or switch-out (off_cpu)."),
+        C("duration_ns", "INTEGER", False, "ns", "Span length."),
+        C("kind", "TEXT", False, "", "runq_delay: runnable but waiting for a CPU; "
+          "off_cpu: switched out until switched in again.", SCHED_KINDS),
+        _PID, _TID,
+        C("comm", "TEXT", True, "", "Thread name of the traced thread."),
+        C("cpu", "INTEGER", True, "", "CPU the span ended on."),
+        C("prev_state", "TEXT", True, "", "off_cpu: state at switch-out (R = preempted, "
+          "S = sleeping, D = uninterruptible)."),
+        C("other_pid", "INTEGER", True, "", "Process that held the CPU (runq_delay: the task "
+          "switched out when this thread got the CPU)."),
+        C("other_tid", "INTEGER", True, "", "Thread that held the CPU."),
+        C("other_comm", "TEXT", True, "", "Name of the thread that held the CPU."),
+    ), indexes=(("timestamp_ns",),)),
+    Table("block_events", "Block I/O requests, issue to completion.", (
+        _id(),
+        C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Issue to the device driver."),
+        C("duration_ns", "INTEGER", False, "ns", "Issue to completion."),
+        C("device", "TEXT", False, "", "Disk name (e.g. nvme0n1) or MAJOR:MINOR when unnamed."),
+        C("sector", "INTEGER", True, "512-byte sectors", "Start sector."),
+        C("bytes", "INTEGER", False, "bytes", "Request size."),
+        C("op", "TEXT", False, "", "Direction.", BLOCK_OPS),
+        C("rwbs", "TEXT", True, "", "Kernel rwbs flags string, e.g. WS."),
+        C("pid", "INTEGER", True, "", "Issuing process when known (not for writeback)."),
+        C("tid", "INTEGER", True, "", "Issuing thread when known."),
+        C("comm", "TEXT", True, "", "Issuing thread name when known."),
+        C("error", "INTEGER", True, "", "Completion error (0 = success)."),
+    ), indexes=(("timestamp_ns",),)),
+    Table("host_samples", "Host and GPU counters in long form: one row per sample, metric "
+          "and device. Metric names are listed in the spec; readers ignore unknown metrics.", (
+        _id(), C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Sample time."),
+        C("metric", "TEXT", False, "", "Metric name, unit in the suffix (see the catalogue)."),
+        C("device", "TEXT", True, "", "CPU (cpu3), disk, NIC or GPU index; NULL = whole node."),
+        C("value", "REAL", False, "per metric", "Value in the metric's unit."),
+    ), indexes=(("metric", "timestamp_ns"),)),
+    Table("clock_samples", "Clock readings that map this node's CLOCK_MONOTONIC to UTC.", (
+        _id(),
+        C("source", "TEXT", False, "", "system: clock_gettime bracket + adjtimex; chrony: "
+          "chronyd tracking; ptp: a PTP hardware clock read.", CLOCK_SOURCES),
+        C("mono_before_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Monotonic read before."),
+        C("mono_after_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Monotonic read after."),
+        C("realtime_ns", "INTEGER", True, "ns since 1970 UTC", "CLOCK_REALTIME read inside the "
+          "bracket (system, chrony, ptp rows)."),
+        C("boottime_ns", "INTEGER", True, "ns", "CLOCK_BOOTTIME read inside the bracket."),
+        C("tai_ns", "INTEGER", True, "ns", "CLOCK_TAI read inside the bracket."),
+        C("uncertainty_ns", "INTEGER", False, "ns", "Read uncertainty: the bracket width."),
+        C("synchronized", "INTEGER", True, "", "1 if the kernel says the clock is synchronized "
+          "(adjtimex STA_UNSYNC clear and state != TIME_ERROR), else 0."),
+        C("adj_offset_ns", "INTEGER", True, "ns", "adjtimex offset (remaining correction)."),
+        C("adj_freq_ppb", "REAL", True, "ppb", "adjtimex frequency correction."),
+        C("adj_maxerror_ns", "INTEGER", True, "ns", "adjtimex maxerror (claimed worst-case error)."),
+        C("adj_esterror_ns", "INTEGER", True, "ns", "adjtimex esterror (estimated error)."),
+        C("adj_status", "INTEGER", True, "", "adjtimex status bits (STA_*)."),
+        C("adj_tai_s", "INTEGER", True, "s", "TAI - UTC offset the kernel knows."),
+        C("ref_offset_ns", "INTEGER", True, "ns", "chrony: system time minus reference time "
+          "(positive = system clock ahead); ptp: PHC minus CLOCK_REALTIME."),
+        C("root_delay_ns", "INTEGER", True, "ns", "chrony root delay."),
+        C("root_dispersion_ns", "INTEGER", True, "ns", "chrony root dispersion."),
+        C("leap_status", "TEXT", True, "", "chrony leap status (Normal, Insert second, ...)."),
+        C("device", "TEXT", True, "", "ptp: /dev/ptpN; chrony: reference id."),
+    )),
+    Table("processes", "Traced processes with their rank environment (allow-listed names only).", (
+        _id(), _PID,
+        C("start_boottime_ns", "INTEGER", True, "ns since boot",
+          "Process start (/proc/PID/stat starttime); with pid it names the process uniquely."),
+        C("comm", "TEXT", True, "", "Process name."),
+        C("exe", "TEXT", True, "", "Executable path."),
+        C("cmdline", "TEXT", True, "", "Command line as a JSON array of strings."),
+        C("rank", "INTEGER", True, "", "Global rank (RANK, OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID)."),
+        C("local_rank", "INTEGER", True, "", "Local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID)."),
+        C("world_size", "INTEGER", True, "", "WORLD_SIZE."),
+        C("local_world_size", "INTEGER", True, "", "LOCAL_WORLD_SIZE."),
+        C("node_rank", "INTEGER", True, "", "GROUP_RANK, NODE_RANK or SLURM_NODEID."),
+        C("job_id", "TEXT", True, "", "TORCHELASTIC_RUN_ID or SLURM_JOB_ID."),
+        C("env", "TEXT", False, "", "JSON object of the allow-listed environment variables found."),
+        C("first_seen_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "First seen by the capture."),
+        C("last_seen_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Last seen alive."),
+        C("exit_ns", "INTEGER", True, "ns, CLOCK_MONOTONIC", "Exit time when seen."),
+    )),
+    Table("threads", "Threads of traced processes.", (
+        _id(), _PID, _TID,
+        C("comm", "TEXT", True, "", "Thread name."),
+        C("first_seen_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "First seen."),
+        C("last_seen_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Last seen."),
+    )),
+    Table("stacks", "Symbolized user stacks, stored once per distinct stack within the bundle.", (
+        C("stack_id", "INTEGER", False, "", "Stack id, unique within this bundle (rowid)."),
+        C("frames", "TEXT", False, "", "JSON array of frame objects, innermost first "
+          "(see the spec for the frame keys)."),
+    )),
+    Table("capture_log", "What the capture did: sources on/off with reasons, lost events, "
+          "warnings, evictions.", (
+        _id(), _TS,
+        C("level", "TEXT", False, "", "Severity.", LOG_LEVELS),
+        C("source", "TEXT", False, "", "capture, clock, host, nccl, cuda, tcp, sched, block, ..."),
+        C("event", "TEXT", False, "", "source_on, source_off, lost_events, warning, eviction, "
+          "recovered_spool, ..."),
+        C("message", "TEXT", False, "", "Human-readable text, with the fix when there is one."),
+        C("count", "INTEGER", True, "", "Count for lost_events and similar."),
+    )),
+)
+
+TABLES_BY_NAME = {t.name: t for t in TABLES}
+
+#: host_samples metrics: (name, unit, meaning). Rates are computed by the sampler over the
+#: interval since its previous sample (the first sample of a rate has no row). Readers must
+#: ignore metrics they do not know; new metrics may appear within format version 1.
+HOST_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("cpu.busy_pct", "%", "Non-idle CPU time share over the interval (user, nice, system, irq, "
+     "softirq, steal); device NULL = all CPUs, cpuN = one CPU."),
+    ("cpu.iowait_pct", "%", "iowait share over the interval; device as cpu.busy_pct."),
+    ("load.avg1", "tasks", "1-minute load average (/proc/loadavg)."),
+    ("load.runnable", "tasks", "Runnable tasks (procs_running in /proc/stat)."),
+    ("psi.cpu.some_pct", "%", "Share of the interval with some tasks stalled on CPU (PSI)."),
+    ("psi.io.some_pct", "%", "Share of the interval with some tasks stalled on I/O."),
+    ("psi.io.full_pct", "%", "Share of the interval with all non-idle tasks stalled on I/O."),
+    ("psi.memory.some_pct", "%", "Share of the interval with some tasks stalled on memory."),
+    ("psi.memory.full_pct", "%", "Share of the interval with all non-idle tasks stalled on memory."),
+    ("mem.total_bytes", "bytes", "MemTotal."),
+    ("mem.available_bytes", "bytes", "MemAvailable."),
+    ("mem.dirty_bytes", "bytes", "Dirty page cache."),
+    ("mem.swap_used_bytes", "bytes", "SwapTotal - SwapFree."),
+    ("vm.pgmajfault_per_s", "1/s", "Major page faults per second (/proc/vmstat pgmajfault)."),
+    ("vm.pgscan_per_s", "pages/s", "Pages scanned for reclaim (kswapd + direct)."),
+    ("vm.pgsteal_per_s", "pages/s", "Pages reclaimed (kswapd + direct)."),
+    ("vm.allocstall_per_s", "1/s", "Direct reclaim stalls per second."),
+    ("tcp.retrans_segs_per_s", "segments/s", "TCP RetransSegs rate (/proc/net/snmp)."),
+    ("tcp.out_segs_per_s", "segments/s", "TCP OutSegs rate."),
+    ("net.rx_bytes_per_s", "bytes/s", "Received bytes; device = interface."),
+    ("net.tx_bytes_per_s", "bytes/s", "Transmitted bytes; device = interface."),
+    ("net.drops_per_s", "packets/s", "rx + tx drops; device = interface."),
+    ("disk.read_bytes_per_s", "bytes/s", "Bytes read; device = disk (/proc/diskstats)."),
+    ("disk.write_bytes_per_s", "bytes/s", "Bytes written; device = disk."),
+    ("disk.busy_pct", "%", "Share of the interval with I/O in flight (io_ticks); device = disk."),
+    ("disk.await_ms", "ms", "Mean request latency over the interval; device = disk."),
+    ("gpu.util_pct", "%", "NVML GPU utilization; device = GPU index."),
+    ("gpu.mem_util_pct", "%", "NVML memory controller utilization."),
+    ("gpu.mem_used_bytes", "bytes", "GPU memory used."),
+    ("gpu.sm_clock_mhz", "MHz", "Current SM clock."),
+    ("gpu.max_sm_clock_mhz", "MHz", "Maximum SM clock."),
+    ("gpu.temp_c", "degC", "GPU temperature."),
+    ("gpu.power_w", "W", "Power draw."),
+    ("gpu.throttle_reasons", "bitmask", "nvmlClocksThrottleReasons bitmask (0 = none)."),
+    ("gpu.pcie_rx_bytes_per_s", "bytes/s", "PCIe receive throughput."),
+    ("gpu.pcie_tx_bytes_per_s", "bytes/s", "PCIe transmit throughput."),
+)
+#: Tables whose rows carry a timestamp_ns in CLOCK_MONOTONIC (events, in the broad sense).
+EVENT_TABLES = ("nccl_events", "nccl_comm_events", "cuda_events", "tcp_events",
+                "sched_events", "block_events")
+#: Tables whose row counts the manifest carries (all but meta).
+MANIFEST_TABLES = tuple(t.name for t in TABLES if t.name != "meta")
+#: Keys the meta table must hold (see the spec).
+META_KEYS = ("format_version", "node", "host", "segment", "capture_start")
+
+
+def _column_ddl(table: Table, col: Column) -> str:
+    if col is table.columns[0] and col.name in ("id", "stack_id"):
+        return f"{col.name} INTEGER PRIMARY KEY"
+    parts = [col.name, col.type]
+    if not col.nullable:
+        parts.append("NOT NULL")
+    # Enumerated values are documented, not CHECKed: CHECK (x IN (...)) costs the writer
+    # two thirds of its insert rate, and the merge validates enums on untrusted input.
+    return " ".join(parts)
+
+
+def table_ddl(table: Table) -> str:
+    if table.name == "meta":
+        return "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+    cols = ",\n  ".join(_column_ddl(table, c) for c in table.columns)
+    return f"CREATE TABLE {table.name} (\n  {cols}\n)"
+
+
+def bundle_ddl(with_indexes: bool = False) -> list[str]:
+    """Statements that create an empty format-1 bundle database.
+
+    Indexes are optional in a bundle (the spec allows them, the reader ignores them);
+    the writer leaves them out so the live segment stays cheap to append to.
+    """
+    stmts = [f"PRAGMA application_id = {APPLICATION_ID}",
+             f"PRAGMA user_version = {FORMAT_VERSION}"]
+    stmts += [table_ddl(t) for t in TABLES]
+    if with_indexes:
+        for t in TABLES:
+            for cols in t.indexes:
+                stmts.append(f"CREATE INDEX {t.name}_{'_'.join(cols)} ON {t.name}({', '.join(cols)})")
+    return stmts
+
+
+def insert_sql(table: str, columns: tuple[str, ...] | None = None) -> str:
+    t = TABLES_BY_NAME[table]
+    cols = columns or t.data_columns
+    return f"INSERT INTO {t.name} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"

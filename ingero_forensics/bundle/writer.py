@@ -1,0 +1,225 @@
+"""BundleWriter: append rows to a live segment (SQLite in WAL mode) and seal it.
+
+Rows are buffered per table and written in one transaction per batch with prepared
+statements (``executemany``). A crash loses at most the open batch: everything committed
+is in the WAL and survives; ``seal_spool`` turns a crashed segment into a bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import apsw
+
+from .. import __version__
+from ..db import connect_writable
+from ..errors import DiskFullError, IngeroError
+from .container import bundle_filename, validate_node_name, write_bundle
+from .schema import (EVENT_TABLES, FORMAT_VERSION, MANIFEST_TABLES, TABLES, TABLES_BY_NAME,
+                     bundle_ddl, insert_sql)
+from .container import MANIFEST_MAGIC
+
+
+def now_pair() -> tuple[int, int]:
+    """(UTC ns, CLOCK_MONOTONIC ns) read back to back."""
+    return time.clock_gettime_ns(time.CLOCK_REALTIME), time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def canonical_frames(frames) -> str:
+    return json.dumps(frames, sort_keys=True, separators=(",", ":"))
+
+
+class BundleWriter:
+    """Write one segment. Not thread-safe: one writer thread owns it.
+
+    ``host`` holds hostname, boot_id, kernel_release, machine; tool_version is added.
+    ``capture_start`` is (utc_ns, mono_ns); default now.
+    """
+
+    def __init__(self, spool_path, *, node: str, host: dict,
+                 capture_start: tuple[int, int] | None = None, segment_index: int = 0,
+                 batch_rows: int = 200_000, extra_meta: dict | None = None):
+        self.spool_path = Path(spool_path)
+        self.node = validate_node_name(node)
+        if self.spool_path.exists():
+            raise IngeroError(f"{self.spool_path}: live segment already exists "
+                              "(seal it with seal_spool first)")
+        self.batch_rows = batch_rows
+        self.capture_start = capture_start or now_pair()
+        self.segment_index = segment_index
+        self._buf: dict[str, list] = {t.name: [] for t in TABLES if t.name != "meta"}
+        self._sql = {name: insert_sql(name) for name in self._buf}
+        self._sql["stacks"] = "INSERT INTO stacks (stack_id, frames) VALUES (?, ?)"
+        self._pending = 0
+        self._stacks: dict[str, int] = {}
+        self.rows = {name: 0 for name in self._buf}
+        self.con = connect_writable(self.spool_path, wal=True)
+        host = dict(host, tool_version=host.get("tool_version", __version__))
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "node": node,
+            "host": host,
+            "segment": {"index": segment_index, "id": uuid.uuid4().hex},
+            "capture_start": {"utc_ns": self.capture_start[0], "mono_ns": self.capture_start[1]},
+        }
+        meta.update(extra_meta or {})
+        try:
+            with self.con:
+                for stmt in bundle_ddl():
+                    self.con.execute(stmt)
+                self.con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)",
+                                     [(k, json.dumps(v)) for k, v in meta.items()])
+        except apsw.FullError:
+            raise DiskFullError(f"{self.spool_path}: file system full") from None
+
+    # -- rows ---------------------------------------------------------------------
+    def add(self, table: str, row: tuple) -> None:
+        """Buffer one row: a tuple in the order of schema data_columns(table)."""
+        self._buf[table].append(row)
+        self._pending += 1
+        if self._pending >= self.batch_rows:
+            self.flush()
+
+    def add_many(self, table: str, rows) -> None:
+        buf = self._buf[table]
+        n = len(buf)
+        buf.extend(rows)
+        self._pending += len(buf) - n
+        if self._pending >= self.batch_rows:
+            self.flush()
+
+    def add_stack(self, frames: list[dict]) -> int:
+        """Store a symbolized stack once per segment; return its stack_id."""
+        key = canonical_frames(frames)
+        sid = self._stacks.get(key)
+        if sid is None:
+            sid = self._stacks[key] = len(self._stacks) + 1
+            self._buf["stacks"].append((sid, key))
+            self._pending += 1
+        return sid
+
+    def log(self, level: str, source: str, event: str, message: str,
+            count: int | None = None, timestamp_ns: int | None = None) -> None:
+        ts = time.clock_gettime_ns(time.CLOCK_MONOTONIC) if timestamp_ns is None else timestamp_ns
+        self.add("capture_log", (ts, level, source, event, message, count))
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def flush(self) -> int:
+        """Commit the open batch in one transaction; return the rows written."""
+        if not self._pending:
+            return 0
+        n = 0
+        try:
+            with self.con:
+                for name, rows in self._buf.items():
+                    if rows:
+                        self.con.executemany(self._sql[name], rows)
+                        self.rows[name] += len(rows)
+                        n += len(rows)
+        except apsw.FullError:
+            raise DiskFullError(f"{self.spool_path}: file system full") from None
+        for rows in self._buf.values():
+            rows.clear()
+        self._pending = 0
+        return n
+
+    def size_bytes(self) -> int:
+        """Bytes the live segment occupies (database + WAL)."""
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.stat(f"{self.spool_path}{suffix}").st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    # -- sealing --------------------------------------------------------------------
+    def seal(self, out_dir, *, capture_end: tuple[int, int] | None = None,
+             level: int = 3) -> Path:
+        """Flush, close and seal into out_dir; the spool files are removed. Returns the path."""
+        self.flush()
+        end = capture_end or now_pair()
+        with self.con:
+            self.con.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('capture_end', ?)",
+                             (json.dumps({"utc_ns": end[0], "mono_ns": end[1]}),))
+        self.con.close()
+        return seal_spool(self.spool_path, out_dir, level=level)
+
+    def abort(self) -> None:
+        """Close without sealing (the spool stays for recovery)."""
+        try:
+            self.flush()
+        finally:
+            self.con.close()
+
+
+def _meta(con) -> dict:
+    return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+
+
+def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) -> Path:
+    """Seal a live or crashed segment database into ``out_dir/<name>.bundle``.
+
+    Works on a database left by a killed writer: SQLite replays its WAL on open, the
+    capture end is taken from the newest row when the writer did not record one.
+    """
+    spool_path, out_dir = Path(spool_path), Path(out_dir)
+    con = connect_writable(spool_path, wal=True)
+    try:
+        meta = _meta(con)
+        counts = {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in MANIFEST_TABLES}
+        start = meta["capture_start"]
+        end = meta.get("capture_end")
+        if end is None:
+            recovered = True
+            last = start["mono_ns"]
+            for t in EVENT_TABLES + ("host_samples", "capture_log"):
+                v = con.execute(f"SELECT MAX(timestamp_ns) FROM {t}").fetchone()[0]
+                if v is not None:
+                    last = max(last, v)
+            v = con.execute("SELECT MAX(mono_after_ns) FROM clock_samples").fetchone()[0]
+            last = max(last, v or last)
+            end = {"mono_ns": last, "utc_ns": start["utc_ns"] + (last - start["mono_ns"])}
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        con.execute("PRAGMA journal_mode = DELETE")
+    finally:
+        con.close()
+    seg = dict(meta["segment"], recovered=recovered,
+               sealed_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    manifest = {
+        "magic": MANIFEST_MAGIC,
+        "format_version": FORMAT_VERSION,
+        "node": meta["node"],
+        "host": meta["host"],
+        "segment": seg,
+        "capture": {"start_utc_ns": start["utc_ns"], "end_utc_ns": end["utc_ns"],
+                    "start_mono_ns": start["mono_ns"], "end_mono_ns": end["mono_ns"]},
+        "tables": counts,
+        "created_by": f"ingero-forensics {__version__}",
+    }
+    for key in ("job_ids",):
+        if key in meta:
+            manifest[key] = meta[key]
+    out = Path(out_dir) / bundle_filename(meta["node"], start["utc_ns"], seg["index"])
+    try:
+        write_bundle(spool_path, out, manifest, level=level)
+    except OSError as e:
+        if e.errno == 28:
+            raise DiskFullError(f"{out}: file system full while sealing") from None
+        raise
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        try:
+            os.unlink(f"{spool_path}{suffix}")
+        except FileNotFoundError:
+            pass
+    return out
+
+
+__all__ = ["BundleWriter", "seal_spool", "now_pair", "canonical_frames", "TABLES_BY_NAME"]
