@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs on Debian 12 and run it.
+# Runs as root (CI does) or through sudo. The eBPF tests need root: as root they run,
+# and under CI (CI=true) a skipped eBPF test fails the run instead of passing quietly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+
+apt_pkgs=(python3 python3-venv python3-pip gcc make libc6-dev
+          bpfcc-tools python3-bpfcc linux-headers-amd64
+          zstd sqlite3 strace iproute2 util-linux procps chromium)
+missing=()
+for p in "${apt_pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# Matching headers when the distribution has them; otherwise setup-ebpf.sh links the
+# generic ones (enough for tracepoint and uprobe programs).
+$SUDO apt-get install -y -qq "linux-headers-$(uname -r)" >/dev/null 2>&1 || true
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[test]' nvidia-nccl-cu12 nvidia-cuda-runtime-cu12
+
+$SUDO bash scripts/setup-ebpf.sh
+
+export INGERO_REQUIRE_EBPF=${INGERO_REQUIRE_EBPF:-${CI:+1}}
+exec .venv/bin/python -m pytest -ra "$@"
