@@ -1,0 +1,279 @@
+"""Read-only SQL over fleet.db or a bundle: the library behind ``ingero-query``.
+
+Three independent locks keep a query from changing anything:
+
+1. the database is opened with SQLITE_OPEN_READONLY (and hardened: no triggers, views,
+   extensions or trusted schema, see ``db.harden``); a bundle is opened through
+   ``bundle.open_bundle``, which verifies it first and queries a private temporary image;
+2. before running, the statement is prepared and SQLite itself says whether it writes
+   (``sqlite3_stmt_readonly`` via ``apsw.ext.query_info``); one that does is refused;
+3. while running, an authorizer allows only reading actions (SELECT, reads, functions,
+   recursive CTEs and a few informational PRAGMAs), so ATTACH, PRAGMA assignments and
+   transactions, which SQLite counts as read-only, are refused too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import apsw
+import apsw.ext
+
+from ..bundle.container import SKIPPABLE_MAGIC, SQLITE_MAGIC
+from ..bundle.reader import open_bundle
+from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
+from ..db import connect_readonly
+from ..errors import IngeroError
+
+#: PRAGMAs that only report (called without a value).
+READ_PRAGMAS = frozenset({
+    "table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+    "foreign_key_list", "user_version", "application_id", "page_count", "page_size",
+    "freelist_count", "schema_version", "encoding", "compile_options", "function_list",
+    "pragma_list", "collation_list", "database_list",
+})
+_ALLOWED_ACTIONS = frozenset({
+    apsw.SQLITE_SELECT, apsw.SQLITE_READ, apsw.SQLITE_FUNCTION, apsw.SQLITE_RECURSIVE,
+})
+
+
+class QueryRefused(IngeroError):
+    """The statement would write or change the connection; nothing was run."""
+
+
+@dataclass
+class OpenedDatabase:
+    path: Path
+    kind: str            # "bundle" or "sqlite"
+    con: apsw.Connection
+    node: str | None = None
+
+
+def detect_kind(path: Path) -> str:
+    """'bundle' or 'sqlite' from the first bytes; IngeroError for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except FileNotFoundError:
+        raise IngeroError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise IngeroError(f"{path}: is a directory, not a fleet.db or bundle") from None
+    except OSError as e:
+        raise IngeroError(f"{path}: cannot read: {e.strerror or e}") from None
+    if head == SQLITE_MAGIC:
+        return "sqlite"
+    if len(head) >= 4 and struct.unpack("<I", head[:4])[0] == SKIPPABLE_MAGIC:
+        return "bundle"
+    raise IngeroError(f"{path}: neither a SQLite database (fleet.db) nor an ingero bundle")
+
+
+@contextlib.contextmanager
+def open_database(path, *, tmpdir=None) -> Iterator[OpenedDatabase]:
+    """Open fleet.db (or any SQLite file) or a verified bundle, read-only."""
+    path = Path(path)
+    kind = detect_kind(path)
+    if kind == "bundle":
+        bundle = open_bundle(path, tmpdir=tmpdir)
+        try:
+            yield OpenedDatabase(path, kind, bundle.con, bundle.node)
+        finally:
+            bundle.close()
+        return
+    try:
+        con = connect_readonly(path)
+        con.execute("SELECT COUNT(*) FROM sqlite_schema").fetchall()
+    except apsw.Error as e:
+        raise IngeroError(f"{path}: cannot open database ({e})") from None
+    try:
+        yield OpenedDatabase(path, kind, con)
+    finally:
+        con.close()
+
+
+def _authorizer(action, p1, p2, dbname, trigger):
+    if action in _ALLOWED_ACTIONS:
+        return apsw.SQLITE_OK
+    if action == apsw.SQLITE_PRAGMA and (p1 or "").lower() in READ_PRAGMAS:
+        # table_info(x) passes x as p2; a bare read passes None. Assignments of the
+        # informational pragmas (user_version = 5) carry a value too, so refuse those.
+        if p2 is None or (p1 or "").lower() in ("table_info", "table_xinfo", "index_list",
+                                                "index_info", "index_xinfo",
+                                                "foreign_key_list", "table_list"):
+            return apsw.SQLITE_OK
+    return apsw.SQLITE_DENY
+
+
+def _describe(a) -> str:
+    name = a.action_name.removeprefix("SQLITE_")
+    target = (a.table_name or a.file_name or a.pragma_name or a.operation or a.view_name
+              or a.trigger_name or a.module_name or "")
+    return f"{name} {target}".strip()
+
+
+def check_readonly(con: apsw.Connection, sql: str, bindings=None) -> list[str]:
+    """Raise QueryRefused unless sql is exactly one statement that only reads.
+
+    Returns the statement's column names.
+    """
+    try:
+        info = apsw.ext.query_info(con, sql, bindings, actions=True)
+    except apsw.Error as e:
+        raise IngeroError(f"query failed: {_sql_error(e)}") from None
+    if not info.first_query.strip():
+        raise IngeroError("query is empty")
+    rest = info.query_remaining or ""
+    if rest.strip():
+        try:
+            # A trailing comment prepares to a statement with no columns and no actions.
+            nxt = apsw.ext.query_info(con, rest, actions=True)
+            more = bool(nxt.description or nxt.actions)
+        except apsw.Error:
+            more = True
+        if more:
+            raise QueryRefused("one statement per query: remove the text after the first ';'")
+    writes = [a for a in (info.actions or ())
+              if _authorizer(a.action, a.pragma_name, a.pragma_value, a.database_name, None)
+              != apsw.SQLITE_OK]
+    if not info.is_readonly or writes:
+        what = _describe(writes[0]) if writes else "the statement writes"
+        raise QueryRefused(f"statement refused: ingero-query only reads ({what})")
+    return [d[0] for d in (info.description or ())]
+
+
+def _sql_error(e: apsw.Error) -> str:
+    msg = str(e)
+    # apsw prefixes the class name ("SQLError: no such table: x"); keep SQLite's words.
+    return msg.split(": ", 1)[1] if ": " in msg and msg.split(": ", 1)[0].endswith("Error") \
+        else msg
+
+
+@dataclass
+class QueryResult:
+    columns: list[str]
+    rows: Iterator[tuple]
+
+
+def run_query(db: OpenedDatabase, sql: str, bindings=None) -> QueryResult:
+    """Check and start one read-only statement; rows stream from the returned iterator."""
+    columns = check_readonly(db.con, sql, bindings)
+    db.con.authorizer = _authorizer
+    cur = db.con.cursor()
+    try:
+        cur.execute(sql, bindings)
+    except apsw.AuthError:
+        raise QueryRefused("statement refused: ingero-query only reads") from None
+    except apsw.BindingsError as e:
+        raise IngeroError(f"query parameters: {e}") from None
+    except apsw.Error as e:
+        raise IngeroError(f"query failed: {_sql_error(e)}") from None
+
+    def rows():
+        try:
+            yield from cur
+        except apsw.Error as e:
+            raise IngeroError(f"query failed: {_sql_error(e)}") from None
+
+    return QueryResult(columns, rows())
+
+
+@dataclass
+class TableInfo:
+    name: str
+    rows: int
+    doc: str
+    columns: list[str]
+
+
+def fleet_table_docs() -> dict[str, str]:
+    """Table docs from the fleet.db catalogue when the merge package provides one."""
+    try:
+        from ..merge import fleet_schema  # noqa: PLC0415 (optional: lands with the merge)
+    except ImportError:
+        return {}
+    docs = {}
+    for t in getattr(fleet_schema, "TABLES", ()):
+        name, doc = getattr(t, "name", None), getattr(t, "doc", None)
+        if isinstance(name, str) and isinstance(doc, str):
+            docs[name] = doc
+    return docs
+
+
+def list_tables(db: OpenedDatabase) -> list[TableInfo]:
+    """Every table with its row count, columns and a line on what it holds."""
+    docs = {name: t.doc for name, t in BUNDLE_TABLES.items()}
+    if db.kind == "sqlite":
+        docs.update(fleet_table_docs())
+    out = []
+    names = [r[0] for r in db.con.execute(
+        "SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
+        "ORDER BY name")]
+    for name in names:
+        quoted = '"' + name.replace('"', '""') + '"'
+        n = db.con.execute(f"SELECT COUNT(*) FROM {quoted}").fetchone()[0]
+        cols = [r[1] for r in db.con.execute("SELECT * FROM pragma_table_info(?)", (name,))]
+        out.append(TableInfo(name, n, docs.get(name, "(not in the ingero catalogue)"), cols))
+    return out
+
+
+# ------------------------------------------------------------------------- output
+
+FORMATS = ("table", "csv", "json")
+
+
+def _text(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bytes):
+        return v.hex()
+    return str(v)
+
+
+def write_rows(result: QueryResult, fmt: str, out) -> int:
+    """Write result to the binary stream out as table, csv or json; return the row count.
+
+    csv and json stream row by row; table buffers to size its columns.
+    """
+    import csv
+    import io
+
+    import orjson
+
+    n = 0
+    if fmt == "json":
+        # One object per row, one row per line: streamable and still a JSON array.
+        out.write(b"[")
+        for row in result.rows:
+            obj = {c: (v.hex() if isinstance(v, bytes) else v)
+                   for c, v in zip(result.columns, row)}
+            out.write(b"\n" if n == 0 else b",\n")
+            out.write(orjson.dumps(obj))
+            n += 1
+        out.write(b"\n]\n" if n else b"]\n")
+        return n
+    if fmt == "csv":
+        text = io.TextIOWrapper(out, encoding="utf-8", newline="", write_through=True)
+        w = csv.writer(text, lineterminator="\n")
+        w.writerow(result.columns)
+        for row in result.rows:
+            w.writerow([_text(v) for v in row])
+            n += 1
+        text.flush()
+        text.detach()
+        return n
+    if fmt == "table":
+        rows = [[_text(v) for v in row] for row in result.rows]
+        n = len(rows)
+        widths = [len(c) for c in result.columns]
+        for row in rows:
+            for i, v in enumerate(row):
+                widths[i] = max(widths[i], len(v))
+        lines = ["  ".join(c.ljust(w) for c, w in zip(result.columns, widths)).rstrip(),
+                 "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+        out.write(("\n".join(lines) + "\n").encode())
+        return n
+    raise ValueError(f"unknown format {fmt!r}")

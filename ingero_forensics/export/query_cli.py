@@ -1,0 +1,70 @@
+"""ingero-query: read-only SQL on fleet.db or a bundle (thin layer over export.query)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import orjson
+
+from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
+from .query import FORMATS, list_tables, open_database, run_query, write_rows
+
+
+@click.command(name="ingero-query", epilog=EXIT_CODES_HELP)
+@click.argument("database", type=click.Path(dir_okay=False))
+@click.argument("sql", required=False)
+@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default="table",
+              show_default=True, help="Output format.")
+@click.option("--json", "json_", is_flag=True, help="Same as --format json (for scripts).")
+@click.option("-p", "--param", "params", nargs=2, multiple=True, metavar="NAME VALUE",
+              help="Bind :NAME in the query to VALUE (repeatable); VALUE stays text.")
+@click.option("--schema", is_flag=True,
+              help="List the tables with their row counts and what each holds.")
+@click.option("-q", "--quiet", is_flag=True, help="No row count on stderr.")
+@version_option("ingero-query")
+@handle_errors
+def main(database, sql, fmt, json_, params, schema, quiet):
+    """Run one read-only SQL statement on DATABASE: a fleet.db or a .bundle.
+
+    Table names are the same in bundles and fleet.db. A bundle is verified and opened
+    read-only (its database is decompressed to a private temporary file). A statement
+    that would write (INSERT, UPDATE, DELETE, CREATE, DROP, ATTACH, PRAGMA assignments,
+    transactions, more than one statement) is refused and nothing runs.
+
+    Rows go to stdout; with the table format the row count goes to stderr.
+
+    \b
+    Example:
+      ingero-query fleet.db --schema
+      ingero-query fleet.db "SELECT node_id, op, COUNT(*) FROM nccl_events GROUP BY 1, 2"
+      ingero-query node-05+20250101T000000Z+000000.bundle \\
+          "SELECT * FROM capture_log WHERE level = :lvl" -p lvl warning --format csv
+    """
+    if json_:
+        fmt = "json"
+    if schema and sql:
+        raise click.UsageError("give either SQL or --schema, not both")
+    if not schema and not sql:
+        raise click.UsageError("missing SQL (or --schema)")
+    out = sys.stdout.buffer
+    with open_database(database) as db:
+        if schema:
+            tables = list_tables(db)
+            if fmt == "json":
+                echo_json([{"table": t.name, "rows": t.rows, "doc": t.doc,
+                            "columns": t.columns} for t in tables])
+            else:
+                width = max((len(t.name) for t in tables), default=0)
+                for t in tables:
+                    click.echo(f"{t.name.ljust(width)}  {t.rows:>10}  {t.doc}")
+            return
+        bindings = {name: value for name, value in params} if params else None
+        result = run_query(db, sql, bindings)
+        n = write_rows(result, fmt, out)
+        out.flush()
+    if fmt == "table" and not quiet:
+        click.echo(f"({n} row{'s' if n != 1 else ''})", err=True)
+
+
+__all__ = ["main", "orjson"]
