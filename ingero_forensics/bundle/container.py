@@ -92,22 +92,33 @@ def check_manifest(path, m) -> dict:
     except ValueError as e:
         raise BundleError(path, f"manifest: {e}") from None
     for key in _HOST_KEYS:
-        if not isinstance(m["host"].get(key), str):
-            raise BundleError(path, f"manifest field host.{key} missing or not a string")
+        if not isinstance(m["host"].get(key), str) or not m["host"][key]:
+            raise BundleError(path, f"manifest field host.{key} missing or not a non-empty string")
     for key in _CAPTURE_KEYS:
         if not _is_int(m["capture"].get(key)):
             raise BundleError(path, f"manifest field capture.{key} missing or not an integer")
-    if not _is_int(m["segment"].get("index")) or not isinstance(m["segment"].get("id"), str):
-        raise BundleError(path, "manifest field segment.index/segment.id missing")
+    cap = m["capture"]
+    if cap["end_mono_ns"] < cap["start_mono_ns"]:
+        raise BundleError(path, "manifest capture window ends before it starts")
+    seg = m["segment"]
+    if not _is_int(seg.get("index")) or seg["index"] < 0:
+        raise BundleError(path, "manifest field segment.index missing or negative")
+    if not isinstance(seg.get("id"), str) or not seg["id"]:
+        raise BundleError(path, "manifest field segment.id missing or not a string")
     db = m["database"]
     if not _is_int(db.get("size")) or db["size"] < 512:
         raise BundleError(path, "manifest field database.size missing or too small")
     sha = db.get("sha256")
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise BundleError(path, "manifest field database.sha256 missing or not 64 hex digits")
+    if db.get("compression", "zstd") != "zstd":
+        raise BundleError(path, f"unsupported database.compression {db['compression']!r}")
     for t in MANIFEST_TABLES:
         if not _is_int(m["tables"].get(t)) or m["tables"][t] < 0:
             raise BundleError(path, f"manifest field tables.{t} missing or not a count")
+    jobs = m.get("job_ids", [])
+    if not isinstance(jobs, list) or not all(isinstance(j, str) for j in jobs):
+        raise BundleError(path, "manifest field job_ids is not a list of strings")
     return m
 
 
@@ -143,10 +154,31 @@ def _read_header(path, f) -> tuple[dict, int]:
     if len(raw) < n:
         raise BundleError(path, "truncated inside the manifest")
     try:
-        m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        m = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys,
+                       parse_constant=_no_constant)
+    except _DuplicateKey as e:
+        raise BundleError(path, f"manifest has duplicate key {e.args[0]!r}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise BundleError(path, "manifest is not valid UTF-8 JSON") from None
     return check_manifest(path, m), 8 + n
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs):
+    # Two readers could otherwise disagree on which of two "node" values counts.
+    obj = {}
+    for k, v in pairs:
+        if k in obj:
+            raise _DuplicateKey(k)
+        obj[k] = v
+    return obj
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
 
 
 def encode_header(manifest: dict) -> bytes:
@@ -177,26 +209,44 @@ def fsync_dir(path) -> None:
 
 
 def write_bundle(db_path, out_path, manifest: dict, *, level: int = 3) -> Path:
-    """Seal a closed SQLite file into out_path atomically (temp file, fsync, rename).
+    """Seal a closed SQLite file into out_path atomically (temp file, fsync, link).
 
-    manifest gets its database.size and database.sha256 filled in here. On any error the
-    temporary file is removed and out_path is untouched.
+    manifest gets its database.size and database.sha256 filled in here. The image is
+    read once: it is hashed while it is compressed, and the header, written first with a
+    placeholder digest of the same length, is rewritten in place at the end. An existing
+    out_path is never replaced (FileExistsError). On any error the temporary file is
+    removed and out_path is untouched.
     """
     db_path, out_path = Path(db_path), Path(out_path)
-    size, sha = file_sha256(db_path)
+    size = os.stat(db_path).st_size
     manifest = dict(manifest)
-    manifest["database"] = {"size": size, "sha256": sha, "compression": "zstd"}
-    header = encode_header(manifest)
+    manifest["database"] = {"size": size, "sha256": "0" * 64, "compression": "zstd"}
+    placeholder = encode_header(manifest)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True,
                                     write_content_size=True, threads=-1)
+    h = hashlib.sha256()
+    got = 0
     try:
         with open(db_path, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(placeholder)
+            with cctx.stream_writer(dst, size=size, write_size=_CHUNK, closefd=False) as z:
+                while chunk := src.read(_CHUNK):
+                    got += len(chunk)
+                    h.update(chunk)
+                    z.write(chunk)
+            if got != size:
+                raise OSError(f"{db_path} changed size while it was sealed")
+            manifest["database"]["sha256"] = h.hexdigest()
+            header = encode_header(manifest)
+            assert len(header) == len(placeholder)
+            dst.seek(0)
             dst.write(header)
-            cctx.copy_stream(src, dst, size=size, read_size=_CHUNK, write_size=_CHUNK)
             dst.flush()
             os.fsync(dst.fileno())
-        os.replace(tmp, out_path)
+        # link, not rename: never replace a bundle that already has this name.
+        os.link(tmp, out_path)
+        tmp.unlink()
         fsync_dir(out_path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -205,17 +255,12 @@ def write_bundle(db_path, out_path, manifest: dict, *, level: int = 3) -> Path:
 
 
 def _frame_end(path, f, start: int, file_size: int) -> int:
-    """Walk the zstd frame's block headers; return the offset just past the frame."""
-    f.seek(start)
-    head = f.read(18)
-    try:
-        params = zstandard.get_frame_parameters(head)
-        hsize = zstandard.frame_header_size(head)
-    except zstandard.ZstdError as e:
-        raise BundleError(path, f"corrupt zstd frame header ({e})") from None
-    if not params.has_checksum:
-        raise BundleError(path, "zstd frame has no content checksum")
-    pos = start + hsize
+    """Walk the zstd frame's block headers; return the offset just past the frame.
+
+    zstd's streaming decoder does not notice a frame cut off inside its 4-byte checksum,
+    so the structure is walked before decompressing.
+    """
+    pos = start + frame_header_size(path, f, start)
     while True:
         f.seek(pos)
         bh = f.read(3)
@@ -229,16 +274,46 @@ def _frame_end(path, f, start: int, file_size: int) -> int:
         if pos > file_size:
             raise BundleError(path, "truncated inside the compressed database")
         if last:
-            return pos + 4  # content checksum
+            if pos + 4 > file_size:
+                raise BundleError(path, "truncated inside the zstd content checksum")
+            return pos + 4
+
+
+#: Largest zstd window a reader allocates (zstd's own default limit for decoders).
+MAX_WINDOW_BYTES = 1 << 27
+
+
+def frame_header_size(path, f, start: int) -> int:
+    """Check the zstd frame header at start; return its size."""
+    f.seek(start)
+    head = f.read(18)
+    try:
+        if len(head) < 6 or len(head) < zstandard.frame_header_size(head):
+            raise BundleError(path, "truncated inside the zstd frame header")
+        hsize = zstandard.frame_header_size(head)
+        params = zstandard.get_frame_parameters(head)
+    except zstandard.ZstdError as e:
+        raise BundleError(path, f"corrupt zstd frame header ({e})") from None
+    if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+        raise BundleError(path, "zstd frame does not declare its content size")
+    if not params.has_checksum:
+        raise BundleError(path, "zstd frame has no content checksum")
+    if params.dict_id:
+        raise BundleError(path, "zstd frame needs a dictionary (not allowed in a bundle)")
+    if params.window_size > MAX_WINDOW_BYTES:
+        raise BundleError(path, f"zstd window of {params.window_size} bytes exceeds the "
+                                f"limit of {MAX_WINDOW_BYTES}")
+    return hsize
 
 
 def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
     """Verify a bundle's container and stream its database image to out_path.
 
     Checks, in order: header and manifest; declared size against the limit and the free
-    space where out_path lives; the frame structure (checksum flag, no trailing bytes,
-    declared content size); then decompresses in bounded chunks, never past the declared
-    size, verifying zstd's checksum, the size and the sha256. Returns the manifest.
+    space where out_path lives; the frame structure (header, content size equal to the
+    manifest's, checksum flag, blocks, nothing trailing); then decompresses in bounded
+    chunks, never past the declared size, verifying zstd's checksum, the size and the
+    sha256. Returns the manifest.
     """
     path, out_path = Path(path), Path(out_path)
     limit = max_db_bytes() if limit is None else limit
@@ -261,8 +336,11 @@ def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
             if struct.unpack("<I", magic)[0] != ZSTD_MAGIC:
                 raise BundleError(path, "no zstd frame after the manifest")
             f.seek(frame_start)
-            fcs = zstandard.frame_content_size(f.read(18))
-            if fcs != want_size:
+            try:
+                fcs = zstandard.frame_content_size(f.read(18))
+            except zstandard.ZstdError:
+                fcs = None  # reported precisely by frame_header_size below
+            if fcs is not None and fcs >= 0 and fcs != want_size:
                 raise BundleError(path, f"manifest says {want_size} bytes but the zstd frame "
                                         f"declares {fcs}")
             end = _frame_end(path, f, frame_start, file_size)
@@ -279,7 +357,7 @@ def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
 def _stream_out(path, f, out_path, want_size: int, want_sha: str) -> None:
     h = hashlib.sha256()
     got = 0
-    dctx = zstandard.ZstdDecompressor(max_window_size=1 << 27)
+    dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
     try:
         with dctx.stream_reader(f, read_size=_CHUNK, read_across_frames=False) as r, \
                 open(out_path, "wb") as out:

@@ -19,7 +19,7 @@ import apsw
 from ..db import connect_untrusted
 from ..errors import BundleError
 from .container import SQLITE_MAGIC, decompress_db, read_manifest
-from .schema import APPLICATION_ID, MANIFEST_TABLES, TABLES
+from .schema import APPLICATION_ID, MANIFEST_TABLES, META_KEYS, TABLES
 
 
 class Bundle:
@@ -74,9 +74,17 @@ def open_bundle(path, *, tmpdir=None, limit: int | None = None,
 
 
 def verify_database(path, db_path, manifest: dict, *, integrity: str = "quick") -> apsw.Connection:
-    with open(db_path, "rb") as f:
-        if f.read(16) != SQLITE_MAGIC:
+    """Check a decompressed image (our own temporary copy) and open it read-only."""
+    with open(db_path, "r+b") as f:
+        head = f.read(100)
+        if head[:16] != SQLITE_MAGIC:
             raise BundleError(path, "database image is not SQLite")
+        if len(head) == 100 and head[18:20] == b"\x02\x02":
+            # An image sealed in WAL mode would make a read-only open look for a -wal
+            # file next to our temporary copy; its content is complete without one
+            # (the sha256 was verified), so mark the copy as rollback-journal mode.
+            f.seek(18)
+            f.write(b"\x01\x01")
     try:
         con = connect_untrusted(db_path)
     except apsw.Error as e:
@@ -107,11 +115,14 @@ def _verify(path, con, manifest, integrity):
         raise BundleError(path, f"database user_version {user_version} does not match the "
                                 f"manifest format_version {manifest['format_version']}")
     objects = {}
-    for typ, name, sql in con.execute("SELECT type, name, sql FROM sqlite_schema"):
+    for typ, name, rootpage, sql in con.execute(
+            "SELECT type, name, rootpage, sql FROM sqlite_schema"):
         if typ in ("trigger", "view"):
             raise BundleError(path, f"database contains a {typ} ({name}); bundles may not "
                                     "carry executable SQL")
-        if typ == "table" and sql and sql.lstrip().upper().startswith("CREATE VIRTUAL"):
+        # A virtual table has no b-tree (rootpage 0); its module would run on access.
+        if typ == "table" and (not rootpage or (
+                isinstance(sql, str) and sql.lstrip().upper().startswith("CREATE VIRTUAL"))):
             raise BundleError(path, f"database contains a virtual table ({name})")
         objects[name] = typ
     for t in TABLES:
@@ -119,21 +130,30 @@ def _verify(path, con, manifest, integrity):
             raise BundleError(path, f"table {t.name} is missing")
         cols = {}
         for row in con.execute(f"PRAGMA table_xinfo({t.name})"):
-            cols[row[1]] = row[6]  # hidden: 2/3 = generated column
-        missing = [c for c in t.column_names if c not in cols]
+            if row[6] in (2, 3):  # hidden: 2 = virtual, 3 = stored generated column
+                raise BundleError(path, f"table {t.name} has a generated column ({row[1]}); "
+                                        "bundles may not carry executable SQL")
+            cols[row[1]] = (row[2] or "").upper()
+        missing = [c.name for c in t.columns if c.required and c.name not in cols]
         if missing:
             raise BundleError(path, f"table {t.name} lacks column(s) {', '.join(missing)}")
-        if any(h in (2, 3) for h in cols.values()):
-            raise BundleError(path, f"table {t.name} has generated columns")
+        for c in t.columns:
+            if c.name in cols and cols[c.name] != c.type:
+                raise BundleError(path, f"column {t.name}.{c.name} is declared "
+                                        f"{cols[c.name] or 'without a type'}, not {c.type}")
     meta = {}
     for k, v in con.execute("SELECT key, value FROM meta"):
         try:
             meta[k] = json.loads(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             raise BundleError(path, f"meta value for {k!r} is not JSON") from None
-    if meta.get("node") != manifest["node"]:
-        raise BundleError(path, f"meta node {meta.get('node')!r} does not match the manifest "
-                                f"node {manifest['node']!r}")
+    for key in META_KEYS:
+        if key not in meta:
+            raise BundleError(path, f"meta key {key!r} is missing")
+    for key in ("format_version", "node"):
+        if meta[key] != manifest[key]:
+            raise BundleError(path, f"meta {key} {meta[key]!r} does not match the manifest "
+                                    f"{key} {manifest[key]!r}")
     for t in MANIFEST_TABLES:
         n = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
         if n != manifest["tables"][t]:

@@ -53,6 +53,9 @@ class Column:
     doc: str
     #: allowed values for TEXT enums (documented; validated by the merge)
     values: tuple[str, ...] | None = None
+    #: False only for columns added after 1.0 within format version 1: readers treat a
+    #: missing optional column as all NULL (see "Versioning" in the spec).
+    required: bool = True
 
 
 @dataclass(frozen=True)
@@ -335,13 +338,46 @@ HOST_METRICS: tuple[tuple[str, str, str], ...] = (
     ("gpu.pcie_rx_bytes_per_s", "bytes/s", "PCIe receive throughput."),
     ("gpu.pcie_tx_bytes_per_s", "bytes/s", "PCIe transmit throughput."),
 )
+#: Keys of the objects in stacks.frames: (key, JSON type, meaning). Every key is optional
+#: in a frame; readers ignore keys they do not know.
+STACK_FRAME_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("ip", "string", "Instruction address, \"0x\" + lowercase hex (for frames other than "
+     "the innermost: the return address)."),
+    ("module", "string", "Path of the mapped file that contains ip, as in /proc/PID/maps."),
+    ("module_offset", "string", "ip minus the module's load bias, \"0x\" + lowercase hex: "
+     "the same on every node that runs the same binary, usable for offline symbolization."),
+    ("build_id", "string", "GNU build-id of the module, lowercase hex."),
+    ("symbol", "string", "Function name, demangled."),
+    ("symbol_offset", "integer", "ip minus the start of the symbol, bytes."),
+    ("file", "string", "Source file, when debug information resolved it."),
+    ("line", "integer", "Source line in file."),
+    ("py_file", "string", "Python frame: the code object's file name."),
+    ("py_func", "string", "Python frame: the function's qualified name."),
+    ("py_line", "integer", "Python frame: the line number."),
+)
+
+#: Rows of the meta table: (key, JSON type, required, meaning). Values are JSON text.
+META_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
+    ("format_version", "integer", True, "Bundle format version; equals the manifest's."),
+    ("node", "string", True, "Node name; equals the manifest's."),
+    ("host", "object", True, "Host facts; same keys as manifest host."),
+    ("segment", "object", True, "{\"index\": integer, \"id\": string}; as in the manifest."),
+    ("capture_start", "object", True,
+     "{\"utc_ns\": integer, \"mono_ns\": integer}: start of the capture window."),
+    ("capture_end", "object", False,
+     "{\"utc_ns\": integer, \"mono_ns\": integer}: end of the window; written at seal "
+     "time, absent in a spool left by a crashed writer."),
+    ("job_ids", "array", False, "Job identifiers (strings) seen on the node; copied into the "
+     "manifest."),
+)
+
 #: Tables whose rows carry a timestamp_ns in CLOCK_MONOTONIC (events, in the broad sense).
 EVENT_TABLES = ("nccl_events", "nccl_comm_events", "cuda_events", "tcp_events",
                 "sched_events", "block_events")
 #: Tables whose row counts the manifest carries (all but meta).
 MANIFEST_TABLES = tuple(t.name for t in TABLES if t.name != "meta")
 #: Keys the meta table must hold (see the spec).
-META_KEYS = ("format_version", "node", "host", "segment", "capture_start")
+META_KEYS = tuple(k for k, _, required, _ in META_FIELDS if required)
 
 
 def _column_ddl(table: Table, col: Column) -> str:

@@ -7,6 +7,7 @@ is in the WAL and survives; ``seal_spool`` turns a crashed segment into a bundle
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -18,10 +19,9 @@ import apsw
 from .. import __version__
 from ..db import connect_writable
 from ..errors import DiskFullError, IngeroError
-from .container import bundle_filename, validate_node_name, write_bundle
-from .schema import (EVENT_TABLES, FORMAT_VERSION, MANIFEST_TABLES, TABLES, TABLES_BY_NAME,
-                     bundle_ddl, insert_sql)
-from .container import MANIFEST_MAGIC
+from .container import MANIFEST_MAGIC, bundle_filename, validate_node_name, write_bundle
+from .schema import (EVENT_TABLES, FORMAT_VERSION, MANIFEST_TABLES, META_FIELDS, META_KEYS,
+                     TABLES, TABLES_BY_NAME, bundle_ddl, insert_sql)
 
 
 def now_pair() -> tuple[int, int]:
@@ -30,14 +30,40 @@ def now_pair() -> tuple[int, int]:
 
 
 def canonical_frames(frames) -> str:
+    """The stacks.frames text of a frame list: sorted keys, no whitespace, so that equal
+    stacks are equal strings."""
     return json.dumps(frames, sort_keys=True, separators=(",", ":"))
+
+
+def local_host_facts() -> dict:
+    """hostname, boot_id, kernel_release and machine of the running system."""
+    u = os.uname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = "unknown"
+    return {"hostname": u.nodename, "boot_id": boot_id, "kernel_release": u.release,
+            "machine": u.machine}
+
+
+#: meta keys the writer owns; extra_meta may not replace them.
+_RESERVED_META = frozenset(k for k, *_ in META_FIELDS if k != "job_ids")
+#: What a bad row raises from apsw: NOT NULL (ConstraintError), wrong width
+#: (BindingsError), an unbindable value (TypeError) or an integer beyond 64 bits.
+_ROW_ERRORS = (apsw.ConstraintError, apsw.BindingsError, TypeError, OverflowError,
+               ValueError)
 
 
 class BundleWriter:
     """Write one segment. Not thread-safe: one writer thread owns it.
 
-    ``host`` holds hostname, boot_id, kernel_release, machine; tool_version is added.
-    ``capture_start`` is (utc_ns, mono_ns); default now.
+    ``host`` holds hostname, boot_id, kernel_release (required, non-empty strings) and
+    optionally machine; tool_version is added (``local_host_facts()`` reads them here).
+    ``capture_start`` is (utc_ns, mono_ns); default now. A row that the database refuses
+    (NULL in a NOT NULL column, wrong width, unbindable value) is dropped at flush and
+    counted in ``rejected`` and in a capture_log ``rejected_rows`` row; the rest of its
+    batch is kept.
     """
 
     def __init__(self, spool_path, *, node: str, host: dict,
@@ -45,6 +71,12 @@ class BundleWriter:
                  batch_rows: int = 200_000, extra_meta: dict | None = None):
         self.spool_path = Path(spool_path)
         self.node = validate_node_name(node)
+        for key in ("hostname", "boot_id", "kernel_release"):
+            if not isinstance(host.get(key), str) or not host[key]:
+                raise ValueError(f"host[{key!r}] must be a non-empty string")
+        clash = _RESERVED_META.intersection(extra_meta or ())
+        if clash:
+            raise ValueError(f"extra_meta may not set {', '.join(sorted(clash))}")
         if self.spool_path.exists():
             raise IngeroError(f"{self.spool_path}: live segment already exists "
                               "(seal it with seal_spool first)")
@@ -57,6 +89,7 @@ class BundleWriter:
         self._pending = 0
         self._stacks: dict[str, int] = {}
         self.rows = {name: 0 for name in self._buf}
+        self.rejected = {name: 0 for name in self._buf}
         self.con = connect_writable(self.spool_path, wal=True)
         host = dict(host, tool_version=host.get("tool_version", __version__))
         meta = {
@@ -79,13 +112,19 @@ class BundleWriter:
     # -- rows ---------------------------------------------------------------------
     def add(self, table: str, row: tuple) -> None:
         """Buffer one row: a tuple in the order of schema data_columns(table)."""
-        self._buf[table].append(row)
+        try:
+            self._buf[table].append(row)
+        except KeyError:
+            raise ValueError(f"no bundle table named {table!r}") from None
         self._pending += 1
         if self._pending >= self.batch_rows:
             self.flush()
 
     def add_many(self, table: str, rows) -> None:
-        buf = self._buf[table]
+        try:
+            buf = self._buf[table]
+        except KeyError:
+            raise ValueError(f"no bundle table named {table!r}") from None
         n = len(buf)
         buf.extend(rows)
         self._pending += len(buf) - n
@@ -115,20 +154,47 @@ class BundleWriter:
         """Commit the open batch in one transaction; return the rows written."""
         if not self._pending:
             return 0
-        n = 0
         try:
-            with self.con:
-                for name, rows in self._buf.items():
-                    if rows:
-                        self.con.executemany(self._sql[name], rows)
-                        self.rows[name] += len(rows)
-                        n += len(rows)
+            try:
+                with self.con:
+                    for name, rows in self._buf.items():
+                        if rows:
+                            self.con.executemany(self._sql[name], rows)
+                written = {name: len(rows) for name, rows in self._buf.items()}
+            except _ROW_ERRORS:
+                written = self._flush_row_by_row()
         except apsw.FullError:
+            # The batch stays buffered: a later flush may succeed once space is freed.
             raise DiskFullError(f"{self.spool_path}: file system full") from None
-        for rows in self._buf.values():
+        for name, rows in self._buf.items():
+            self.rows[name] += written.get(name, 0)
             rows.clear()
         self._pending = 0
-        return n
+        return sum(written.values())
+
+    def _flush_row_by_row(self) -> dict[str, int]:
+        """Slow path after a bad row: commit the good rows, count and log the bad ones."""
+        written: dict[str, int] = {}
+        bad: dict[str, tuple[int, str]] = {}
+        with self.con:
+            for name, rows in self._buf.items():
+                ok = 0
+                for row in rows:
+                    try:
+                        self.con.execute(self._sql[name], row)
+                        ok += 1
+                    except _ROW_ERRORS as e:
+                        n, first = bad.get(name, (0, f"{type(e).__name__}: {e}"))
+                        bad[name] = (n + 1, first)
+                written[name] = ok
+            for name, (n, first) in bad.items():
+                self.rejected[name] += n
+                self.con.execute(self._sql["capture_log"], (
+                    time.clock_gettime_ns(time.CLOCK_MONOTONIC), "error", "capture",
+                    "rejected_rows", f"{n} {name} row(s) refused by the database; "
+                    f"first: {first[:300]}", n))
+                written["capture_log"] = written.get("capture_log", 0) + 1
+        return written
 
     def size_bytes(self) -> int:
         """Bytes the live segment occupies (database + WAL)."""
@@ -171,9 +237,18 @@ def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) 
     capture end is taken from the newest row when the writer did not record one.
     """
     spool_path, out_dir = Path(spool_path), Path(out_dir)
-    con = connect_writable(spool_path, wal=True)
+    if not spool_path.is_file():
+        raise IngeroError(f"{spool_path}: no live segment to seal")
+    con = None
     try:
-        meta = _meta(con)
+        try:
+            con = connect_writable(spool_path, wal=True)
+            meta = _meta(con)
+            for key in META_KEYS:
+                if key not in meta:
+                    raise KeyError(f"meta key {key} missing")
+        except (apsw.Error, KeyError, ValueError) as e:
+            raise IngeroError(f"{spool_path}: not a live bundle segment ({e})") from None
         counts = {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in MANIFEST_TABLES}
         start = meta["capture_start"]
         end = meta.get("capture_end")
@@ -190,7 +265,8 @@ def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) 
         con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         con.execute("PRAGMA journal_mode = DELETE")
     finally:
-        con.close()
+        if con is not None:
+            con.close()
     seg = dict(meta["segment"], recovered=recovered,
                sealed_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     manifest = {
@@ -210,8 +286,11 @@ def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) 
     out = Path(out_dir) / bundle_filename(meta["node"], start["utc_ns"], seg["index"])
     try:
         write_bundle(spool_path, out, manifest, level=level)
+    except FileExistsError:
+        raise IngeroError(f"{out}: a bundle with this name exists already; the spool "
+                          f"{spool_path} is kept") from None
     except OSError as e:
-        if e.errno == 28:
+        if e.errno == errno.ENOSPC:
             raise DiskFullError(f"{out}: file system full while sealing") from None
         raise
     for suffix in ("", "-wal", "-shm", "-journal"):
@@ -222,4 +301,5 @@ def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) 
     return out
 
 
-__all__ = ["BundleWriter", "seal_spool", "now_pair", "canonical_frames", "TABLES_BY_NAME"]
+__all__ = ["BundleWriter", "seal_spool", "now_pair", "canonical_frames", "local_host_facts",
+           "TABLES_BY_NAME"]
