@@ -64,6 +64,49 @@ def max_db_bytes() -> int:
 
 # --------------------------------------------------------------------------- manifest
 
+#: Every manifest field: (path, JSON type, required, meaning). check_manifest enforces
+#: the required ones; readers ignore keys not listed here.
+MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
+    ("magic", "string", True, f'Exactly "{MANIFEST_MAGIC}".'),
+    ("format_version", "integer", True, f"Bundle format version, >= 1; this spec is "
+     f"version {FORMAT_VERSION}. A reader refuses a version newer than it knows."),
+    ("node", "string", True, "Node name: 1-63 characters of A-Z a-z 0-9 . _ - (regex "
+     "^[A-Za-z0-9._-]{1,63}$). Unique within a fleet; the merge namespaces rows by it."),
+    ("host", "object", True, "Facts about the machine that captured."),
+    ("host.hostname", "string", True, "Host name (uname -n), non-empty."),
+    ("host.boot_id", "string", True, "/proc/sys/kernel/random/boot_id of the boot the "
+     "capture ran in, non-empty; every CLOCK_MONOTONIC value in the bundle belongs to it."),
+    ("host.kernel_release", "string", True, "uname -r, non-empty."),
+    ("host.tool_version", "string", True, "Version of the program that wrote the bundle, "
+     "non-empty."),
+    ("host.machine", "string", False, "uname -m, e.g. x86_64."),
+    ("segment", "object", True, "Which part of a capture this bundle is."),
+    ("segment.index", "integer", True, ">= 0: 0 for the first segment of a capture, "
+     "then +1 per rotation."),
+    ("segment.id", "string", True, "Non-empty identifier unique to this segment (the "
+     "writer uses 32 lowercase hex digits of a random UUID)."),
+    ("segment.recovered", "boolean", False, "true if the segment was sealed from a spool "
+     "left by a crashed writer; the capture end is then the newest timestamp found."),
+    ("segment.sealed_utc", "string", False, "UTC time of sealing, YYYY-MM-DDTHH:MM:SSZ."),
+    ("capture", "object", True, "The capture window of this segment."),
+    ("capture.start_utc_ns", "integer", True, "Start, ns since 1970-01-01 UTC "
+     "(CLOCK_REALTIME read next to start_mono_ns)."),
+    ("capture.end_utc_ns", "integer", True, "End, ns since 1970-01-01 UTC."),
+    ("capture.start_mono_ns", "integer", True, "Start, CLOCK_MONOTONIC ns."),
+    ("capture.end_mono_ns", "integer", True, "End, CLOCK_MONOTONIC ns; >= start_mono_ns."),
+    ("tables", "object", True, "Row counts: one key per table of the format except meta ("
+     + ", ".join(MANIFEST_TABLES) + "), each a non-negative integer equal to SELECT "
+     "COUNT(*) of that table. Keys for tables a reader does not know are ignored."),
+    ("database", "object", True, "The compressed database image that follows."),
+    ("database.size", "integer", True, "Bytes of the uncompressed SQLite image, >= 512; "
+     "equal to the zstd frame's content size."),
+    ("database.sha256", "string", True, "SHA-256 of the uncompressed image, 64 lowercase "
+     "hex digits."),
+    ("database.compression", "string", False, 'If present, "zstd".'),
+    ("created_by", "string", False, "Free text naming the writing program."),
+    ("job_ids", "array", False, "Job identifiers (strings) seen on the node."),
+)
+
 _REQUIRED = {
     "magic": str, "format_version": int, "node": str, "host": dict, "segment": dict,
     "capture": dict, "tables": dict, "database": dict,

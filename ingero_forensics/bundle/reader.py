@@ -100,6 +100,14 @@ def verify_database(path, db_path, manifest: dict, *, integrity: str = "quick") 
     return con
 
 
+#: Manifest keys that are not mirrored in meta: they are verified directly.
+UNMIRRORED_MANIFEST_KEYS = frozenset({"magic", "tables", "database"})
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 def _verify(path, con, manifest, integrity):
     if integrity != "none":
         pragma = "integrity_check" if integrity == "full" else "quick_check"
@@ -150,10 +158,15 @@ def _verify(path, con, manifest, integrity):
     for key in META_KEYS:
         if key not in meta:
             raise BundleError(path, f"meta key {key!r} is missing")
-    for key in ("format_version", "node"):
-        if meta[key] != manifest[key]:
-            raise BundleError(path, f"meta {key} {meta[key]!r} does not match the manifest "
-                                    f"{key} {manifest[key]!r}")
+    # The manifest sits outside the sha256; its mirror in meta sits inside.
+    for key, value in manifest.items():
+        if key in UNMIRRORED_MANIFEST_KEYS:
+            continue
+        if key not in meta:
+            raise BundleError(path, f"manifest key {key!r} has no meta row")
+        if _canonical(meta[key]) != _canonical(value):
+            raise BundleError(path, f"manifest {key} does not match meta {key} in the "
+                                    "database")
     for t in MANIFEST_TABLES:
         n = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
         if n != manifest["tables"][t]:

@@ -357,18 +357,19 @@ STACK_FRAME_KEYS: tuple[tuple[str, str, str], ...] = (
 )
 
 #: Rows of the meta table: (key, JSON type, required, meaning). Values are JSON text.
+#: Every manifest key other than magic, tables and database is mirrored here with an equal
+#: value, so the sha256-protected database vouches for the whole manifest.
 META_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
     ("format_version", "integer", True, "Bundle format version; equals the manifest's."),
     ("node", "string", True, "Node name; equals the manifest's."),
-    ("host", "object", True, "Host facts; same keys as manifest host."),
-    ("segment", "object", True, "{\"index\": integer, \"id\": string}; as in the manifest."),
-    ("capture_start", "object", True,
-     "{\"utc_ns\": integer, \"mono_ns\": integer}: start of the capture window."),
-    ("capture_end", "object", False,
-     "{\"utc_ns\": integer, \"mono_ns\": integer}: end of the window; written at seal "
-     "time, absent in a spool left by a crashed writer."),
-    ("job_ids", "array", False, "Job identifiers (strings) seen on the node; copied into the "
-     "manifest."),
+    ("host", "object", True, "Host facts; equals the manifest's host object."),
+    ("segment", "object", True, "Equals the manifest's segment object. A live spool holds "
+     "index and id only; sealing adds the rest."),
+    ("capture", "object", True, "Equals the manifest's capture object. A live spool holds "
+     "start_utc_ns and start_mono_ns only; sealing adds the end (estimated from the newest "
+     "row when a crashed spool is recovered)."),
+    ("created_by", "string", False, "Equals the manifest's created_by when that is present."),
+    ("job_ids", "array", False, "Equals the manifest's job_ids when that is present."),
 )
 
 #: Tables whose rows carry a timestamp_ns in CLOCK_MONOTONIC (events, in the broad sense).

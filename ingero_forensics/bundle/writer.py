@@ -97,7 +97,8 @@ class BundleWriter:
             "node": node,
             "host": host,
             "segment": {"index": segment_index, "id": uuid.uuid4().hex},
-            "capture_start": {"utc_ns": self.capture_start[0], "mono_ns": self.capture_start[1]},
+            "capture": {"start_utc_ns": self.capture_start[0],
+                        "start_mono_ns": self.capture_start[1]},
         }
         meta.update(extra_meta or {})
         try:
@@ -212,9 +213,11 @@ class BundleWriter:
         """Flush, close and seal into out_dir; the spool files are removed. Returns the path."""
         self.flush()
         end = capture_end or now_pair()
+        capture = {"start_utc_ns": self.capture_start[0], "start_mono_ns": self.capture_start[1],
+                   "end_utc_ns": end[0], "end_mono_ns": max(end[1], self.capture_start[1])}
         with self.con:
-            self.con.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('capture_end', ?)",
-                             (json.dumps({"utc_ns": end[0], "mono_ns": end[1]}),))
+            self.con.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('capture', ?)",
+                             (json.dumps(capture),))
         self.con.close()
         return seal_spool(self.spool_path, out_dir, level=level)
 
@@ -230,11 +233,17 @@ def _meta(con) -> dict:
     return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
 
 
+#: Manifest keys mirrored from meta (the rest: magic, tables, database).
+_MIRRORED = ("format_version", "node", "host", "segment", "capture", "created_by", "job_ids")
+
+
 def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) -> Path:
     """Seal a live or crashed segment database into ``out_dir/<name>.bundle``.
 
     Works on a database left by a killed writer: SQLite replays its WAL on open, the
-    capture end is taken from the newest row when the writer did not record one.
+    capture end is taken from the newest row when the writer did not record one. The
+    final segment, capture and created_by values are written into meta first, so the
+    manifest is a copy of what the checksummed database says.
     """
     spool_path, out_dir = Path(spool_path), Path(out_dir)
     if not spool_path.is_file():
@@ -247,43 +256,41 @@ def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) 
             for key in META_KEYS:
                 if key not in meta:
                     raise KeyError(f"meta key {key} missing")
-        except (apsw.Error, KeyError, ValueError) as e:
+            capture = dict(meta["capture"])
+            start_utc, start_mono = capture["start_utc_ns"], capture["start_mono_ns"]
+        except (apsw.Error, KeyError, ValueError, TypeError) as e:
             raise IngeroError(f"{spool_path}: not a live bundle segment ({e})") from None
-        counts = {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in MANIFEST_TABLES}
-        start = meta["capture_start"]
-        end = meta.get("capture_end")
-        if end is None:
+        if "end_mono_ns" not in capture:
             recovered = True
-            last = start["mono_ns"]
+            last = start_mono
             for t in EVENT_TABLES + ("host_samples", "capture_log"):
                 v = con.execute(f"SELECT MAX(timestamp_ns) FROM {t}").fetchone()[0]
-                if v is not None:
+                if isinstance(v, int):
                     last = max(last, v)
             v = con.execute("SELECT MAX(mono_after_ns) FROM clock_samples").fetchone()[0]
-            last = max(last, v or last)
-            end = {"mono_ns": last, "utc_ns": start["utc_ns"] + (last - start["mono_ns"])}
+            if isinstance(v, int):
+                last = max(last, v)
+            capture.update(end_mono_ns=last, end_utc_ns=start_utc + (last - start_mono))
+        meta["capture"] = capture
+        meta["segment"] = dict(meta["segment"], recovered=recovered,
+                               sealed_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        meta["created_by"] = f"ingero-forensics {__version__}"
+        with con:
+            con.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                            [(k, json.dumps(meta[k])) for k in ("capture", "segment",
+                                                                "created_by")])
+        counts = {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+                  for t in MANIFEST_TABLES}
         con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         con.execute("PRAGMA journal_mode = DELETE")
+    except apsw.FullError:
+        raise DiskFullError(f"{spool_path}: file system full while sealing") from None
     finally:
         if con is not None:
             con.close()
-    seg = dict(meta["segment"], recovered=recovered,
-               sealed_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    manifest = {
-        "magic": MANIFEST_MAGIC,
-        "format_version": FORMAT_VERSION,
-        "node": meta["node"],
-        "host": meta["host"],
-        "segment": seg,
-        "capture": {"start_utc_ns": start["utc_ns"], "end_utc_ns": end["utc_ns"],
-                    "start_mono_ns": start["mono_ns"], "end_mono_ns": end["mono_ns"]},
-        "tables": counts,
-        "created_by": f"ingero-forensics {__version__}",
-    }
-    for key in ("job_ids",):
-        if key in meta:
-            manifest[key] = meta[key]
-    out = Path(out_dir) / bundle_filename(meta["node"], start["utc_ns"], seg["index"])
+    manifest = {"magic": MANIFEST_MAGIC, "tables": counts}
+    manifest.update((k, meta[k]) for k in _MIRRORED if k in meta)
+    out = Path(out_dir) / bundle_filename(meta["node"], start_utc, meta["segment"]["index"])
     try:
         write_bundle(spool_path, out, manifest, level=level)
     except FileExistsError:
