@@ -1,0 +1,105 @@
+"""ingero-capture: the click layer over capture.runner.run_capture / check_sources."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..cliutil import EXIT_ERROR, echo_json, handle_errors, is_tty, parse_size, version_option
+from .runner import CaptureConfig, check_sources, run_capture
+from .source import CaptureOptions
+from .status import Reporter
+
+
+def _size(ctx, param, value):
+    return None if value is None else parse_size(value)
+
+
+@click.command(name="ingero-capture", context_settings={"help_option_names": ["-h", "--help"]},
+               epilog="Exit codes: 0 success (including stop by SIGTERM/SIGINT); 1 error "
+                      "(bad configuration, directory in use, file system full: sealed "
+                      "segments are kept); 2 usage error.")
+@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path),
+              default="/var/ingero", show_default=True,
+              help="Directory for sealed segments (and its .spool/ for the live one).")
+@click.option("--node", help="Node name (1-63 of A-Z a-z 0-9 . _ -). Default: the config "
+              "file's node, else $INGERO_NODE, else the hostname.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TOML config file with a top-level node = \"...\" "
+                   "[default: /etc/ingero-forensics/config.toml if present].")
+@click.option("-p", "--pid", "pids", type=int, multiple=True,
+              help="Trace this process (repeatable).")
+@click.option("--comm", "comms", multiple=True,
+              help="Trace processes with this name (repeatable). Without --pid/--comm: "
+                   "processes that map libnccl/libcudart or have RANK in their environment.")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True),
+              help="Stop after this many seconds.")
+@click.option("--segment-seconds", type=click.FloatRange(min=0, min_open=True), default=300,
+              show_default=True, help="Rotate to a new segment after this long.")
+@click.option("--segment-size", default="256M", show_default=True, callback=_size,
+              help="Rotate when the live segment reaches this size.")
+@click.option("--max-disk", callback=_size,
+              help="Keep only the newest sealed segments within this size (flight recorder).")
+@click.option("--clock-interval", type=click.FloatRange(min=0.01), default=1.0,
+              show_default=True, help="Seconds between clock-sync samples.")
+@click.option("--host-interval", type=click.FloatRange(min=0.01), default=0.1,
+              show_default=True, help="Seconds between host samples (0.1 = 10 Hz).")
+@click.option("--no-ebpf", is_flag=True, help="Turn the eBPF sources off on purpose.")
+@click.option("--lib", "lib_paths", multiple=True,
+              help="Path of libnccl/libcudart/libcuda to probe (eBPF sources; repeatable).")
+@click.option("--level", "compression_level", type=click.IntRange(1, 19), default=3,
+              show_default=True, help="zstd level used when sealing.")
+@click.option("--check", is_flag=True,
+              help="Print which sources would work here and why not, then exit.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the run summary (or --check result) as JSON on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
+@version_option("ingero-capture")
+@handle_errors
+def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, segment_size,
+         max_disk, clock_interval, host_interval, no_ebpf, lib_paths, compression_level,
+         check, as_json, quiet):
+    """Record this node's training processes into sealed bundles, with no network.
+
+    Runs as root on every GPU node. Writes <node>+<UTC start>Z+<index>.bundle files
+    into --bundle; each is sealed atomically. SIGTERM or SIGINT seals the open segment
+    and exits 0; SIGHUP starts a new segment. After a crash the next start seals the
+    segment the crash left. Sources that cannot run (no root, BCC, kernel headers or
+    tracefs) are reported with the fix; clock and host sampling always run.
+
+    \b
+    Example:
+      ingero-capture --bundle /var/ingero --node gpu-017
+      ingero-capture --bundle /var/ingero --max-disk 20G --segment-seconds 120
+      ingero-capture --check
+    """
+    config = CaptureConfig(
+        bundle_dir=bundle_dir, node=node, config_file=config_file, pids=pids, comms=comms,
+        duration=duration, segment_seconds=segment_seconds, segment_size=segment_size,
+        max_disk=max_disk, clock_interval=clock_interval, host_interval=host_interval,
+        ebpf=not no_ebpf, options=CaptureOptions(lib_paths=list(lib_paths)),
+        output="quiet" if quiet else ("tty" if is_tty() else "plain"),
+        compression_level=compression_level)
+    if check:
+        statuses = check_sources(config)
+        if as_json:
+            echo_json([s.__dict__ for s in statuses])
+        else:
+            for s in statuses:
+                line = f"{s.name:<14} {'ok ' if s.available else 'off'}  {s.reason or ''}"
+                if not s.available and s.fix:
+                    line += f" (fix: {s.fix})"
+                click.echo(line)
+        node_ok = statuses[0].available
+        sys.exit(0 if node_ok else EXIT_ERROR)
+    summary = run_capture(config, reporter=Reporter(config.output))
+    if as_json:
+        echo_json(summary.as_dict())
+    elif not quiet:
+        click.echo(f"{len(summary.segments)} segment(s) sealed in {summary.bundle_dir}", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,560 @@
+"""The capture loop: ``run_capture(config)`` and ``check_sources(config)``.
+
+One thread owns the live BundleWriter. Every ~50 ms it polls each source; once a second
+it rescans the target processes, writes their rows, commits the open batch (so a crash
+loses about a second) and checks rotation. Signals only set flags: SIGTERM/SIGINT stop
+(seal, exit 0), SIGHUP rotates.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import apsw
+
+from ..bundle.writer import BundleWriter, now_pair
+from ..errors import DiskFullError, IngeroError
+from .clock import ClockSource
+from .host import HostSource
+from .identity import ConfigError, host_facts, resolve_node_name
+from .procs import TargetSet
+from .segments import (SPOOL_DIR, Sealer, evict, lock_directory, new_writer, next_index,
+                       recover_spools, sealed_bundles)
+from .source import CaptureContext, CaptureOptions, Source, SourceStatus, SourceUnavailable
+from .status import Reporter, status_text
+
+POLL_S = 0.05
+TICK_S = 1.0
+EBPF_FIX = ("run as root on a kernel with BPF and tracefs, with BCC "
+            "(apt-get install python3-bpfcc) and kernel headers "
+            "(apt-get install linux-headers-$(uname -r))")
+
+
+@dataclass
+class CaptureConfig:
+    bundle_dir: Path
+    node: str | None = None                 # --node
+    config_file: Path | None = None         # --config
+    pids: tuple[int, ...] = ()
+    comms: tuple[str, ...] = ()
+    duration: float | None = None
+    segment_seconds: float = 300.0
+    segment_size: int = 256 << 20
+    max_disk: int | None = None
+    clock_interval: float = 1.0
+    host_interval: float = 0.1
+    ebpf: bool = True
+    options: CaptureOptions = field(default_factory=CaptureOptions)
+    output: str = "plain"                   # tty | plain | quiet
+    compression_level: int = 3
+    env: dict | None = None                 # environment for INGERO_NODE (default os.environ)
+    #: extra sources (tests, plugins) started like the built-in ones
+    extra_sources: tuple[Source, ...] = ()
+
+
+@dataclass
+class CaptureSummary:
+    node: str
+    node_origin: str
+    bundle_dir: str
+    segments: list[str] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    sources_on: list[str] = field(default_factory=list)
+    sources_off: dict[str, str] = field(default_factory=dict)
+    events: dict[str, int] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
+    processes: int = 0
+    seconds: float = 0.0
+    stop_reason: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class _Sink:
+    """The RowSink handed to sources: always the current segment's writer."""
+
+    def __init__(self, run: "_Run"):
+        self.run = run
+
+    def add(self, table, row):
+        self.run.writer.add(table, row)
+
+    def add_many(self, table, rows):
+        self.run.writer.add_many(table, rows)
+
+    def add_stack(self, frames):
+        return self.run.writer.add_stack(frames)
+
+    def log(self, level, source, event, message, count=None):
+        self.run.log(level, source, event, message, count)
+
+
+class _Run:
+    def __init__(self, config: CaptureConfig, reporter: Reporter):
+        self.cfg = config
+        self.rep = reporter
+        self.stop_flag = threading.Event()
+        self.stop_reason = ""
+        self.rotate_flag = False
+        self.writer: BundleWriter | None = None
+        self.sink = _Sink(self)
+        self.pending_log: list[tuple] = []   # logged before the first segment exists
+
+    # -- logging: capture_log of the live segment, and stderr ----------------------
+    def log(self, level, source, event, message, count=None, *, echo=True):
+        if self.writer is not None:
+            self.writer.log(level, source, event, message, count)
+        else:
+            self.pending_log.append((level, source, event, message, count,
+                                     time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
+        if echo:
+            self.rep.message(level, source, message)
+
+
+def _resolve(config: CaptureConfig) -> tuple[str, str]:
+    return resolve_node_name(config.node, config.config_file,
+                             os.environ if config.env is None else config.env)
+
+
+def _ebpf_sources(options: CaptureOptions) -> tuple[list[Source], SourceStatus | None]:
+    """The eBPF sources, or the reason there are none."""
+    try:
+        from .ebpf import ebpf_sources
+    except Exception as e:  # noqa: BLE001 - ImportError, or BCC failing at import time
+        return [], SourceStatus("ebpf", False, f"eBPF sources cannot be loaded "
+                                f"({type(e).__name__}: {e})", EBPF_FIX)
+    try:
+        return list(ebpf_sources(options)), None
+    except SourceUnavailable as e:
+        return [], SourceStatus("ebpf", False, e.reason, e.fix or EBPF_FIX)
+    except Exception as e:  # noqa: BLE001
+        return [], SourceStatus("ebpf", False, f"{type(e).__name__}: {e}", EBPF_FIX)
+
+
+def check_sources(config: CaptureConfig) -> list[SourceStatus]:
+    """Which sources would work on this machine, and why not (``--check``)."""
+    out: list[SourceStatus] = []
+    try:
+        node, origin = _resolve(config)
+        out.append(SourceStatus("node", True, f"{node} (from {origin})"))
+    except ConfigError as e:
+        out.append(SourceStatus("node", False, str(e), "pass --node NAME"))
+    clock = ClockSource(config.clock_interval)
+    out.append(clock.probe())
+    out += clock.sub_statuses()
+    out.append(HostSource.probe())
+    out.append(HostSource.probe_nvml())
+    if not config.ebpf:
+        out.append(SourceStatus("ebpf", False, "turned off with --no-ebpf", "drop --no-ebpf"))
+    else:
+        sources, why = _ebpf_sources(config.options)
+        if why is not None:
+            out.append(why)
+        for s in sources:
+            try:
+                out.append(s.probe())
+            except Exception as e:  # noqa: BLE001
+                out.append(SourceStatus(getattr(s, "name", type(s).__name__), False,
+                                        f"probe failed: {type(e).__name__}: {e}"))
+    return out
+
+
+def run_capture(config: CaptureConfig, *, reporter: Reporter | None = None,
+                stop_event: threading.Event | None = None) -> CaptureSummary:
+    """Capture into config.bundle_dir until --duration, a signal or stop_event.
+
+    Raises ConfigError for bad options, IngeroError when the directory is in use, and
+    DiskFullError when the file system fills (sealed segments are kept intact; the open
+    segment stays in the spool and is sealed by the next start).
+    """
+    rep = reporter or Reporter(config.output)
+    node, origin = _resolve(config)
+    for p in config.pids:
+        if not os.path.exists(f"/proc/{p}"):
+            raise ConfigError(f"--pid {p}: no such process")
+    if config.segment_seconds <= 0 or config.segment_size <= 0:
+        raise ConfigError("--segment-seconds and --segment-size must be positive")
+    bundle_dir = Path(config.bundle_dir)
+    try:
+        bundle_dir.mkdir(parents=True, exist_ok=True)
+        spool_dir = bundle_dir / SPOOL_DIR
+        spool_dir.mkdir(exist_ok=True)
+    except OSError as e:
+        raise IngeroError(f"{bundle_dir}: cannot create bundle directory: {e.strerror}") from None
+    if not os.access(bundle_dir, os.W_OK):
+        raise IngeroError(f"{bundle_dir}: not writable")
+    lock_fd = lock_directory(spool_dir)
+    run = _Run(config, rep)
+    if stop_event is not None:
+        run.stop_flag = stop_event
+    summary = CaptureSummary(node=node, node_origin=origin, bundle_dir=str(bundle_dir))
+    try:
+        return _capture(run, node, bundle_dir, spool_dir, summary)
+    finally:
+        os.close(lock_fd)
+
+
+def _install_signals(run: _Run) -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        run.stop_reason = signal.Signals(signum).name
+        run.stop_flag.set()
+
+    def rotate(signum, frame):
+        run.rotate_flag = True
+
+    old = {}
+    for sig, fn in ((signal.SIGTERM, stop), (signal.SIGINT, stop), (signal.SIGHUP, rotate)):
+        old[sig] = signal.signal(sig, fn)
+    return old
+
+
+def _capture(run: _Run, node: str, bundle_dir: Path, spool_dir: Path,
+             summary: CaptureSummary) -> CaptureSummary:
+    cfg, rep = run.cfg, run.rep
+    t_start = time.monotonic()
+    old_signals = _install_signals(run)
+    try:
+        for level, event, msg in recover_spools(spool_dir, bundle_dir,
+                                                level=cfg.compression_level):
+            run.log(level, "capture", event, msg)
+            summary.recovered.append(msg)
+        host = host_facts()
+        index = next_index(bundle_dir, spool_dir, node)
+        run.writer = new_writer(spool_dir, node, host, index)
+        for level, source, event, msg, count, ts in run.pending_log:
+            run.writer.log(level, source, event, msg, count, timestamp_ns=ts)
+        run.pending_log.clear()
+        run.log("info", "capture", "capture_start",
+                f"node {node} (from {summary.node_origin}), segment {index}", echo=False)
+        rep.message("info", "capture", f"capturing as node {node} into {bundle_dir}")
+        loop = _Loop(run, node, host, bundle_dir, spool_dir, index, summary)
+        loop.start_sources()
+        try:
+            loop.main(t_start)
+        except DiskFullError as e:
+            loop.abandon()
+            n = len([f for f in sealed_bundles(bundle_dir) if f.node == node])
+            raise DiskFullError(f"{bundle_dir}: file system full; capture stopped ({e}). "
+                                f"{n} sealed segment(s) kept intact; the open segment stays "
+                                f"in {spool_dir} and is sealed by the next start") from None
+        except BaseException:
+            loop.abandon()
+            raise
+        summary.seconds = round(time.monotonic() - t_start, 3)
+        summary.stop_reason = run.stop_reason
+        return summary
+    finally:
+        for sig, fn in old_signals.items():
+            signal.signal(sig, fn)
+        rep.close()
+
+
+class _Loop:
+    def __init__(self, run: _Run, node, host, bundle_dir, spool_dir, index, summary):
+        self.run, self.node, self.host = run, node, host
+        self.bundle_dir, self.spool_dir = bundle_dir, spool_dir
+        self.index = index
+        self.summary = summary
+        cfg = run.cfg
+        self.targets = TargetSet(cfg.pids, cfg.comms)
+        self.clock = ClockSource(cfg.clock_interval)
+        self.sources: list[Source] = []
+        self.sealer = Sealer(bundle_dir, cfg.compression_level)
+        self.seg_started = time.monotonic()
+        # rowids of this segment's processes/threads rows, keyed by the record
+        self.proc_rows: dict[int, int] = {}      # id(ProcessInfo) -> rowid
+        self.thread_rows: dict[tuple[int, int], int] = {}
+        self.seg_start_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        self.job_ids: list[str] = []
+        self._last_events: dict[str, int] = {}
+        self._last_tick = time.monotonic()
+
+    # -- sources --------------------------------------------------------------------
+    def start_sources(self) -> None:
+        run, cfg = self.run, self.run.cfg
+        ctx = CaptureContext(self.node, cfg.options, self.targets)
+        cands: list[Source] = [self.clock, HostSource(cfg.host_interval)]
+        if cfg.ebpf:
+            ebpf, why = _ebpf_sources(cfg.options)
+            if why is not None:
+                self._off(why.name, why.reason, why.fix)
+            cands += ebpf
+        else:
+            run.log("info", "ebpf", "source_off", "eBPF sources turned off with --no-ebpf")
+            self.summary.sources_off["ebpf"] = "turned off with --no-ebpf"
+        cands += list(cfg.extra_sources)
+        # The first scan before the eBPF sources start, so they see the targets.
+        self.scan_targets()
+        for s in cands:
+            try:
+                s.start(ctx)
+            except SourceUnavailable as e:
+                self._off(s.name, e.reason, e.fix)
+                continue
+            except Exception as e:  # noqa: BLE001 - a broken source must not stop capture
+                self._off(s.name, f"failed to start ({type(e).__name__}: {e})", None,
+                          level="error")
+                continue
+            self.sources.append(s)
+            self.summary.sources_on.append(s.name)
+            run.log("info", s.name, "source_on", f"{s.name} source on", echo=False)
+            if isinstance(s, HostSource):
+                st = s.nvml_status
+                if st is not None and not st.available:
+                    run.log("info", "host", "source_off",
+                            f"NVML off: {st.reason}; fix: {st.fix}", echo=False)
+                for key, why in s.missing.items():
+                    run.log("warning", "host", "warning", f"not sampled: {why}")
+        if self.clock.chrony_on:
+            run.log("info", "clock", "source_on", "chrony tracking via chronyc", echo=False)
+        self.clock.sample_now(run.sink)
+        run.rep.message("info", "capture", "sources on: " + ", ".join(self.summary.sources_on))
+
+    def _off(self, name, reason, fix, level="warning") -> None:
+        msg = f"{name} source off: {reason}" + (f"; fix: {fix}" if fix else "")
+        self.run.log(level, name, "source_off", msg)
+        self.summary.sources_off[name] = reason
+
+    # -- main loop ------------------------------------------------------------------
+    def main(self, t_start: float) -> None:
+        run, cfg = self.run, self.run.cfg
+        deadline = t_start + cfg.duration if cfg.duration else None
+        next_tick = time.monotonic() + TICK_S
+        while not run.stop_flag.is_set():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                run.stop_reason = "duration"
+                break
+            self.poll_sources()
+            if self.sealer.error is not None:
+                self._sealer_failed()
+            if now >= next_tick:
+                next_tick = max(next_tick + TICK_S, now)
+                self.tick()
+            if run.rotate_flag:
+                run.rotate_flag = False
+                self.rotate("SIGHUP")
+            wake = min(now + POLL_S, next_tick, deadline or next_tick)
+            run.stop_flag.wait(max(0.0, wake - time.monotonic()))
+        self.finish()
+
+    def poll_sources(self) -> None:
+        for s in list(self.sources):
+            try:
+                s.poll(self.run.sink)
+            except DiskFullError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                self.sources.remove(s)
+                self.run.log("error", s.name, "source_off",
+                             f"{s.name} source stopped after an error: {type(e).__name__}: {e}")
+                self.summary.sources_off[s.name] = f"error: {e}"
+
+    def tick(self) -> None:
+        run, cfg = self.run, self.run.cfg
+        self.scan_targets()
+        self._flush()
+        self._collect_sealed()
+        if time.monotonic() - self.seg_started >= cfg.segment_seconds:
+            self.rotate("segment-seconds")
+        elif run.writer.size_bytes() >= cfg.segment_size:
+            self.rotate("segment-size")
+        self._status()
+
+    def _flush(self) -> None:
+        try:
+            self.run.writer.flush()
+        except apsw.FullError:
+            raise DiskFullError(f"{self.run.writer.spool_path}: file system full") from None
+
+    # -- processes and threads --------------------------------------------------------
+    def scan_targets(self) -> None:
+        new, gone = self.targets.scan()
+        for pid in new:
+            info = self.targets.known[pid]
+            r = info.row()
+            self.run.log("info", "capture", "target",
+                         f"tracing pid {pid} ({info.comm}), rank {r[5]}", echo=False)
+        self._write_process_rows()
+
+    def _write_process_rows(self) -> None:
+        """Insert this segment's new process/thread rows, update the others by rowid."""
+        w = self.run.writer
+        if w is None:
+            return
+        w.flush()  # keep capture_log etc. ordered before our direct statements
+        con = w.con
+        ins_p = ("INSERT INTO processes (pid, start_boottime_ns, comm, exe, cmdline, rank, "
+                 "local_rank, world_size, local_world_size, node_rank, job_id, env, "
+                 "first_seen_ns, last_seen_ns, exit_ns) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
+        ins_t = ("INSERT INTO threads (pid, tid, comm, first_seen_ns, last_seen_ns) "
+                 "VALUES (?,?,?,?,?)")
+        upd_p, upd_t = [], []
+        try:
+            with con:
+                for info in self.targets.records():
+                    key = id(info)
+                    if info.exit_ns is not None and info.exit_ns < self.seg_start_ns \
+                            and key not in self.proc_rows:
+                        continue  # exited before this segment began
+                    rid = self.proc_rows.get(key)
+                    if rid is None:
+                        con.execute(ins_p, info.row())
+                        self.proc_rows[key] = con.last_insert_rowid()
+                        w.rows["processes"] += 1
+                    else:
+                        upd_p.append((info.comm, info.last_seen_ns, info.exit_ns, rid))
+                    for tid, (comm, first, last) in info.threads.items():
+                        tkey = (key, tid)
+                        trid = self.thread_rows.get(tkey)
+                        if trid is None:
+                            con.execute(ins_t, (info.pid, tid, comm, first, last))
+                            self.thread_rows[tkey] = con.last_insert_rowid()
+                            w.rows["threads"] += 1
+                        elif info.exit_ns is None:
+                            upd_t.append((last, trid))
+                if upd_p:
+                    con.executemany("UPDATE processes SET comm = ?, last_seen_ns = ?, "
+                                    "exit_ns = ? WHERE id = ?", upd_p)
+                if upd_t:
+                    con.executemany("UPDATE threads SET last_seen_ns = ? WHERE id = ?", upd_t)
+                jobs = self.targets.job_ids()
+                if jobs != self.job_ids:
+                    import json
+                    con.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('job_ids', ?)",
+                                (json.dumps(jobs),))
+                    self.job_ids = jobs
+        except apsw.FullError:
+            raise DiskFullError(f"{w.spool_path}: file system full") from None
+
+    # -- segments ---------------------------------------------------------------------
+    def rotate(self, why: str) -> None:
+        run = self.run
+        self.clock.sample_now(run.sink)      # a clock bracket at each segment edge
+        self._write_process_rows()
+        old = run.writer
+        end = now_pair()
+        self.index += 1
+        self.sealer.wait()                   # one seal at a time; surfaces its error
+        if self.sealer.error is not None:
+            self._sealer_failed()
+        run.writer = new_writer(self.spool_dir, self.node, self.host, self.index)
+        self.seg_started = time.monotonic()
+        self.seg_start_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        self.proc_rows.clear()
+        self.thread_rows.clear()
+        self.job_ids = []
+        old.flush()
+        self.sealer.seal(old, end)
+        run.log("info", "capture", "rotate", f"segment {self.index} started ({why})",
+                echo=False)
+        self.clock.sample_now(run.sink)
+        self._write_process_rows()
+
+    def _collect_sealed(self) -> None:
+        for path in self.sealer.collect():
+            self.summary.segments.append(str(path))
+            self.run.log("info", "capture", "sealed", f"sealed {path.name}")
+            self._evict()
+
+    def _evict(self) -> None:
+        cfg = self.run.cfg
+        if cfg.max_disk is None:
+            return
+        in_use = self.run.writer.size_bytes() if self.run.writer else 0
+        for path, size in evict(self.bundle_dir, self.node, cfg.max_disk, in_use=in_use):
+            self.summary.evicted.append(str(path))
+            self.run.log("info", "capture", "eviction",
+                         f"evicted {path.name} ({size} bytes) to stay within --max-disk "
+                         f"{cfg.max_disk} bytes", count=size)
+
+    def _sealer_failed(self) -> None:
+        err, self.sealer.error = self.sealer.error, None
+        if isinstance(err, DiskFullError):
+            raise err
+        if isinstance(err, OSError) and err.errno == 28:
+            raise DiskFullError(str(err))
+        raise IngeroError(f"sealing a segment failed: {type(err).__name__}: {err}")
+
+    def finish(self) -> None:
+        """Final polls, last process rows, seal synchronously."""
+        run = self.run
+        for s in self.sources:
+            try:
+                s.stop(run.sink)
+            except DiskFullError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                run.log("error", s.name, "warning", f"{s.name} failed to stop cleanly: {e}")
+        for s in self.sources:
+            self.summary.events[s.name] = s.events
+            if s.lost:
+                self.summary.lost[s.name] = s.lost
+                run.log("warning", s.name, "lost_events", f"{s.name} lost {s.lost} events",
+                        count=s.lost)
+        self.targets.scan()
+        self._write_process_rows()
+        self.summary.processes = len(self.targets.records())
+        run.log("info", "capture", "capture_stop",
+                f"stopped ({run.stop_reason or 'requested'})", echo=False)
+        self.sealer.wait()
+        if self.sealer.error is not None:
+            self._sealer_failed()
+        self._collect_sealed()
+        w, run.writer = run.writer, None
+        path = w.seal(self.bundle_dir, level=run.cfg.compression_level)
+        self.summary.segments.append(str(path))
+        run.rep.message("info", "capture", f"sealed {path.name}")
+        if run.cfg.max_disk is not None:
+            for p, size in evict(self.bundle_dir, self.node, run.cfg.max_disk):
+                # No next segment to log into: say it on stderr and in the summary.
+                self.summary.evicted.append(str(p))
+                run.rep.message("info", "capture", f"evicted {p.name} ({size} bytes)")
+
+    def abandon(self) -> None:
+        """After a fatal error: stop sources, keep the spool for the next start."""
+        run = self.run
+        for s in self.sources:
+            try:
+                s.stop(_NullSink())
+            except Exception:  # noqa: BLE001
+                pass
+        self.sources.clear()
+        self.sealer.wait()
+        w, run.writer = run.writer, None
+        if w is not None:
+            try:
+                w.con.close()  # uncommitted rows are dropped; committed ones survive
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- status ---------------------------------------------------------------------
+    def _status(self) -> None:
+        now = time.monotonic()
+        dt = max(1e-6, now - self._last_tick)
+        self._last_tick = now
+        rates, lost = {}, 0
+        for s in self.sources:
+            rates[s.name] = (s.events - self._last_events.get(s.name, 0)) / dt
+            self._last_events[s.name] = s.events
+            lost += s.lost
+        w = self.run.writer
+        disk = sum(f.size for f in sealed_bundles(self.bundle_dir) if f.node == self.node)
+        self.run.rep.status(status_text(rates, lost, self.index, w.size_bytes(), disk))
+
+
+class _NullSink:
+    def add(self, table, row): pass
+    def add_many(self, table, rows): pass
+    def add_stack(self, frames): return 0
+    def log(self, *a, **k): pass

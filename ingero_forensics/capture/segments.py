@@ -1,0 +1,169 @@
+"""Segments on disk: the live spool, rotation, sealing, crash recovery and eviction.
+
+Layout under the bundle directory::
+
+    <bundle-dir>/<node>+<UTC stamp>Z+<index>.bundle   sealed segments
+    <bundle-dir>/.spool/segment-<index>.db (+ -wal)    the live segment (SQLite, WAL)
+    <bundle-dir>/.spool/lock                           flock: one capture per directory
+
+A segment is sealed in a background thread (compression takes seconds for a large
+segment) while the next one is already recording, so rotation loses nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..bundle.container import BUNDLE_SUFFIX
+from ..bundle.writer import BundleWriter, now_pair, seal_spool
+from ..errors import DiskFullError, IngeroError
+
+SPOOL_DIR = ".spool"
+_BUNDLE_NAME = re.compile(r"^(?P<node>[A-Za-z0-9._-]{1,63})\+(?P<stamp>\d{8}T\d{6})Z\+"
+                          r"(?P<index>\d{6,})" + re.escape(BUNDLE_SUFFIX) + "$")
+_SPOOL_NAME = re.compile(r"^segment-(?P<index>\d+)\.db$")
+
+
+@dataclass
+class SealedFile:
+    path: Path
+    node: str
+    stamp: str
+    index: int
+    size: int
+
+
+def sealed_bundles(bundle_dir) -> list[SealedFile]:
+    """Sealed segments in the directory, oldest first (by start time, then index)."""
+    out = []
+    for entry in os.scandir(bundle_dir):
+        m = _BUNDLE_NAME.match(entry.name)
+        if m and entry.is_file(follow_symlinks=False):
+            out.append(SealedFile(Path(entry.path), m["node"], m["stamp"], int(m["index"]),
+                                  entry.stat(follow_symlinks=False).st_size))
+    out.sort(key=lambda f: (f.stamp, f.index, f.node))
+    return out
+
+
+def lock_directory(spool_dir: Path):
+    """Hold an exclusive lock for the life of the capture; IngeroError if one runs."""
+    path = spool_dir / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise IngeroError(f"{spool_dir.parent}: another ingero-capture (pid {other or '?'}) "
+                          "is writing to this directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def recover_spools(spool_dir: Path, bundle_dir: Path, *, level: int = 3) -> list[tuple[str, str, str]]:
+    """Seal every spool a killed capture left. Returns (level, event, message) log entries.
+
+    A spool that cannot be sealed (e.g. killed before its tables existed) is renamed to
+    ``*.db.unsealable`` so it is kept for inspection but not retried forever.
+    """
+    log = []
+    for entry in sorted(os.scandir(spool_dir), key=lambda e: e.name):
+        if not _SPOOL_NAME.match(entry.name):
+            continue
+        path = Path(entry.path)
+        try:
+            out = seal_spool(path, bundle_dir, level=level, recovered=True)
+            log.append(("warning", "recovered_spool",
+                        f"sealed {path.name} left by an earlier capture as {out.name}"))
+        except DiskFullError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken spool must not stop the capture
+            bad = path.with_name(path.name + ".unsealable")
+            for suffix in ("", "-wal", "-shm"):
+                src = Path(f"{path}{suffix}")
+                if src.exists():
+                    os.replace(src, Path(f"{bad}{suffix}"))
+            log.append(("error", "recovered_spool",
+                        f"cannot seal {path.name} ({type(e).__name__}: {e}); kept as {bad.name}"))
+    return log
+
+
+def next_index(bundle_dir: Path, spool_dir: Path, node: str) -> int:
+    idx = [f.index for f in sealed_bundles(bundle_dir) if f.node == node]
+    for entry in os.scandir(spool_dir):
+        m = re.match(r"^segment-(\d+)\.db", entry.name)
+        if m:
+            idx.append(int(m.group(1)))
+    return max(idx, default=0) + 1
+
+
+class Sealer:
+    """Seals one segment at a time in a background thread."""
+
+    def __init__(self, bundle_dir: Path, level: int):
+        self.bundle_dir = bundle_dir
+        self.level = level
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.done: list[Path] = []     # sealed paths not yet collected by the loop
+
+    def seal(self, writer: BundleWriter, capture_end) -> None:
+        self.wait()
+
+        def work():
+            try:
+                self.done.append(writer.seal(self.bundle_dir, capture_end=capture_end,
+                                             level=self.level))
+            except BaseException as e:  # noqa: BLE001 - reported by the loop
+                try:
+                    writer.con.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                self.error = e
+
+        self._thread = threading.Thread(target=work, name="ingero-sealer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def collect(self) -> list[Path]:
+        out, self.done = self.done, []
+        return out
+
+
+def evict(bundle_dir: Path, node: str, max_disk: int, *, in_use: int = 0,
+          keep: set[Path] = frozenset()) -> list[tuple[Path, int]]:
+    """Delete this node's oldest sealed segments until they plus ``in_use`` fit in max_disk.
+
+    The newest sealed segment is never deleted (a flight recorder keeps its last
+    recording even when one segment alone exceeds the budget). Returns (path, size).
+    """
+    files = [f for f in sealed_bundles(bundle_dir) if f.node == node]
+    total = in_use + sum(f.size for f in files)
+    evicted = []
+    for f in files[:-1]:
+        if total <= max_disk:
+            break
+        if f.path in keep:
+            continue
+        try:
+            f.path.unlink()
+        except FileNotFoundError:
+            pass
+        total -= f.size
+        evicted.append((f.path, f.size))
+    return evicted
+
+
+def new_writer(spool_dir: Path, node: str, host: dict, index: int, extra_meta=None) -> BundleWriter:
+    return BundleWriter(spool_dir / f"segment-{index:06d}.db", node=node, host=host,
+                        capture_start=now_pair(), segment_index=index, extra_meta=extra_meta)
