@@ -311,7 +311,7 @@ class _Loop:
             if isinstance(s, HostSource):
                 st = s.nvml_status
                 if st is not None and not st.available:
-                    run.log("info", "host", "source_off",
+                    run.log("info", "nvml", "source_off",
                             f"NVML off: {st.reason}; fix: {st.fix}", echo=False)
                 for key, why in s.missing.items():
                     run.log("warning", "host", "warning", f"not sampled: {why}")

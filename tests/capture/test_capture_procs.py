@@ -1,0 +1,152 @@
+"""Target processes and the allow-listed rank environment."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import zstandard
+
+from ingero_forensics.capture.procs import (RANK_ENV_NAMES, TargetSet, parse_environ_stream,
+                                            rank_fields, read_rank_env)
+
+from conftest import bundles, capture_env, rows, run_capture, start_capture, wait_for
+
+SECRET = "hunter2-" + "x9Qz"  # built at run time so the literal is not in this file's bytes
+
+
+def _stream(data: bytes, chunk: int):
+    f = io.BytesIO(data)
+    return lambda n: f.read(min(n, chunk))
+
+
+def test_only_allow_listed_names_are_kept():
+    env = b"\0".join([b"RANK=3", b"AWS_SECRET_ACCESS_KEY=" + SECRET.encode(), b"WORLD_SIZE=8",
+                      b"PATH=/bin", b"RANKX=9", b"XRANK=1", b"SLURM_JOB_ID=77", b""])
+    got = parse_environ_stream(_stream(env, 4096))
+    assert got == {"RANK": "3", "WORLD_SIZE": "8", "SLURM_JOB_ID": "77"}
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64])
+def test_chunk_boundaries_do_not_matter(chunk):
+    env = b"A=1\0LOCAL_RANK=5\0" + b"B=" + b"y" * 10000 + b"\0NODE_RANK=2\0CUDA_VISIBLE_DEVICES=0,1"
+    assert parse_environ_stream(_stream(env, chunk)) == {
+        "LOCAL_RANK": "5", "NODE_RANK": "2", "CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_long_value_of_an_allowed_name_is_cut_not_spread():
+    env = b"RANK=" + b"1" * 100000 + b"\0WORLD_SIZE=4\0"
+    got = parse_environ_stream(_stream(env, 4096))
+    assert got == {"WORLD_SIZE": "4"}  # an over-long entry is skipped whole
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
+      "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "job-a"},
+     {"rank": 3, "local_rank": 1, "world_size": 16, "local_world_size": 8, "node_rank": 0,
+      "job_id": "job-a"}),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+     {"rank": 5, "local_rank": 1, "world_size": None, "local_world_size": None,
+      "node_rank": None, "job_id": None}),
+    ({"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "SLURM_NODEID": "1", "SLURM_JOB_ID": "991"},
+     {"rank": 7, "local_rank": 3, "world_size": None, "local_world_size": None,
+      "node_rank": 1, "job_id": "991"}),
+    ({"RANK": "not-a-number", "PMI_RANK": "2"},
+     {"rank": 2, "local_rank": None, "world_size": None, "local_world_size": None,
+      "node_rank": None, "job_id": None}),
+])
+def test_rank_fields(env, want):
+    assert rank_fields(env) == want
+
+
+def test_allow_list_is_the_issue_list():
+    assert set(RANK_ENV_NAMES) == {
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+        "ROLE_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NODEID", "SLURM_PROCID",
+        "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK",
+        "CUDA_VISIBLE_DEVICES"}
+
+
+def _sleeper(env_extra, name="rank-sleeper"):
+    env = {"PATH": os.environ["PATH"], **env_extra}
+    code = f"import sys,time; sys.argv[0]='{name}'; time.sleep(60)"
+    return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+
+def test_read_rank_env_of_a_real_process():
+    p = _sleeper({"RANK": "4", "AWS_SECRET_ACCESS_KEY": SECRET})
+    try:
+        wait_for(lambda: read_rank_env(p.pid) == {"RANK": "4"}, what="environ readable")
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_target_set_auto_finds_rank_process_and_keeps_it_after_exit():
+    p = _sleeper({"RANK": "1", "WORLD_SIZE": "2"})
+    other = _sleeper({"NOT_RANK": "1"})
+    try:
+        ts = TargetSet()
+        seen_new, seen_exit = [], []
+        ts.subscribe(seen_new.append, seen_exit.append)
+        wait_for(lambda: (ts.scan(), p.pid in ts.pids())[1], what="target found")
+        assert other.pid not in ts.pids()
+        assert seen_new == [p.pid]
+        info = ts.known[p.pid]
+        assert info.row()[5] == 1 and info.row()[7] == 2
+        assert p.pid in info.threads
+        p.kill()
+        p.wait()
+        wait_for(lambda: (ts.scan(), p.pid not in ts.pids())[1], what="exit noticed")
+        assert seen_exit == [p.pid]
+        assert ts.known[p.pid].exit_ns is not None  # the record is kept
+    finally:
+        for q in (p, other):
+            q.kill()
+            q.wait()
+
+
+def test_target_set_by_comm_and_pid():
+    a = _sleeper({})
+    try:
+        ts = TargetSet(pids=[a.pid])
+        ts.scan()
+        assert ts.pids() == {a.pid}
+        comm = open(f"/proc/{a.pid}/comm").read().strip()
+        ts2 = TargetSet(comms=[comm])
+        ts2.scan()
+        assert a.pid in ts2.pids()
+        assert os.getpid() not in ts2.pids()
+    finally:
+        a.kill()
+        a.wait()
+
+
+def test_secret_never_reaches_the_bundle(tmp_path, open_all):
+    """A traced process (and the capture itself) carry a secret: the bundle must not."""
+    target = _sleeper({"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-7",
+                       "AWS_SECRET_ACCESS_KEY": SECRET})
+    try:
+        r = run_capture("--bundle", tmp_path / "b", "--node", "n1", "--no-ebpf",
+                        "--duration", "2", env=capture_env(AWS_SECRET_ACCESS_KEY=SECRET))
+        assert r.returncode == 0, r.stderr
+    finally:
+        target.kill()
+        target.wait()
+    [path] = bundles(tmp_path / "b")
+    raw = path.read_bytes()
+    image = zstandard.ZstdDecompressor().decompressobj().decompress(raw[8 + int.from_bytes(raw[4:8], "little"):])
+    assert b"SQLite format 3" in image
+    for blob in (raw, image):
+        assert SECRET.encode() not in blob
+        assert b"AWS_SECRET_ACCESS_KEY" not in blob
+    [b] = open_all(tmp_path / "b")
+    [(rank, world, job, env)] = rows(b, "SELECT rank, world_size, job_id, env FROM processes "
+                                        "WHERE pid = ?", target.pid)
+    assert (rank, world, job) == (3, 4, "job-7")
+    assert json.loads(env) == {"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-7"}
+    assert b.manifest.get("job_ids") == ["job-7"]
+    assert rows(b, "SELECT COUNT(*) FROM threads WHERE pid = ?", target.pid)[0][0] >= 1
