@@ -114,7 +114,8 @@ def _describe(a) -> str:
     return f"{name} {target}".strip()
 
 
-def check_readonly(con: apsw.Connection, sql: str, bindings=None) -> list[str]:
+def check_readonly(con: apsw.Connection, sql: str, bindings=None, *, where: str = "query"
+                   ) -> list[str]:
     """Raise QueryRefused unless sql is exactly one statement that only reads.
 
     Returns the statement's column names.
@@ -122,9 +123,9 @@ def check_readonly(con: apsw.Connection, sql: str, bindings=None) -> list[str]:
     try:
         info = apsw.ext.query_info(con, sql, bindings, actions=True)
     except apsw.Error as e:
-        raise IngeroError(f"query failed: {_sql_error(e)}") from None
+        raise IngeroError(f"{where}: query failed: {_sql_error(e)}") from None
     if not info.first_query.strip():
-        raise IngeroError("query is empty")
+        raise IngeroError(f"{where}: query is empty")
     rest = info.query_remaining or ""
     if rest.strip():
         try:
@@ -134,13 +135,13 @@ def check_readonly(con: apsw.Connection, sql: str, bindings=None) -> list[str]:
         except apsw.Error:
             more = True
         if more:
-            raise QueryRefused("one statement per query: remove the text after the first ';'")
+            raise QueryRefused(f"{where}: one statement per query: remove the text after the first ';'")
     writes = [a for a in (info.actions or ())
               if _authorizer(a.action, a.pragma_name, a.pragma_value, a.database_name, None)
               != apsw.SQLITE_OK]
     if not info.is_readonly or writes:
         what = _describe(writes[0]) if writes else "the statement writes"
-        raise QueryRefused(f"statement refused: ingero-query only reads ({what})")
+        raise QueryRefused(f"{where}: statement refused: ingero-query only reads ({what})")
     return [d[0] for d in (info.description or ())]
 
 
@@ -159,23 +160,24 @@ class QueryResult:
 
 def run_query(db: OpenedDatabase, sql: str, bindings=None) -> QueryResult:
     """Check and start one read-only statement; rows stream from the returned iterator."""
-    columns = check_readonly(db.con, sql, bindings)
+    where = str(db.path)
+    columns = check_readonly(db.con, sql, bindings, where=where)
     db.con.authorizer = _authorizer
     cur = db.con.cursor()
     try:
         cur.execute(sql, bindings)
     except apsw.AuthError:
-        raise QueryRefused("statement refused: ingero-query only reads") from None
+        raise QueryRefused(f"{where}: statement refused: ingero-query only reads") from None
     except apsw.BindingsError as e:
-        raise IngeroError(f"query parameters: {e}") from None
+        raise IngeroError(f"{where}: query parameters: {e}") from None
     except apsw.Error as e:
-        raise IngeroError(f"query failed: {_sql_error(e)}") from None
+        raise IngeroError(f"{where}: query failed: {_sql_error(e)}") from None
 
     def rows():
         try:
             yield from cur
         except apsw.Error as e:
-            raise IngeroError(f"query failed: {_sql_error(e)}") from None
+            raise IngeroError(f"{where}: query failed: {_sql_error(e)}") from None
 
     return QueryResult(columns, rows())
 
@@ -189,17 +191,9 @@ class TableInfo:
 
 
 def fleet_table_docs() -> dict[str, str]:
-    """Table docs from the fleet.db catalogue when the merge package provides one."""
-    try:
-        from ..merge import fleet_schema  # noqa: PLC0415 (optional: lands with the merge)
-    except ImportError:
-        return {}
-    docs = {}
-    for t in getattr(fleet_schema, "TABLES", ()):
-        name, doc = getattr(t, "name", None), getattr(t, "doc", None)
-        if isinstance(name, str) and isinstance(doc, str):
-            docs[name] = doc
-    return docs
+    """Table docs from the fleet.db catalogue (merge/fleet_schema.py)."""
+    from ..merge.fleet_schema import FLEET_TABLES  # noqa: PLC0415 (only --schema needs it)
+    return {t.name: t.doc for t in FLEET_TABLES}
 
 
 def list_tables(db: OpenedDatabase) -> list[TableInfo]:

@@ -1,0 +1,840 @@
+"""fleet.db -> Chrome Trace Event Format JSON (opens in Perfetto and chrome://tracing).
+
+Layout: one process per node (pid = 1 + its index among all nodes ordered by name, so a
+node keeps its pid whatever --nodes selects) and one process for the fleet-wide
+collective windows. Per traced thread: its own track (CUDA calls), an NCCL track
+(collectives, entry to observed completion, and communicator lifecycle) and a sched
+track. Per node: a TCP track (instants), a track per disk (block I/O) and counter tracks
+(host samples, in-kernel call rates).
+
+Slices on one track must nest (Perfetto spills or drops partial overlaps). Every slice
+stream is therefore ordered by (track, start) and placed by a small lane allocator: a
+slice that would partially overlap goes to an overflow track "<track> (overlap N)".
+
+Streaming: SQLite formats the fixed part of each event as JSON text (printf and
+json_object run in C); Python only picks the track and writes chunks. Memory is bounded
+by the number of tracks and threads, never by the number of events. Output is
+deterministic: every query has a total order and the metadata holds no wall-clock time.
+
+Timestamps are microseconds with three decimals (nanoseconds) relative to ``origin``:
+the start of the data, floored to a whole second of aligned fleet UTC (absolute UTC in
+microseconds would exceed a double's 53 bits and lose the nanoseconds). The origin is in
+the top-level metadata.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gzip
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import apsw
+import orjson
+
+from .. import __version__
+from ..db import connect_readonly
+from ..errors import IngeroError
+from ..merge.fleet_schema import FLEET_APPLICATION_ID, FLEET_VERSION
+
+KINDS = ("nccl", "cuda", "tcp", "sched", "block", "host")
+#: event_stats.source -> the --kinds name it belongs to
+_STAT_KIND = {"nccl": "nccl", "cuda": "cuda", "sched": "sched", "block": "block", "tcp": "tcp"}
+_CHUNK_EVENTS = 8192
+#: Synthetic track ids start above any Linux tid (pid_max <= 2^22) and stay below 2^31.
+_SYNTHETIC_TID = 1 << 30
+_NS = 1_000_000_000
+
+
+class ExportError(IngeroError):
+    pass
+
+
+@dataclass
+class ExportOptions:
+    start: str | None = None           # --from: ISO 8601 UTC or +offset from the data start
+    end: str | None = None             # --to
+    nodes: tuple[str, ...] = ()        # node names; empty = all
+    ranks: frozenset[int] | None = None
+    kinds: frozenset[str] = frozenset(KINDS)
+    max_events: int | None = None
+    gzip_level: int = 1
+
+
+@dataclass
+class ExportStats:
+    events: int = 0          # everything but metadata (M) events
+    slices: int = 0          # X
+    instants: int = 0        # i
+    counters: int = 0        # C
+    flows: int = 0           # flow arrows (each an s and an f event)
+    metadata_events: int = 0
+    overflow_tracks: int = 0
+    by_kind: dict = field(default_factory=dict)
+    origin_ns: int = 0
+    output: str = "-"
+    bytes: int = 0
+
+
+# ----------------------------------------------------------------------------- time
+
+_OFFSET_RE = re.compile(r"^\+(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)$")
+_UNIT_NS = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": _NS, "m": 60 * _NS,
+            "h": 3600 * _NS, "d": 86400 * _NS}
+
+
+def parse_time(text: str, data_start_ns: int) -> int:
+    """'+30s', '+2m', '+1.5h' (from the start of the data) or ISO 8601 UTC -> ns UTC.
+
+    Never relative to the current time. An ISO time without an offset is taken as UTC.
+    """
+    s = text.strip()
+    m = _OFFSET_RE.match(s)
+    if m:
+        num, unit = m.groups()
+        if "." in num:
+            whole, frac = num.split(".")
+            scale = _UNIT_NS[unit]
+            return data_start_ns + int(whole) * scale + int(frac.ljust(9, "0")[:9]) * scale // _NS
+        return data_start_ns + int(num) * _UNIT_NS[unit]
+    if s.startswith("+") or s.startswith("-"):
+        raise ExportError(f"time {text!r}: offsets look like +30s, +2m, +1.5h "
+                          "(units ns, us, ms, s, m, h, d)")
+    iso = s[:-1] + "+00:00" if s.endswith(("Z", "z")) else s
+    # Keep nanoseconds: datetime only holds microseconds, so split the fraction off.
+    frac_ns = 0
+    fm = re.search(r"\.(\d+)", iso)
+    if fm:
+        frac_ns = int(fm.group(1).ljust(9, "0")[:9])
+        iso = iso[:fm.start()] + iso[fm.end():]
+    try:
+        t = _dt.datetime.fromisoformat(iso)
+    except ValueError:
+        raise ExportError(f"time {text!r}: not ISO 8601 UTC (2025-01-31T12:00:00Z) nor an "
+                          "offset from the start of the data (+30s, +2m)") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return int(t.timestamp()) * _NS + frac_ns
+
+
+def iso_utc(ns: int) -> str:
+    sec, frac = divmod(ns, _NS)
+    base = _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{base}.{frac:09d}Z"
+
+
+def parse_ranks(text: str) -> frozenset[int]:
+    """'0-7,12' -> {0..7, 12}."""
+    out = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ExportError(f"ranks {text!r}: use numbers and ranges, e.g. 0-7,12")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+        if hi < lo or hi - lo > 1_000_000:
+            raise ExportError(f"ranks {text!r}: bad range {part}")
+        out.update(range(lo, hi + 1))
+    return frozenset(out)
+
+
+# ------------------------------------------------------------------------ the fleet
+
+def open_fleet(path) -> apsw.Connection:
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"{path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise ExportError(f"{path}: cannot read: {e.strerror or e}") from None
+    if head != b"SQLite format 3\x00":
+        raise ExportError(f"{path}: not a fleet.db (not a SQLite database; bundles are "
+                          "merged first with ingero-merge)")
+    try:
+        con = connect_readonly(path)
+        app = con.execute("PRAGMA application_id").fetchone()[0]
+        ver = con.execute("PRAGMA user_version").fetchone()[0]
+    except apsw.Error as e:
+        raise ExportError(f"{path}: cannot open database ({e})") from None
+    if app != FLEET_APPLICATION_ID:
+        con.close()
+        raise ExportError(f"{path}: not a fleet.db (application_id {app:#x}; a bundle "
+                          "database or another SQLite file?)")
+    if ver > FLEET_VERSION:
+        con.close()
+        raise ExportError(f"{path}: fleet.db version {ver} is newer than this tool "
+                          f"supports ({FLEET_VERSION}); upgrade ingero-forensics")
+    return con
+
+
+@dataclass
+class Node:
+    node_id: int
+    name: str
+    pid: int
+    ranks: list
+
+
+def _load_nodes(con) -> list[Node]:
+    nodes = []
+    for i, (node_id, name, ranks) in enumerate(con.execute(
+            "SELECT node_id, name, ranks FROM nodes ORDER BY name, node_id")):
+        try:
+            rk = sorted(r for r in orjson.loads(ranks or "[]") if isinstance(r, int))
+        except orjson.JSONDecodeError:
+            rk = []
+        nodes.append(Node(node_id, name, i + 1, rk))
+    return nodes
+
+
+def _ranges(ranks: list[int]) -> str:
+    if not ranks:
+        return "no ranks"
+    parts, lo, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(lo) if lo == prev else f"{lo}-{prev}")
+        if r is not None:
+            lo = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+# ------------------------------------------------------------------------- tracks
+
+class Tracks:
+    """Chrome (pid, tid) per logical track, with overflow lanes and their names."""
+
+    def __init__(self, nodes: list[Node], proc_rank: dict, thread_comm: dict):
+        self.by_node = {n.node_id: n for n in nodes}
+        self.proc_rank = proc_rank        # (node_id, os pid) -> global rank
+        self.thread_comm = thread_comm    # (node_id, os tid) -> thread name
+        self.names: dict[tuple[int, int], tuple[int, str]] = {}   # (pid, tid) -> (sort, name)
+        self._next = {}                   # chrome pid -> next synthetic tid
+        self._synthetic: dict[tuple, int] = {}
+        self.overflow = 0
+
+    def synthetic(self, chrome_pid: int, key: tuple, sort: int, name: str) -> int:
+        tid = self._synthetic.get((chrome_pid,) + key)
+        if tid is None:
+            tid = self._next.get(chrome_pid, _SYNTHETIC_TID)
+            self._next[chrome_pid] = tid + 1
+            self._synthetic[(chrome_pid,) + key] = tid
+            self.names[(chrome_pid, tid)] = (sort, name)
+        return tid
+
+    def thread_label(self, node_id: int, pid: int, tid: int) -> tuple[int, str]:
+        rank = self.proc_rank.get((node_id, pid))
+        comm = self.thread_comm.get((node_id, tid)) or "?"
+        who = f"rank {rank}" if rank is not None else f"pid {pid}"
+        sort = (rank if rank is not None else 1_000_000 + pid) * 16
+        return sort, f"{who} · {comm} (tid {tid})"
+
+    def thread(self, node_id: int, pid: int, tid: int) -> tuple[int, int]:
+        chrome_pid = self.by_node[node_id].pid
+        if (chrome_pid, tid) not in self.names:
+            self.names[(chrome_pid, tid)] = self.thread_label(node_id, pid, tid)
+        return chrome_pid, tid
+
+    def family(self, node_id: int, pid: int, tid: int, family: str, order: int) -> tuple[int, int]:
+        chrome_pid = self.by_node[node_id].pid
+        sort, label = self.thread_label(node_id, pid, tid)
+        return chrome_pid, self.synthetic(chrome_pid, (family, pid, tid), sort + order,
+                                          f"{label} · {family}")
+
+    def lane(self, chrome_pid: int, base_tid: int, lane: int) -> int:
+        sort, name = self.names[(chrome_pid, base_tid)]
+        key = ("lane", base_tid, lane)
+        if (chrome_pid,) + key not in self._synthetic:
+            self.overflow += 1
+        return self.synthetic(chrome_pid, key, sort + 1, f"{name} (overlap {lane})")
+
+
+def _place(lanes: list[list[int]], start: int, end: int) -> int:
+    """First lane where [start, end) nests or follows; a new lane if none."""
+    for i, stack in enumerate(lanes):
+        while stack and stack[-1] <= start:
+            stack.pop()
+        if not stack or end <= stack[-1]:
+            stack.append(end)
+            return i
+    lanes.append([end])
+    return len(lanes) - 1
+
+
+# -------------------------------------------------------------------------- writer
+
+class _Sink:
+    """Chunked writer of the traceEvents array; counts and caps events."""
+
+    def __init__(self, raw, max_events: int | None):
+        self.raw = raw
+        self.buf: list[str] = []
+        self.first = True
+        self.max_events = max_events
+        self.events = 0
+        self.bytes = 0
+
+    def add(self, line: str, counted: bool = True) -> None:
+        self.buf.append(line)
+        if counted:
+            self.events += 1
+            if self.max_events is not None and self.events > self.max_events:
+                raise ExportError(f"more than --max-events {self.max_events} events; narrow "
+                                  "the export with --from/--to, --nodes, --ranks or --kinds, "
+                                  "or raise --max-events")
+        if len(self.buf) >= _CHUNK_EVENTS:
+            self.flush()
+
+    def write(self, data: bytes) -> None:
+        self.raw.write(data)
+        self.bytes += len(data)
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        text = ",\n".join(self.buf)
+        self.write(((",\n" if not self.first else "") + text).encode())
+        self.first = False
+        self.buf.clear()
+
+
+def _ts(col: str) -> str:
+    """SQL: a ns time point as microseconds relative to the origin (:origin), 3 decimals."""
+    return f"printf('%.3f', ({col} - :origin) / 1000.0)"
+
+
+def _dur(col: str) -> str:
+    return f"printf('%.3f', ({col}) / 1000.0)"
+
+
+def _args(*pairs: str) -> str:
+    """SQL: a JSON object of the non-NULL args (json_patch drops NULL members)."""
+    return f"json_patch('{{}}', json_object({', '.join(pairs)}))"
+
+
+class _Exporter:
+    def __init__(self, con, opts: ExportOptions, path: str):
+        self.con = con
+        self.opts = opts
+        self.path = path
+        self.nodes_all = _load_nodes(con)
+        if not self.nodes_all:
+            raise ExportError(f"{path}: fleet.db has no nodes (nothing was merged)")
+        names = {n.name: n for n in self.nodes_all}
+        if opts.nodes:
+            unknown = [n for n in opts.nodes if n not in names]
+            if unknown:
+                raise ExportError(f"{path}: no node named {', '.join(unknown)} (nodes: "
+                                  f"{', '.join(sorted(names))})")
+            self.nodes = [names[n] for n in sorted(set(opts.nodes))]
+        else:
+            self.nodes = list(self.nodes_all)
+        self.proc_rank = {}
+        for node_id, pid, rank in con.execute(
+                "SELECT node_id, pid, rank FROM processes WHERE rank IS NOT NULL "
+                "ORDER BY node_id, pid, id"):
+            self.proc_rank.setdefault((node_id, pid), rank)
+        thread_comm = {}
+        for node_id, tid, comm in con.execute(
+                "SELECT node_id, tid, comm FROM threads WHERE comm IS NOT NULL "
+                "ORDER BY node_id, tid, id"):
+            thread_comm.setdefault((node_id, tid), comm)
+        if opts.ranks is not None:
+            keep = {nid for (nid, _), r in self.proc_rank.items() if r in opts.ranks}
+            keep |= {n.node_id for n in self.nodes if set(n.ranks) & opts.ranks}
+            self.nodes = [n for n in self.nodes if n.node_id in keep]
+            self.pids = sorted((nid, pid) for (nid, pid), r in self.proc_rank.items()
+                               if r in opts.ranks and nid in keep)
+        self.tracks = Tracks(self.nodes_all, self.proc_rank, thread_comm)
+        self.fleet_pid = len(self.nodes_all) + 1
+        self.data_start = self._data_start()
+        self.origin = self.data_start - self.data_start % _NS
+        self.t_from = parse_time(opts.start, self.data_start) if opts.start else None
+        self.t_to = parse_time(opts.end, self.data_start) if opts.end else None
+        if self.t_from is not None and self.t_to is not None and self.t_to <= self.t_from:
+            raise ExportError(f"--to ({iso_utc(self.t_to)}) is not after --from "
+                              f"({iso_utc(self.t_from)})")
+        self.stats = ExportStats(origin_ns=self.origin)
+
+    def _data_start(self) -> int:
+        v = self.con.execute("SELECT MIN(first_utc_ns) FROM nodes").fetchone()[0]
+        if v is None:
+            lows = [self.con.execute(f"SELECT MIN(timestamp_ns) FROM {t}").fetchone()[0]
+                    for t in ("nccl_events", "cuda_events", "sched_events", "block_events",
+                              "tcp_events", "host_samples")]
+            lows = [x for x in lows if x is not None]
+            v = min(lows) if lows else 0
+        return v
+
+    # -- filters ------------------------------------------------------------------
+    def where(self, alias: str = "", ts: str = "timestamp_ns", per_process: bool = True,
+              node_col: str = "node_id") -> str:
+        """SQL conditions for the selected nodes, ranks and time range (params :t_from, :t_to)."""
+        a = f"{alias}." if alias else ""
+        conds = []
+        if len(self.nodes) != len(self.nodes_all):
+            conds.append(f"{a}{node_col} IN ({', '.join(str(n.node_id) for n in self.nodes) or 'NULL'})")
+        if self.opts.ranks is not None and per_process:
+            pairs = " OR ".join(f"({a}node_id = {nid} AND {a}pid = {pid})"
+                                for nid, pid in self.pids) or "0"
+            conds.append(f"({pairs})")
+        if self.t_from is not None:
+            conds.append(f"{a}{ts} >= :t_from")
+        if self.t_to is not None:
+            conds.append(f"{a}{ts} < :t_to")
+        return " AND ".join(conds) or "1"
+
+    @property
+    def params(self):
+        return {"origin": self.origin, "t_from": self.t_from, "t_to": self.t_to}
+
+    def count(self, kind: str, n: int = 1) -> None:
+        self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + n
+
+    # -- slice streams ------------------------------------------------------------
+    def _slices(self, sink: _Sink, sql: str, kind: str, resolve, overflowed=None) -> None:
+        """Rows (node_id, k1, k2, start, end, body): body is JSON after pid/tid.
+
+        resolve(node_id, k1, k2) -> (chrome pid, base tid) of the track. Slices placed on
+        an overflow lane are recorded in ``overflowed`` when given.
+        """
+        cur_key = None
+        lanes: list[list[int]] = []
+        pid = base = 0
+        n = 0
+        for node_id, k1, k2, start, end, body in self.con.execute(sql, self.params):
+            key = (node_id, k1, k2)
+            if key != cur_key:
+                cur_key, lanes = key, []
+                pid, base = resolve(node_id, k1, k2)
+            lane = _place(lanes, start, end)
+            if lane == 0:
+                tid = base
+            else:
+                tid = self.tracks.lane(pid, base, lane)
+                if overflowed is not None:
+                    overflowed[key + (start, end)] = tid
+            sink.add(f'{{"ph":"X","pid":{pid},"tid":{tid},{body}')
+            n += 1
+        self.stats.slices += n
+        self.count(kind, n)
+
+    def cuda(self, sink: _Sink) -> None:
+        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
+                 ',"name":' || json_quote(api) || ',"cat":"cuda","args":' ||
+                 {_args("'layer'", 'layer', "'stream'", 'stream', "'bytes'", 'bytes',
+                        "'memcpy_kind'", 'memcpy_kind', "'kernel'", 'kernel',
+                        "'device'", 'device', "'return_code'", 'return_code')} || '}}'""")
+        sql = (f"SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, {body} "
+               f"FROM cuda_events WHERE duration_ns IS NOT NULL AND {self.where()} "
+               "ORDER BY node_id, pid, tid, timestamp_ns, id")
+        self._slices(sink, sql, "cuda", lambda nid, pid, tid: self.tracks.thread(nid, pid, tid))
+        # Entry-only probes (no duration) are instants on the thread's track.
+        sql = (f"SELECT node_id, pid, tid, '\"ts\":' || {_ts('timestamp_ns')} || "
+               "',\"s\":\"t\",\"name\":' || json_quote(api) || ',\"cat\":\"cuda\",\"args\":' || "
+               f"{_args(chr(39) + 'layer' + chr(39), 'layer', chr(39) + 'stream' + chr(39), 'stream')} || '}}' "
+               f"FROM cuda_events WHERE duration_ns IS NULL AND {self.where()} "
+               "ORDER BY node_id, pid, tid, timestamp_ns, id")
+        n = 0
+        for node_id, pid, tid, body in self.con.execute(sql, self.params):
+            cp, ct = self.tracks.thread(node_id, pid, tid)
+            sink.add(f'{{"ph":"i","pid":{cp},"tid":{ct},{body}')
+            n += 1
+        self.stats.instants += n
+        self.count("cuda", n)
+
+    def nccl(self, sink: _Sink) -> None:
+        coll = (f"""'"ts":' || {_ts('e.timestamp_ns')} || ',"dur":' || {_dur('e.duration_ns')} ||
+                 ',"name":' || json_quote(e.op) || ',"cat":"nccl","args":' ||
+                 {_args("'op'", 'e.op', "'bytes'", 'e.bytes', "'comm'", 'e.comm_id_hash',
+                        "'seq'", 'e.seq', "'rank'", 'e.rank', "'nranks'", 'e.nranks',
+                        "'count'", 'e.count', "'datatype'", 'e.datatype', "'redop'", 'e.redop',
+                        "'peer'", 'e.peer', "'stream'", 'e.stream',
+                        "'group_depth'", 'e.group_depth', "'return_code'", 'e.return_code',
+                        "'call_duration_ns'", 'e.call_duration_ns',
+                        "'completion_utc_ns'", 'e.completion_ns',
+                        "'late_ns'", 'e.timestamp_ns - c.first_entry_ns',
+                        "'wait_ns'", 'max(0, c.last_entry_ns - e.timestamp_ns)',
+                        "'entry_spread_ns'", 'c.entry_spread_ns',
+                        "'ranks_seen'", 'c.ranks_seen',
+                        "'last_to_arrive'",
+                        "CASE WHEN c.collective_id IS NULL THEN NULL WHEN c.last_node_id = "
+                        "e.node_id AND c.last_rank IS e.rank THEN json('true') ELSE "
+                        "json('false') END")} || '}}'""")
+        comm = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
+                 ',"name":' || json_quote(api) || ',"cat":"nccl","args":' ||
+                 {_args("'api'", 'api', "'comm'", 'comm_id_hash', "'parent'", 'parent_hash',
+                        "'split_color'", 'split_color', "'split_key'", 'split_key',
+                        "'rank'", 'rank', "'nranks'", 'nranks',
+                        "'return_code'", 'return_code')} || '}}'""")
+        sql = (f"SELECT node_id, pid, tid, ts, te, body FROM ("
+               f"SELECT e.node_id, e.pid, e.tid, e.timestamp_ns AS ts, "
+               f"e.timestamp_ns + e.duration_ns AS te, 0 AS src, e.id, {coll} AS body "
+               f"FROM nccl_events e LEFT JOIN collectives c "
+               f"ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq WHERE {self.where('e')} "
+               f"UNION ALL SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, "
+               f"1, id, {comm} FROM nccl_comm_events WHERE {self.where()}) "
+               "ORDER BY node_id, pid, tid, ts, src, id")
+        self._slices(sink, sql, "nccl",
+                     lambda nid, pid, tid: self.tracks.family(nid, pid, tid, "nccl", 1),
+                     self._overflowed_nccl)
+
+    def flows(self, sink: _Sink) -> None:
+        """Arrows chaining each collective's slices in arrival order across its ranks."""
+        sql = (f"SELECT e.comm_id_hash, e.seq, e.node_id, e.pid, e.tid, "
+               f"{_ts('e.timestamp_ns')}, e.timestamp_ns, e.duration_ns "
+               f"FROM nccl_events e WHERE e.comm_id_hash IS NOT NULL AND e.seq IS NOT NULL "
+               f"AND {self.where('e')} ORDER BY e.comm_id_hash, e.seq, e.timestamp_ns, "
+               "e.node_id, e.rank, e.id")
+        # The slice's track: lane 0 of its thread's nccl track, unless it overflowed, in
+        # which case it sits on a lane track; rerun the placement to find which.
+        prev = None
+        key_prev = None
+        flow_id = 0
+        lane_of = self._overflowed_nccl
+        for comm, seq, node_id, pid, tid, ts, ts_ns, dur in self.con.execute(sql, self.params):
+            cp, ct = self.tracks.family(node_id, pid, tid, "nccl", 1)
+            ct = lane_of.get((node_id, pid, tid, ts_ns, ts_ns + dur), ct)
+            here = (cp, ct, ts)
+            if key_prev == (comm, seq):
+                flow_id += 1
+                sink.add(f'{{"ph":"s","id":{flow_id},"pid":{prev[0]},"tid":{prev[1]},'
+                         f'"ts":{prev[2]},"name":"collective","cat":"nccl"}}')
+                sink.add(f'{{"ph":"f","bp":"e","id":{flow_id},"pid":{cp},"tid":{ct},'
+                         f'"ts":{ts},"name":"collective","cat":"nccl"}}')
+            key_prev, prev = (comm, seq), here
+        self.stats.flows += flow_id
+        self.count("nccl", 2 * flow_id)
+
+    def sched(self, sink: _Sink) -> None:
+        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
+                 ',"name":' || json_quote(kind || CASE WHEN prev_state IS NOT NULL THEN
+                 ' (' || prev_state || ')' ELSE '' END) || ',"cat":"sched","args":' ||
+                 {_args("'kind'", 'kind', "'cpu'", 'cpu', "'prev_state'", 'prev_state',
+                        "'other_pid'", 'other_pid', "'other_tid'", 'other_tid',
+                        "'other_comm'", 'other_comm')} || '}}'""")
+        sql = (f"SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, {body} "
+               f"FROM sched_events WHERE {self.where()} ORDER BY node_id, pid, tid, "
+               "timestamp_ns, id")
+        self._slices(sink, sql, "sched",
+                     lambda nid, pid, tid: self.tracks.family(nid, pid, tid, "sched", 8))
+
+    def block(self, sink: _Sink) -> None:
+        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
+                 ',"name":' || json_quote(op) || ',"cat":"block","args":' ||
+                 {_args("'device'", 'device', "'bytes'", 'bytes', "'sector'", 'sector',
+                        "'rwbs'", 'rwbs', "'pid'", 'pid', "'tid'", 'tid', "'comm'", 'comm',
+                        "'error'", 'error')} || '}}'""")
+        sql = (f"SELECT node_id, device, NULL, timestamp_ns, timestamp_ns + duration_ns, {body} "
+               f"FROM block_events WHERE {self.where(per_process=False)} "
+               "ORDER BY node_id, device, timestamp_ns, id")
+
+        def resolve(nid, device, _):
+            cp = self.tracks.by_node[nid].pid
+            return cp, self.tracks.synthetic(cp, ("block", device), 3_000_000_000,
+                                             f"block I/O · {device}")
+        self._slices(sink, sql, "block", resolve)
+
+    def tcp(self, sink: _Sink) -> None:
+        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"s":"t","name":' ||
+                 json_quote(CASE event WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END
+                 || ' ' || saddr || ':' || sport || ' > ' || daddr || ':' || dport) ||
+                 ',"cat":"tcp","args":' ||
+                 {_args("'event'", 'event', "'saddr'", 'saddr', "'sport'", 'sport',
+                        "'daddr'", 'daddr', "'dport'", 'dport', "'state'", 'state',
+                        "'scope'", 'scope', "'owner_pid'", 'owner_pid',
+                        "'srtt_us'", 'srtt_us', "'snd_cwnd'", 'snd_cwnd')} || '}}'""")
+        sql = (f"SELECT node_id, scope, {body} FROM tcp_events "
+               f"WHERE {self.where(per_process=False)} ORDER BY node_id, timestamp_ns, id")
+        n = 0
+        for node_id, scope, body in self.con.execute(sql, self.params):
+            cp = self.tracks.by_node[node_id].pid
+            ct = self.tracks.synthetic(cp, ("tcp", scope), 2_000_000_000 + (scope != "job"),
+                                       f"TCP · {scope} connections")
+            sink.add(f'{{"ph":"i","pid":{cp},"tid":{ct},{body}')
+            n += 1
+        self.stats.instants += n
+        self.count("tcp", n)
+
+    def host(self, sink: _Sink) -> None:
+        sql = (f"SELECT node_id, '{{\"ph\":\"C\",\"tid\":0,\"ts\":' || {_ts('timestamp_ns')} || "
+               "',\"name\":' || json_quote(metric || CASE WHEN device IS NOT NULL THEN ' ' || "
+               "device ELSE '' END) || ',\"cat\":\"host\",\"args\":{\"value\":' || "
+               "CASE WHEN value = value THEN printf('%!.15g', value) ELSE 'null' END || '}}' "
+               f"FROM host_samples WHERE {self.where(per_process=False)} "
+               "AND value IS NOT NULL AND abs(value) < 1e300 "
+               "ORDER BY node_id, metric, device, timestamp_ns, id")
+        n = 0
+        pid_of = {n_.node_id: n_.pid for n_ in self.nodes_all}
+        for node_id, body in self.con.execute(sql, self.params):
+            sink.add(f'{{"pid":{pid_of[node_id]},{body[1:]}')
+            n += 1
+        self.stats.counters += n
+        self.count("host", n)
+
+    def stats_rates(self, sink: _Sink, kinds) -> None:
+        """event_stats as per-node rate counters: calls/s of each API or span kind."""
+        sources = [s for s, k in _STAT_KIND.items() if k in kinds]
+        if not sources:
+            return
+        src = ", ".join(f"'{s}'" for s in sources)
+        sql = (f"SELECT node_id, source, '\"ts\":' || {_ts('interval_start_ns')} || "
+               "',\"name\":' || json_quote(source || ' ' || name || ' calls/s') || "
+               "',\"cat\":\"' || source || '\",\"args\":{\"value\":' || "
+               "printf('%!.15g', SUM(count) * 1e9 / max(1, interval_end_ns - interval_start_ns)) "
+               "|| '}}' "
+               f"FROM event_stats WHERE source IN ({src}) AND "
+               f"{self.where(ts='interval_start_ns', per_process=False)} "
+               "GROUP BY node_id, source, name, interval_start_ns, interval_end_ns "
+               "ORDER BY node_id, source, name, interval_start_ns, interval_end_ns")
+        pid_of = {n_.node_id: n_.pid for n_ in self.nodes_all}
+        for node_id, source, body in self.con.execute(sql, self.params):
+            sink.add(f'{{"ph":"C","pid":{pid_of[node_id]},"tid":0,{body}')
+            self.stats.counters += 1
+            self.count(_STAT_KIND[source], 1)
+
+    def windows(self, sink: _Sink) -> None:
+        """What fleet.db proves about stragglers: per collective, first to last entry."""
+        node_names = {n.node_id: n.name for n in self.nodes_all}
+        conds = ["entry_spread_ns > 0"]
+        if len(self.nodes) != len(self.nodes_all):
+            conds.append(f"last_node_id IN ({', '.join(str(n.node_id) for n in self.nodes)})")
+        if self.opts.ranks is not None:
+            conds.append(f"last_rank IN ({', '.join(map(str, sorted(self.opts.ranks)))})")
+        if self.t_from is not None:
+            conds.append("first_entry_ns >= :t_from")
+        if self.t_to is not None:
+            conds.append("first_entry_ns < :t_to")
+        body = (f"""'"ts":' || {_ts('first_entry_ns')} || ',"dur":' || {_dur('entry_spread_ns')}
+                 || ',"name":' || json_quote(op || ' #' || seq || ': waiting for ' ||
+                 CASE WHEN last_rank IS NULL THEN 'node' ELSE 'rank ' || last_rank END) ||
+                 ',"cat":"straggler","args":' ||
+                 {_args("'comm'", 'comm_id_hash', "'seq'", 'seq', "'op'", 'op',
+                        "'bytes'", 'bytes', "'last_rank'", 'last_rank',
+                        "'last_node_id'", 'last_node_id', "'entry_spread_ns'", 'entry_spread_ns',
+                        "'ranks_seen'", 'ranks_seen', "'nranks'", 'nranks',
+                        "'completion_utc_ns'", 'completion_ns',
+                        "'op_mismatch'", 'op_mismatch')} || '}}'""")
+        sql = (f"SELECT 0, comm_id_hash, NULL, first_entry_ns, last_entry_ns, last_node_id, "
+               f"{body} FROM collectives WHERE {' AND '.join(conds)} "
+               "ORDER BY comm_id_hash, first_entry_ns, seq")
+        cur_key, lanes, n = None, [], 0
+        fp = self.fleet_pid
+        for _, comm, _, start, end, last_node, body in self.con.execute(sql, self.params):
+            if comm != cur_key:
+                cur_key, lanes = comm, []
+                base = self.tracks.synthetic(fp, ("comm", comm), 0,
+                                             f"communicator {comm} · waits for the last rank")
+            lane = _place(lanes, start, end)
+            tid = base if lane == 0 else self.tracks.lane(fp, base, lane)
+            name = node_names.get(last_node, str(last_node))
+            sink.add(f'{{"ph":"X","pid":{fp},"tid":{tid},'
+                     f'{body[:-2]},"last_node":{orjson.dumps(name).decode()}}}}}')
+            n += 1
+        self.stats.slices += n
+        self.count("nccl", n)
+
+    # -- metadata -----------------------------------------------------------------
+    def metadata_events(self, sink: _Sink) -> None:
+        used_pids = {p for p, _ in self.tracks.names}
+        for node in self.nodes_all:
+            if node.pid not in used_pids and node not in self.nodes:
+                continue
+            for line in (
+                {"ph": "M", "pid": node.pid, "tid": 0, "name": "process_name",
+                 "args": {"name": f"{node.name} ({_ranges(node.ranks)})"}},
+                {"ph": "M", "pid": node.pid, "tid": 0, "name": "process_sort_index",
+                 "args": {"sort_index": node.pid}}):
+                sink.add(orjson.dumps(line).decode(), counted=False)
+                self.stats.metadata_events += 1
+        if self.fleet_pid in used_pids:
+            for line in (
+                {"ph": "M", "pid": self.fleet_pid, "tid": 0, "name": "process_name",
+                 "args": {"name": "fleet · collective waits"}},
+                {"ph": "M", "pid": self.fleet_pid, "tid": 0, "name": "process_sort_index",
+                 "args": {"sort_index": 0}}):
+                sink.add(orjson.dumps(line).decode(), counted=False)
+                self.stats.metadata_events += 1
+        for (pid, tid), (sort, name) in sorted(self.tracks.names.items()):
+            for line in (
+                {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                 "args": {"name": name}},
+                {"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
+                 "args": {"sort_index": sort}}):
+                sink.add(orjson.dumps(line).decode(), counted=False)
+                self.stats.metadata_events += 1
+
+    def metadata(self) -> dict:
+        align = {}
+        for row in self.con.execute(
+                "SELECT node_id, method, offset_ns, drift_ppm, uncertainty_ns, "
+                "relative_uncertainty_ns, residual_ns FROM clock_alignment ORDER BY node_id"):
+            align[row[0]] = dict(zip(("method", "offset_ns", "drift_ppm", "uncertainty_ns",
+                                      "relative_uncertainty_ns", "residual_ns"), row[1:]))
+        nodes = []
+        for n in self.nodes_all:
+            nodes.append({"name": n.name, "pid": n.pid, "ranks": n.ranks,
+                          "exported": n in self.nodes,
+                          "clock_alignment": align.get(n.node_id)})
+        info = {k: _json_or_text(v) for k, v in self.con.execute(
+            "SELECT key, value FROM fleet_info WHERE key IN ('format_version', 'created_by', "
+            "'created_utc', 'updated_utc') ORDER BY key")}
+        s = self.stats
+        return {
+            "tool": f"ingero-export {__version__}",
+            "source": os.path.basename(self.path),
+            "fleet_info": info,
+            "clock": "aligned fleet UTC; ts = microseconds since origin",
+            "origin_utc_ns": self.origin,
+            "origin_utc": iso_utc(self.origin),
+            "data_start_utc": iso_utc(self.data_start),
+            "from_utc": iso_utc(self.t_from) if self.t_from is not None else None,
+            "to_utc": iso_utc(self.t_to) if self.t_to is not None else None,
+            "kinds": sorted(self.opts.kinds),
+            "nodes": nodes,
+            "counts": {"events": s.events, "slices": s.slices, "instants": s.instants,
+                       "counters": s.counters, "flows": s.flows,
+                       "overflow_tracks": s.overflow_tracks, "by_kind": s.by_kind},
+        }
+
+    # -- all ----------------------------------------------------------------------
+    def run(self, raw) -> ExportStats:
+        kinds = self.opts.kinds
+        sink = _Sink(raw, self.opts.max_events)
+        if self.opts.max_events is not None:
+            est = self.estimate()
+            if est > self.opts.max_events:
+                raise ExportError(f"{self.path}: the export would hold {est} events, more "
+                                  f"than --max-events {self.opts.max_events}; narrow it with "
+                                  "--from/--to, --nodes, --ranks or --kinds, or raise "
+                                  "--max-events")
+        sink.write(b'{"traceEvents":[\n')
+        self._overflowed_nccl = {}
+        if "nccl" in kinds:
+            self.nccl(sink)
+            self.flows(sink)
+            self.windows(sink)
+        if "cuda" in kinds:
+            self.cuda(sink)
+        if "sched" in kinds:
+            self.sched(sink)
+        if "block" in kinds:
+            self.block(sink)
+        if "tcp" in kinds:
+            self.tcp(sink)
+        if "host" in kinds:
+            self.host(sink)
+        self.stats_rates(sink, kinds)
+        self.stats.events = sink.events
+        self.stats.overflow_tracks = self.tracks.overflow
+        self.metadata_events(sink)
+        sink.flush()
+        sink.write(b'\n],\n"displayTimeUnit":"ns",\n"metadata":')
+        sink.write(orjson.dumps(self.metadata(), option=orjson.OPT_SORT_KEYS))
+        sink.write(b"}\n")
+        self.stats.bytes = sink.bytes
+        return self.stats
+
+    def estimate(self) -> int:
+        """Events the export will hold (for --max-events, before writing anything)."""
+        k = self.opts.kinds
+        n = 0
+        q = lambda sql: self.con.execute(sql, self.params).fetchone()[0] or 0  # noqa: E731
+        if "nccl" in k:
+            n += q(f"SELECT COUNT(*) FROM nccl_events WHERE {self.where()}")
+            n += q(f"SELECT COUNT(*) FROM nccl_comm_events WHERE {self.where()}")
+            n += 2 * q(f"SELECT COUNT(*) - COUNT(DISTINCT comm_id_hash || ':' || seq) FROM "
+                       f"nccl_events WHERE comm_id_hash IS NOT NULL AND seq IS NOT NULL AND "
+                       f"{self.where()}")
+        if "cuda" in k:
+            n += q(f"SELECT COUNT(*) FROM cuda_events WHERE {self.where()}")
+        if "sched" in k:
+            n += q(f"SELECT COUNT(*) FROM sched_events WHERE {self.where()}")
+        if "block" in k:
+            n += q(f"SELECT COUNT(*) FROM block_events WHERE {self.where(per_process=False)}")
+        if "tcp" in k:
+            n += q(f"SELECT COUNT(*) FROM tcp_events WHERE {self.where(per_process=False)}")
+        if "host" in k:
+            n += q(f"SELECT COUNT(*) FROM host_samples WHERE {self.where(per_process=False)}")
+        return n
+
+
+def _json_or_text(v):
+    try:
+        return orjson.loads(v)
+    except (orjson.JSONDecodeError, TypeError):
+        return v
+
+
+# --------------------------------------------------------------------------- entry
+
+def export_chrome_trace(fleet_db, output=None, options: ExportOptions | None = None,
+                        *, stdout=None) -> ExportStats:
+    """Write fleet_db as Chrome Trace Event Format JSON.
+
+    output: a path (``.gz`` suffix: gzip) or None for stdout (``stdout``, a binary
+    stream, default sys.stdout.buffer). A file is built as a temporary file next to it and
+    renamed into place only when complete: on any error the destination is untouched.
+    """
+    opts = options or ExportOptions()
+    bad = set(opts.kinds) - set(KINDS)
+    if bad:
+        raise ExportError(f"unknown kind(s) {', '.join(sorted(bad))} (kinds: {', '.join(KINDS)})")
+    con = open_fleet(fleet_db)
+    try:
+        exporter = _Exporter(con, opts, str(fleet_db))
+        try:
+            if output is None:
+                out = stdout if stdout is not None else sys.stdout.buffer
+                stats = exporter.run(out)
+                out.flush()
+                stats.output = "-"
+                return stats
+            return _to_file(exporter, Path(output), opts)
+        except apsw.Error as e:
+            raise ExportError(f"{fleet_db}: cannot read fleet.db ({e})") from None
+    finally:
+        con.close()
+
+
+def _to_file(exporter: _Exporter, out_path: Path, opts: ExportOptions) -> ExportStats:
+    if out_path.is_dir():
+        raise ExportError(f"{out_path}: is a directory")
+    parent = out_path.parent
+    if not parent.is_dir():
+        raise ExportError(f"{out_path}: directory {parent} does not exist")
+    tmp = parent / f".{out_path.name}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            if out_path.name.endswith(".gz"):
+                # mtime=0 and no file name in the header: same input, same bytes.
+                with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0,
+                                   compresslevel=opts.gzip_level) as gz:
+                    stats = exporter.run(gz)
+            else:
+                stats = exporter.run(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"{out_path}: cannot write: {e.strerror or e}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    stats.output = str(out_path)
+    return stats
+
+
+__all__ = ["ExportOptions", "ExportStats", "ExportError", "KINDS", "export_chrome_trace",
+           "parse_time", "parse_ranks", "iso_utc"]

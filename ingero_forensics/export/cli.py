@@ -1,0 +1,90 @@
+"""ingero-export: fleet.db -> Chrome Trace Event Format (thin layer over chrome_trace)."""
+
+from __future__ import annotations
+
+import click
+
+from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, human_bytes, version_option
+from .chrome_trace import KINDS, ExportOptions, export_chrome_trace, parse_ranks
+
+
+def _split(values) -> tuple[str, ...]:
+    return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
+
+
+@click.command(name="ingero-export", epilog=EXIT_CODES_HELP)
+@click.argument("fleet_db", type=click.Path(dir_okay=False))
+@click.option("--chrome-trace", "chrome_trace", is_flag=True, required=True,
+              help="Write Chrome Trace Event Format JSON (Perfetto, chrome://tracing). "
+                   "Required: the format is named so that others can be added.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Output file; a name ending in .gz is gzip-compressed. Default: stdout.")
+@click.option("--from", "start", metavar="TIME",
+              help="Only events starting at or after TIME: ISO 8601 UTC "
+                   "(2025-01-31T12:00:05Z) or an offset from the start of the data "
+                   "(+30s, +2m, +1.5h). Never relative to the current time.")
+@click.option("--to", "end", metavar="TIME", help="Only events starting before TIME "
+              "(same forms as --from).")
+@click.option("--nodes", multiple=True, metavar="NAMES",
+              help="Only these nodes (comma-separated or repeated).")
+@click.option("--ranks", metavar="LIST", help="Only these global ranks, e.g. 0-7,12 "
+              "(their threads, plus the node-wide tracks of their nodes).")
+@click.option("--kinds", multiple=True, metavar="KINDS",
+              help=f"Only these kinds (comma-separated or repeated): {', '.join(KINDS)}. "
+                   "Default: all.")
+@click.option("--max-events", type=click.IntRange(min=1), metavar="N",
+              help="Refuse (writing nothing) if the trace would hold more than N events.")
+@click.option("--json", "json_", is_flag=True,
+              help="With -o: print a JSON summary (counts per kind, origin, bytes) on "
+                   "stdout. Without -o stdout holds the trace and no summary is printed.")
+@click.option("-q", "--quiet", is_flag=True, help="No summary line.")
+@version_option("ingero-export")
+@handle_errors
+def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_events,
+         json_, quiet):
+    """Write the merged fleet FLEET_DB as a Chrome Trace Event Format timeline.
+
+    One process per node (named like "node-05 (ranks 40-47)"), one track per traced
+    thread with its CUDA calls, an NCCL track per thread (collectives from entry to
+    observed completion, with op, bytes, communicator, seq, wait and lateness; flow
+    arrows link each collective across its ranks in arrival order), a sched track per
+    thread, TCP retransmits as instants, block I/O per disk, and host samples as counter
+    tracks. A "fleet" process shows, per communicator, each collective's window from the
+    first rank's entry to the last one's, named after the rank everybody waited for.
+
+    Timestamps are aligned fleet time, in microseconds with nanosecond fractions since
+    the origin written in the top-level metadata (with nodes, clock alignment and tool
+    version). The file is written to a temporary name and renamed when complete.
+
+    \b
+    Example:
+      ingero-export fleet.db --chrome-trace -o trace.json.gz
+      ingero-export fleet.db --chrome-trace --from +30s --to +45s --kinds nccl,cuda \\
+          --nodes node-05 -o window.json
+      ingero-export fleet.db --chrome-trace --ranks 40-47 | gzip > ranks.json.gz
+    """
+    kind_set = frozenset(_split(kinds)) if kinds else frozenset(KINDS)
+    bad = sorted(kind_set - set(KINDS))
+    if bad:
+        raise click.BadParameter(f"unknown kind {', '.join(bad)} (choose from "
+                                 f"{', '.join(KINDS)})", param_hint="--kinds")
+    try:
+        rank_set = parse_ranks(ranks) if ranks else None
+    except Exception as e:  # ExportError: a usage problem here
+        raise click.BadParameter(str(e), param_hint="--ranks") from None
+    opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,
+                         kinds=kind_set, max_events=max_events)
+    stats = export_chrome_trace(fleet_db, output, opts)
+    if output is None:
+        return  # stdout holds the trace; nothing else goes there
+    if json_:
+        echo_json({"output": stats.output, "bytes": stats.bytes, "events": stats.events,
+                   "slices": stats.slices, "instants": stats.instants,
+                   "counters": stats.counters, "flows": stats.flows,
+                   "metadata_events": stats.metadata_events,
+                   "overflow_tracks": stats.overflow_tracks, "by_kind": stats.by_kind,
+                   "origin_utc_ns": stats.origin_ns})
+    elif not quiet:
+        click.echo(f"{stats.output}: {stats.events} events ({stats.slices} slices, "
+                   f"{stats.flows} flows, {stats.counters} counter samples, "
+                   f"{stats.instants} instants), {human_bytes(stats.bytes)}", err=True)
