@@ -102,7 +102,7 @@ MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
      "equal to the zstd frame's content size."),
     ("database.sha256", "string", True, "SHA-256 of the uncompressed image, 64 lowercase "
      "hex digits."),
-    ("database.compression", "string", False, 'If present, "zstd".'),
+    ("database.compression", "string", True, 'Exactly "zstd".'),
     ("created_by", "string", False, "Free text naming the writing program."),
     ("job_ids", "array", False, "Job identifiers (strings) seen on the node."),
 )
@@ -154,8 +154,8 @@ def check_manifest(path, m) -> dict:
     sha = db.get("sha256")
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise BundleError(path, "manifest field database.sha256 missing or not 64 hex digits")
-    if db.get("compression", "zstd") != "zstd":
-        raise BundleError(path, f"unsupported database.compression {db['compression']!r}")
+    if db.get("compression") != "zstd":
+        raise BundleError(path, "manifest field database.compression missing or not \"zstd\"")
     for t in MANIFEST_TABLES:
         if not _is_int(m["tables"].get(t)) or m["tables"][t] < 0:
             raise BundleError(path, f"manifest field tables.{t} missing or not a count")
