@@ -49,6 +49,8 @@ def wait_for(pred, timeout=30.0, what="condition"):
 
 
 def bundles(directory) -> list[Path]:
+    if not Path(directory).is_dir():
+        return []
     return [f.path for f in sealed_bundles(directory)]
 
 

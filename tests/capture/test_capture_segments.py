@@ -1,0 +1,199 @@
+"""Segments and crash safety: signals, kill -9 recovery, rotation, eviction, disk full."""
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ingero_forensics.bundle import read_manifest
+
+from conftest import bundles, rows, run_capture, spool_has_rows, start_capture, wait_for
+
+FAST = ("--no-ebpf", "--host-interval", "0.5")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_seals_and_exits_zero(tmp_path, open_all, sig):
+    p = start_capture("--bundle", tmp_path, "--node", "sig", *FAST)
+    try:
+        wait_for(lambda: spool_has_rows(tmp_path, "clock_samples", 2), what="rows committed")
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    assert "Traceback" not in err
+    [b] = open_all(tmp_path)
+    assert not b.manifest["segment"]["recovered"]
+    assert not list((tmp_path / ".spool").glob("segment-*"))
+    log = rows(b, "SELECT event, message FROM capture_log WHERE event = 'capture_stop'")
+    assert log == [("capture_stop", f"stopped ({sig.name})")]
+    assert rows(b, "SELECT COUNT(*) FROM clock_samples")[0][0] >= 2
+
+
+def test_kill9_then_restart_recovers_the_spool(tmp_path, open_all):
+    p = start_capture("--bundle", tmp_path, "--node", "crash", *FAST)
+    try:
+        wait_for(lambda: spool_has_rows(tmp_path, "clock_samples", 2), what="rows committed")
+    finally:
+        p.kill()  # SIGKILL: no chance to seal
+        p.communicate()
+    assert bundles(tmp_path) == []
+    [spool] = (tmp_path / ".spool").glob("segment-*.db")
+    r = run_capture("--bundle", tmp_path, "--node", "crash", *FAST, "--duration", "1")
+    assert r.returncode == 0, r.stderr
+    assert "recovered" in r.stderr or "sealed segment-" in r.stderr
+    first, second = open_all(tmp_path)
+    assert first.manifest["segment"]["recovered"] is True
+    assert first.manifest["segment"]["index"] == 1 and second.manifest["segment"]["index"] == 2
+    assert rows(first, "SELECT COUNT(*) FROM clock_samples")[0][0] >= 2  # committed rows kept
+    rec = rows(second, "SELECT level, message FROM capture_log WHERE event = 'recovered_spool'")
+    assert len(rec) == 1 and spool.name in rec[0][1] and first.path.name in rec[0][1]
+    assert not second.manifest["segment"]["recovered"]
+    assert not list((tmp_path / ".spool").glob("segment-*"))
+
+
+def test_unsealable_spool_is_kept_aside(tmp_path, open_all):
+    (tmp_path / ".spool").mkdir()
+    (tmp_path / ".spool" / "segment-000007.db").write_bytes(b"not a database at all" * 100)
+    r = run_capture("--bundle", tmp_path, "--node", "n", *FAST, "--duration", "1")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / ".spool" / "segment-000007.db.unsealable").exists()
+    [b] = open_all(tmp_path)
+    [(level, msg)] = rows(b, "SELECT level, message FROM capture_log WHERE event = 'recovered_spool'")
+    assert level == "error" and "cannot seal segment-000007.db" in msg
+
+
+def test_rotation_by_time_and_sighup(tmp_path, open_all):
+    p = start_capture("--bundle", tmp_path, "--node", "rot", *FAST, "--segment-seconds", "1")
+    try:
+        wait_for(lambda: len(bundles(tmp_path)) >= 2, what="two rotations")
+        n = len(bundles(tmp_path))
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    opened = open_all(tmp_path)
+    assert len(opened) >= n + 1
+    idx = [b.manifest["segment"]["index"] for b in opened]
+    assert idx == list(range(1, len(opened) + 1))
+    for prev, cur in zip(opened, opened[1:]):
+        # segments tile the timeline: each starts where the previous one ended
+        assert prev.manifest["capture"]["end_mono_ns"] <= cur.manifest["capture"]["start_mono_ns"] + 1_000_000
+        assert rows(cur, "SELECT COUNT(*) FROM clock_samples")[0][0] >= 1
+    rot = rows(opened[1], "SELECT message FROM capture_log WHERE event = 'rotate'")
+    assert rot and "segment-seconds" in rot[0][0]
+
+
+def test_sighup_rotates(tmp_path, open_all):
+    p = start_capture("--bundle", tmp_path, "--node", "hup", *FAST)
+    try:
+        wait_for(lambda: spool_has_rows(tmp_path, "clock_samples", 2), what="rows committed")
+        p.send_signal(signal.SIGHUP)
+        wait_for(lambda: len(bundles(tmp_path)) == 1, what="SIGHUP rotation")
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    first, second = open_all(tmp_path)
+    assert rows(second, "SELECT COUNT(*) FROM capture_log WHERE event = 'rotate' "
+                        "AND message LIKE '%SIGHUP%'")[0][0] == 1
+
+
+def test_rotation_by_size(tmp_path, open_all):
+    r = run_capture("--bundle", tmp_path, "--node", "size", "--no-ebpf", "--host-interval",
+                    "0.02", "--segment-size", "96K", "--duration", "4")
+    assert r.returncode == 0, r.stderr
+    opened = open_all(tmp_path)
+    assert len(opened) >= 2
+    assert rows(opened[1], "SELECT message FROM capture_log WHERE event = 'rotate'")[0][0] \
+        .endswith("(segment-size)")
+
+
+def test_max_disk_evicts_oldest_and_logs_it(tmp_path, open_all):
+    r = run_capture("--bundle", tmp_path, "--node", "fr", *FAST, "--segment-seconds", "1",
+                    "--max-disk", "40K", "--duration", "6")
+    assert r.returncode == 0, r.stderr
+    opened = open_all(tmp_path)
+    idx = [b.manifest["segment"]["index"] for b in opened]
+    assert idx[0] > 1 and idx == list(range(idx[0], idx[0] + len(idx)))  # newest kept
+    total = sum(p.stat().st_size for p in bundles(tmp_path))
+    newest = bundles(tmp_path)[-1].stat().st_size
+    assert total <= 40 * 1024 or len(opened) == 1 and total == newest
+    evictions = [m for b in opened for (m,) in
+                 rows(b, "SELECT message FROM capture_log WHERE event = 'eviction'")]
+    assert evictions and all("--max-disk 40960 bytes" in m for m in evictions)
+    evicted_names = {m.split()[1] for m in evictions}
+    assert not evicted_names & {p.name for p in bundles(tmp_path)}
+
+
+def test_second_capture_on_same_directory_is_refused(tmp_path):
+    p = start_capture("--bundle", tmp_path, "--node", "one", *FAST)
+    try:
+        wait_for(lambda: spool_has_rows(tmp_path, "clock_samples", 1), what="first capture")
+        r = run_capture("--bundle", tmp_path, "--node", "two", *FAST, "--duration", "1")
+        assert r.returncode == 1
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"Error: {tmp_path}: another ingero-capture (pid {p.pid}) is writing to this directory")
+        assert list((tmp_path / ".spool").glob("segment-*.db"))  # the live spool untouched
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    assert p.returncode == 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(directory: Path) -> None:
+    with open(directory / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_disk_full_keeps_sealed_segments_and_exits_nonzero(small_tmpfs, tmp_path):
+    out = small_tmpfs / "b"
+    p = start_capture("--bundle", out, "--node", "full", "--no-ebpf", "--host-interval",
+                      "0.01", "--segment-seconds", "1")
+    try:
+        wait_for(lambda: len(bundles(out)) >= 2, what="two sealed segments")
+        _fill(small_tmpfs)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"Error: {out}: file system full; capture stopped")
+    assert "sealed segment(s) kept intact" in last and "Traceback" not in err
+    assert not list(out.glob(".*.tmp"))  # no half-written bundle
+    (small_tmpfs / "filler").unlink()
+    sealed = bundles(out)
+    assert len(sealed) >= 2
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    from ingero_forensics.bundle import open_bundle
+    for path in sealed:
+        with open_bundle(path, tmpdir=scratch, integrity="full") as b:
+            assert b.manifest["node"] == "full"
+    # The open segment stays in the spool; the next start seals it.
+    assert list((out / ".spool").glob("segment-*.db"))
+    r = run_capture("--bundle", out, "--node", "full", *FAST, "--duration", "1")
+    assert r.returncode == 0, r.stderr
+    assert any(read_manifest(pth)["segment"]["recovered"] for pth in bundles(out))
