@@ -273,13 +273,16 @@ def write_bundle(db_path, out_path, manifest: dict, *, level: int = 3) -> Path:
     try:
         with open(db_path, "rb") as src, open(tmp, "wb") as dst:
             dst.write(placeholder)
-            with cctx.stream_writer(dst, size=size, write_size=_CHUNK, closefd=False) as z:
-                while chunk := src.read(_CHUNK):
-                    got += len(chunk)
-                    h.update(chunk)
-                    z.write(chunk)
+            # compressobj, not stream_writer: leaving a stream_writer early (Ctrl-C) makes
+            # its __exit__ raise "Src size is incorrect" over the real exception.
+            z = cctx.compressobj(size=size)
+            while chunk := src.read(_CHUNK):
+                got += len(chunk)
+                h.update(chunk)
+                dst.write(z.compress(chunk))
             if got != size:
                 raise OSError(f"{db_path} changed size while it was sealed")
+            dst.write(z.flush())
             manifest["database"]["sha256"] = h.hexdigest()
             header = encode_header(manifest)
             assert len(header) == len(placeholder)

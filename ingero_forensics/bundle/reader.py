@@ -93,7 +93,8 @@ def verify_database(path, db_path, manifest: dict, *, integrity: str = "quick") 
         _verify(path, con, manifest, integrity)
     except apsw.Error as e:
         con.close()
-        raise BundleError(path, f"database is corrupt ({type(e).__name__}: {e})") from None
+        raise BundleError(path, f"database is corrupt ({type(e).__name__}: "
+                                f"{' '.join(str(e).split())})") from None
     except BaseException:
         con.close()
         raise
@@ -113,7 +114,9 @@ def _verify(path, con, manifest, integrity):
         pragma = "integrity_check" if integrity == "full" else "quick_check"
         res = [r[0] for r in con.execute(f"PRAGMA {pragma}(5)")]
         if res != ["ok"]:
-            raise BundleError(path, f"SQLite {pragma} failed: {'; '.join(res)[:200]}")
+            # one line: SQLite's report spans lines ("*** in database main ***\n...")
+            text = " ".join("; ".join(str(r) for r in res).split())
+            raise BundleError(path, f"SQLite {pragma} failed: {text[:300]}")
     app_id = con.execute("PRAGMA application_id").fetchone()[0]
     if app_id != APPLICATION_ID:
         raise BundleError(path, f"database application_id is {app_id:#x}, not a bundle "

@@ -7,6 +7,7 @@ is in the WAL and survives; ``seal_spool`` turns a crashed segment into a bundle
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -33,6 +34,23 @@ def canonical_frames(frames) -> str:
     """The stacks.frames text of a frame list: sorted keys, no whitespace, so that equal
     stacks are equal strings."""
     return json.dumps(frames, sort_keys=True, separators=(",", ":"))
+
+
+@contextlib.contextmanager
+def transaction(con):
+    """BEGIN ... COMMIT, rolling back on error unless SQLite already did.
+
+    apsw's own ``with con:`` issues ROLLBACK unconditionally, and after SQLITE_FULL
+    SQLite has already rolled back, so that ROLLBACK fails and hides the real error.
+    """
+    con.execute("BEGIN")
+    try:
+        yield con
+    except BaseException:
+        if con.in_transaction:
+            con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
 
 
 def local_host_facts() -> dict:
@@ -102,7 +120,7 @@ class BundleWriter:
         }
         meta.update(extra_meta or {})
         try:
-            with self.con:
+            with transaction(self.con):
                 for stmt in bundle_ddl():
                     self.con.execute(stmt)
                 self.con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)",
@@ -157,7 +175,7 @@ class BundleWriter:
             return 0
         try:
             try:
-                with self.con:
+                with transaction(self.con):
                     for name, rows in self._buf.items():
                         if rows:
                             self.con.executemany(self._sql[name], rows)
@@ -177,7 +195,7 @@ class BundleWriter:
         """Slow path after a bad row: commit the good rows, count and log the bad ones."""
         written: dict[str, int] = {}
         bad: dict[str, tuple[int, str]] = {}
-        with self.con:
+        with transaction(self.con):
             for name, rows in self._buf.items():
                 ok = 0
                 for row in rows:
@@ -215,7 +233,7 @@ class BundleWriter:
         end = capture_end or now_pair()
         capture = {"start_utc_ns": self.capture_start[0], "start_mono_ns": self.capture_start[1],
                    "end_utc_ns": end[0], "end_mono_ns": max(end[1], self.capture_start[1])}
-        with self.con:
+        with transaction(self.con):
             self.con.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('capture', ?)",
                              (json.dumps(capture),))
         self.con.close()
@@ -275,7 +293,7 @@ def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) 
         meta["segment"] = dict(meta["segment"], recovered=recovered,
                                sealed_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         meta["created_by"] = f"ingero-forensics {__version__}"
-        with con:
+        with transaction(con):
             con.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                             [(k, json.dumps(meta[k])) for k in ("capture", "segment",
                                                                 "created_by")])

@@ -1,0 +1,254 @@
+"""BundleWriter and seal_spool: crash safety, atomic sealing, refusals."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ingero_forensics.bundle import BundleWriter, container, open_bundle, read_manifest, seal_spool
+from ingero_forensics.errors import DiskFullError, IngeroError
+
+from .conftest import END, HOST, START, T0, split_bundle, table_rows, write_sample_bundle
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from ingero_forensics.bundle import BundleWriter
+    host = {host!r}
+    w = BundleWriter(sys.argv[1], node="crash-node", host=host, capture_start={start!r},
+                     batch_rows={batch})
+    def row(i):
+        return ({t0} + i * 1000, 5000 + i, "ALL_REDUCE", 0, 8, "00000000000000aa", i + 1,
+                1024, "float32", "sum", None, 7, 4096, 0, 0, 100, 101, None)
+    mode = sys.argv[2]
+    i = 0
+    if mode == "fixed":
+        for _ in range({batch} * 5 + 200):   # 5 committed batches, then 200 open rows
+            w.add("nccl_events", row(i)); i += 1
+        print("READY", w.rows["nccl_events"], flush=True)
+        time.sleep(60)
+    else:
+        while True:
+            w.add("nccl_events", row(i)); i += 1
+            if i % {batch} == 0:
+                print("COMMITTED", w.rows["nccl_events"], flush=True)
+""")
+
+
+def _child_row(i):
+    return (T0 + i * 1000, 5000 + i, "ALL_REDUCE", 0, 8, "00000000000000aa", i + 1, 1024,
+            "float32", "sum", None, 7, 4096, 0, 0, 100, 101, None)
+
+
+def _run_and_kill(tmp_path, mode, batch, wait_lines):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(root=ROOT, host=HOST, start=START, batch=batch, t0=T0))
+    spool = tmp_path / "spool.db"
+    proc = subprocess.Popen([sys.executable, str(script), str(spool), mode],
+                            stdout=subprocess.PIPE, text=True)
+    last = None
+    try:
+        for _ in range(wait_lines):
+            last = proc.stdout.readline().split()
+            assert last, "child ended early"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    return spool, last
+
+
+def test_sigkill_loses_only_the_open_batch(tmp_path):
+    batch = 500
+    spool, last = _run_and_kill(tmp_path, "fixed", batch, 1)
+    assert last == ["READY", str(5 * batch)]
+    assert os.path.exists(f"{spool}-wal")  # committed rows are still only in the WAL
+    out = tmp_path / "out"
+    out.mkdir()
+    path = seal_spool(spool, out)
+    m = read_manifest(path)
+    assert m["tables"]["nccl_events"] == 5 * batch
+    assert m["segment"]["recovered"] is True
+    # the capture end is the newest committed row
+    assert m["capture"]["end_mono_ns"] == T0 + (5 * batch - 1) * 1000
+    with open_bundle(path, integrity="full") as b:
+        assert table_rows(b.con, "nccl_events") == [_child_row(i) for i in range(5 * batch)]
+    assert not spool.exists() and not os.path.exists(f"{spool}-wal")
+
+
+def test_sigkill_mid_stream_keeps_a_whole_batch_prefix(tmp_path):
+    batch = 2000
+    spool, last = _run_and_kill(tmp_path, "stream", batch, 3)
+    committed = int(last[1])
+    out = tmp_path / "out"
+    out.mkdir()
+    path = seal_spool(spool, out)
+    n = read_manifest(path)["tables"]["nccl_events"]
+    # everything reported committed survived, and only whole batches are there
+    assert n >= committed and n % batch == 0
+    with open_bundle(path) as b:
+        assert table_rows(b.con, "nccl_events") == [_child_row(i) for i in range(n)]
+
+
+def test_seal_is_atomic_when_it_fails(tmp_path, monkeypatch):
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    w.add("threads", (1, 1, "a", T0, T0))
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def broken_fsync(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(container.os, "fsync", broken_fsync)
+    with pytest.raises(OSError):
+        w.seal(out, capture_end=END)
+    assert list(out.iterdir()) == []           # no partial bundle, no temporary file
+    assert (tmp_path / "s.db").exists()        # the spool is kept for a retry
+    monkeypatch.undo()
+    path = seal_spool(tmp_path / "s.db", out)
+    assert [p.name for p in out.iterdir()] == [path.name]
+    with open_bundle(path) as b:
+        assert table_rows(b.con, "threads") == [(1, 1, "a", T0, T0)]
+
+
+def test_seal_interrupted_mid_compression_leaves_nothing(tmp_path, monkeypatch):
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    w.add_many("host_samples", [(T0 + i, "cpu.busy_pct", None, float(i)) for i in range(50000)])
+    out = tmp_path / "out"
+    out.mkdir()
+    real = container.zstandard.ZstdCompressor
+
+    class Interrupting:
+        def __init__(self, **kw):
+            self._c = real(**kw)
+
+        def compressobj(self, **kw):
+            inner = self._c.compressobj(**kw)
+            calls = []
+
+            class C:
+                def compress(s, b):
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise KeyboardInterrupt
+                    return inner.compress(b)
+
+                def flush(s, *a):
+                    return inner.flush(*a)
+            return C()
+    monkeypatch.setattr(container.zstandard, "ZstdCompressor", Interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        w.seal(out, capture_end=END)
+    assert list(out.iterdir()) == []
+
+
+def test_existing_bundle_is_never_replaced(tmp_path):
+    out = tmp_path / "out"
+    first, _ = write_sample_bundle(out, spool_name="a.db")
+    before = first.read_bytes()
+    with pytest.raises(IngeroError) as ei:
+        write_sample_bundle(out, spool_name="b.db")
+    assert str(ei.value) == (f"{first}: a bundle with this name exists already; the spool "
+                             f"{out / 'b.db'} is kept")
+    assert first.read_bytes() == before
+    assert (out / "b.db").exists()
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_sealed_image_is_self_contained(sample_bundle):
+    _, image = split_bundle(sample_bundle)
+    assert image[18:20] == b"\x01\x01"   # rollback-journal mode: no WAL belongs to it
+    assert [p.name for p in sample_bundle.parent.iterdir()] == [sample_bundle.name]
+
+
+def test_bad_rows_are_dropped_counted_and_logged(tmp_path):
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    good = (1, 2, "a", T0, T0 + 1)
+    w.add("threads", good)
+    w.add("threads", (1, 3, "b", None, T0))        # NULL in a NOT NULL column
+    w.add("threads", (1, 4))                       # wrong width
+    w.add("threads", (1, 5, {"x": 1}, T0, T0))     # unbindable value
+    w.add("host_samples", (T0, "load.avg1", None, 1.5))
+    assert w.flush() == 3   # two good rows and the log row
+    assert w.rejected["threads"] == 3 and w.rows["threads"] == 1
+    path = w.seal(tmp_path, capture_end=END)
+    with open_bundle(path) as b:
+        assert table_rows(b.con, "threads") == [good]
+        assert table_rows(b.con, "host_samples") == [(T0, "load.avg1", None, 1.5)]
+        (level, event, msg, count), = b.con.execute(
+            "SELECT level, event, message, count FROM capture_log").fetchall()
+    assert (level, event, count) == ("error", "rejected_rows", 3)
+    assert msg.startswith("3 threads row(s) refused by the database; first: "
+                          "ConstraintError: NOT NULL constraint failed: threads.first_seen_ns")
+
+
+def test_disk_full_keeps_the_batch_for_a_retry(tmp_path):
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    pages = w.con.execute("PRAGMA page_count").fetchone()[0]
+    w.con.execute(f"PRAGMA max_page_count = {pages + 2}")
+    rows = [(T0 + i, "mem.dirty_bytes", None, float(i)) for i in range(20000)]
+    w.add_many("host_samples", rows)
+    with pytest.raises(DiskFullError) as ei:
+        w.flush()
+    assert str(ei.value) == f"{tmp_path / 's.db'}: file system full"
+    assert w.pending == 20000 and w.rows["host_samples"] == 0
+    w.con.execute("PRAGMA max_page_count = 1000000")
+    assert w.flush() == 20000
+    path = w.seal(tmp_path, capture_end=END)
+    assert read_manifest(path)["tables"]["host_samples"] == 20000
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(ValueError, match="invalid node name 'a b'"):
+        BundleWriter(tmp_path / "x.db", node="a b", host=HOST)
+    with pytest.raises(ValueError, match=r"host\['boot_id'\] must be a non-empty string"):
+        BundleWriter(tmp_path / "x.db", node="n", host={"hostname": "h", "kernel_release": "k"})
+    with pytest.raises(ValueError, match="extra_meta may not set node"):
+        BundleWriter(tmp_path / "x.db", node="n", host=HOST, extra_meta={"node": "m"})
+    w = BundleWriter(tmp_path / "x.db", node="n", host=HOST)
+    with pytest.raises(ValueError, match="no bundle table named 'nccl'"):
+        w.add("nccl", ())
+    with pytest.raises(ValueError, match="no bundle table named 'meta'"):
+        w.add_many("meta", [("k", "v")])
+    with pytest.raises(IngeroError, match="live segment already exists"):
+        BundleWriter(tmp_path / "x.db", node="n", host=HOST)
+    w.abort()
+
+
+def test_seal_spool_refusals(tmp_path):
+    with pytest.raises(IngeroError) as ei:
+        seal_spool(tmp_path / "missing.db", tmp_path)
+    assert str(ei.value) == f"{tmp_path / 'missing.db'}: no live segment to seal"
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"junk" * 1000)
+    with pytest.raises(IngeroError) as ei:
+        seal_spool(junk, tmp_path)
+    assert str(ei.value) == f"{junk}: not a live bundle segment (file is not a database)"
+    assert junk.read_bytes() == b"junk" * 1000
+    assert not list(tmp_path.glob("*.bundle"))
+
+
+def test_abort_then_recover(tmp_path):
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    w.log("warning", "tcp", "source_off", "tracepoint missing", timestamp_ns=T0 + 77)
+    w.abort()
+    path = seal_spool(tmp_path / "s.db", tmp_path)
+    m = read_manifest(path)
+    assert m["segment"]["recovered"] is True
+    assert m["capture"]["end_mono_ns"] == T0 + 77
+    assert m["tables"]["capture_log"] == 1
+
+
+def test_size_grows_with_rows(tmp_path):
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    before = w.size_bytes()
+    w.add_many("host_samples", [(T0 + i, "cpu.busy_pct", "cpu0", 1.0) for i in range(10000)])
+    w.flush()
+    assert w.size_bytes() > before + 100_000
+    w.abort()
+    assert read_manifest(seal_spool(tmp_path / "s.db", tmp_path))["node"] == "n1"
