@@ -117,14 +117,18 @@ def update_doc(path, *, check: bool = False) -> bool:
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     paths = [a for a in argv if a != "--check"] or ["docs/bundle-format.md"]
-    try:
-        stale = [p for p in paths if not update_doc(p, check=check)]
-    except (OSError, ValueError) as e:
-        print(f"Error: {e}", file=sys.stderr)
-        return 1
-    for p in stale:
-        print(f"{p}: generated section {'is stale' if check else 'updated'}", file=sys.stderr)
-    return 1 if check and stale else 0
+    rc = 0
+    for p in paths:
+        try:
+            current = update_doc(p, check=check)
+        except (OSError, ValueError) as e:
+            print(f"Error: {p}: {e}", file=sys.stderr)
+            rc = 1
+            continue
+        if not current:
+            print(f"{p}: generated section {'is stale' if check else 'updated'}", file=sys.stderr)
+            rc = rc or int(check)
+    return rc
 
 
 if __name__ == "__main__":
