@@ -139,7 +139,7 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("kernel_release", "TEXT", True, "", "host.kernel_release."),
         C("tool_version", "TEXT", True, "", "host.tool_version of the capture."),
         C("ranks", "TEXT", False, "", "JSON array of the distinct global ranks seen in "
-          "processes and nccl_events of this node, sorted."),
+          "processes (rank environment) and nccl_comm_events of this node, sorted."),
         C("job_ids", "TEXT", False, "", "JSON array of the distinct job ids (processes.job_id "
           "and manifest job_ids), sorted."),
         C("bundles", "INTEGER", False, "", "Number of bundles merged for this node."),
@@ -247,7 +247,7 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("collective_id", "INTEGER", False, "", "Row id."),
         C("comm_id_hash", "TEXT", False, "", "Communicator."),
         C("seq", "INTEGER", False, "", "Call number in the communicator."),
-        C("op", "TEXT", False, "", "Operation (the most common one if ranks disagree).",
+        C("op", "TEXT", False, "", "Operation (the smallest name if ranks disagree; see op_mismatch).",
           None),
         C("op_mismatch", "INTEGER", False, "", "1 if ranks recorded different ops or sizes "
           "for this (comm_id_hash, seq)."),

@@ -1,0 +1,585 @@
+"""Clock-skew alignment: map every node's CLOCK_MONOTONIC to one fleet time (UTC ns).
+
+The model (docs/merge.md, shared with the simulator): true UTC is linear in a node's
+monotonic clock, ``true = B + mono / (1 + d)``. So each node gets a line
+``aligned = offset + mono + round(mono * slope)``, estimated in three steps:
+
+1. Clock samples alone (per node): CLOCK_REALTIME - CLOCK_MONOTONIC is constant between
+   NTP steps; split it into segments at steps and take a weighted median over samples,
+   weighted by the node's own error estimate. Slope 0 (drift is not observable here:
+   realtime and monotonic tick at the same rate).
+2. Collectives (per component of nodes sharing communicators): observed completions of
+   the same (comm_id_hash, seq) are the same true instant on every rank. For each edge
+   of the node graph a robust line fit (bin medians) of the difference of observations
+   against time gives a relative offset and rate; a weighted least-squares solve over
+   the whole graph (edges checked against the solution, outliers down-weighted) gives
+   every node's correction. Entry times are never used.
+3. The common mode of a component (one offset and one rate for all its nodes: collectives
+   cannot see it) comes from all its nodes' clock samples (robust weighted fit), and the
+   absolute uncertainty is the worst case over all lines consistent with the honest claims
+   (adjtimex maxerror ...) of the component's samples. Claims that cannot all hold at
+   once reveal a lying time service: the node with the largest excess is flagged and its
+   claims dropped until the rest is consistent.
+
+Pure Python on purpose: the systems are 2 x nodes in size.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+#: A jump of CLOCK_REALTIME - CLOCK_MONOTONIC larger than this between consecutive
+#: samples is an NTP step (slewing changes it by at most 500 ppm x the sample interval).
+STEP_THRESHOLD_NS = 1_000_000
+#: Unknown error of a sample with no claim (unsynchronized clock, no adjtimex data).
+UNKNOWN_ERROR_NS = 1_000_000_000
+#: Prior bound on any clock's rate error, for the worst-case uncertainty (crystals are
+#: specified to about +-100 ppm; this leaves room).
+DRIFT_BOUND_PPM = 200.0
+#: Prior on the common-mode rate correction of a component (ppb) in the robust fit.
+COMMON_RATE_PRIOR_PPB = 20_000.0
+#: An edge needs this many shared observed completions to link two nodes.
+MIN_EDGE_OBS = 3
+LINE_BINS = 16
+
+
+@dataclass
+class ClockSample:
+    mid: int                 # bracket midpoint, CLOCK_MONOTONIC ns
+    realtime: int            # CLOCK_REALTIME ns
+    half_bracket: int        # read uncertainty / 2
+    claim: int | None        # claimed max error of realtime (ns), None if none claimed
+    est: int | None          # estimated error (ns), for weights
+
+
+@dataclass
+class NodeInput:
+    node_id: int
+    samples: list[ClockSample] = field(default_factory=list)
+    #: (utc_ns, mono_ns) capture start/end pairs of the manifests: the last resort
+    manifest_pairs: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class NodeAlignment:
+    node_id: int
+    method: str
+    offset_ns: int
+    slope: float
+    drift_ppm: float
+    uncertainty_ns: int | None
+    relative_uncertainty_ns: int | None
+    component: int | None
+    sync_points: int
+    sync_points_used: int
+    residual_ns: int | None
+    clock_samples: int
+    steps: int
+    claimed_error_ns: int | None
+    max_correction_ns: int | None
+    exceeds_claim: bool
+    segments: list[dict]
+    pre_offset_ns: int        # clock-sample-only offset (slope 0): violations_before
+    violations_before: int = 0
+    violations_after: int = 0
+
+    def aligned(self, mono: int) -> int:
+        return self.offset_ns + mono + round(mono * self.slope)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def median(values) -> float:
+    s = sorted(values)
+    n = len(s)
+    if not n:
+        raise ValueError("median of nothing")
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def weighted_median(pairs: list[tuple[float, float]]) -> float:
+    """pairs of (value, weight)."""
+    pairs = sorted(pairs)
+    total = sum(w for _, w in pairs)
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= total / 2:
+            return v
+    return pairs[-1][0]
+
+
+def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (small dense systems)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-300:
+            raise ZeroDivisionError("singular system")
+        m[col], m[piv] = m[piv], m[col]
+        p = m[col][col]
+        for r in range(col + 1, n):
+            f = m[r][col] / p
+            if f:
+                row, prow = m[r], m[col]
+                for c in range(col, n + 1):
+                    row[c] -= f * prow[c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        s = m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))
+        x[r] = s / m[r][r]
+    return x
+
+
+def robust_line(xs, ys) -> tuple[float, float, float, int]:
+    """Fit y = a + b x robustly: bin medians (twice, the second time detrended), a
+    weighted least-squares line through them with one round of bin rejection.
+    Returns (a, b, scale, n_used), scale = 1.4826 MAD of the point residuals."""
+    n = len(xs)
+    if n == 0:
+        raise ValueError("no points")
+    lo, hi = min(xs), max(xs)
+    a, b = median(ys), 0.0
+    if hi - lo > 0 and n >= 6:
+        width = (hi - lo) / LINE_BINS
+        for _ in range(2):
+            bins: list[list[tuple[float, float]]] = [[] for _ in range(LINE_BINS)]
+            for x, y in zip(xs, ys):
+                k = min(int((x - lo) / width), LINE_BINS - 1)
+                bins[k].append((x, y - b * x))
+            pts = [(median([p[0] for p in bn]), median([p[1] for p in bn]), len(bn))
+                   for bn in bins if len(bn) >= 2]
+            if len(pts) < 2:
+                break
+            da, db = _wls_line(pts)
+            res = [abs(r - (da + db * x)) for x, r, _ in pts]
+            cut = 5 * 1.4826 * median(res) if len(pts) > 3 else math.inf
+            kept = [p for p, e in zip(pts, res) if e <= max(cut, 1e-9)]
+            if len(kept) >= 2 and len(kept) < len(pts):
+                da, db = _wls_line(kept)
+            a, b = da, b + db
+    res = [y - (a + b * x) for x, y in zip(xs, ys)]
+    mad = median([abs(r) for r in res])
+    scale = 1.4826 * mad
+    cut = max(5 * scale, 1000.0)
+    used = sum(1 for r in res if abs(r) <= cut)
+    # Re-centre on the inliers (the bin medians are robust but coarse).
+    inl = [r for r in res if abs(r) <= cut]
+    if inl:
+        a += median(inl)
+    return a, b, scale, used
+
+
+def _wls_line(pts) -> tuple[float, float]:
+    sw = sum(w for _, _, w in pts)
+    mx = sum(x * w for x, _, w in pts) / sw
+    my = sum(y * w for _, y, w in pts) / sw
+    sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
+    if sxx <= 0:
+        return my, 0.0
+    b = sum(w * (x - mx) * (y - my) for x, y, w in pts) / sxx
+    return my - b * mx, b
+
+
+# ------------------------------------------------------------------ step 1: one node
+
+def sample_sigma(s: ClockSample) -> float:
+    e = s.est if s.est is not None else s.claim
+    if e is None:
+        e = UNKNOWN_ERROR_NS
+    return float(max(e, s.half_bracket, 1000))
+
+
+def clock_segments(samples: list[ClockSample]) -> tuple[list[list[ClockSample]], int]:
+    """Split samples (sorted by mid) into segments of constant realtime - mono."""
+    if not samples:
+        return [], 0
+    thresh = max(STEP_THRESHOLD_NS, 10 * max(s.half_bracket for s in samples))
+    segs = [[samples[0]]]
+    for prev, s in zip(samples, samples[1:]):
+        if abs((s.realtime - s.mid) - (prev.realtime - prev.mid)) > thresh:
+            segs.append([s])
+        else:
+            segs[-1].append(s)
+    return segs, len(segs) - 1
+
+
+def fit_clock_samples(samples: list[ClockSample]) -> int | None:
+    """The clock-sample-only offset: realtime - mono, weighted median (weights 1/sigma^2)."""
+    if not samples:
+        return None
+    return round(weighted_median([(s.realtime - s.mid, 1.0 / sample_sigma(s) ** 2)
+                                  for s in samples]))
+
+
+def describe_segments(segs) -> list[dict]:
+    out = []
+    for seg in segs:
+        claims = [s.claim for s in seg if s.claim is not None]
+        out.append({"mono_start_ns": seg[0].mid, "mono_end_ns": seg[-1].mid,
+                    "samples": len(seg),
+                    "offset_ns": round(median([s.realtime - s.mid for s in seg])),
+                    "claimed_error_ns": round(median(claims)) if claims else None})
+    return out
+
+
+# -------------------------------------------------------- step 3: bounds and liars
+
+def error_bound(cons: list[tuple[float, float, float]], t0: float, t1: float,
+                rate_bound: float) -> float | None:
+    """Worst |a + b t| for t in {t0, t1} over all (a, b) with lo <= a + b t_k <= hi for
+    every constraint (t_k, lo, hi) and |b| <= rate_bound. None if infeasible.
+    Vertex enumeration: the constraint sets are small (best sample per time bin)."""
+    lines = []  # (ca, cb, rhs): ca*a + cb*b = rhs
+    for t, lo, hi in cons:
+        lines.append((1.0, t, lo))
+        lines.append((1.0, t, hi))
+    lines.append((0.0, 1.0, rate_bound))
+    lines.append((0.0, 1.0, -rate_bound))
+    tol = 1e-6 + 1e-9 * max((abs(c[1]) + abs(c[2]) for c in cons), default=0.0)
+
+    def feasible(a, b):
+        if abs(b) > rate_bound * (1 + 1e-12) + 1e-12:
+            return False
+        for t, lo, hi in cons:
+            v = a + b * t
+            if v < lo - tol or v > hi + tol:
+                return False
+        return True
+
+    best = None
+    for i in range(len(lines)):
+        a1, b1, r1 = lines[i]
+        for j in range(i + 1, len(lines)):
+            a2, b2, r2 = lines[j]
+            det = a1 * b2 - a2 * b1
+            if abs(det) < 1e-12:
+                continue
+            a = (r1 * b2 - r2 * b1) / det
+            b = (a1 * r2 - a2 * r1) / det
+            if feasible(a, b):
+                v = max(abs(a + b * t0), abs(a + b * t1))
+                best = v if best is None else max(best, v)
+    return best
+
+
+def _bin_constraints(items: list[tuple[float, float, float]], t0: float, t1: float,
+                     bins: int = LINE_BINS) -> list[tuple[float, float, float]]:
+    """Keep the tightest constraint per time bin (fewer constraints = a looser but still
+    valid bound)."""
+    if not items:
+        return []
+    width = (t1 - t0) / bins if t1 > t0 else 1.0
+    best: dict[int, tuple[float, float, float]] = {}
+    for c in items:
+        k = min(max(int((c[0] - t0) / width), 0), bins - 1)
+        if k not in best or (c[2] - c[1]) < (best[k][2] - best[k][1]):
+            best[k] = c
+    return list(best.values())
+
+
+# --------------------------------------------------------------------------- the solve
+
+Groups = Callable[[], Iterable[tuple[object, list[tuple[int, int, int]]]]]
+
+
+def align_fleet(nodes: dict[int, NodeInput], groups: Groups) -> dict[int, NodeAlignment]:
+    """Align every node. ``groups()`` yields (collective key, [(sync_point_id, node_id,
+    mono)]) once per collective, freshly each call (it is streamed several times)."""
+    # Step 1 ------------------------------------------------------------------------
+    pre: dict[int, int] = {}
+    seg_info: dict[int, tuple[list[dict], int]] = {}
+    method: dict[int, str] = {}
+    for nid, ni in nodes.items():
+        ni.samples.sort(key=lambda s: s.mid)
+        segs, steps = clock_segments(ni.samples)
+        seg_info[nid] = (describe_segments(segs), steps)
+        off = fit_clock_samples(ni.samples)
+        if off is not None:
+            pre[nid] = off
+            method[nid] = "clock_samples"
+        elif ni.manifest_pairs:
+            pre[nid] = round(median([u - m for u, m in ni.manifest_pairs]))
+            method[nid] = "manifest"
+        else:
+            pre[nid] = 0
+            method[nid] = "manifest"
+
+    # Step 2: edges -------------------------------------------------------------------
+    t_ref = None
+    edges: dict[tuple[int, int], tuple[array, array]] = {}
+    for _key, obs in groups():
+        per_node: dict[int, list[int]] = {}
+        for _sid, nid, mono in obs:
+            if nid in pre:
+                per_node.setdefault(nid, []).append(mono)
+        if len(per_node) < 2:
+            continue
+        ids = sorted(per_node)
+        if t_ref is None:
+            t_ref = int(median(per_node[ids[0]])) + pre[ids[0]]
+        # relative to t_ref before any float arithmetic: UTC ns do not fit a double exactly
+        u = {nid: median([m + pre[nid] - t_ref for m in per_node[nid]]) for nid in ids}
+        # A ring over the members (a chain for two): O(k) edges per collective, every
+        # member linked twice, no hub node.
+        pairs = list(zip(ids, ids[1:]))
+        if len(ids) > 2:
+            pairs.append((ids[0], ids[-1]))
+        for i, j in pairs:
+            xs, ds = edges.setdefault((i, j), (array("d"), array("d")))
+            xs.append(u[i] / 1e9)
+            ds.append(u[i] - u[j])
+    fits = {}
+    for (i, j), (xs, ds) in edges.items():
+        if len(xs) < MIN_EDGE_OBS:
+            continue
+        a, b, scale, used = robust_line(xs, ds)
+        cx = sum(xs) / len(xs)
+        sx = math.sqrt(sum((x - cx) ** 2 for x in xs) / len(xs)) if len(xs) > 1 else 0.0
+        fits[(i, j)] = (a, b, max(scale, 100.0), used, cx, sx)
+    edges.clear()
+
+    # components (union-find over fitted edges)
+    parent = {nid: nid for nid in nodes}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+    for i, j in fits:
+        ri, rj = find(i), find(j)
+        if ri != rj:
+            parent[max(ri, rj)] = min(ri, rj)
+    comps: dict[int, list[int]] = {}
+    for nid in nodes:
+        comps.setdefault(find(nid), []).append(nid)
+
+    rel: dict[int, tuple[float, float]] = {nid: (0.0, 0.0) for nid in nodes}  # x ns, y ns/s
+    comp_of: dict[int, int | None] = {nid: None for nid in nodes}
+    for root, members in comps.items():
+        if len(members) < 2:
+            continue
+        cedges = {e: f for e, f in fits.items() if e[0] in members}
+        sol = _solve_graph(sorted(members), cedges)
+        for nid in members:
+            rel[nid] = sol[nid]
+            comp_of[nid] = min(members)
+            method[nid] = "collectives"
+
+    # Final pass over the observations: residuals, used flags, per-node statistics.
+    def rel_time(nid, mono):
+        u = mono + pre[nid] - (t_ref or 0)
+        x, y = rel[nid]
+        return u + x + y * u / 1e9
+
+    node_res: dict[int, array] = {nid: array("d") for nid in nodes}
+    for _key, obs in groups():
+        mem = [(nid, rel_time(nid, mono)) for _sid, nid, mono in obs
+               if comp_of.get(nid) is not None]
+        comps_here = {comp_of[n] for n, _ in mem}
+        for c in comps_here:
+            vals = [(n, t) for n, t in mem if comp_of[n] == c]
+            if len({n for n, _ in vals}) < 2:
+                continue
+            med = median([t for _, t in vals])
+            for n, t in vals:
+                node_res[n].append(t - med)
+
+    # Step 3: common mode and bounds, per component ------------------------------------
+    result: dict[int, NodeAlignment] = {}
+    stats = {}
+    for nid in nodes:
+        r = node_res[nid]
+        if len(r):
+            s = 1.4826 * median([abs(v) for v in r])
+            cut = max(5 * s, 20_000.0)
+            used = sum(1 for v in r if abs(v) <= cut)
+            stats[nid] = (len(r), used, s)
+        else:
+            stats[nid] = (0, 0, None)
+    for root, members in comps.items():
+        comp = comp_of[members[0]]
+        rel_unc = {}
+        for nid in members:
+            n, used, s = stats[nid]
+            if comp is None or not used:
+                rel_unc[nid] = None
+            else:
+                rel_unc[nid] = 1000.0 + 3.0 * (s or 0.0) / math.sqrt(used) + 3.0 * (s or 0.0)
+        common, bound, liars = _common_mode(members, nodes, pre, rel, t_ref, rel_unc)
+        for nid in members:
+            x, y = rel[nid]
+            alpha, beta = common
+            X, Y = x + alpha, (y + beta) * 1e-9
+            tr = t_ref or 0
+            offset_i = pre[nid] + round(X + Y * (pre[nid] - tr))
+            slope = Y
+            segs, steps = seg_info[nid]
+            samples = nodes[nid].samples
+            claims = [s.claim for s in samples if s.claim is not None]
+            corr = [abs(s.realtime - (offset_i + s.mid + round(s.mid * slope))) for s in samples]
+            n, used, sres = stats[nid]
+            unc = None
+            if bound is not None:
+                unc = bound + (rel_unc[nid] or 0.0)
+            if method[nid] == "manifest":
+                unc = None
+            result[nid] = NodeAlignment(
+                node_id=nid, method=method[nid], offset_ns=offset_i, slope=slope,
+                drift_ppm=((1.0 / (1.0 + slope)) - 1.0) * 1e6 if method[nid] == "collectives" else 0.0,
+                uncertainty_ns=None if unc is None else math.ceil(unc),
+                relative_uncertainty_ns=None if rel_unc[nid] is None else math.ceil(rel_unc[nid]),
+                component=comp, sync_points=n, sync_points_used=used,
+                residual_ns=None if sres is None else round(sres),
+                clock_samples=len(samples), steps=steps,
+                claimed_error_ns=round(median(claims)) if claims else None,
+                max_correction_ns=max(corr) if corr else None,
+                exceeds_claim=nid in liars, segments=segs, pre_offset_ns=pre[nid])
+    return result
+
+
+def _solve_graph(members: list[int], cedges: dict) -> dict[int, tuple[float, float]]:
+    """Weighted least squares over the graph: rates first, then offsets at each edge's
+    own centre of data; edges inconsistent with the solution are down-weighted."""
+    idx = {nid: k for k, nid in enumerate(members)}
+    n = len(members)
+    # edge: d = u_i - u_j ~ a + b x  ->  want (x_i - x_j) + (y_i - y_j) x = -(a + b x)
+    wy = {e: max(f[3], 1) * max(f[5], 1e-3) ** 2 / f[2] ** 2 for e, f in cedges.items()}
+    wx = {e: max(f[3], 1) / f[2] ** 2 for e, f in cedges.items()}
+
+    def lap_solve(weights, target):
+        a = [[0.0] * n for _ in range(n)]
+        b = [0.0] * n
+        for (i, j), w in weights.items():
+            p, q = idx[i], idx[j]
+            t = target[(i, j)]
+            a[p][p] += w
+            a[q][q] += w
+            a[p][q] -= w
+            a[q][p] -= w
+            b[p] += w * t
+            b[q] -= w * t
+        # gauge: the mean correction is zero (the common mode is fixed later)
+        big = max((a[k][k] for k in range(n)), default=1.0) or 1.0
+        for p in range(n):
+            for q in range(n):
+                a[p][q] += big / n
+        return solve_linear(a, b)
+
+    for _round in range(3):
+        ty = {e: -f[1] for e, f in cedges.items()}
+        y = lap_solve(wy, ty)
+        tx = {e: -(f[0] + f[1] * f[4]) - (y[idx[e[0]]] - y[idx[e[1]]]) * f[4]
+              for e, f in cedges.items()}
+        x = lap_solve(wx, tx)
+        changed = False
+        for e, f in cedges.items():
+            i, j = idx[e[0]], idx[e[1]]
+            r = (x[i] - x[j]) - tx[e]
+            tol = max(5 * f[2] / math.sqrt(max(f[3], 1)), 1000.0)
+            if abs(r) > tol and wx[e] > 1e-30:
+                wx[e] *= 1e-4
+                wy[e] *= 1e-4
+                changed = True
+        if not changed:
+            break
+    return {nid: (x[idx[nid]], y[idx[nid]]) for nid in members}
+
+
+def _common_mode(members, nodes, pre, rel, t_ref, rel_unc):
+    """Fit one offset and rate for the component from its clock samples (robust, weighted
+    by each sample's own error estimate); bound the absolute error by the honest claims;
+    flag nodes whose claims contradict the rest. Returns ((alpha, beta), bound, liars)."""
+    tr = t_ref or 0
+    rows = []  # (nid, tau_s, r = rel_aligned - realtime, sigma, claim, half_bracket)
+    for nid in members:
+        x, y = rel[nid]
+        for s in nodes[nid].samples:
+            u = s.mid + pre[nid] - tr
+            r = (s.mid + pre[nid] - s.realtime) + x + y * u / 1e9
+            rows.append((nid, u / 1e9, r, sample_sigma(s), s.claim, s.half_bracket))
+    if not rows:
+        return (0.0, 0.0), None, set()
+    liars: set[int] = set()
+
+    def constraints(exclude, alpha, beta):
+        cons, t0, t1 = [], None, None
+        for nid, tau, r, sig, claim, hb in rows:
+            if nid in exclude:
+                continue
+            t0 = tau if t0 is None else min(t0, tau)
+            t1 = tau if t1 is None else max(t1, tau)
+            if claim is None:
+                continue
+            rr = r + alpha + beta * tau
+            half = claim + hb + (rel_unc.get(nid) or 0.0)
+            cons.append((tau, rr - half, rr + half))
+        return cons, t0, t1
+
+    def bound_of(exclude, alpha, beta):
+        cons, t0, t1 = constraints(exclude, alpha, beta)
+        if not cons:
+            return None, False
+        b = error_bound(_bin_constraints(cons, t0, t1), t0, t1, DRIFT_BOUND_PPM * 1e3)
+        return b, b is not None
+
+    while True:
+        alpha, beta = _fit_common([r for r in rows if r[0] not in liars])
+        bound, ok = bound_of(liars, alpha, beta)
+        if ok or not any(r[4] is not None for r in rows if r[0] not in liars):
+            return (alpha, beta), bound, liars
+        honest = [n for n in members if n not in liars]
+        if len(honest) <= 1:
+            return (alpha, beta), None, liars
+        # The claims cannot all hold: find the node whose removal makes the rest
+        # consistent (leave one out; the feasible set does not depend on alpha, beta).
+        cand = [n for n in honest if bound_of(liars | {n}, alpha, beta)[1]]
+        if len(cand) == 1:
+            liars.add(cand[0])
+            continue
+        # Several or none: the node whose claims the consensus (median) exceeds most.
+        ref = median([r[2] for r in rows if r[0] not in liars])
+        excess = {}
+        for nid, tau, r, sig, claim, hb in rows:
+            if claim is None or nid in liars or (cand and nid not in cand):
+                continue
+            e = abs(r - ref) - claim - hb
+            excess[nid] = max(excess.get(nid, -math.inf), e)
+        if not excess:
+            return (alpha, beta), None, liars
+        liars.add(max(excess, key=excess.get))
+
+
+def _fit_common(rows) -> tuple[float, float]:
+    """Robust (IRLS) fit of alpha + beta tau = -r with weights 1/sigma^2 and a prior on
+    beta; returns (alpha ns, beta ns/s)."""
+    if not rows:
+        return 0.0, 0.0
+    w = [1.0 / r[3] ** 2 for r in rows]
+    alpha = beta = 0.0
+    for _ in range(6):
+        s00 = s01 = s11 = b0 = b1 = 0.0
+        for (nid, tau, r, sig, claim, hb), wk in zip(rows, w):
+            s00 += wk
+            s01 += wk * tau
+            s11 += wk * tau * tau
+            b0 += wk * -r
+            b1 += wk * -r * tau
+        s11 += 1.0 / COMMON_RATE_PRIOR_PPB ** 2
+        det = s00 * s11 - s01 * s01
+        if det <= 0:
+            alpha, beta = b0 / s00, 0.0
+        else:
+            alpha = (b0 * s11 - b1 * s01) / det
+            beta = (s00 * b1 - s01 * b0) / det
+        # Huber-like reweighting on normalized residuals
+        w = []
+        for nid, tau, r, sig, claim, hb in rows:
+            z = abs(r + alpha + beta * tau) / sig
+            w.append((1.0 if z <= 3 else 3.0 / z) / sig ** 2)
+    return alpha, beta

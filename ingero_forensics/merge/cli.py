@@ -1,0 +1,111 @@
+"""ingero-merge: a thin click layer over merge.merge_bundles and merge.list_bundles."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .. import cliutil
+from .core import expand_inputs, list_bundles, merge_bundles
+
+HELP = f"""Merge node bundles into one queryable fleet.db.
+
+BUNDLES are .bundle files, directories (every *.bundle inside) or globs. Segments of
+the same node join that node; nodes are aligned to one fleet time axis (UTC ns) from
+their clock samples and the collectives they share. An existing fleet.db given with -o
+is extended (bundles already in it are recognized by sha256 and not added twice) and
+realigned. The output is written to a temporary file and renamed at the end, so an
+error or Ctrl-C leaves the previous fleet.db as it was.
+
+A corrupt, truncated or foreign input is skipped with a one-line reason and the rest is
+merged (exit code 3); --strict aborts instead and writes nothing.
+
+{cliutil.EXIT_CODES_HELP}
+
+\b
+Example:
+  ingero-merge node*.bundle -o fleet.db
+  ingero-merge bundles/ -o fleet.db --json > summary.json
+  ingero-merge --list bundles/
+"""
+
+
+@click.command(help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("bundles", nargs=-1, required=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="fleet.db to create or extend (required unless --list).")
+@click.option("--list", "list_", is_flag=True,
+              help="Print each bundle's manifest (no decompression) and exit.")
+@click.option("--strict", is_flag=True, help="Abort on the first unusable input, writing nothing.")
+@click.option("--integrity", type=click.Choice(["quick", "full", "none"]), default="quick",
+              show_default=True, help="SQLite check run on every bundle before merging.")
+@click.option("--tmpdir", type=click.Path(file_okay=False), default=None,
+              help="Where bundle images are decompressed (default: next to the output).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@cliutil.version_option("ingero-merge")
+@cliutil.handle_errors
+def main(bundles, output, list_, strict, integrity, tmpdir, as_json, quiet):
+    if list_:
+        items = list_bundles(bundles)
+        if as_json:
+            cliutil.echo_json(items)
+        elif not quiet:
+            for it in items:
+                click.echo(_list_line(it))
+        bad = [it for it in items if "error" in it]
+        for it in bad:
+            click.echo(f"Error: {it['input']}: {it['error']}", err=True)
+        sys.exit(cliutil.EXIT_PARTIAL if bad else cliutil.EXIT_OK)
+    if not output:
+        raise click.UsageError("-o/--output is required (or use --list)")
+    n_inputs = len(expand_inputs(bundles))
+    with cliutil.progress(2 * n_inputs, "Merging", enabled=not quiet) as update:
+        res = merge_bundles(bundles, output, strict=strict, progress=update, tmpdir=tmpdir,
+                            integrity=integrity)
+    for s in res.skipped:
+        click.echo(f"Error: {s['input']}: {s['reason']} (skipped)", err=True)
+    if as_json:
+        cliutil.echo_json(res.to_dict())
+    elif not quiet:
+        for w in res.warnings:
+            click.echo(f"Warning: {w}", err=True)
+        click.echo(format_summary(res))
+    sys.exit(cliutil.EXIT_PARTIAL if res.skipped else cliutil.EXIT_OK)
+
+
+def _list_line(it) -> str:
+    if "error" in it:
+        return f"{it['input']}: ERROR {it['error']}"
+    m = it["manifest"]
+    cap = m["capture"]
+    rows = sum(m["tables"].values())
+    dur = (cap["end_mono_ns"] - cap["start_mono_ns"]) / 1e9
+    return (f"{it['input']}: node {m['node']} host {m['host']['hostname']} segment "
+            f"{m['segment']['index']} {dur:.1f}s {rows} rows "
+            f"{cliutil.human_bytes(m['database']['size'])} sha256 {m['database']['sha256'][:12]}")
+
+
+def format_summary(res) -> str:
+    lines = [f"{res.output}: {res.bundles_merged} bundles merged, {res.bundles_already} "
+             f"already present, {len(res.skipped)} skipped; {res.events} rows in "
+             f"{res.elapsed_s:.1f}s ({res.events_per_s:,.0f}/s)"]
+    if res.stacks.get("dedup_ratio"):
+        lines.append(f"stacks: {res.stacks['bundle_stacks']} in bundles -> "
+                     f"{res.stacks['fleet_stacks_used']} distinct (dedup {res.stacks['dedup_ratio']}x)")
+    lines.append(f"{'node':<20} {'ranks':<10} {'bundles':>7} {'rows':>10} {'method':<13} "
+                 f"{'uncert':>10} {'viol b/a':>10}")
+    for n in res.nodes:
+        a = n["alignment"]
+        ranks = ",".join(map(str, n["ranks"]))[:10]
+        unc = "-" if a["uncertainty_ns"] is None else f"{a['uncertainty_ns'] / 1e3:.0f}us"
+        flag = " LIAR" if a["exceeds_claim"] else ""
+        lines.append(f"{n['name'][:20]:<20} {ranks:<10} {n['bundles']:>7} "
+                     f"{sum(v for k, v in n['rows'].items() if k != 'stacks'):>10} "
+                     f"{a['method'] or '-':<13} {unc:>10} "
+                     f"{a['violations_before']}/{a['violations_after']:<5}{flag}")
+    if res.rows:
+        lines.append("rows written: " + ", ".join(f"{t} {n}" for t, n in sorted(res.rows.items())
+                                                  if n))
+    return "\n".join(lines)

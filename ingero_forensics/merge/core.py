@@ -1,0 +1,837 @@
+"""merge_bundles: many node bundles -> one fleet.db (see docs/merge.md, docs/fleet-db.md).
+
+The output is built in a temporary file next to it and renamed into place at the end, so
+an error, Ctrl-C or kill leaves any previous fleet.db untouched; ``-o existing.db`` works
+on a copy. Bundles are untrusted: each is verified by ``bundle.open_bundle`` and then
+ATTACHed read-only to a hardened connection; rows move with INSERT ... SELECT, never
+row by row through Python, and no SQL stored in a bundle is ever executed.
+
+Three passes: (1) per bundle: verify, resolve the node, copy the small tables (meta,
+stacks, clock_samples) and extract sync points; (2) align all nodes; (3) per bundle: copy
+the big tables with aligned times. Then collectives, violations, node facts, indexes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import apsw
+
+from .. import __version__
+from ..bundle.container import read_manifest
+from ..bundle.reader import open_bundle
+from ..bundle.schema import NCCL_OPS, TABLES_BY_NAME as BUNDLE_TABLES
+from ..db import harden
+from ..errors import BundleError, IngeroError
+from . import align
+from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_NAME,
+                           FLEET_VERSION, all_index_ddl, fleet_ddl, time_point_columns)
+from .stacks import canonical_stack, stack_hash
+
+#: Synchronizations whose end observes completion of the collectives enqueued before.
+SYNC_APIS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
+             "cuEventSynchronize")
+#: A synchronization shorter than this did not wait (the rank arrived after completion).
+DEFAULT_MIN_WAIT_NS = 20_000
+#: Clock condition: a completion cannot be observed before the last entry plus this.
+DEFAULT_MIN_LATENCY_NS = 1_000
+#: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
+PASS1_TABLES = ("meta", "clock_samples")
+PASS3_TABLES = tuple(t for t in COPIED_TABLES if t not in PASS1_TABLES)
+
+
+class MergeError(IngeroError):
+    """The merge cannot proceed (bad output, --strict with a skipped input)."""
+
+
+@dataclass
+class MergeResult:
+    output: str
+    bundles_merged: int = 0
+    bundles_already: int = 0
+    skipped: list[dict] = field(default_factory=list)       # {input, reason}
+    warnings: list[str] = field(default_factory=list)
+    nodes: list[dict] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)      # written this run, per table
+    stacks: dict = field(default_factory=dict)
+    events: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def events_per_s(self) -> float:
+        return self.events / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["events_per_s"] = round(self.events_per_s)
+        return d
+
+
+# ---------------------------------------------------------------------------- inputs
+
+def expand_inputs(inputs) -> list[tuple[str, Path | None, str | None]]:
+    """Files, directories (every *.bundle inside) and globs -> [(shown, path, error)].
+    Order is stable (sorted within a directory or glob); duplicates are dropped."""
+    out, seen = [], set()
+
+    def add(p: Path):
+        key = os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.append((str(p), p, None))
+    for item in inputs:
+        item = str(item)
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.glob("*.bundle"))
+            if not found:
+                out.append((item, None, "directory holds no *.bundle files"))
+            for f in found:
+                add(f)
+        elif p.exists():
+            add(p)
+        elif any(ch in item for ch in "*?["):
+            found = sorted(glob.glob(item))
+            if not found:
+                out.append((item, None, "no file matches this pattern"))
+            for f in found:
+                add(Path(f))
+        else:
+            out.append((item, None, "no such file or directory"))
+    return out
+
+
+def list_bundles(inputs) -> list[dict]:
+    """Each input's manifest, read without decompressing: {input, manifest} or
+    {input, error}."""
+    res = []
+    for shown, path, err in expand_inputs(inputs):
+        if err:
+            res.append({"input": shown, "error": err})
+            continue
+        try:
+            res.append({"input": shown, "manifest": read_manifest(path)})
+        except BundleError as e:
+            res.append({"input": shown, "error": e.reason})
+    return res
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _utc_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _aligned(col: str, p: str = "") -> str:
+    """SQL for the aligned value of a raw monotonic column, parameters :off/:slope."""
+    return f"(:off{p} + {col} + CAST(ROUND({col} * :slope{p}) AS INTEGER))"
+
+
+def _valid_predicate(table: str, alias: str = "e") -> str:
+    """Rows of an untrusted bundle that can be merged: enums known, NOT NULL columns set,
+    time points integers. The rest is skipped and counted."""
+    t = BUNDLE_TABLES[table]
+    conds = []
+    times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
+    for c in t.columns[1:] if t.columns[0].name == "id" else t.columns:
+        ref = f"{alias}.{c.name}"
+        if c.values:
+            vals = ", ".join("'" + v.replace("'", "''") + "'" for v in c.values)
+            conds.append(f"({ref} IN ({vals})" + (f" OR {ref} IS NULL)" if c.nullable else ")"))
+        elif not c.nullable:
+            conds.append(f"{ref} IS NOT NULL")
+        if c.name in times or (c.name == "duration_ns" and table == "nccl_events"):
+            conds.append(f"(typeof({ref}) = 'integer'" +
+                         (f" OR {ref} IS NULL)" if c.nullable else ")"))
+    return " AND ".join(conds) or "1"
+
+
+def check_fleet(path: Path) -> None:
+    try:
+        con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            harden(con)
+            app = con.execute("PRAGMA application_id").fetchone()[0]
+            ver = con.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            con.close()
+    except apsw.Error as e:
+        raise MergeError(f"{path}: cannot open as a fleet.db ({e})") from None
+    if app != FLEET_APPLICATION_ID:
+        raise MergeError(f"{path}: exists and is not a fleet.db (application_id {app:#x}); "
+                         "refusing to overwrite it")
+    if ver > FLEET_VERSION:
+        raise MergeError(f"{path}: fleet.db version {ver} is newer than this tool supports")
+
+
+class _Fleet:
+    """The connection to the temporary fleet database and small caches."""
+
+    def __init__(self, path: Path, fresh: bool):
+        self.con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE |
+                                   apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
+        harden(self.con)
+        self.con.config(apsw.SQLITE_DBCONFIG_ENABLE_TRIGGER, 0)
+        # The file is private until the final rename: durability is given by one fsync at
+        # the end, not by syncing every commit. Memory stays bounded (64 MiB cache).
+        for pragma in ("PRAGMA synchronous = OFF", "PRAGMA cache_size = -65536",
+                       "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE"):
+            self.con.execute(pragma)
+        if fresh:
+            with self.con:
+                for stmt in fleet_ddl():
+                    self.con.execute(stmt)
+        self.con.execute("CREATE TEMP TABLE stack_map (local_id INTEGER PRIMARY KEY, "
+                         "fleet_id INTEGER)")
+        self.con.execute("CREATE TEMP TABLE completion (comm_id_hash TEXT, seq INTEGER, "
+                         "completion_ns INTEGER, n INTEGER, spread INTEGER, "
+                         "PRIMARY KEY (comm_id_hash, seq)) WITHOUT ROWID")
+        self.stacks = {h: (sid, fr) for sid, h, fr in
+                       self.con.execute("SELECT stack_id, hash, frames FROM stacks")}
+
+    def log(self, level, event, message, *, input=None, node_id=None, count=None):
+        self.con.execute("INSERT INTO merge_log (merged_utc, level, input, node_id, event, "
+                         "message, count) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (_utc_iso(), level, input, node_id, event, message, count))
+
+
+# ------------------------------------------------------------------------------ merge
+
+def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
+                  tmpdir=None, integrity: str = "quick",
+                  min_wait_ns: int = DEFAULT_MIN_WAIT_NS,
+                  min_latency_ns: int = DEFAULT_MIN_LATENCY_NS) -> MergeResult:
+    """Merge bundles into out_path (created, or extended when it is a fleet.db).
+
+    progress(n) is called after each bundle of each pass (2 x bundles in all).
+    Raises MergeError (nothing written) on a bad output or, with strict, on the first
+    skipped input. Returns a MergeResult (JSON-serializable with to_dict()).
+    """
+    started = time.monotonic()
+    out = Path(out_path)
+    res = MergeResult(output=str(out))
+    progress = progress or (lambda n=1: None)
+    fresh = not out.exists()
+    if not fresh:
+        check_fleet(out)
+    if not out.parent.exists():
+        raise MergeError(f"{out}: directory {out.parent} does not exist")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    pending = []
+    try:
+        if not fresh:
+            shutil.copyfile(out, tmp)
+        fl = _Fleet(tmp, fresh)
+        try:
+            _merge(fl, expand_inputs(inputs), res, strict, progress,
+                   Path(tmpdir) if tmpdir else out.parent, integrity, min_wait_ns,
+                   min_latency_ns, pending)
+        finally:
+            for b in pending:
+                b["bundle"].close()
+            fl.con.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        try:
+            fd = os.open(str(out.parent), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        except OSError:
+            pass
+    except BaseException:
+        for suffix in ("", "-journal"):
+            try:
+                os.unlink(f"{tmp}{suffix}")
+            except FileNotFoundError:
+                pass
+        raise
+    res.elapsed_s = time.monotonic() - started
+    return res
+
+
+def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, integrity,
+           min_wait_ns, min_latency_ns, pending) -> None:
+    con = fl.con
+    known_sha = {r[0] for r in con.execute("SELECT sha256 FROM bundles")}
+    max_old_bundle = con.execute("SELECT COALESCE(MAX(bundle_id), 0) FROM bundles").fetchone()[0]
+    old_params = {r[0]: (r[1], r[2]) for r in
+                  con.execute("SELECT node_id, offset_ns, slope FROM clock_alignment")}
+    stack_rows_seen = 0
+    new_stack_ids: set[int] = set()
+
+    def skip(shown, reason):
+        if strict:
+            raise MergeError(f"{shown}: {reason} (--strict: nothing was written)")
+        res.skipped.append({"input": shown, "reason": reason})
+        fl.log("error", "skipped_input", reason, input=shown)
+
+    # ---------------------------------------------------------------- pass 1
+    for shown, path, err in entries:
+        if err:
+            skip(shown, err)
+            progress(2)
+            continue
+        try:
+            manifest = read_manifest(path)
+            sha = manifest["database"]["sha256"]
+            if sha in known_sha:
+                res.bundles_already += 1
+                fl.log("info", "already_merged", "bundle already in fleet.db; nothing added",
+                       input=shown)
+                progress(2)
+                continue
+            bundle = open_bundle(path, tmpdir=tmpdir, integrity=integrity)
+        except BundleError as e:
+            skip(shown, e.reason)
+            progress(2)
+            continue
+        bundle.con.close()
+        bundle.con = None
+        try:
+            con.execute("BEGIN")
+            node_id = _resolve_node(fl, bundle.manifest, shown, res)
+            bundle_id = _insert_bundle(fl, bundle, node_id, sha)
+            _attach(con, bundle.db_path)
+            try:
+                n_stacks = _copy_stacks(fl, shown, node_id, bundle_id, new_stack_ids)
+                stack_rows_seen += n_stacks
+                counts = {"stacks": n_stacks}
+                skipped = {}
+                for t in PASS1_TABLES:
+                    counts[t], skipped[t] = _copy_table(fl, t, bundle, node_id, bundle_id, None)
+                _extract_sync_points(con, node_id, bundle_id, min_wait_ns)
+                con.execute("COMMIT")
+            finally:
+                if not con.getautocommit():
+                    con.execute("ROLLBACK")
+                con.execute("DETACH DATABASE b")
+        except (apsw.Error, ValueError) as e:
+            if not con.getautocommit():
+                con.execute("ROLLBACK")
+            bundle.close()
+            skip(shown, f"cannot merge ({type(e).__name__}: {e})")
+            progress(2)
+            continue
+        known_sha.add(sha)
+        pending.append({"bundle": bundle, "shown": shown, "node_id": node_id,
+                        "bundle_id": bundle_id, "counts": counts, "skipped": skipped})
+        progress(1)
+
+    if not pending and not old_params and not res.bundles_already:
+        reasons = "; ".join(f"{s['input']}: {s['reason']}" for s in res.skipped[:3])
+        raise MergeError(f"no usable bundle among the inputs ({reasons})")
+    # ---------------------------------------------------------------- pass 2: align
+    con.execute("BEGIN")
+    con.execute("CREATE INDEX IF NOT EXISTS sync_points_comm_id_hash_seq "
+                "ON sync_points(comm_id_hash, seq)")
+    params = _align(fl, res)
+    con.execute("CREATE TEMP TABLE node_params (node_id INTEGER PRIMARY KEY, off INTEGER, "
+                "slope REAL, pre INTEGER)")
+    con.executemany("INSERT INTO temp.node_params VALUES (?, ?, ?, ?)",
+                    [(a.node_id, a.offset_ns, a.slope, a.pre_offset_ns) for a in params.values()])
+    con.execute("UPDATE sync_points SET aligned_ns = (SELECT p.off + sync_points.mono_ns + "
+                "CAST(ROUND(sync_points.mono_ns * p.slope) AS INTEGER) FROM temp.node_params p "
+                "WHERE p.node_id = sync_points.node_id)")
+    _completions(con)
+    # realign rows merged by earlier runs (incremental merge)
+    if max_old_bundle:
+        _realign_existing(con, params, old_params, max_old_bundle)
+    con.execute("COMMIT")
+
+    # ---------------------------------------------------------------- pass 3
+    for item in pending:
+        bundle, node_id, bundle_id = item["bundle"], item["node_id"], item["bundle_id"]
+        p = params[node_id]
+        _attach(con, bundle.db_path)
+        try:
+            with con:
+                _load_stack_map(fl, bundle_id)
+                for t in PASS3_TABLES:
+                    item["counts"][t], item["skipped"][t] = _copy_table(
+                        fl, t, bundle, node_id, bundle_id, p)
+        finally:
+            con.execute("DETACH DATABASE b")
+        bundle.close()
+        for t, n in item["skipped"].items():
+            if n:
+                fl.log("warning", "skipped_rows", f"{n} rows of {t} not merged (unknown enum "
+                       "value, NULL in a required column or non-integer time)",
+                       input=item["shown"], node_id=node_id, count=n)
+                res.warnings.append(f"{item['shown']}: {n} invalid rows of {t} skipped")
+        con.execute("UPDATE bundles SET rows = ?, skipped_rows = ? WHERE bundle_id = ?",
+                    (json.dumps(item["counts"], sort_keys=True),
+                     json.dumps(item["skipped"], sort_keys=True), bundle_id))
+        for t, n in item["counts"].items():
+            res.rows[t] = res.rows.get(t, 0) + n
+        res.bundles_merged += 1
+        fl.log("info", "merged", "bundle merged", input=item["shown"], node_id=node_id,
+               count=sum(item["counts"].values()))
+        progress(1)
+    pending.clear()
+
+    # ---------------------------------------------------------------- finish
+    con.execute("BEGIN")
+    for stmt in all_index_ddl():
+        con.execute(stmt)
+    con.execute("UPDATE clock_samples SET aligned_ns = (SELECT p.off + m + CAST(ROUND(m * "
+                "p.slope) AS INTEGER) FROM (SELECT (clock_samples.mono_before_ns + "
+                "clock_samples.mono_after_ns) / 2 AS m), temp.node_params p WHERE p.node_id = "
+                "clock_samples.node_id)")
+    con.execute("UPDATE clock_samples SET clock_error_ns = realtime_ns - aligned_ns")
+    _collectives(con)
+    _violations(con, params, min_latency_ns)
+    _write_alignment(con, params)
+    _update_nodes(con)
+    total_stacks = con.execute("SELECT COUNT(*) FROM stacks").fetchone()[0]
+    res.stacks = {"bundle_stacks": stack_rows_seen, "fleet_stacks_used": len(new_stack_ids),
+                  "fleet_stacks_total": total_stacks,
+                  "dedup_ratio": round(stack_rows_seen / len(new_stack_ids), 2)
+                  if new_stack_ids else None}
+    res.events = sum(n for t, n in res.rows.items() if t not in ("meta", "stacks"))
+    info = {"format_version": FLEET_VERSION, "created_by": f"ingero-forensics {__version__}",
+            "updated_utc": _utc_iso(),
+            "alignment": {"min_wait_ns": min_wait_ns, "min_latency_ns": min_latency_ns,
+                          "sync_apis": list(SYNC_APIS),
+                          "step_threshold_ns": align.STEP_THRESHOLD_NS,
+                          "drift_bound_ppm": align.DRIFT_BOUND_PPM}}
+    con.execute("INSERT OR IGNORE INTO fleet_info VALUES ('created_utc', ?)",
+                (json.dumps(_utc_iso()),))
+    con.executemany("INSERT OR REPLACE INTO fleet_info VALUES (?, ?)",
+                    [(k, json.dumps(v)) for k, v in info.items()])
+    con.execute("COMMIT")
+    res.nodes = _node_summary(con)
+
+
+def _attach(con, db_path) -> None:
+    # immutable: no locks and no journal lookups on a file nobody else writes.
+    uri = "file:" + str(Path(db_path).resolve()).replace("%", "%25").replace("?", "%3f") \
+        .replace("#", "%23") + "?mode=ro&immutable=1"
+    con.execute("ATTACH DATABASE ? AS b", (uri,))
+
+
+def _resolve_node(fl: _Fleet, m: dict, shown: str, res: MergeResult) -> int:
+    con = fl.con
+    h = m["host"]
+    key = (m["node"], h["hostname"], h["boot_id"])
+    row = con.execute("SELECT node_id FROM nodes WHERE claimed_name = ? AND hostname = ? "
+                      "AND boot_id = ?", key).fetchone()
+    if row:
+        return row[0]
+    name = m["node"]
+    taken = {r[0] for r in con.execute("SELECT name FROM nodes WHERE name = ? OR name LIKE ?",
+                                       (name, name + "#%"))}
+    if name in taken:
+        k = 2
+        while f"{name}#{k}" in taken:
+            k += 1
+        new = f"{name}#{k}"
+        other = con.execute("SELECT hostname, boot_id FROM nodes WHERE name = ?",
+                            (name,)).fetchone()
+        why = "another host" if other and other[0] != h["hostname"] else "another boot"
+        msg = (f"node name {name!r} is already used by {why} (host {other[0] if other else '?'}"
+               f"); this bundle (host {h['hostname']}, boot {h['boot_id'][:8]}) becomes "
+               f"node {new!r}")
+        fl.log("warning", "node_name_conflict", msg, input=shown)
+        res.warnings.append(f"{shown}: {msg}")
+        name = new
+    con.execute("INSERT INTO nodes (name, claimed_name, hostname, boot_id, kernel_release, "
+                "tool_version, ranks, job_ids, bundles) VALUES (?, ?, ?, ?, ?, ?, '[]', '[]', 0)",
+                (name, m["node"], h["hostname"], h["boot_id"], h.get("kernel_release"),
+                 h.get("tool_version")))
+    return con.last_insert_rowid()
+
+
+def _insert_bundle(fl: _Fleet, bundle, node_id: int, sha: str) -> int:
+    m = bundle.manifest
+    cap = m["capture"]
+    fl.con.execute(
+        "INSERT INTO bundles (node_id, file_name, sha256, segment_id, segment_index, "
+        "recovered, size, db_size, capture_start_mono_ns, capture_end_mono_ns, "
+        "capture_start_utc_ns, merged_utc, rows, skipped_rows, manifest) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '{}', '{}', ?)",
+        (node_id, bundle.path.name, sha, m["segment"]["id"], m["segment"]["index"],
+         1 if m["segment"].get("recovered") else 0, os.path.getsize(bundle.path),
+         m["database"]["size"], cap["start_mono_ns"], cap["end_mono_ns"], cap["start_utc_ns"],
+         _utc_iso(), json.dumps(m, sort_keys=True)))
+    return fl.con.last_insert_rowid()
+
+
+def _copy_stacks(fl: _Fleet, shown: str, node_id: int, bundle_id: int, used: set) -> int:
+    """Map the bundle's stacks onto fleet stacks (content-addressed, verified by content).
+    The map is stored in bundle_stack_map rows of temp.stack_map_all for pass 3."""
+    con = fl.con
+    con.execute("CREATE TEMP TABLE IF NOT EXISTS stack_map_all (bundle_id INTEGER, "
+                "local_id INTEGER, fleet_id INTEGER, PRIMARY KEY (bundle_id, local_id)) "
+                "WITHOUT ROWID")
+    n = 0
+    bad = 0
+    rows = []
+    for local_id, frames in con.execute("SELECT stack_id, frames FROM b.stacks").fetchall():
+        n += 1
+        try:
+            canon = canonical_stack(frames)
+        except (ValueError, TypeError):
+            bad += 1
+            continue
+        h = stack_hash(canon)
+        sid = None
+        k = 1
+        key = h
+        while True:
+            hit = fl.stacks.get(key)
+            if hit is None:
+                break
+            if hit[1] == canon:  # content verified, not just the hash
+                sid = hit[0]
+                break
+            k += 1
+            key = f"{h}-{k}"
+        if sid is None:
+            depth = len(json.loads(canon))
+            con.execute("INSERT INTO stacks (hash, frames, depth) VALUES (?, ?, ?)",
+                        (key, canon, depth))
+            sid = con.last_insert_rowid()
+            fl.stacks[key] = (sid, canon)
+        used.add(sid)
+        rows.append((bundle_id, local_id, sid))
+    con.executemany("INSERT OR REPLACE INTO temp.stack_map_all VALUES (?, ?, ?)", rows)
+    if bad:
+        fl.log("warning", "skipped_rows", f"{bad} stacks with frames that are not a JSON "
+               "array; rows pointing at them get stack_id NULL", input=shown,
+               node_id=node_id, count=bad)
+    return n
+
+
+def _load_stack_map(fl: _Fleet, bundle_id: int) -> None:
+    fl.con.execute("DELETE FROM temp.stack_map")
+    fl.con.execute("INSERT INTO temp.stack_map SELECT local_id, fleet_id FROM "
+                   "temp.stack_map_all WHERE bundle_id = ?", (bundle_id,))
+
+
+def _copy_table(fl: _Fleet, table: str, bundle, node_id: int, bundle_id: int,
+                p: align.NodeAlignment | None) -> tuple[int, int]:
+    """INSERT ... SELECT one bundle table into fleet.db; returns (written, skipped)."""
+    con = fl.con
+    want = bundle.manifest["tables"].get(table)
+    if table == "meta":
+        con.execute("INSERT INTO meta (bundle_id, node_id, key, value) SELECT ?, ?, key, value "
+                    "FROM b.meta WHERE key IS NOT NULL AND value IS NOT NULL",
+                    (bundle_id, node_id))
+        return con.changes(), 0
+    bt = BUNDLE_TABLES[table]
+    ft = FLEET_TABLES_BY_NAME[table]
+    times = time_point_columns(table)
+    data_cols = [c.name for c in bt.columns if c.name != "id"]
+    sel = {}
+    for c in data_cols:
+        sel[c] = f"e.{c}"
+    for c in times:
+        sel[c] = _aligned(f"e.{c}")
+    joins = ""
+    if "stack_id" in data_cols:
+        sel["stack_id"] = "sm.fleet_id"
+        joins += " LEFT JOIN temp.stack_map sm ON sm.local_id = e.stack_id"
+    extra = {"node_id": ":node", "bundle_id": ":bundle"}
+    if times:
+        extra["mono_ns"] = f"e.{times[0]}"
+    if table == "nccl_events":
+        a = _aligned("e.timestamp_ns")
+        sel["duration_ns"] = (f"CASE WHEN c.completion_ns > {a} + e.duration_ns "
+                              f"THEN c.completion_ns - {a} ELSE e.duration_ns END")
+        extra["call_duration_ns"] = "e.duration_ns"
+        extra["completion_ns"] = "c.completion_ns"
+        joins += (" LEFT JOIN temp.completion c ON c.comm_id_hash = e.comm_id_hash "
+                  "AND c.seq = e.seq")
+    cols = list(sel) + list(extra)
+    assert set(cols) <= set(ft.column_names), (table, set(cols) - set(ft.column_names))
+    sql = (f"INSERT INTO main.{table} ({', '.join(cols)}) SELECT "
+           f"{', '.join(list(sel.values()) + list(extra.values()))} "
+           f"FROM b.{table} e{joins} WHERE {_valid_predicate(table)}")
+    binds = {"node": node_id, "bundle": bundle_id}
+    if times:
+        binds.update(off=p.offset_ns, slope=p.slope)
+    con.execute(sql, binds)
+    written = con.changes()
+    return written, max((want or 0) - written, 0)
+
+
+def _extract_sync_points(con, node_id: int, bundle_id: int, min_wait_ns: int) -> None:
+    """Per waiting synchronization, the last collective enqueued by the same thread
+    before it (the event just before it in thread order, if that is a collective)."""
+    ops = ", ".join(f"'{o}'" for o in NCCL_OPS)
+    apis = ", ".join(f"'{a}'" for a in SYNC_APIS)
+    con.execute(f"""
+        INSERT INTO sync_points (node_id, bundle_id, comm_id_hash, seq, pid, tid, mono_ns,
+                                 wait_ns, used)
+        SELECT :node, :bundle, prev_comm, prev_seq, pid, tid, t_end, t_end - t, 0 FROM (
+          SELECT pid, tid, t, t_end, is_sync,
+                 LAG(is_sync) OVER w AS prev_sync, LAG(comm) OVER w AS prev_comm,
+                 LAG(seq) OVER w AS prev_seq
+          FROM (
+            SELECT pid, tid, timestamp_ns AS t, timestamp_ns + duration_ns AS t_end,
+                   0 AS is_sync, comm_id_hash AS comm, seq
+              FROM b.nccl_events
+             WHERE comm_id_hash IS NOT NULL AND typeof(seq) = 'integer' AND op IN ({ops})
+               AND typeof(timestamp_ns) = 'integer' AND typeof(duration_ns) = 'integer'
+               AND pid IS NOT NULL AND tid IS NOT NULL
+            UNION ALL
+            SELECT pid, tid, timestamp_ns, timestamp_ns + duration_ns, 1, NULL, NULL
+              FROM b.cuda_events
+             WHERE api IN ({apis}) AND typeof(timestamp_ns) = 'integer'
+               AND typeof(duration_ns) = 'integer' AND pid IS NOT NULL AND tid IS NOT NULL)
+          WINDOW w AS (PARTITION BY pid, tid ORDER BY t, is_sync))
+        WHERE is_sync = 1 AND prev_sync = 0 AND t_end - t >= :min_wait""",
+                {"node": node_id, "bundle": bundle_id, "min_wait": min_wait_ns})
+
+
+# --------------------------------------------------------------------------- alignment
+
+def _claim(source, synchronized, maxerr, ref_off, root_delay, root_disp):
+    if source == "system":
+        if synchronized == 0 or maxerr is None:
+            return None
+        return int(maxerr)
+    if source == "chrony" and root_disp is not None and root_delay is not None:
+        return int(abs(ref_off or 0) + root_disp + root_delay / 2)
+    return None
+
+
+def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
+    con = fl.con
+    nodes = {nid: align.NodeInput(nid) for (nid,) in con.execute("SELECT node_id FROM nodes")}
+    for row in con.execute(
+            "SELECT node_id, source, mono_before_ns, mono_after_ns, realtime_ns, "
+            "synchronized, adj_maxerror_ns, adj_esterror_ns, ref_offset_ns, root_delay_ns, "
+            "root_dispersion_ns FROM clock_samples WHERE realtime_ns IS NOT NULL "
+            "AND typeof(realtime_ns) = 'integer' AND source IN ('system', 'chrony')"):
+        nid, src, mb, ma, rt, sync, maxe, este, ref, rdel, rdisp = row
+        if ma < mb:
+            continue
+        claim = _claim(src, sync, maxe, ref, rdel, rdisp)
+        est = None
+        if sync != 0 and isinstance(este, int):
+            est = abs(este)
+        elif claim is not None:
+            est = claim
+        nodes[nid].samples.append(align.ClockSample(
+            mid=(mb + ma) // 2, realtime=rt, half_bracket=(ma - mb + 1) // 2, claim=claim,
+            est=est))
+    for nid, su, sm, eu, em in con.execute(
+            "SELECT node_id, capture_start_utc_ns, capture_start_mono_ns, "
+            "json_extract(manifest, '$.capture.end_utc_ns'), capture_end_mono_ns FROM bundles"):
+        nodes[nid].manifest_pairs += [(su, sm), (eu, em)]
+
+    def groups():
+        cur = con.cursor()
+        key, obs = None, []
+        for sid, comm, seq, nid, mono in cur.execute(
+                "SELECT id, comm_id_hash, seq, node_id, mono_ns FROM sync_points "
+                "ORDER BY comm_id_hash, seq"):
+            if (comm, seq) != key:
+                if obs:
+                    yield key, obs
+                key, obs = (comm, seq), []
+            obs.append((sid, nid, mono))
+        if obs:
+            yield key, obs
+
+    params = align.align_fleet(nodes, groups)
+    names = dict(con.execute("SELECT node_id, name FROM nodes"))
+    for a in params.values():
+        if a.exceeds_claim:
+            msg = (f"node {names[a.node_id]}: clock correction up to {a.max_correction_ns / 1e6:.3f}"
+                   f" ms exceeds its claimed error bound ({(a.claimed_error_ns or 0) / 1e6:.3f} ms):"
+                   " its time service is lying")
+            fl.log("warning", "clock_claim_exceeded", msg, node_id=a.node_id)
+            res.warnings.append(msg)
+        if a.method == "manifest":
+            msg = f"node {names[a.node_id]}: no usable clock samples; times rest on the manifest only"
+            fl.log("warning", "no_clock_samples", msg, node_id=a.node_id)
+            res.warnings.append(msg)
+    return params
+
+
+def _completions(con) -> None:
+    """Median aligned observed completion per collective; sync_points.used flags."""
+    con.execute("DELETE FROM temp.completion")
+    con.execute("UPDATE sync_points SET used = 0")
+    cur = con.cursor()
+    out, used = [], []
+    key, obs = None, []
+
+    def flush():
+        vals = sorted(t for _, _, t in obs)
+        n = len(vals)
+        med = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) // 2
+        out.append((key[0], key[1], med, n, vals[-1] - vals[0]))
+        if len({nid for _, nid, _ in obs}) > 1:
+            for sid, _, t in obs:
+                if abs(t - med) <= 50_000:
+                    used.append((sid,))
+    for sid, comm, seq, nid, t in cur.execute(
+            "SELECT id, comm_id_hash, seq, node_id, aligned_ns FROM sync_points "
+            "ORDER BY comm_id_hash, seq"):
+        if (comm, seq) != key:
+            if obs:
+                flush()
+            key, obs = (comm, seq), []
+        obs.append((sid, nid, t))
+        if len(out) >= 50_000:
+            con.executemany("INSERT INTO temp.completion VALUES (?, ?, ?, ?, ?)", out)
+            out.clear()
+    if obs:
+        flush()
+    con.executemany("INSERT INTO temp.completion VALUES (?, ?, ?, ?, ?)", out)
+    con.execute("CREATE TEMP TABLE IF NOT EXISTS used_ids (id INTEGER PRIMARY KEY)")
+    con.execute("DELETE FROM temp.used_ids")
+    con.executemany("INSERT INTO temp.used_ids VALUES (?)", used)
+    con.execute("UPDATE sync_points SET used = 1 WHERE id IN (SELECT id FROM temp.used_ids)")
+
+
+def _realign_existing(con, params, old_params, max_old_bundle) -> None:
+    """Rows merged earlier: move their times from the old line to the new one (the raw
+    value is mono_ns, or recovered exactly enough from the old line)."""
+    for nid, (old_off, old_slope) in old_params.items():
+        p = params.get(nid)
+        if p is None or (p.offset_ns == old_off and p.slope == old_slope):
+            continue
+        b = {"off": p.offset_ns, "slope": p.slope, "ooff": old_off, "oslope": old_slope,
+             "node": nid, "maxb": max_old_bundle}
+        for table in PASS3_TABLES:
+            times = time_point_columns(table)
+            if not times:
+                continue
+            sets = []
+            for c in times:
+                raw = "mono_ns" if c == times[0] else \
+                    f"CAST(ROUND(({c} - :ooff) / (1.0 + :oslope)) AS INTEGER)"
+                sets.append(f"{c} = {_aligned(raw)}")
+            con.execute(f"UPDATE {table} SET {', '.join(sets)} WHERE node_id = :node "
+                        "AND bundle_id <= :maxb", b)
+    # completion of old rows may change with the new observations and alignment
+    con.execute("""UPDATE nccl_events SET
+          completion_ns = (SELECT c.completion_ns FROM temp.completion c
+                           WHERE c.comm_id_hash = nccl_events.comm_id_hash
+                             AND c.seq = nccl_events.seq)
+        WHERE bundle_id <= ?""", (max_old_bundle,))
+    con.execute("""UPDATE nccl_events SET duration_ns = CASE
+          WHEN completion_ns > timestamp_ns + call_duration_ns THEN completion_ns - timestamp_ns
+          ELSE call_duration_ns END WHERE bundle_id <= ?""", (max_old_bundle,))
+
+
+def _collectives(con) -> None:
+    con.execute("DELETE FROM collectives")
+    con.execute("""
+        INSERT INTO collectives (comm_id_hash, seq, op, op_mismatch, nranks, ranks_seen,
+            bytes, first_entry_ns, last_entry_ns, entry_spread_ns, last_rank, last_node_id,
+            completion_ns, completion_observations, completion_spread_ns)
+        SELECT g.comm_id_hash, g.seq, g.op, g.mismatch, g.nranks, g.ranks_seen, g.bytes,
+               g.first_entry, l.last_entry, l.last_entry - g.first_entry, l.rank, l.node_id,
+               c.completion_ns, COALESCE(c.n, 0), c.spread
+        FROM (SELECT comm_id_hash, seq, MIN(op) AS op,
+                     (MIN(op) <> MAX(op) OR COALESCE(MIN(bytes) <> MAX(bytes), 0)) AS mismatch,
+                     MAX(nranks) AS nranks, COUNT(DISTINCT COALESCE(rank, -1 - node_id)) AS ranks_seen,
+                     MAX(bytes) AS bytes, MIN(timestamp_ns) AS first_entry
+              FROM nccl_events WHERE comm_id_hash IS NOT NULL AND seq IS NOT NULL
+              GROUP BY comm_id_hash, seq) g
+        JOIN (SELECT comm_id_hash, seq, MAX(timestamp_ns) AS last_entry, rank, node_id
+              FROM nccl_events WHERE comm_id_hash IS NOT NULL AND seq IS NOT NULL
+              GROUP BY comm_id_hash, seq) l USING (comm_id_hash, seq)
+        LEFT JOIN temp.completion c USING (comm_id_hash, seq)""")
+
+
+def _violations(con, params, min_latency_ns) -> None:
+    """Scalasca-style clock condition: an observed completion before the latest entry
+    (plus a minimum latency). Before = clock-sample offsets only; after = final."""
+    after = dict(con.execute(
+        "SELECT s.node_id, COUNT(*) FROM sync_points s JOIN collectives c "
+        "USING (comm_id_hash, seq) WHERE s.aligned_ns < c.last_entry_ns + ? "
+        "GROUP BY s.node_id", (min_latency_ns,)))
+    # latest entry per collective under the clock-sample-only mapping
+    con.execute("CREATE TEMP TABLE pre_last AS SELECT n.comm_id_hash, n.seq, "
+                "MAX(n.mono_ns + p.pre) AS last_pre FROM nccl_events n JOIN temp.node_params p "
+                "USING (node_id) WHERE n.comm_id_hash IS NOT NULL AND n.seq IS NOT NULL "
+                "AND EXISTS (SELECT 1 FROM sync_points s WHERE s.comm_id_hash = n.comm_id_hash "
+                "AND s.seq = n.seq) GROUP BY n.comm_id_hash, n.seq")
+    before = dict(con.execute(
+        "SELECT s.node_id, COUNT(*) FROM sync_points s JOIN temp.node_params p USING (node_id) "
+        "JOIN temp.pre_last l USING (comm_id_hash, seq) WHERE s.mono_ns + p.pre < l.last_pre + ? "
+        "GROUP BY s.node_id", (min_latency_ns,)))
+    con.execute("DROP TABLE temp.pre_last")
+    for nid, a in params.items():
+        a.violations_before = before.get(nid, 0)
+        a.violations_after = after.get(nid, 0)
+
+
+def _write_alignment(con, params) -> None:
+    con.execute("DELETE FROM clock_alignment")
+    con.executemany(
+        "INSERT INTO clock_alignment (node_id, method, offset_ns, slope, drift_ppm, "
+        "uncertainty_ns, relative_uncertainty_ns, component, sync_points, sync_points_used, "
+        "residual_ns, violations_before, violations_after, clock_samples, steps, "
+        "claimed_error_ns, max_correction_ns, exceeds_claim, segments) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(a.node_id, a.method, a.offset_ns, a.slope, a.drift_ppm, a.uncertainty_ns,
+          a.relative_uncertainty_ns, a.component, a.sync_points, a.sync_points_used,
+          a.residual_ns, a.violations_before, a.violations_after, a.clock_samples, a.steps,
+          a.claimed_error_ns, a.max_correction_ns, int(a.exceeds_claim),
+          json.dumps(a.segments)) for a in params.values()])
+
+
+def _update_nodes(con) -> None:
+    for (nid,) in con.execute("SELECT node_id FROM nodes").fetchall():
+        ranks = sorted({r for (r,) in con.execute(
+            "SELECT DISTINCT rank FROM processes WHERE node_id = ? AND rank IS NOT NULL "
+            "UNION SELECT DISTINCT rank FROM nccl_comm_events WHERE node_id = ? "
+            "AND rank IS NOT NULL", (nid, nid)) if isinstance(r, int)})
+        jobs = sorted({j for (j,) in con.execute(
+            "SELECT DISTINCT job_id FROM processes WHERE node_id = ? AND job_id IS NOT NULL",
+            (nid,)) if isinstance(j, str)})
+        for (mj,) in con.execute("SELECT json_extract(manifest, '$.job_ids') FROM bundles "
+                                 "WHERE node_id = ?", (nid,)):
+            try:
+                jobs = sorted(set(jobs) | {str(j) for j in json.loads(mj or "[]")})
+            except (ValueError, TypeError):
+                pass
+        con.execute("""UPDATE nodes SET ranks = ?, job_ids = ?,
+              bundles = (SELECT COUNT(*) FROM bundles WHERE node_id = ?),
+              first_mono_ns = (SELECT MIN(capture_start_mono_ns) FROM bundles WHERE node_id = ?),
+              last_mono_ns = (SELECT MAX(capture_end_mono_ns) FROM bundles WHERE node_id = ?)
+            WHERE node_id = ?""", (json.dumps(ranks), json.dumps(jobs), nid, nid, nid, nid))
+    con.execute("""UPDATE nodes SET
+          first_utc_ns = (SELECT a.offset_ns + nodes.first_mono_ns +
+                          CAST(ROUND(nodes.first_mono_ns * a.slope) AS INTEGER)
+                          FROM clock_alignment a WHERE a.node_id = nodes.node_id),
+          last_utc_ns = (SELECT a.offset_ns + nodes.last_mono_ns +
+                         CAST(ROUND(nodes.last_mono_ns * a.slope) AS INTEGER)
+                         FROM clock_alignment a WHERE a.node_id = nodes.node_id)""")
+
+
+def _node_summary(con) -> list[dict]:
+    out = []
+    rows = con.execute("SELECT n.node_id, n.name, n.hostname, n.ranks, n.bundles, a.method, "
+                       "a.offset_ns, a.drift_ppm, a.uncertainty_ns, a.sync_points_used, "
+                       "a.violations_before, a.violations_after, a.exceeds_claim, a.steps "
+                       "FROM nodes n LEFT JOIN clock_alignment a USING (node_id) "
+                       "ORDER BY n.node_id").fetchall()
+    per_node_rows: dict[int, dict] = {}
+    for nid, rows_json in con.execute("SELECT node_id, rows FROM bundles"):
+        for t, n in json.loads(rows_json).items():
+            d = per_node_rows.setdefault(nid, {})
+            d[t] = d.get(t, 0) + n
+    for (nid, name, host, ranks, nb, method, off, drift, unc, used, vb, va, exc,
+         steps) in rows:
+        out.append({"node_id": nid, "name": name, "hostname": host, "ranks": json.loads(ranks),
+                    "bundles": nb, "rows": per_node_rows.get(nid, {}),
+                    "alignment": {"method": method, "offset_ns": off, "drift_ppm": drift,
+                                  "uncertainty_ns": unc, "sync_points_used": used,
+                                  "violations_before": vb, "violations_after": va,
+                                  "exceeds_claim": bool(exc), "steps": steps}})
+    return out

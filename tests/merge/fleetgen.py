@@ -1,0 +1,150 @@
+"""A small fleet of real bundles written with BundleWriter, following the shared clock and
+completion model (docs/fleet-db.md), with the truth kept for the tests.
+
+Not a fake of anything the merge reads: real SQLite images, real zstd containers; only the
+GPU side (when a collective completes) is modelled.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ingero_forensics.bundle import BundleWriter
+
+T_JOB = 1_760_000_000_000_000_000  # true UTC of the job start
+
+
+@dataclass
+class NodeTruth:
+    name: str
+    boot_utc_ns: int
+    drift: float            # d_i
+    offset_ns: int          # o_i
+    step_utc_ns: int | None
+    residual_ns: int
+    liar: bool = False
+
+    def mono(self, t: int) -> int:
+        return round((t - self.boot_utc_ns) * (1 + self.drift))
+
+    def true_of_mono(self, m: int) -> float:
+        return self.boot_utc_ns + m / (1 + self.drift)
+
+    def clock_error(self, t: int) -> int:
+        if self.step_utc_ns is not None and t >= self.step_utc_ns:
+            return round(self.residual_ns + self.drift * (t - self.step_utc_ns))
+        return round(self.offset_ns + self.drift * (t - T_JOB))
+
+
+@dataclass
+class Fleet:
+    nodes: list[NodeTruth]
+    paths: list[Path] = field(default_factory=list)
+    #: (comm, seq) -> true completion
+    completions: dict = field(default_factory=dict)
+
+
+def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
+               max_offset_ms=50.0, max_drift_ppm=50.0, ntp_step=True, liar=None,
+               seed=1, straggler_rank=None, retransmits=True, segments=1,
+               host_of=None, stacks=True) -> Fleet:
+    rng = random.Random(seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    truths = []
+    for i in range(nodes):
+        step = T_JOB + int(rng.uniform(0.3, 0.7) * seconds * 1e9) if ntp_step else None
+        truths.append(NodeTruth(
+            name=f"node-{i}", boot_utc_ns=T_JOB - int(rng.uniform(1, 50) * 3600e9),
+            drift=rng.uniform(-max_drift_ppm, max_drift_ppm) * 1e-6,
+            offset_ns=int(rng.uniform(-max_offset_ms, max_offset_ms) * 1e6),
+            step_utc_ns=step, residual_ns=int(rng.uniform(-1, 1) * 1e6), liar=(liar == i)))
+    nranks = nodes * ranks_per_node
+    comm = "00c0ffee00c0ffee"
+    end = T_JOB + int(seconds * 1e9)
+    per_node_rows: list[dict[str, list]] = [
+        {"nccl_events": [], "cuda_events": [], "tcp_events": []} for _ in truths]
+    fleet = Fleet(truths)
+    t = T_JOB + 200_000_000
+    seq = 0
+    while t < end - 200_000_000:
+        seq += 1
+        entries = {}
+        for r in range(nranks):
+            late = 0
+            if straggler_rank == r and seq % 10 == 0:
+                late = 60_000_000  # 60 ms late: a slow AllReduce for everybody else
+            entries[r] = t + rng.randint(0, 3_000_000) + late
+        nbytes = 64 << 20
+        completion = max(entries.values()) + 1_500_000 + rng.randint(0, 20_000)
+        fleet.completions[(comm, seq)] = completion
+        for r, entry in entries.items():
+            ni = r // ranks_per_node
+            tr = truths[ni]
+            pid, tid = 1000 + r, 1000 + r
+            call = rng.randint(8_000, 30_000)
+            # sometimes two collectives before one sync: only the last is pinned
+            per_node_rows[ni]["nccl_events"].append(
+                (tr.mono(entry), call, "ALL_REDUCE", r, nranks, comm, seq, nbytes // 4,
+                 "float32", "sum", None, 7, nbytes, 0, 0, pid, tid, None))
+            sync_start = entry + call + rng.randint(2_000, 8_000)
+            sync_end = max(sync_start, completion) + rng.randint(2_000, 6_000)
+            if seq % 7 == 0:
+                continue  # no sync after this one: the next sync pins the next collective
+            per_node_rows[ni]["cuda_events"].append(
+                (tr.mono(sync_start), tr.mono(sync_end) - tr.mono(sync_start),
+                 "cudaStreamSynchronize", "runtime", 7, None, None, None, 0, 0, pid, tid, None))
+            if retransmits and rng.random() < 0.05:
+                rt = entry + rng.randint(0, 1_000_000)
+                per_node_rows[ni]["tcp_events"].append(
+                    (tr.mono(rt), "tcp_retransmit_skb", 4, "10.0.0.1", "10.0.0.2", 40000,
+                     5000, "ESTABLISHED", None, None, pid, "job", None, None))
+        t += step_ms * 1_000_000
+    for ni, tr in enumerate(truths):
+        seg_bounds = [T_JOB + int(k * seconds * 1e9 / segments) for k in range(segments + 1)]
+        for k in range(segments):
+            lo, hi = seg_bounds[k], seg_bounds[k + 1]
+            host = {"hostname": (host_of or {}).get(ni, f"host-{ni}"),
+                    "boot_id": f"{ni:08d}-0000-4000-8000-{seed:012d}",
+                    "kernel_release": "6.1.0-test"}
+            spool = out_dir / f".{tr.name}-{k}.spool"
+            w = BundleWriter(spool, node=tr.name, host=host,
+                             capture_start=(lo + tr.clock_error(lo), tr.mono(lo)),
+                             segment_index=k)
+            sid = None
+            if stacks:
+                sid = w.add_stack([{"ip": f"0x{0x7f0000001000 + ni * 4096:x}",
+                                    "module": f"/opt/env{ni}/lib/libnccl.so.2",
+                                    "symbol": "ncclAllReduce", "symbol_offset": 16},
+                                   {"ip": f"0x{0x5500000 + ni:x}", "module": "/usr/bin/python3",
+                                    "symbol": "main", "symbol_offset": 4}])
+            for table, rows in per_node_rows[ni].items():
+                sel = [row for row in rows if lo <= _true(tr, row[0]) < hi]
+                if table == "nccl_events" and sid is not None:
+                    sel = [row[:-1] + (sid,) for row in sel]
+                w.add_many(table, sel)
+            for r in range(ranks_per_node):
+                rank = ni * ranks_per_node + r
+                w.add("processes", (1000 + rank, 12345, "python3", "/usr/bin/python3",
+                                    '["python3","train.py"]', rank, r, nranks, ranks_per_node,
+                                    ni, "job-42", "{}", tr.mono(lo), tr.mono(hi - 1), None))
+            ts = lo
+            while ts < hi:
+                e = tr.clock_error(ts)
+                w_ns = rng.randint(1_000, 4_000)
+                claim = 50_000 if tr.liar else abs(e) + abs(e) // 2 + 200_000
+                w.add("clock_samples", ("system", tr.mono(ts), tr.mono(ts + w_ns),
+                                        ts + w_ns // 2 + e, None, None, w_ns, 1, 0, 0.0,
+                                        claim, 20_000 if tr.liar else abs(e) + 100_000, 0, 37,
+                                        None, None, None, None, None))
+                ts += 1_000_000_000
+            w.add("host_samples", (tr.mono(lo), "load.avg1", None, 1.5))
+            path = w.seal(out_dir, capture_end=(hi + tr.clock_error(hi), tr.mono(hi)))
+            fleet.paths.append(path)
+    return fleet
+
+
+def _true(tr: NodeTruth, mono: int) -> float:
+    return tr.true_of_mono(mono)
