@@ -1,0 +1,40 @@
+"""ingero-report: the static straggler / root-cause report of a fleet.db."""
+
+from __future__ import annotations
+
+import click
+
+from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
+from . import build_report
+
+
+@click.command(epilog=EXIT_CODES_HELP)
+@click.argument("fleet_db", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output", default="report.html", show_default=True,
+              type=click.Path(dir_okay=False), help="HTML file to write (replaced atomically).")
+@click.option("--bin", "bin_s", type=click.FloatRange(min=0.01), default=None,
+              help="Time bin for lateness, seconds (default: about 1/100 of the run, 0.25-10 s).")
+@click.option("--json", "as_json", is_flag=True, help="Also print the analysis as JSON on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+@version_option("ingero-report")
+@handle_errors
+def main(fleet_db, output, bin_s, as_json, quiet):
+    """Name the straggler of a merged fleet and its root cause, in one static HTML file.
+
+    The report compares when each node arrives at collectives, finds the windows where
+    one node is late (or where collectives are slow for everyone), and scores every
+    candidate cause (CPU contention, block I/O, memory pressure, network retransmits,
+    GPU slowdown) on that node against the other nodes over the same windows. The HTML
+    has no scripts and loads nothing: it reads the same in a browser or a mail client.
+
+    \b
+    Example:
+        ingero-merge node*.bundle -o fleet.db
+        ingero-report fleet.db -o report.html
+    """
+    analysis = build_report(fleet_db, output, bin_s=bin_s)
+    if as_json:
+        echo_json(analysis.to_json())
+    elif not quiet:
+        click.echo(analysis.verdict)
+        click.echo(f"Report written to {output}")
