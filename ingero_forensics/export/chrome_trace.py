@@ -295,6 +295,19 @@ class _Sink:
         if len(self.buf) >= _CHUNK_EVENTS:
             self.flush()
 
+    def extend(self, lines: list[str]) -> None:
+        """Add counted events in bulk (the hot path of the slice streams)."""
+        self.flush()
+        if not lines:
+            return
+        self.events += len(lines)
+        if self.max_events is not None and self.events > self.max_events:
+            raise ExportError(f"more than --max-events {self.max_events} events; narrow "
+                              "the export with --from/--to, --nodes, --ranks or --kinds, "
+                              "or raise --max-events")
+        self.write(((",\n" if not self.first else "") + ",\n".join(lines)).encode())
+        self.first = False
+
     def write(self, data: bytes) -> None:
         self.raw.write(data)
         self.bytes += len(data)
@@ -318,8 +331,15 @@ def _dur(col: str) -> str:
 
 
 def _args(*pairs: str) -> str:
-    """SQL: a JSON object of the non-NULL args (json_patch drops NULL members)."""
-    return f"json_patch('{{}}', json_object({', '.join(pairs)}))"
+    """SQL: a JSON object of the non-NULL args, built by concatenation.
+
+    (json_patch('{}', json_object(...)) would drop NULLs too, at a third of the speed.)
+    """
+    parts = []
+    for key, col in zip(pairs[::2], pairs[1::2]):
+        k = key.strip("'")
+        parts.append(f"""iif(({col}) IS NULL, '', ',"{k}":' || json_quote({col}))""")
+    return "('{' || substr(" + " || ".join(parts) + ", 2) || '}')"
 
 
 class _Exporter:
@@ -409,23 +429,41 @@ class _Exporter:
         an overflow lane are recorded in ``overflowed`` when given.
         """
         cur_key = None
-        lanes: list[list[int]] = []
+        lanes = None        # lane stacks, only while something overlaps
+        max_end = 0         # latest end on the track so far
         pid = base = 0
+        pre = ""
         n = 0
+        buf = []
         for node_id, k1, k2, start, end, body in self.con.execute(sql, self.params):
             key = (node_id, k1, k2)
             if key != cur_key:
-                cur_key, lanes = key, []
+                cur_key, lanes, max_end = key, None, start
                 pid, base = resolve(node_id, k1, k2)
-            lane = _place(lanes, start, end)
-            if lane == 0:
-                tid = base
+                pre = f'{{"ph":"X","pid":{pid},"tid":{base},'
+            if start >= max_end:
+                # Fast path: everything earlier has ended, lane 0 is free.
+                lanes, max_end = None, end
+                buf.append(pre + body)
             else:
-                tid = self.tracks.lane(pid, base, lane)
-                if overflowed is not None:
-                    overflowed[key + (start, end)] = tid
-            sink.add(f'{{"ph":"X","pid":{pid},"tid":{tid},{body}')
-            n += 1
+                if lanes is None:
+                    lanes = [[max_end]]     # only the last fast-path slice is open
+                lane = _place(lanes, start, end)
+                if end > max_end:
+                    max_end = end
+                if lane == 0:
+                    buf.append(pre + body)
+                else:
+                    tid = self.tracks.lane(pid, base, lane)
+                    if overflowed is not None:
+                        overflowed[key + (start, end)] = tid
+                    buf.append(f'{{"ph":"X","pid":{pid},"tid":{tid},{body}')
+            if len(buf) >= _CHUNK_EVENTS:
+                sink.extend(buf)
+                n += len(buf)
+                buf = []
+        sink.extend(buf)
+        n += len(buf)
         self.stats.slices += n
         self.count(kind, n)
 
@@ -437,7 +475,7 @@ class _Exporter:
                         "'device'", 'device', "'return_code'", 'return_code')} || '}}'""")
         sql = (f"SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, {body} "
                f"FROM cuda_events WHERE duration_ns IS NOT NULL AND {self.where()} "
-               "ORDER BY node_id, pid, tid, timestamp_ns, id")
+               "ORDER BY node_id, pid, tid, timestamp_ns")
         self._slices(sink, sql, "cuda", lambda nid, pid, tid: self.tracks.thread(nid, pid, tid))
         # Entry-only probes (no duration) are instants on the thread's track.
         sql = (f"SELECT node_id, pid, tid, '\"ts\":' || {_ts('timestamp_ns')} || "
