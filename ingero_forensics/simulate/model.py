@@ -58,7 +58,12 @@ def rng_for(seed: int, *parts) -> random.Random:
 
 
 def tri(r: random.Random, lo: float, mode: float, hi: float) -> float:
-    return r.triangular(lo, hi, mode)
+    """Triangular draw (inverse CDF; cheaper than random.triangular)."""
+    u = r.random()
+    span = hi - lo
+    if u * span < mode - lo:
+        return lo + math.sqrt(u * span * (mode - lo))
+    return hi - math.sqrt((1.0 - u) * span * (hi - mode))
 
 
 def jit(r: random.Random, sigma: float) -> float:
@@ -259,14 +264,18 @@ class RankTimeline:
             ri.split_call = ri.init_end + r.uniform(4, 25) * MS
             return ri
         ri.split_end = split_done + r.uniform(20, 300) * US
-        ri.first_step = ri.split_end + r.uniform(120, 450) * MS
+        # DDP's constructor broadcasts the model from rank 0 (not traced as a step
+        # collective here): every rank leaves it together and starts step 0
+        ri.first_step = split_done + 310 * MS + r.uniform(0.1, 1.5) * MS
         self.next_start = ri.first_step
         return ri
 
     # -- one step, in three phases around the two completions -----------------------
+    # Hot path (runs for every rank in the parent and again in the node's worker):
+    # cheap skewed draws lo + span*u1*u2 instead of random.triangular.
     def phase_backward(self, step: int) -> RankStep:
         """Up to the gradient bucket enqueues; returns the step record."""
-        r = self.r
+        rnd = self.r.random
         st = RankStep()
         st.step = step
         faulty = self.fault if (self.fault and self.plan.active(step)) else ""
@@ -274,58 +283,63 @@ class RankTimeline:
         stalls = []
         t = self.next_start
         st.start = t
-        wait = 0.0
-        if faulty == "io" and r.random() < 0.65:
-            wait = tri(r, 12, 45, 380) * MS * self.intensity
-        wait += tri(r, 40, 90, 400) * US  # dequeue the prefetched batch
+        wait = 40 * US + 360 * US * rnd() * rnd()  # dequeue the prefetched batch
+        if faulty == "io" and rnd() < 0.65:
+            wait += tri(self.r, 12, 45, 380) * MS * self.intensity
         if wait > 1 * MS:
             stalls.append((DATA_WAIT, t + 30 * US, wait - 30 * US))
         st.data_wait = wait
         st.h2d = t + wait
-        st.h2d_dur = tri(r, 7, 11, 30) * US
-        st.fwd = fwd = st.h2d + st.h2d_dur + tri(r, 20, 35, 80) * US
+        st.h2d_dur = 7 * US + 23 * US * rnd() * rnd()
+        st.fwd = fwd = st.h2d + st.h2d_dur + 20 * US + 60 * US * rnd() * rnd()
         slow = 1.0
         if faulty == "gpu":
-            slow = self.plan.gpu_slowdown * jit(r, 0.04)
+            slow = self.plan.gpu_slowdown * (1.0 + 0.08 * (rnd() + rnd() - 1.0))
         # forward: host launch (stalls delay it), GPU runs behind, a sync waits for it
-        work = FWD_HOST_NS * jit(r, 0.03)
-        extra = self._stalls(r, faulty, 0, fwd, work, stalls, None)
+        work = FWD_HOST_NS * (1.0 + 0.06 * (rnd() + rnd() + rnd() - 1.5))
+        extra = self._stalls(faulty, 0, fwd, work, stalls, None) \
+            if (faulty or rnd() < 0.015) else 0.0
         st.fsync = fwd + work + extra
-        gpu_done = fwd + FWD_GPU_NS * jit(r, 0.015) * slow
-        st.fsync_end = max(st.fsync, gpu_done) + self._wake(r)
+        gpu_done = fwd + FWD_GPU_NS * (1.0 + 0.03 * (rnd() + rnd() + rnd() - 1.5)) * slow
+        st.fsync_end = max(st.fsync, gpu_done) + self._wake(rnd)
         # backward: buckets become ready along it; stalls push later buckets out
-        st.bwd = b0 = st.fsync_end + tri(r, 25, 40, 120) * US
-        work = BWD_NS * jit(r, 0.015) * slow
-        before = [0.0] * N_BUCKETS
-        extra = self._stalls(r, faulty, 1, b0, work, stalls, before)
-        st.entries = [b0 + work * f + before[j] for j, f in enumerate(BUCKET_READY)]
-        st.nccl_durs = [tri(r, 9, 16, 45) * US for _ in range(N_BUCKETS)]
-        st.bsync = b0 + work + extra + tri(r, 80, 150, 400) * US
+        st.bwd = b0 = st.fsync_end + 25 * US + 95 * US * rnd() * rnd()
+        work = BWD_NS * (1.0 + 0.03 * (rnd() + rnd() + rnd() - 1.5)) * slow
+        if faulty or rnd() < 0.015:
+            before = [0.0] * N_BUCKETS
+            extra = self._stalls(faulty, 1, b0, work, stalls, before)
+            st.entries = [b0 + work * f + before[j] for j, f in enumerate(BUCKET_READY)]
+        else:
+            extra = 0.0
+            st.entries = [b0 + work * f for f in BUCKET_READY]
+        st.nccl_durs = [9 * US + 36 * US * rnd() * rnd() for _ in BUCKET_READY]
+        st.bsync = b0 + work + extra + 80 * US + 320 * US * rnd() * rnd()
         st.stalls = stalls
         self._cur = st
         return st
 
     def phase_optimizer(self, buckets_done: float) -> float:
         """After the gradient sync; returns the loss all-reduce entry time."""
-        r, st = self.r, self._cur
-        st.bsync_end = max(st.bsync, buckets_done) + self._wake(r)
-        st.opt = o0 = st.bsync_end + tri(r, 20, 30, 90) * US
+        rnd, st = self.r.random, self._cur
+        st.bsync_end = max(st.bsync, buckets_done) + self._wake(rnd)
+        st.opt = o0 = st.bsync_end + 20 * US + 70 * US * rnd() * rnd()
         slow = self.plan.gpu_slowdown if st.faulty == "gpu" else 1.0
-        work = OPT_NS * jit(r, 0.03) * slow
-        extra = self._stalls(r, st.faulty, 2, o0, work, st.stalls, None)
+        work = OPT_NS * (1.0 + 0.06 * (rnd() + rnd() + rnd() - 1.5)) * slow
+        extra = self._stalls(st.faulty, 2, o0, work, st.stalls, None) \
+            if (st.faulty or rnd() < 0.015) else 0.0
         st.loss_entry = o0 + work + extra
-        st.loss_dur = tri(r, 9, 14, 40) * US
+        st.loss_dur = 9 * US + 31 * US * rnd() * rnd()
         return st.loss_entry
 
     def phase_end(self, loss_done: float) -> RankStep:
-        r, st = self.r, self._cur
-        st.d2h = st.loss_entry + st.loss_dur + tri(r, 6, 10, 30) * US
-        st.d2h_dur = tri(r, 5, 8, 20) * US
-        st.lsync = st.d2h + st.d2h_dur + tri(r, 2, 4, 12) * US
-        st.lsync_end = max(st.lsync, loss_done) + self._wake(r)
-        self.next_start = st.lsync_end + STEP_GAP_NS * jit(r, 0.2)
-        if r.random() < 0.003:  # python GC between steps: benign, random rank
-            gc = tri(r, 4, 9, 30) * MS
+        rnd, st = self.r.random, self._cur
+        st.d2h = st.loss_entry + st.loss_dur + 6 * US + 24 * US * rnd() * rnd()
+        st.d2h_dur = 5 * US + 15 * US * rnd() * rnd()
+        st.lsync = st.d2h + st.d2h_dur + 2 * US + 10 * US * rnd() * rnd()
+        st.lsync_end = max(st.lsync, loss_done) + self._wake(rnd)
+        self.next_start = st.lsync_end + STEP_GAP_NS * (0.6 + 0.8 * rnd())
+        if rnd() < 0.003:  # python GC between steps: benign, random rank
+            gc = tri(self.r, 4, 9, 30) * MS
             st.stalls.append((GC, self.next_start, gc))
             self.next_start += gc
         self._cur = None
@@ -333,10 +347,12 @@ class RankTimeline:
 
     # -- helpers -------------------------------------------------------------------------
     @staticmethod
-    def _wake(r: random.Random) -> float:
-        w = tri(r, 2, 4, 9) * US
-        if r.random() < 0.01:
-            w += r.uniform(15, 60) * US
+    def _wake(rnd) -> float:
+        """Wake-up latency of a blocking sync after the GPU work it waits for is done."""
+        u = rnd()
+        w = 2 * US + 7 * US * u * rnd()
+        if u > 0.99:
+            w += 15 * US + 45 * US * rnd()
         return w
 
     # mean stall counts per phase (fwd, bwd, opt) and duration (ms: lo, mode, hi)
@@ -345,11 +361,12 @@ class RankTimeline:
         "memory": ((1.2, 1.8, 0.8), (2.0, 7.0, 40.0)),
     }
 
-    def _stalls(self, r, faulty, phase, t0, work, out, before) -> float:
+    def _stalls(self, faulty, phase, t0, work, out, before) -> float:
         """Add stalls for one phase to ``out``; return their total duration.
 
         ``before[j]`` (backward) gets the stall time preceding bucket j's readiness.
         """
+        r = self.r
         picks = []
         if r.random() < 0.015:  # a kworker or ksoftirqd takes the CPU briefly: benign
             picks.append((r.random(), RUNQ_BENIGN, tri(r, 1.0, 1.3, 2.6) * MS))

@@ -264,18 +264,18 @@ class NodeGenerator:
             d = int(m0 + (t + dur) * k) - ts
             if kind == RUNQ_COMPETITOR:
                 cname, cpid = self.plan.competitor
-                out.append((ts, d, "runq_delay", pid, pid, comm, r.randrange(NCPUS), None,
-                            cpid, cpid + r.randrange(1, 24), cname))
+                out.append((ts, d, "runq_delay", pid, pid, comm, int(r.random() * NCPUS), None,
+                            cpid, cpid + 1 + int(r.random() * 23), cname))
             elif kind == RUNQ_BENIGN:
-                cpu = r.randrange(NCPUS)
+                cpu = int(r.random() * NCPUS)
                 task = r.choice(catalog.KERNEL_TASKS).format(cpu=cpu)
                 kpid = 100 + (subseed(0, task) % 2000)
                 out.append((ts, d, "runq_delay", pid, pid, comm, cpu, None, kpid, kpid, task))
             elif kind == DSTATE:
-                out.append((ts, d, "off_cpu", pid, pid, comm, r.randrange(NCPUS), "D",
+                out.append((ts, d, "off_cpu", pid, pid, comm, int(r.random() * NCPUS), "D",
                             None, None, None))
             elif kind == DATA_WAIT:
-                out.append((ts, d, "off_cpu", pid, pid, comm, r.randrange(NCPUS), "S",
+                out.append((ts, d, "off_cpu", pid, pid, comm, int(r.random() * NCPUS), "S",
                             None, None, None))
         # loader workers sleep between batches (off-CPU, S), every step
         faulty = st.faulty
@@ -286,7 +286,7 @@ class NodeGenerator:
             dur = step_len * r.uniform(0.25, 0.45)
             ts = int(m0 + t * k)
             out.append((ts, int(m0 + (t + dur) * k) - ts, "off_cpu", pid, tid, wcomm,
-                        r.randrange(NCPUS), "S", None, None, None))
+                        int(r.random() * NCPUS), "S", None, None, None))
             if faulty == "cpu":
                 for _ in range(r.randrange(1, 4)):
                     t = st.start + r.random() * step_len
@@ -294,8 +294,8 @@ class NodeGenerator:
                     ts = int(m0 + t * k)
                     cname, cpid = self.plan.competitor
                     out.append((ts, int(m0 + (t + d) * k) - ts, "runq_delay", pid, tid,
-                                wcomm, r.randrange(NCPUS), None, cpid,
-                                cpid + r.randrange(1, 24), cname))
+                                wcomm, int(r.random() * NCPUS), None, cpid,
+                                cpid + 1 + int(r.random() * 23), cname))
 
     def _block_rows(self, lr, st, threads, out, sched_out) -> None:
         m0, k, r = self.m0, self.k, self.r
@@ -311,11 +311,11 @@ class NodeGenerator:
                 dur = tri(r, 60, 110, 900) * US
             ts = int(m0 + t * k)
             out.append((ts, int(m0 + (t + dur) * k) - ts, DISK,
-                        r.randrange(2048, 7_400_000_000) & ~7, 131072 * r.randrange(1, 9),
+                        (2048 + int(r.random() * 7_400_000_000)) & ~7, 131072 * (1 + int(r.random() * 8)),
                         "read", "R", pid, tid, comm, 0))
             if dur > 20 * MS:  # the loader sleeps in D state on the slow read
                 sched_out.append((ts + 4000, out[-1][1] - 3000, "off_cpu", pid, tid, comm,
-                                  r.randrange(NCPUS), "D", None, None, None))
+                                  int(r.random() * NCPUS), "D", None, None, None))
 
     def _teardown_rows(self, tls, rows) -> None:
         m0, k, r = self.m0, self.k, self.r
@@ -569,17 +569,24 @@ class NodeGenerator:
         while t < t_hi:
             hit = net and self.fault_at(t)
             rate = (260.0 if self.straggler else 35.0) if hit else 0.004
-            t += r.expovariate(rate / S)
+            t_next = t + r.expovariate(rate / S)
+            if not hit and net:
+                # the rate changes at a window start: restart the process there
+                nxt = min((a for a, _ in self.windows if a > t), default=None)
+                if nxt is not None and t_next > nxt:
+                    t = nxt
+                    continue
+            t = t_next
             if t >= t_hi:
                 break
-            if not hit and not self._phase(t) == "train":
+            if not hit and self._phase(t) != "train":
                 continue
             if self.straggler or not hit:
                 peer = r.choice(self.neighbours) if self.neighbours else self.node
             else:
                 peer = self.plan.node
-            lr = r.randrange(self.R)
-            sock = r.randrange(4)
+            lr = int(r.random() * self.R)
+            sock = int(r.random() * 4)
             peer_addr = self.addrs[peer]["data"]
             out.append((int(m0 + t * k), "tcp_retransmit_skb", 4, me["data"], peer_addr,
                         NCCL_PORT_BASE + self.node * 64 + lr * 4 + sock,
@@ -605,11 +612,11 @@ class NodeGenerator:
             ts = int(m0 + t * k)
             if r.random() < 0.2 and not storm:
                 out.append((ts, int(m0 + (t + dur) * k) - ts, DISK,
-                            r.randrange(2048, 7_400_000_000) & ~7, nbytes, "write", "WS",
+                            (2048 + int(r.random() * 7_400_000_000)) & ~7, nbytes, "write", "WS",
                             612, 612, "jbd2/nvme0n1p2-", 0))
             else:
                 out.append((ts, int(m0 + (t + dur) * k) - ts, DISK,
-                            r.randrange(2048, 7_400_000_000) & ~7, nbytes, "write", "W",
+                            (2048 + int(r.random() * 7_400_000_000)) & ~7, nbytes, "write", "W",
                             None, None, None, 0))
             t += r.expovariate((180.0 if storm else 3.0) / S)
         self._wb_next = t
