@@ -27,5 +27,6 @@ if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 
 $SUDO bash scripts/setup-ebpf.sh
 
+export PATH="$PWD/.venv/bin:$PATH"   # console scripts the tests run as subprocesses
 export INGERO_REQUIRE_EBPF=${INGERO_REQUIRE_EBPF:-${CI:+1}}
 exec .venv/bin/python -m pytest -ra "$@"
