@@ -1,0 +1,104 @@
+"""ingero-capture's command line: --check, --help, --version, --json, --quiet."""
+
+import json
+
+from click.testing import CliRunner
+
+from ingero_forensics import __version__
+from ingero_forensics.capture.cli import main
+
+from conftest import run_capture
+
+
+def test_check_lists_every_source_with_reasons(tmp_path):
+    r = CliRunner().invoke(main, ["--check", "--node", "chk-1", "--no-ebpf"])
+    assert r.exit_code == 0, r.output
+    lines = {ln.split()[0]: ln for ln in r.output.splitlines()}
+    assert set(lines) == {"node", "clock", "clock.chrony", "clock.ptp", "host", "host.nvml", "ebpf"}
+    assert "chk-1 (from --node)" in lines["node"]
+    assert lines["clock"].split()[1] == "ok" and lines["host"].split()[1] == "ok"
+    assert lines["ebpf"].split()[1] == "off" and "--no-ebpf" in lines["ebpf"]
+    for name in ("clock.chrony", "clock.ptp", "host.nvml"):
+        state = lines[name].split()[1]
+        assert state in ("ok", "off")
+        if state == "off":
+            assert "(fix: " in lines[name]  # every off source says how to turn it on
+    assert not list(tmp_path.iterdir())  # --check writes nothing
+
+
+def test_check_json_and_ebpf_reason():
+    r = CliRunner().invoke(main, ["--check", "--json", "--node", "n"])
+    assert r.exit_code == 0, r.output
+    got = {s["name"]: s for s in json.loads(r.output)}
+    assert got["clock"]["available"] is True
+    assert set(got) >= {"node", "clock", "host", "host.nvml"}
+    ebpf = [s for name, s in got.items() if name not in
+            ("node", "clock", "clock.chrony", "clock.ptp", "host", "host.nvml")]
+    assert ebpf  # either the eBPF sources' own probes or one "ebpf" entry saying why not
+    for s in ebpf:
+        assert s["available"] or s["reason"]
+
+
+def test_check_with_invalid_node_exits_1():
+    r = CliRunner().invoke(main, ["--check", "--node", "no good", "--no-ebpf"])
+    assert r.exit_code == 1
+    assert r.output.splitlines()[0].startswith("node")
+    assert "invalid node name 'no good' (from --node)" in r.output
+
+
+def test_help_and_version():
+    r = CliRunner().invoke(main, ["--help"])
+    assert r.exit_code == 0
+    for text in ("Example:", "ingero-capture --bundle /var/ingero", "Exit codes:", "--max-disk",
+                 "--no-ebpf", "--check", "SIGHUP"):
+        assert text in r.output
+    r = CliRunner().invoke(main, ["--version"])
+    assert r.output == f"ingero-capture {__version__}\n"
+
+
+def test_bad_size_is_usage_error(tmp_path):
+    r = CliRunner().invoke(main, ["--bundle", str(tmp_path), "--max-disk", "lots"])
+    assert r.exit_code == 2
+    assert "not a size: 'lots'" in r.output
+
+
+def test_json_summary_and_quiet(tmp_path):
+    r = run_capture("--bundle", tmp_path, "--node", "js", "--no-ebpf", "--duration", "1",
+                    "--json", "--quiet")
+    assert r.returncode == 0
+    assert r.stderr == ""  # --quiet: nothing but errors
+    s = json.loads(r.stdout)
+    assert s["node"] == "js" and s["node_origin"] == "--node"
+    assert len(s["segments"]) == 1 and s["segments"][0].startswith(str(tmp_path))
+    assert s["sources_on"] == ["clock", "host"]
+    assert s["sources_off"] == {"ebpf": "turned off with --no-ebpf"}
+    assert s["stop_reason"] == "duration"
+    assert s["events"]["clock"] >= 2
+
+
+def test_plain_log_lines_when_not_a_tty(tmp_path):
+    r = run_capture("--bundle", tmp_path, "--node", "pl", "--no-ebpf", "--duration", "1")
+    assert r.returncode == 0
+    assert "\r" not in r.stderr and "\033[" not in r.stderr  # no status-line escapes
+    assert "capturing as node pl" in r.stderr and "sealed pl+" in r.stderr
+
+
+def test_reporter_modes():
+    import io
+    from ingero_forensics.capture.status import Reporter, status_text
+    text = status_text({"clock": 1.0, "host": 370.4}, 0, 3, 2 << 20, 5 << 30)
+    assert text == "seg 3 2.0 MiB | disk 5.0 GiB | clock 1/s host 370/s | lost 0"
+    tty = io.StringIO()
+    rep = Reporter("tty", tty)
+    rep.status(text)
+    rep.message("warning", "nccl", "nccl source off")
+    rep.close()
+    out = tty.getvalue()
+    assert out.startswith("\r\033[K" + text) and "\r\033[K" in out[len(text) + 4:]
+    assert "warning nccl: nccl source off\n" in out
+    quiet = io.StringIO()
+    rep = Reporter("quiet", quiet)
+    rep.status(text)
+    rep.message("warning", "x", "hidden")
+    rep.message("error", "x", "shown")
+    assert "hidden" not in quiet.getvalue() and "error   x: shown" in quiet.getvalue()
