@@ -49,7 +49,8 @@ class Fleet:
 def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                max_offset_ms=50.0, max_drift_ppm=50.0, ntp_step=True, liar=None,
                seed=1, straggler_rank=None, retransmits=True, segments=1,
-               host_of=None, stacks=True) -> Fleet:
+               host_of=None, stacks=True, comm="00c0ffee00c0ffee",
+               name_prefix="node") -> Fleet:
     rng = random.Random(seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -57,12 +58,11 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     for i in range(nodes):
         step = T_JOB + int(rng.uniform(0.3, 0.7) * seconds * 1e9) if ntp_step else None
         truths.append(NodeTruth(
-            name=f"node-{i}", boot_utc_ns=T_JOB - int(rng.uniform(1, 50) * 3600e9),
+            name=f"{name_prefix}-{i}", boot_utc_ns=T_JOB - int(rng.uniform(1, 50) * 3600e9),
             drift=rng.uniform(-max_drift_ppm, max_drift_ppm) * 1e-6,
             offset_ns=int(rng.uniform(-max_offset_ms, max_offset_ms) * 1e6),
             step_utc_ns=step, residual_ns=int(rng.uniform(-1, 1) * 1e6), liar=(liar == i)))
     nranks = nodes * ranks_per_node
-    comm = "00c0ffee00c0ffee"
     end = T_JOB + int(seconds * 1e9)
     per_node_rows: list[dict[str, list]] = [
         {"nccl_events": [], "cuda_events": [], "tcp_events": []} for _ in truths]
@@ -120,10 +120,17 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                                     "symbol": "ncclAllReduce", "symbol_offset": 16},
                                    {"ip": f"0x{0x5500000 + ni:x}", "module": "/usr/bin/python3",
                                     "symbol": "main", "symbol_offset": 4}])
+            sync_sid = None
+            if stacks:
+                sync_sid = w.add_stack([{"ip": f"0x{0x7f0000200000 + ni:x}",
+                                         "module": f"/usr/local/cuda-12.{ni}/lib/libcudart.so.12",
+                                         "symbol": "cudaStreamSynchronize", "symbol_offset": 0}])
             for table, rows in per_node_rows[ni].items():
                 sel = [row for row in rows if lo <= _true(tr, row[0]) < hi]
                 if table == "nccl_events" and sid is not None:
                     sel = [row[:-1] + (sid,) for row in sel]
+                if table == "cuda_events" and sync_sid is not None:
+                    sel = [row[:-1] + (sync_sid,) for row in sel]
                 w.add_many(table, sel)
             for r in range(ranks_per_node):
                 rank = ni * ranks_per_node + r

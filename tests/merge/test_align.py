@@ -1,0 +1,145 @@
+import random
+
+import apsw
+import pytest
+
+from fleetgen import T_JOB, make_fleet
+from ingero_forensics.merge import merge_bundles
+from ingero_forensics.merge.align import (ClockSample, clock_segments, error_bound,
+                                          robust_line)
+
+
+def alignment(db):
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        cols = [d[0] for d in con.execute("SELECT * FROM clock_alignment").description]
+        return {r[0]: dict(zip(cols, r)) for r in con.execute("SELECT * FROM clock_alignment")}
+    finally:
+        con.close()
+
+
+def errors_at_true_times(fleet, al, seconds):
+    """aligned - true at fixed true instants, per node (ns)."""
+    out = {}
+    for nid, a in al.items():
+        tr = fleet.nodes[nid - 1]
+        errs = []
+        for k in range(1, int(seconds)):
+            t = T_JOB + k * 1_000_000_000
+            m = tr.mono(t)
+            errs.append(a["offset_ns"] + m + round(m * a["slope"]) - t)
+        out[nid] = sorted(errs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ten_minutes(tmp_path_factory):
+    """The acceptance fleet: +-50 ms offsets, +-50 ppm drift, one NTP step per node,
+    10 minutes of 100 ms training steps."""
+    d = tmp_path_factory.mktemp("tenmin")
+    fleet = make_fleet(d / "b", nodes=6, ranks_per_node=2, seconds=600, max_offset_ms=50,
+                       max_drift_ppm=50, ntp_step=True, seed=21, retransmits=False)
+    merge_bundles(fleet.paths, d / "f.db")
+    return fleet, alignment(d / "f.db"), d / "f.db"
+
+
+def test_relative_error_under_50us(ten_minutes):
+    fleet, al, _ = ten_minutes
+    errs = errors_at_true_times(fleet, al, 600)
+    medians = {nid: e[len(e) // 2] for nid, e in errs.items()}
+    common = sorted(medians.values())[len(medians) // 2]
+    for nid, m in medians.items():
+        assert abs(m - common) <= 50_000, (nid, m - common)
+        assert al[nid]["method"] == "collectives"
+
+
+def test_absolute_error_within_uncertainty(ten_minutes):
+    fleet, al, _ = ten_minutes
+    for nid, errs in errors_at_true_times(fleet, al, 600).items():
+        worst = max(abs(errs[0]), abs(errs[-1]))
+        assert worst <= al[nid]["uncertainty_ns"], (nid, worst, al[nid]["uncertainty_ns"])
+
+
+def test_drift_estimated_relative(ten_minutes):
+    fleet, al, _ = ten_minutes
+    # relative drift between nodes is observable (the common mode is not)
+    est = {nid: a["drift_ppm"] for nid, a in al.items()}
+    true = {nid: fleet.nodes[nid - 1].drift * 1e6 for nid in al}
+    diffs = [(est[n] - est[1]) - (true[n] - true[1]) for n in al]
+    assert max(abs(d) for d in diffs) < 0.05
+
+
+def test_steps_and_violations(ten_minutes):
+    _, al, _ = ten_minutes
+    for a in al.values():
+        assert a["steps"] == 1
+        assert a["violations_after"] == 0
+        assert a["violations_after"] <= a["violations_before"]
+        assert a["sync_points_used"] > 0.9 * a["sync_points"]
+        assert a["exceeds_claim"] == 0
+
+
+def test_violations_counted_before_alignment(tmp_path):
+    # no NTP step: the clock samples alone leave +-50 ms offsets, which put observed
+    # completions before the latest entry on some nodes
+    fleet = make_fleet(tmp_path / "b", nodes=4, seconds=10, ntp_step=False, seed=31)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    assert sum(a["violations_before"] for a in al.values()) > 0
+    assert sum(a["violations_after"] for a in al.values()) == 0
+
+
+def test_liar_node_is_flagged(tmp_path):
+    fleet = make_fleet(tmp_path / "b", nodes=5, seconds=30, liar=2, seed=3)
+    res = merge_bundles(fleet.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    assert [nid for nid, a in al.items() if a["exceeds_claim"]] == [3]
+    assert any("node-2" in w and "lying" in w for w in res.warnings)
+    for nid, errs in errors_at_true_times(fleet, al, 30).items():
+        assert max(abs(errs[0]), abs(errs[-1])) <= al[nid]["uncertainty_ns"]
+
+
+def test_node_without_collectives_keeps_clock_estimate(tmp_path):
+    a = make_fleet(tmp_path / "a", nodes=3, seconds=10, seed=41)
+    # a fourth node with its own communicator: it shares no collective with the others
+    alone = make_fleet(tmp_path / "c", nodes=1, seconds=10, seed=42, comm="1111222233334444",
+                       name_prefix="lone")
+    merge_bundles(a.paths + alone.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    lone = [x for x in al.values() if x["method"] != "collectives"]
+    assert len(lone) == 1 and lone[0]["method"] == "clock_samples"
+    assert lone[0]["component"] is None and lone[0]["drift_ppm"] == 0.0
+    tr = alone.nodes[0]
+    for k in (1, 5, 9):
+        t = T_JOB + k * 10**9
+        m = tr.mono(t)
+        err = lone[0]["offset_ns"] + m + round(m * lone[0]["slope"]) - t
+        assert abs(err) <= lone[0]["uncertainty_ns"]
+
+
+def test_clock_segments_detect_step():
+    s = [ClockSample(mid=i * 10**9, realtime=i * 10**9 + (5_000_000 if i < 5 else 100_000),
+                     half_bracket=1000, claim=None, est=None) for i in range(10)]
+    segs, steps = clock_segments(s)
+    assert steps == 1 and [len(x) for x in segs] == [5, 5]
+
+
+def test_robust_line_ignores_outliers():
+    rng = random.Random(1)
+    xs = [i / 10 for i in range(1000)]
+    ys = [123_456 + 40_000 * x + rng.gauss(0, 2000) for x in xs]
+    for k in range(0, 1000, 20):
+        ys[k] += 5_000_000  # 5 % gross outliers (syncs that did not wait)
+    a, b, scale, used = robust_line(xs, ys)
+    assert abs(a - 123_456) < 1500 and abs(b - 40_000) < 30
+    assert 900 <= used <= 960 and 1000 < scale < 3000
+
+
+def test_error_bound():
+    # err(t) must lie within +-10 at t=0 and t=10, rate unbounded in practice
+    cons = [(0.0, -10.0, 10.0), (10.0, -10.0, 10.0)]
+    assert error_bound(cons, 0.0, 10.0, 1e6) == pytest.approx(10.0)
+    # extrapolating beyond the constrained interval widens the bound
+    assert error_bound(cons, 0.0, 20.0, 1e6) == pytest.approx(30.0)
+    # contradictory claims
+    assert error_bound([(0.0, -1.0, 1.0), (0.0, 5.0, 6.0)], 0.0, 1.0, 1.0) is None
