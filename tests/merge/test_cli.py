@@ -1,0 +1,74 @@
+import json
+
+import apsw
+from click.testing import CliRunner
+
+from fleetgen import make_fleet
+from ingero_forensics import __version__
+from ingero_forensics.merge.cli import main
+
+
+def test_help_and_version():
+    r = CliRunner().invoke(main, ["--help"])
+    assert r.exit_code == 0 and "Example:" in r.output and "Exit codes" in r.output
+    r = CliRunner().invoke(main, ["--version"])
+    assert r.output == f"ingero-merge {__version__}\n"
+
+
+def test_merge_summary_and_json(tmp_path):
+    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=51)
+    r = CliRunner().invoke(main, [str(tmp_path / "b"), "-o", str(tmp_path / "f.db")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "2 bundles merged" in r.output and "node-1" in r.output
+    r = CliRunner().invoke(main, [*map(str, fleet.paths), "-o", str(tmp_path / "f.db"),
+                                  "--json"], catch_exceptions=False)
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    assert doc["bundles_already"] == 2 and doc["bundles_merged"] == 0
+
+
+def test_bad_input_exit_3_with_error_line(tmp_path):
+    fleet = make_fleet(tmp_path / "b", nodes=1, seconds=3, seed=52)
+    bad = tmp_path / "x.bundle"
+    bad.write_bytes(b"garbage!" * 4)
+    r = CliRunner().invoke(main, [str(bad), str(fleet.paths[0]), "-o", str(tmp_path / "f.db"),
+                                  "-q"])
+    assert r.exit_code == 3
+    assert r.stderr == f"Error: {bad}: not an ingero bundle (wrong magic bytes) (skipped)\n"
+    con = apsw.Connection(str(tmp_path / "f.db"))
+    assert con.execute("SELECT COUNT(*) FROM nodes").fetchone()[0] == 1
+
+
+def test_nothing_usable_is_an_error(tmp_path):
+    r = CliRunner().invoke(main, [str(tmp_path / "nope.bundle"), "-o", str(tmp_path / "f.db")])
+    assert r.exit_code == 1
+    assert r.stderr == (f"Error: no usable bundle among the inputs ({tmp_path / 'nope.bundle'}: "
+                        "no such file or directory)\n")
+    assert not (tmp_path / "f.db").exists()
+
+
+def test_strict_error_line(tmp_path):
+    bad = tmp_path / "x.bundle"
+    bad.write_bytes(b"\x00" * 10)
+    r = CliRunner().invoke(main, [str(bad), "-o", str(tmp_path / "f.db"), "--strict"])
+    assert r.exit_code == 1
+    assert r.stderr == (f"Error: {bad}: not an ingero bundle (wrong magic bytes) "
+                        "(--strict: nothing was written)\n")
+    assert not (tmp_path / "f.db").exists()
+
+
+def test_output_required():
+    r = CliRunner().invoke(main, ["a.bundle"])
+    assert r.exit_code == 2 and "-o/--output is required" in r.output
+
+
+def test_list(tmp_path):
+    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=53)
+    r = CliRunner().invoke(main, ["--list", str(tmp_path / "b")], catch_exceptions=False)
+    assert r.exit_code == 0
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and "node node-0 host host-0 segment 0" in lines[0]
+    r = CliRunner().invoke(main, ["--list", "--json", str(fleet.paths[1])])
+    items = json.loads(r.stdout)
+    assert items[0]["manifest"]["node"] == "node-1"
