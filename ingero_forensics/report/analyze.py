@@ -39,6 +39,8 @@ CAUSES = ("cpu", "io", "memory", "network", "gpu")
 #: with a warning.
 CLEAR_SCORE = 5.0
 WEAK_SCORE = 3.0
+#: A node must be late in at least this many time bins to be called a straggler.
+MIN_LATE_BINS = 3
 CAUSE_TITLES = {
     "cpu": "CPU contention",
     "io": "block I/O",
@@ -228,8 +230,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     suspect = None
     if excess:
         cand = max(excess, key=excess.get)
-        # a straggler is late repeatedly, not in one unlucky bin
-        if len(late_bins[cand]) >= max(2, int(0.02 * n_bins)):
+        # a straggler is late repeatedly: isolated hiccups happen on healthy nodes too
+        if len(late_bins[cand]) >= max(MIN_LATE_BINS, int(0.02 * n_bins)):
             suspect = cand
     # -- 3. slow collectives with nobody late: the network --------------------------
     tr_med = {b: _median(v) for b, v in transfer.items() if v}
