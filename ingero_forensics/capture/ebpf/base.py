@@ -1,0 +1,331 @@
+"""What every BCC source shares: compile and load, ring buffer reading, lost-event
+accounting, in-kernel statistics, and user-stack symbolization.
+
+Each source's C program starts with ``PRELUDE``: a ring buffer ``events``, a per-CPU
+``lost`` counter bumped whenever the ring buffer is full, and the ``stat_add`` helper
+that keeps a count, sum, max and log2 histogram per key in the ``stats`` hash. User
+space drains ``stats`` every stats interval (lookup-and-delete, so no update is counted
+twice) into event_stats rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import time
+from abc import abstractmethod
+
+from ..source import CaptureContext, RowSink, Source, SourceStatus, SourceUnavailable
+from ._bcc import check_environment, environment_problem, import_bcc
+
+HIST_SLOTS = 40   # 2^40 ns is 18 minutes: anything longer lands in the last slot
+
+PRELUDE = r"""
+#include <uapi/linux/ptrace.h>
+#define HIST_SLOTS __HIST_SLOTS__
+BPF_RINGBUF_OUTPUT(events, __RING_PAGES__);
+BPF_PERCPU_ARRAY(lost, u64, 1);
+BPF_HASH(targets, u32, u8, 65536);
+
+static __always_inline void count_lost(void) {
+    int zero = 0;
+    u64 *n = lost.lookup(&zero);
+    if (n) (*n)++;   /* per-CPU slot: no atomics needed */
+}
+
+static __always_inline int is_target(u32 tgid) {
+#if __FILTER_TARGETS__
+    return targets.lookup(&tgid) != 0;
+#else
+    return 1;
+#endif
+}
+
+struct stat_key { u32 pid; u32 tid; s32 stack_id; u32 name; };
+struct stat_val { u64 count; u64 total; u64 max; u64 hist[HIST_SLOTS]; };
+BPF_HASH(stats, struct stat_key, struct stat_val, 16384);
+
+static __always_inline void stat_add(struct stat_key *k, u64 d) {
+    struct stat_val zero = {};
+    struct stat_val *v = stats.lookup_or_try_init(k, &zero);
+    if (!v) { count_lost(); return; }
+    __sync_fetch_and_add(&v->count, 1);
+    __sync_fetch_and_add(&v->total, d);
+    if (d > v->max) v->max = d;
+    /* slot i counts [2^i, 2^(i+1)) ns; bpf_log2l(d) is floor(log2 d) + 1 for d > 0 */
+    u32 slot = d > 1 ? bpf_log2l(d) - 1 : 0;
+    if (slot >= HIST_SLOTS) slot = HIST_SLOTS - 1;
+    __sync_fetch_and_add(&v->hist[slot], 1);
+}
+"""
+
+
+def mono_ns() -> int:
+    """CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns()."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def hist_json(hist) -> str:
+    vals = list(hist)
+    while vals and vals[-1] == 0:
+        vals.pop()
+    return json.dumps(vals, separators=(",", ":"))
+
+
+def signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+class Symbolizer:
+    """User stacks from a BPF_STACK_TRACE map, symbolized with BCC on this node.
+
+    At a uprobe on a function's first instruction the frame-pointer walk starts from the
+    caller's frame, so on kernels before 6.11 the immediate caller is missing; the
+    programs pass the return address read from the stack pointer and it is put back as
+    frame 1 when the kernel did not already include it. A process that exited before
+    its stacks were read cannot be symbolized: those stacks are left out (NULL).
+    """
+
+    def __init__(self, bcc, table):
+        self.bcc = bcc
+        self.table = table
+        self.cache: dict[tuple[int, int, int], list[dict] | None] = {}
+        self.failed = 0   # stacks not stored (map full, collision) or not symbolizable
+
+    def frames(self, tgid: int, stack_id: int, ret_addr: int = 0) -> list[dict] | None:
+        if stack_id < 0:
+            self.failed += 1
+            return None
+        key = (tgid, stack_id, ret_addr)
+        if key in self.cache:
+            return self.cache[key]
+        try:
+            addrs = list(self.table.walk(stack_id))
+        except KeyError:
+            return None
+        if ret_addr and addrs and (len(addrs) < 2 or addrs[1] != ret_addr):
+            addrs.insert(1, ret_addr)
+        frames = [self._frame(tgid, a) for a in addrs]
+        if any(f["module"] is None for f in frames):
+            # The process mapped a library after its symbol cache was built: rebuild once.
+            self.forget(tgid)
+            frames = [self._frame(tgid, a) for a in addrs]
+        if not any(f["module"] for f in frames):
+            self.failed += 1
+            return None   # process gone: addresses alone mean nothing off this node
+        self.cache[key] = frames
+        return frames
+
+    def _frame(self, tgid: int, addr: int) -> dict:
+        name, offset, module = self.bcc.BPF._sym_cache(tgid).resolve(addr, True)
+        return {"module": os.path.basename(module.decode(errors="replace")) if module else None,
+                "symbol": name.decode(errors="replace") if name else None,
+                "offset": offset}
+
+    def forget(self, tgid: int) -> None:
+        self.bcc.BPF._sym_caches.pop(tgid, None)
+
+
+class BccSource(Source):
+    """A source backed by one BPF program. Subclasses supply the program, attach it,
+    and turn raw ring buffer records into rows."""
+
+    #: event_stats.source value and the names of its stat keys (index = key.name)
+    stat_source: str | None = None
+    stat_names: tuple[str, ...] = ()
+
+    def __init__(self, options) -> None:
+        super().__init__()
+        self.options = options
+        self.bcc = None
+        self.bpf = None
+        self.ctx: CaptureContext | None = None
+        self.symbolizer: Symbolizer | None = None
+        self._raw: list[bytes] = []
+        self._lost_reported = 0
+        self._stats_start = 0
+        self._announced = False
+        self.attached: list[str] = []       # what is attached, for the source_on message
+        self.notes: list[tuple[str, str]] = []  # (level, message) queued for capture_log
+
+    # -- contract -------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> SourceStatus:
+        problem = environment_problem()
+        if problem is None:
+            try:
+                import_bcc()
+            except SourceUnavailable as e:
+                problem = (e.reason, e.fix)
+        if problem:
+            return SourceStatus(cls.name, False, *problem)
+        return SourceStatus(cls.name, True)
+
+    def start(self, ctx: CaptureContext) -> None:
+        self.bcc = import_bcc()
+        check_environment()
+        self.ctx = ctx
+        text = self.program_text(ctx)
+        try:
+            self.bpf = self.bcc.BPF(text=text.encode())
+        except Exception as e:   # BCC raises bare Exception; clang's errors went to stderr
+            raise SourceUnavailable(f"{self.name}: BPF program failed to compile or load: {e}",
+                                    "check kernel headers (scripts/setup-ebpf.sh) and dmesg") from None
+        try:
+            self.attach(ctx)
+            self.bpf[b"events"].open_ring_buffer(self._on_record)
+        except SourceUnavailable:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            raise SourceUnavailable(f"{self.name}: attaching failed: {e}") from None
+        if self.filter_targets(ctx):
+            for pid in ctx.targets.pids():
+                self.add_target(pid)
+            ctx.targets.subscribe(self.on_new_target, self.on_exit_target)
+        self._stats_start = mono_ns()
+
+    def poll(self, sink: RowSink) -> None:
+        if self.bpf is None:
+            return
+        if not self._announced:
+            self._announced = True
+            sink.log("info", self.name, "source_on", "; ".join(self.attached) or "attached")
+        self.bpf.ring_buffer_consume()
+        raw, self._raw = self._raw, []
+        if raw:
+            self.handle(raw, sink)
+        self.housekeeping(sink)
+        for level, msg in self.notes:
+            sink.log(level, self.name, "warning" if level == "warning" else "info", msg)
+        self.notes.clear()
+        self._report_lost(sink)
+        now = mono_ns()
+        if self.stat_source and now - self._stats_start >= self.options.stats_interval_s * 1e9:
+            self.flush_stats(sink, now)
+
+    def stop(self, sink: RowSink) -> None:
+        if self.bpf is None:
+            return
+        self.poll(sink)
+        if self.stat_source:
+            self.flush_stats(sink, mono_ns())
+        msg = f"{self.events} rows, {self.lost} events lost"
+        if self.symbolizer and self.symbolizer.failed:
+            msg += (f", {self.symbolizer.failed} stacks not recorded (stack map full or "
+                    "process gone before symbolization)")
+        sink.log("info", self.name, "source_off", msg)
+        self.close()
+
+    # -- for subclasses ---------------------------------------------------------------
+    @abstractmethod
+    def program(self, ctx: CaptureContext) -> str:
+        """The source's C, appended to PRELUDE."""
+
+    @abstractmethod
+    def attach(self, ctx: CaptureContext) -> None:
+        """Attach the probes; raise SourceUnavailable when nothing could be attached."""
+
+    @abstractmethod
+    def handle(self, raw: list[bytes], sink: RowSink) -> None:
+        """Turn raw ring buffer records into rows."""
+
+    def housekeeping(self, sink: RowSink) -> None:
+        """Called every poll after the records (new libraries, table refreshes)."""
+
+    def filter_targets(self, ctx: CaptureContext) -> bool:
+        """Whether the kernel side keeps only target processes (the ``targets`` map)."""
+        return True
+
+    # -- shared machinery ------------------------------------------------------------
+    def program_text(self, ctx: CaptureContext) -> str:
+        pages = 1 << max(0, int(self.options.ring_pages) - 1).bit_length()  # power of two
+        text = PRELUDE + self.program(ctx)
+        return (text.replace("__HIST_SLOTS__", str(HIST_SLOTS))
+                    .replace("__RING_PAGES__", str(pages))
+                    .replace("__FILTER_TARGETS__", "1" if self.filter_targets(ctx) else "0"))
+
+    def load_functions(self, names: list[str]) -> None:
+        """Load (verify) every program now, so a verifier rejection is one clear error
+        rather than a failed attach per symbol."""
+        for fn in names:
+            try:
+                self.bpf.load_func(fn.encode(), self.bcc.BPF.KPROBE)
+            except Exception as e:
+                raise SourceUnavailable(f"{self.name}: the kernel rejected BPF program {fn}: {e}",
+                                        "see the verifier log above; report it with the kernel "
+                                        "version") from None
+
+    def _on_record(self, _ctx, data, size) -> None:
+        self._raw.append(ctypes.string_at(data, size))
+
+    def add_target(self, pid: int) -> None:
+        if self.bpf is not None:
+            t = self.bpf[b"targets"]
+            t[t.Key(pid)] = t.Leaf(1)
+
+    def on_new_target(self, pid: int) -> None:
+        self.add_target(pid)
+
+    def on_exit_target(self, pid: int) -> None:
+        if self.bpf is not None:
+            t = self.bpf[b"targets"]
+            try:
+                del t[t.Key(pid)]
+            except KeyError:
+                pass
+        if self.symbolizer:
+            self.symbolizer.forget(pid)
+
+    def _report_lost(self, sink: RowSink) -> None:
+        total = int(self.bpf[b"lost"].sum(0).value)
+        if total > self._lost_reported:
+            n = total - self._lost_reported
+            self._lost_reported = total
+            self.lost += n
+            sink.log("warning", self.name, "lost_events",
+                     f"{n} events dropped in the kernel (ring buffer or map full); "
+                     f"raise --ring-pages", count=n)
+
+    def flush_stats(self, sink: RowSink, now: int) -> None:
+        table = self.bpf[b"stats"]
+        try:
+            items = list(table.items_lookup_and_delete_batch())
+        except Exception:   # kernels without batch ops: read, then delete what was read
+            items = list(table.items())
+            for k, _ in items:
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
+        rows = []
+        for k, v in items:
+            stack_id = None
+            if k.stack_id >= 0 and self.symbolizer:
+                frames = self.symbolizer.frames(k.pid, k.stack_id)
+                stack_id = sink.add_stack(frames) if frames else None
+            rows.append(self.stat_row(self._stats_start, now, k, v, stack_id))
+        if rows:
+            sink.add_many("event_stats", rows)
+            self.events += len(rows)
+        self._stats_start = now
+
+    def stat_row(self, start: int, end: int, k, v, stack_id) -> tuple:
+        return (start, end, self.stat_source, self.stat_names[k.name], k.pid or None,
+                k.tid or None, stack_id, int(v.count), int(v.total), int(v.max),
+                hist_json(v.hist))
+
+    def stack_row_id(self, sink: RowSink, tgid: int, stack_id: int, ret_addr: int = 0):
+        if self.symbolizer is None:
+            return None
+        frames = self.symbolizer.frames(tgid, stack_id, ret_addr)
+        return sink.add_stack(frames) if frames else None
+
+    def close(self) -> None:
+        if self.bpf is not None:
+            try:
+                self.bpf.cleanup()
+            finally:
+                self.bpf = None

@@ -1,0 +1,79 @@
+"""Finding the NCCL and CUDA libraries the traced processes use.
+
+Uprobes attach to a file (an inode), not to a process: once a library file is probed,
+every process mapping it is covered. Libraries are found in /proc/PID/maps of the
+target processes (pip wheels put them under site-packages/nvidia/*/lib) and given
+explicitly with ``--lib PATH``. A path seen inside a container's mount namespace is
+reached through /proc/PID/root.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: library kind -> file name prefix
+KINDS = {"nccl": "libnccl.so", "cudart": "libcudart.so", "cuda": "libcuda.so"}
+
+
+def lib_kind(path: str) -> str | None:
+    base = os.path.basename(path)
+    for kind, prefix in KINDS.items():
+        if base.startswith(prefix):
+            return kind
+    return None
+
+
+def libs_in_maps(pid: int, proc: str = "/proc") -> list[str]:
+    """Paths of NCCL/CUDA libraries mapped by pid, reachable from this mount namespace."""
+    try:
+        with open(f"{proc}/{pid}/maps", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    found = []
+    for line in raw.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 6 or b"lib" not in parts[5]:
+            continue
+        path = parts[5].decode(errors="replace").strip()
+        if path.endswith(" (deleted)") or lib_kind(path) is None or path in found:
+            continue
+        found.append(path)
+    out = []
+    for path in found:
+        reach = path if os.path.exists(path) else f"{proc}/{pid}/root{path}"
+        if os.path.exists(reach):
+            out.append(reach)
+    return out
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class LibraryTracker:
+    """Remembers which library files are probed and finds new ones among the targets."""
+
+    RESCAN_S = 1.0
+
+    def __init__(self, kinds: tuple[str, ...], lib_paths: list[str]):
+        self.kinds = kinds
+        self.explicit = [p for p in lib_paths if lib_kind(p) in kinds]
+        self.seen: set[tuple[int, int]] = set()
+        self.last_scan = 0.0
+
+    def new_libraries(self, pids) -> list[tuple[str, str]]:
+        """(kind, path) of libraries not probed yet: explicit ones, then the targets'."""
+        out = []
+        for path in [*self.explicit, *(p for pid in sorted(pids) for p in libs_in_maps(pid))]:
+            kind = lib_kind(path)
+            ident = file_identity(path)
+            if kind not in self.kinds or ident is None or ident in self.seen:
+                continue
+            self.seen.add(ident)
+            out.append((kind, path))
+        return out

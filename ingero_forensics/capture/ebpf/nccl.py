@@ -1,0 +1,436 @@
+"""NCCL: uprobes on libnccl.so.2 for collectives, point-to-point calls, groups and the
+communicator lifecycle.
+
+The kernel side keeps a map from (process, ncclComm_t) to the communicator's identity
+(hash of the ncclUniqueId, rank, nranks) and its call counter, so each collective leaves
+the kernel already carrying comm_id_hash and an exact per-communicator ``seq``; a record
+the ring buffer drops leaves a gap in seq and is counted in capture_log. Collectives keep
+one row each (they are the forensic backbone); group start/end only track the nesting
+depth in the kernel.
+
+Calling convention (x86-64 SysV): integer arguments 1-6 in registers, the rest on the
+stack above the return address; a 128-byte struct passed by value (ncclUniqueId) goes on
+the stack and takes no register, so in ncclCommInitRank(comm, nranks, id, rank) the rank
+is the third register argument and the id starts at SP + 8 at function entry.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+from ...bundle.schema import NCCL_COMM_APIS, NCCL_DATATYPES, NCCL_OPS, NCCL_REDOPS
+from ..source import CaptureContext, RowSink
+from .base import BccSource, Symbolizer, signed64
+from .hashing import hex_hash
+from .libs import LibraryTracker
+
+#: (symbol, op index in NCCL_OPS, C expressions for count, dtype, redop, peer, comm, stream)
+#: ARG(n) is the n-th integer argument, n > 6 read from the stack.
+COLLECTIVES = (
+    ("ncclAllReduce", "ALL_REDUCE", "ARG(3)", "ARG(4)", "ARG(5)", "-1", "ARG(6)", "ARG(7)"),
+    ("ncclAllGather", "ALL_GATHER", "ARG(3)", "ARG(4)", "-1", "-1", "ARG(5)", "ARG(6)"),
+    ("ncclReduceScatter", "REDUCE_SCATTER", "ARG(3)", "ARG(4)", "ARG(5)", "-1", "ARG(6)", "ARG(7)"),
+    ("ncclBroadcast", "BROADCAST", "ARG(3)", "ARG(4)", "-1", "ARG(5)", "ARG(6)", "ARG(7)"),
+    ("ncclBcast", "BROADCAST", "ARG(2)", "ARG(3)", "-1", "ARG(4)", "ARG(5)", "ARG(6)"),
+    ("ncclReduce", "REDUCE", "ARG(3)", "ARG(4)", "ARG(5)", "ARG(6)", "ARG(7)", "ARG(8)"),
+    ("ncclAlltoAll", "ALL_TO_ALL", "ARG(3)", "ARG(4)", "-1", "-1", "ARG(5)", "ARG(6)"),
+    ("ncclSend", "SEND", "ARG(2)", "ARG(3)", "-1", "ARG(4)", "ARG(5)", "ARG(6)"),
+    ("ncclRecv", "RECV", "ARG(2)", "ARG(3)", "-1", "ARG(4)", "ARG(5)", "ARG(6)"),
+)
+API_INDEX = {name: i for i, name in enumerate(NCCL_COMM_APIS)}
+
+PROGRAM = r"""
+#define ARG(n) arg(ctx, n)
+static __always_inline u64 arg(struct pt_regs *ctx, int n) {
+    u64 v = 0;
+    switch (n) {
+    case 1: return PT_REGS_PARM1(ctx);
+    case 2: return PT_REGS_PARM2(ctx);
+    case 3: return PT_REGS_PARM3(ctx);
+    case 4: return PT_REGS_PARM4(ctx);
+    case 5: return PT_REGS_PARM5(ctx);
+    case 6: return PT_REGS_PARM6(ctx);
+    }
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n - 6)));
+    return v;
+}
+
+static __always_inline u64 mix64(u64 z) {      /* splitmix64 finalizer */
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static __always_inline int hash_unique_id(u64 uaddr, u64 *out) {
+    u64 w[16];
+    if (bpf_probe_read_user(w, sizeof(w), (void *)uaddr)) return 0;
+    u64 h = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++) h = mix64(h ^ w[i]);
+    *out = h;
+    return 1;
+}
+
+struct comm_key { u64 handle; u32 tgid; u32 pad; };
+struct comm_info { u64 hash; u64 seq; u64 splits; s32 rank; s32 nranks; };
+BPF_HASH(comms, struct comm_key, struct comm_info, 16384);
+BPF_HASH(group_depth, u32, u32, 65536);
+BPF_STACK_TRACE(stacks, __STACK_ENTRIES__);
+
+/* In flight on a thread, entry to return. nest counts calls made from inside the
+ * traced one (ncclBcast calls ncclBroadcast): only the outermost becomes a row. */
+struct call {
+    u64 ts; u64 count; u64 stream; u64 comm; u64 hash; u64 seq; u64 ret_addr; u64 parent;
+    u64 out;
+    s32 stack_id; s32 rank; s32 nranks; s32 dtype; s32 redop; s32 peer; s32 color; s32 key;
+    u32 depth; u32 nest; u8 kind; u8 op; u8 known;
+};
+BPF_HASH(calls, u32, struct call, 65536);
+
+struct event {
+    u64 ts; u64 dur; u64 hash; u64 parent; u64 count; u64 stream; u64 comm; u64 seq;
+    u64 ret_addr;
+    u32 pid; u32 tid; s32 stack_id; s32 ret; s32 rank; s32 nranks; s32 dtype; s32 redop;
+    s32 peer; s32 color; s32 key; u32 depth;
+    u8 kind; u8 op; u8 known; u8 pad[5];
+};
+
+static __always_inline struct call *begin(u32 tid) {
+    struct call *prev = calls.lookup(&tid);
+    if (prev) { prev->nest++; return 0; }
+    struct call c = {};
+    c.ts = bpf_ktime_get_ns();
+    c.rank = -1; c.nranks = -1; c.dtype = -1; c.redop = -1; c.peer = -1;
+    c.color = -1; c.key = -1;
+    calls.update(&tid, &c);
+    return calls.lookup(&tid);
+}
+
+static __always_inline void take_stack(struct pt_regs *ctx, struct call *c) {
+#if __STACKS__
+    c->stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    bpf_probe_read_user(&c->ret_addr, sizeof(c->ret_addr), (void *)PT_REGS_SP(ctx));
+#else
+    c->stack_id = -1;
+#endif
+}
+
+static __always_inline int coll_entry(struct pt_regs *ctx, u8 op, u64 count, s64 dtype,
+                                      s64 redop, s64 peer, u64 comm, u64 stream) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = id;
+    if (!is_target(tgid)) return 0;
+    struct call *c = begin(tid);
+    if (!c) return 0;
+    c->kind = 0; c->op = op; c->count = count; c->dtype = dtype; c->redop = redop;
+    c->peer = peer; c->comm = comm; c->stream = stream;
+    struct comm_key k = {.handle = comm, .tgid = tgid};
+    struct comm_info *ci = comms.lookup(&k);
+    if (ci) {
+        /* one thread drives a communicator at a time (NCCL's rule), so a plain
+         * increment is exact */
+        ci->seq += 1;
+        c->known = 1; c->hash = ci->hash; c->seq = ci->seq;
+        c->rank = ci->rank; c->nranks = ci->nranks;
+    }
+    u32 *d = group_depth.lookup(&tid);
+    c->depth = d ? *d : 0;
+    take_stack(ctx, c);
+    return 0;
+}
+
+static __always_inline void emit(struct pt_regs *ctx, struct call *c, u64 id) {
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) { count_lost(); return; }
+    e->ts = c->ts; e->dur = bpf_ktime_get_ns() - c->ts; e->hash = c->hash;
+    e->parent = c->parent; e->count = c->count; e->stream = c->stream; e->comm = c->comm;
+    e->seq = c->seq; e->ret_addr = c->ret_addr; e->pid = id >> 32; e->tid = id;
+    e->stack_id = c->stack_id; e->ret = PT_REGS_RC(ctx); e->rank = c->rank;
+    e->nranks = c->nranks; e->dtype = c->dtype; e->redop = c->redop; e->peer = c->peer;
+    e->color = c->color; e->key = c->key; e->depth = c->depth; e->kind = c->kind;
+    e->op = c->op; e->known = c->known;
+    events.ringbuf_submit(e, 0);
+}
+
+int nccl_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = id;
+    struct call *c = calls.lookup(&tid);
+    if (!c) return 0;
+    if (c->nest) { c->nest--; return 0; }
+    if (c->kind == 1 && c->out) {
+        /* init or split: the new communicator was written through the out-parameter */
+        u64 handle = 0;
+        bpf_probe_read_user(&handle, sizeof(handle), (void *)c->out);
+        c->comm = handle;
+        if (handle && c->known) {
+            struct comm_key k = {.handle = handle, .tgid = tgid};
+            struct comm_info ci = {.hash = c->hash, .rank = c->rank, .nranks = c->nranks};
+            comms.update(&k, &ci);
+        }
+    }
+    emit(ctx, c, id);
+    calls.delete(&tid);
+    return 0;
+}
+
+/* ncclCommInitAll return: comms[i] is rank i of one communicator of nranks. The first 8
+ * enter the map; one row names the call (comm_handle = comms[0]). */
+static __always_inline void register_rank(struct call *c, u32 tgid, int n, int i) {
+    if (i >= n) return;
+    u64 handle = 0;
+    bpf_probe_read_user(&handle, sizeof(handle), (void *)(c->out + 8 * i));
+    struct comm_key k = {.handle = handle, .tgid = tgid};
+    struct comm_info ci = {.hash = c->hash, .rank = i, .nranks = n};
+    if (handle) comms.update(&k, &ci);
+}
+int nccl_return_all(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = id;
+    struct call *c = calls.lookup(&tid);
+    if (!c) return 0;
+    if (c->nest) { c->nest--; return 0; }
+    int n = c->nranks;
+    c->comm = 0;
+    bpf_probe_read_user(&c->comm, sizeof(c->comm), (void *)c->out);
+    /* written out, not as a loop: the verifier walks each step once */
+    register_rank(c, tgid, n, 0); register_rank(c, tgid, n, 1);
+    register_rank(c, tgid, n, 2); register_rank(c, tgid, n, 3);
+    register_rank(c, tgid, n, 4); register_rank(c, tgid, n, 5);
+    register_rank(c, tgid, n, 6); register_rank(c, tgid, n, 7);
+    emit(ctx, c, id);
+    calls.delete(&tid);
+    return 0;
+}
+
+static __always_inline struct call *comm_entry(u8 api) {
+    u32 tid = bpf_get_current_pid_tgid();
+    struct call *c = begin(tid);
+    if (!c) return 0;
+    c->kind = 1; c->op = api;
+    return c;
+}
+
+/* ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) and
+ * ncclCommInitRankConfig(..., int rank, ncclConfig_t *config) */
+static __always_inline int init_by_value(struct pt_regs *ctx, u8 api) {
+    struct call *c = comm_entry(api);
+    if (!c) return 0;
+    c->out = PT_REGS_PARM1(ctx);
+    c->nranks = PT_REGS_PARM2(ctx);
+    c->rank = PT_REGS_PARM3(ctx);
+    c->known = hash_unique_id(PT_REGS_SP(ctx) + 8, &c->hash);
+    return 0;
+}
+int on_init_rank(struct pt_regs *ctx) { return init_by_value(ctx, __API_ncclCommInitRank__); }
+int on_init_rank_config(struct pt_regs *ctx) {
+    return init_by_value(ctx, __API_ncclCommInitRankConfig__);
+}
+
+/* ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId,
+ *                          ncclUniqueId *commIds, ncclConfig_t *config): all ranks get the
+ * same id array; the first id names the communicator. */
+int on_init_rank_scalable(struct pt_regs *ctx) {
+    struct call *c = comm_entry(__API_ncclCommInitRankScalable__);
+    if (!c) return 0;
+    c->out = PT_REGS_PARM1(ctx);
+    c->nranks = PT_REGS_PARM2(ctx);
+    c->rank = PT_REGS_PARM3(ctx);
+    if ((int)PT_REGS_PARM4(ctx) > 0)
+        c->known = hash_unique_id(PT_REGS_PARM5(ctx), &c->hash);
+    return 0;
+}
+
+/* ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist): one process, no
+ * unique id; the hash is made from the process and the call time. */
+int on_init_all(struct pt_regs *ctx) {
+    struct call *c = comm_entry(__API_ncclCommInitAll__);
+    if (!c) return 0;
+    c->out = PT_REGS_PARM1(ctx);
+    c->nranks = PT_REGS_PARM2(ctx);
+    c->hash = mix64(mix64(bpf_get_current_pid_tgid() >> 32) ^ c->ts);
+    c->known = 1;
+    return 0;
+}
+
+/* ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *) */
+int on_split(struct pt_regs *ctx) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct call *c = comm_entry(__API_ncclCommSplit__);
+    if (!c) return 0;
+    c->comm = PT_REGS_PARM1(ctx);
+    c->color = PT_REGS_PARM2(ctx);
+    c->key = PT_REGS_PARM3(ctx);
+    c->out = PT_REGS_PARM4(ctx);
+    struct comm_key k = {.handle = c->comm, .tgid = tgid};
+    struct comm_info *parent = comms.lookup(&k);
+    if (parent) {
+        parent->splits += 1;    /* collective over the parent: same count on every rank */
+        c->parent = parent->hash;
+        c->hash = mix64(mix64(mix64(parent->hash) ^ (u32)c->color) ^ parent->splits);
+        c->known = c->color >= 0;    /* NCCL_SPLIT_NOCOLOR: no child */
+    }
+    return 0;
+}
+
+static __always_inline int end_comm(struct pt_regs *ctx, u8 api) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct call *c = comm_entry(api);
+    if (!c) return 0;
+    c->comm = PT_REGS_PARM1(ctx);
+    struct comm_key k = {.handle = c->comm, .tgid = tgid};
+    struct comm_info *ci = comms.lookup(&k);
+    if (ci) {
+        c->known = 1; c->hash = ci->hash; c->rank = ci->rank; c->nranks = ci->nranks;
+        c->seq = ci->seq;
+        comms.delete(&k);   /* the handle is freed: a later comm may reuse the address */
+    }
+    return 0;
+}
+int on_destroy(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommDestroy__); }
+int on_abort(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommAbort__); }
+
+int on_group_start(struct pt_regs *ctx) {
+    u32 tid = bpf_get_current_pid_tgid(), one = 1;
+    u32 *d = group_depth.lookup(&tid);
+    if (d) (*d)++; else group_depth.update(&tid, &one);
+    return 0;
+}
+int on_group_end(struct pt_regs *ctx) {
+    u32 tid = bpf_get_current_pid_tgid();
+    u32 *d = group_depth.lookup(&tid);
+    if (d && *d > 1) (*d)--; else if (d) group_depth.delete(&tid);
+    return 0;
+}
+"""
+
+COMM_PROBES = (
+    ("ncclCommInitRank", "on_init_rank"), ("ncclCommInitRankConfig", "on_init_rank_config"),
+    ("ncclCommInitRankScalable", "on_init_rank_scalable"), ("ncclCommInitAll", "on_init_all"),
+    ("ncclCommSplit", "on_split"), ("ncclCommDestroy", "on_destroy"),
+    ("ncclCommAbort", "on_abort"),
+)
+GROUP_PROBES = (("ncclGroupStart", "on_group_start"), ("ncclGroupEnd", "on_group_end"))
+
+# struct event, unpacked as is (see PROGRAM)
+EVENT = struct.Struct("<9Q2I9iI3B5x")
+_DTYPE_NAMES = tuple(n for n, _ in NCCL_DATATYPES)
+_DTYPE_SIZES = tuple(s for _, s in NCCL_DATATYPES)
+_REDOP_OPS = {"ALL_REDUCE", "REDUCE", "REDUCE_SCATTER"}
+_PEER_OPS = {"SEND", "RECV", "BROADCAST", "REDUCE"}
+
+
+def collective_program() -> str:
+    """The per-symbol entry functions, generated from COLLECTIVES."""
+    out = []
+    for i, (sym, op, count, dtype, redop, peer, comm, stream) in enumerate(COLLECTIVES):
+        out.append(f"int coll_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
+                   f"    return coll_entry(ctx, {NCCL_OPS.index(op)}, {count}, (int){dtype}, "
+                   f"(int){redop}, (int){peer}, {comm}, {stream});\n}}\n")
+    return "".join(out)
+
+
+def redop_name(v: int) -> str | None:
+    if v < 0:
+        return None
+    return NCCL_REDOPS[v] if v < len(NCCL_REDOPS) else f"premul_sum:{v}"
+
+
+class NcclSource(BccSource):
+    name = "nccl"
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.libs = LibraryTracker(("nccl",), options.lib_paths)
+        self._last_scan = 0.0
+
+    def program(self, ctx: CaptureContext) -> str:
+        text = PROGRAM + collective_program()
+        for api, idx in API_INDEX.items():
+            text = text.replace(f"__API_{api}__", str(idx))
+        return (text.replace("__STACK_ENTRIES__", "16384")
+                    .replace("__STACKS__", "1" if self.options.stacks else "0"))
+
+    def filter_targets(self, ctx: CaptureContext) -> bool:
+        # In automatic mode every process calling into libnccl is a target by definition;
+        # not filtering also catches a communicator created before the process scan.
+        return not getattr(ctx.targets, "auto", False)
+
+    def attach(self, ctx: CaptureContext) -> None:
+        self.load_functions([f"coll_{i}" for i in range(len(COLLECTIVES))]
+                            + [fn for _, fn in COMM_PROBES + GROUP_PROBES]
+                            + ["nccl_return", "nccl_return_all"])
+        self.symbolizer = Symbolizer(self.bcc, self.bpf[b"stacks"]) if self.options.stacks else None
+        self._attach_new(ctx.targets.pids())
+        if not self.attached:
+            self.attached.append("no libnccl yet: waiting for target processes to map it")
+
+    def _attach_new(self, pids) -> None:
+        for _kind, path in self.libs.new_libraries(pids):
+            ok, missing = 0, []
+            for i, (sym, *_rest) in enumerate(COLLECTIVES):
+                ok += self._probe(path, sym, f"coll_{i}", "nccl_return", missing)
+            for sym, fn in COMM_PROBES:
+                ret = "nccl_return_all" if sym == "ncclCommInitAll" else "nccl_return"
+                ok += self._probe(path, sym, fn, ret, missing)
+            for sym, fn in GROUP_PROBES:
+                ok += self._probe(path, sym, fn, None, missing)
+            msg = f"uprobes on {path}: {ok} functions"
+            if missing:
+                msg += f" (absent: {', '.join(missing)})"
+            self.attached.append(msg)
+            if self._announced:
+                self.notes.append(("info", msg))
+
+    def _probe(self, path: str, sym: str, entry: str, ret: str | None, missing: list) -> int:
+        try:
+            self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=entry.encode())
+            if ret:
+                self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret.encode())
+        except Exception:
+            missing.append(sym)
+            return 0
+        return 1
+
+    def housekeeping(self, sink: RowSink) -> None:
+        now = time.monotonic()
+        if now - self._last_scan >= self.libs.RESCAN_S:
+            self._last_scan = now
+            self._attach_new(self.ctx.targets.pids())
+
+    def handle(self, raw: list[bytes], sink: RowSink) -> None:
+        coll, comm = [], []
+        for rec in raw:
+            (ts, dur, h, parent, count, stream, handle, seq, ret_addr, pid, tid, stack_id, ret,
+             rank, nranks, dtype, redop, peer, color, key, depth, kind, op, known) = EVENT.unpack(rec)
+            hash_ = hex_hash(h) if known else None
+            if kind == 0:
+                opname = NCCL_OPS[op]
+                size = _DTYPE_SIZES[dtype] if 0 <= dtype < len(_DTYPE_SIZES) else None
+                nbytes = None
+                if size is not None:
+                    nbytes = count * size
+                    if opname == "REDUCE_SCATTER" and nranks > 0:
+                        nbytes *= nranks   # count is the receive count
+                coll.append((
+                    ts, dur, opname, rank if rank >= 0 else None,
+                    nranks if nranks >= 0 else None, hash_, seq if known else None, count,
+                    _DTYPE_NAMES[dtype] if 0 <= dtype < len(_DTYPE_NAMES) else None,
+                    redop_name(redop) if opname in _REDOP_OPS else None,
+                    peer if opname in _PEER_OPS else None, signed64(stream), nbytes, depth,
+                    ret, pid, tid, self.stack_row_id(sink, pid, stack_id, ret_addr)))
+            else:
+                api = NCCL_COMM_APIS[op]
+                is_split = api == "ncclCommSplit"
+                comm.append((
+                    ts, dur, api, hash_, hex_hash(parent) if is_split and parent else None,
+                    color if is_split else None, key if is_split else None,
+                    rank if rank >= 0 else None, nranks if nranks >= 0 else None,
+                    signed64(handle) or None, ret, pid, tid))
+        if coll:
+            sink.add_many("nccl_events", coll)
+        if comm:
+            sink.add_many("nccl_comm_events", comm)
+        self.events += len(coll) + len(comm)

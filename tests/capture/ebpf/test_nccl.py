@@ -1,0 +1,229 @@
+"""NCCL probes on the real kernel: a 4-rank job over the shim libnccl.so.2 (real TCP
+exchanges between processes), and the real libnccl.so.2 from the nvidia-nccl-cu12 wheel
+driven through ctypes without a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter, defaultdict
+
+import pytest
+
+from conftest import Running, StaticTargets, options, wait_for
+from ingero_forensics.capture.ebpf.hashing import hex_hash, split_hash, unique_id_hash
+from ingero_forensics.capture.ebpf.nccl import NcclSource
+from jobs import Job, make_ids
+
+pytestmark = pytest.mark.ebpf
+
+NRANKS = 4
+ITERS = 6
+STREAM = 0x5157
+
+
+@pytest.fixture(scope="module")
+def shim_run(tmp_path_factory, fixtures):
+    from conftest import ebpf_skip_reason
+    reason = ebpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    idfile = tmp_path_factory.mktemp("nccl") / "ids"
+    first, second = make_ids(idfile)
+    job = Job(lambda r: [str(fixtures.rank_job), "full", str(r), str(NRANKS), str(idfile),
+                         str(ITERS)], NRANKS)
+    targets = StaticTargets()
+    opts = options(lib_paths=[str(fixtures.libnccl)])
+    try:
+        with Running(NcclSource(opts), targets, opts) as run:
+            for pid in job.pids:     # the targets arrive after start, as in a capture
+                targets.add(pid)
+            results = job.go()
+            expected = NRANKS * (ITERS + 10)
+            wait_for(lambda: len(run.sink.dicts("nccl_events")) >= expected)
+        job.finish()
+    finally:
+        job.kill()
+    return dict(sink=run.sink, pids=job.pids, first=first, second=second, results=results)
+
+
+def by_rank(rows, pids):
+    out = defaultdict(list)
+    for r in rows:
+        out[pids.index(r["pid"])].append(r)
+    return {k: sorted(v, key=lambda r: r["timestamp_ns"]) for k, v in out.items()}
+
+
+def test_shim_job_really_exchanged_data(shim_run):
+    # sum over ranks of (rank + 1), and the split/second communicators' sums
+    assert shim_run["results"] == [{"allreduce": 10, "child": 2, "second": 8}] * NRANKS
+
+
+def test_init_rows_carry_the_unique_id_hash(shim_run):
+    comm = shim_run["sink"].dicts("nccl_comm_events")
+    inits = [r for r in comm if r["api"] == "ncclCommInitRank"]
+    assert sorted(r["rank"] for r in inits) == list(range(NRANKS))
+    assert {r["nranks"] for r in inits} == {NRANKS}
+    assert {r["comm_id_hash"] for r in inits} == {hex_hash(unique_id_hash(shim_run["first"]))}
+    assert all(r["comm_handle"] and r["return_code"] == 0 for r in inits)
+    cfg = [r for r in comm if r["api"] == "ncclCommInitRankConfig"]
+    assert len(cfg) == NRANKS
+    # the second id differs from the first only in its last 8 bytes
+    assert shim_run["first"][:120] == shim_run["second"][:120]
+    assert {r["comm_id_hash"] for r in cfg} == {hex_hash(unique_id_hash(shim_run["second"]))}
+    assert cfg[0]["comm_id_hash"] != inits[0]["comm_id_hash"]
+
+
+def test_split_children_share_a_derived_hash(shim_run):
+    comm = shim_run["sink"].dicts("nccl_comm_events")
+    world = hex_hash(unique_id_hash(shim_run["first"]))
+    splits = [r for r in comm if r["api"] == "ncclCommSplit"]
+    assert len(splits) == NRANKS
+    for r in splits:
+        rank = shim_run["pids"].index(r["pid"])
+        assert (r["split_color"], r["split_key"], r["parent_hash"]) == (rank % 2, rank, world)
+        assert r["comm_id_hash"] == hex_hash(split_hash(int(world, 16), rank % 2, 1))
+    by_color = defaultdict(set)
+    for r in splits:
+        by_color[r["split_color"]].add(r["comm_id_hash"])
+    assert len(by_color[0]) == len(by_color[1]) == 1 and by_color[0] != by_color[1]
+
+
+def test_collectives_decoded(shim_run):
+    rows = shim_run["sink"].dicts("nccl_events")
+    world = hex_hash(unique_id_hash(shim_run["first"]))
+    ranks = by_rank([r for r in rows if r["comm_id_hash"] == world], shim_run["pids"])
+    assert sorted(ranks) == list(range(NRANKS))
+    for rank, rs in ranks.items():
+        ops = Counter(r["op"] for r in rs)
+        # ncclBcast calls ncclBroadcast inside the library: one row, not two
+        assert ops == {"ALL_REDUCE": ITERS, "BROADCAST": 2, "ALL_GATHER": 1, "REDUCE_SCATTER": 1,
+                       "REDUCE": 1, "ALL_TO_ALL": 1, "SEND": 1, "RECV": 1}
+        assert [r["seq"] for r in rs] == list(range(1, len(rs) + 1))
+        assert {(r["rank"], r["nranks"], r["stream"], r["return_code"]) for r in rs} == \
+            {(rank, NRANKS, STREAM, 0)}
+        ar = rs[0]
+        assert (ar["op"], ar["count"], ar["datatype"], ar["redop"], ar["bytes"], ar["peer"]) == \
+            ("ALL_REDUCE", 1024, "float32", "sum", 4096, None)
+        one = {r["op"]: r for r in rs[ITERS:]}
+        assert (one["REDUCE"]["datatype"], one["REDUCE"]["redop"], one["REDUCE"]["peer"],
+                one["REDUCE"]["count"]) == ("float64", "prod", 0, 16)
+        assert (one["ALL_GATHER"]["count"], one["ALL_GATHER"]["bytes"]) == (256, 1024)
+        assert one["REDUCE_SCATTER"]["redop"] == "max"
+        assert one["REDUCE_SCATTER"]["bytes"] == 128 * 4 * NRANKS
+        bcasts = sorted((r["count"], r["datatype"], r["peer"]) for r in rs if r["op"] == "BROADCAST")
+        assert bcasts == [(32, "uint8", 0), (64, "float32", 1)]
+        assert (one["SEND"]["peer"], one["SEND"]["group_depth"]) == ((rank + 1) % NRANKS, 1)
+        assert (one["RECV"]["peer"], one["RECV"]["group_depth"]) == ((rank - 1) % NRANKS, 1)
+        assert ar["group_depth"] == 0
+        assert all(r["duration_ns"] > 0 for r in rs)
+
+
+def test_same_collective_has_same_seq_on_every_rank(shim_run):
+    rows = shim_run["sink"].dicts("nccl_events")
+    ops_at = defaultdict(set)
+    for r in rows:
+        ops_at[(r["comm_id_hash"], r["seq"])].add(r["op"])
+    world = hex_hash(unique_id_hash(shim_run["first"]))
+    assert all(len(v) == 1 or v == {"SEND", "RECV"} for v in ops_at.values())
+    assert Counter(h for h, _ in ops_at)[world] == ITERS + 8
+    # the split child and the second communicator each saw exactly one call per rank
+    others = [r for r in rows if r["comm_id_hash"] != world]
+    assert len(others) == 2 * NRANKS and {r["seq"] for r in others} == {1}
+
+
+def test_stacks_name_the_calling_function(shim_run):
+    sink = shim_run["sink"]
+    rows = sink.dicts("nccl_events")
+    world = hex_hash(unique_id_hash(shim_run["first"]))
+    for r in rows:
+        assert r["stack_id"] is not None
+        frames = sink.stack(r["stack_id"])
+        symbols = [f["symbol"] for f in frames]
+        assert frames[0]["module"] == "libnccl.so.2"
+        if r["op"] == "ALL_REDUCE" and r["comm_id_hash"] == world:
+            assert symbols[0] == "ncclAllReduce" and symbols[1] == "train_step", symbols
+        if r["op"] == "REDUCE":
+            assert symbols[:2] == ["ncclReduce", "exercise_collectives"], symbols
+
+
+def test_source_logs_on_off_and_no_loss(shim_run):
+    logs = shim_run["sink"].logs
+    events = [(lvl, src, ev) for lvl, src, ev, _m, _c in logs]
+    assert ("info", "nccl", "source_on") in events and ("info", "nccl", "source_off") in events
+    assert not [entry for entry in logs if entry[2] == "lost_events"]
+    assert "18 functions" in next(m for _l, _s, ev, m, _c in logs if ev == "source_on")
+
+
+# -- the real libnccl.so.2 from the nvidia-nccl-cu12 wheel ---------------------------------
+
+REAL_NCCL_SCRIPT = textwrap.dedent(r"""
+    import ctypes, json, sys
+    nccl = ctypes.CDLL(sys.argv[1])
+    class UniqueId(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_char * 128)]
+    print("ready", flush=True)
+    sys.stdin.readline()
+    uid = UniqueId()
+    got = nccl.ncclGetUniqueId(ctypes.byref(uid))
+    comm = ctypes.c_void_p()
+    init = nccl.ncclCommInitRank(ctypes.byref(comm), 3, uid, 2)
+    # no GPU: these fail after entry; a NULL communicator is rejected without a crash
+    ar = nccl.ncclAllReduce(None, None, ctypes.c_size_t(12345), 7, 2, None, ctypes.c_void_p(0x77))
+    send = nccl.ncclSend(None, ctypes.c_size_t(99), 4, 5, None, ctypes.c_void_p(0x78))
+    print(json.dumps({"get": got, "init": init, "ar": ar, "send": send,
+                      "id": ctypes.string_at(ctypes.addressof(uid), 128).hex(), "comm": comm.value}), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def real_lib(package: str, name: str) -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"the {package} wheel is not installed (pip install {package})")
+    for base in spec.submodule_search_locations:
+        for sub in os.listdir(base):
+            path = os.path.join(base, sub, "lib", name)
+            if os.path.exists(path):
+                return path
+    pytest.skip(f"{name} not found in the nvidia wheels (pip install {package})")
+
+
+def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path):
+    lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
+    script = tmp_path / "real_nccl.py"
+    script.write_text(REAL_NCCL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), lib], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        targets = StaticTargets([proc.pid])
+        opts = options()   # no --lib: the library is found in the process's maps
+        with Running(NcclSource(opts), targets, opts) as run:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            import json
+            out = json.loads(proc.stdout.readline())
+            wait_for(lambda: len(run.sink.dicts("nccl_events")) >= 2)
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    sink = run.sink
+    assert out["get"] == 0, f"ncclGetUniqueId failed: {out}"
+    expected = hex_hash(unique_id_hash(bytes.fromhex(out["id"])))
+    inits = sink.dicts("nccl_comm_events")
+    assert [(r["api"], r["comm_id_hash"], r["rank"], r["nranks"], r["return_code"], r["pid"])
+            for r in inits] == [("ncclCommInitRank", expected, 2, 3, out["init"], proc.pid)]
+    colls = sorted(sink.dicts("nccl_events"), key=lambda r: r["timestamp_ns"])
+    assert [(r["op"], r["count"], r["datatype"], r["redop"], r["peer"], r["stream"],
+             r["return_code"], r["comm_id_hash"]) for r in colls] == [
+        ("ALL_REDUCE", 12345, "float32", "max", None, 0x77, out["ar"], None),
+        ("SEND", 99, "int64", None, 5, 0x78, out["send"], None)]
+    assert out["ar"] != 0   # really failed after entry (no GPU, NULL comm)
+    assert any(lib in m for _l, _s, ev, m, _c in sink.logs if ev == "source_on")
