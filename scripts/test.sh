@@ -20,6 +20,15 @@ fi
 # generic ones (enough for tracepoint and uprobe programs).
 $SUDO apt-get install -y -qq "linux-headers-$(uname -r)" >/dev/null 2>&1 || true
 
+# A real Trace Event Format consumer for the export tests: Chrome DevTools' trace engine.
+if ! command -v npm >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null
+fi
+if [ ! -f .cache/trace-engine/node_modules/@paulirish/trace_engine/package.json ]; then
+  npm install --silent --no-audit --no-fund --prefix .cache/trace-engine @paulirish/trace_engine@0.0.65 >/dev/null
+fi
+export INGERO_TRACE_ENGINE="$PWD/.cache/trace-engine/node_modules/@paulirish/trace_engine"
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null

@@ -279,11 +279,15 @@ def _engine():
     return d if shutil.which("node") and Path(d, "models/trace/trace.js").exists() else None
 
 
-@pytest.mark.skipif(_engine() is None, reason="Chrome DevTools trace engine not installed "
-                    "(npm install --prefix /opt/ingero-trace-engine @paulirish/trace_engine@0.0.65)")
 @pytest.mark.parametrize("name", ["t.json", "t.json.gz"])
 def test_devtools_trace_engine_loads_it(fleet, tmp_path, name):
-    """A real consumer: Chrome DevTools' Performance-panel trace engine."""
+    """A real consumer: Chrome DevTools' Performance-panel trace engine.
+
+    scripts/test.sh installs it (npm) and sets INGERO_TRACE_ENGINE; without it this test
+    fails rather than skips, so a run that did not check a real consumer is not green."""
+    if _engine() is None:
+        pytest.fail("Chrome DevTools trace engine not installed: run scripts/test.sh, or "
+                    "npm install --prefix /opt/ingero-trace-engine @paulirish/trace_engine@0.0.65")
     path, truth = fleet
     out = tmp_path / name
     assert run(path, "--chrome-trace", "-o", out, "-q").exit_code == 0
