@@ -37,9 +37,10 @@ def step_simulate(ctx: dict) -> list[tuple[str, Path]]:
 STEPS = [("simulate", step_simulate)]
 
 
-def run_demo(out_dir, *, config: FleetConfig = DEMO_CONFIG, log=print) -> list[tuple[str, Path]]:
-    """Run every demo step into out_dir; return the (label, path) outputs."""
-    ctx = {"out": Path(out_dir), "config": config, "log": log}
+def run_demo(out_dir, *, config: FleetConfig | None = None,
+             log=print) -> list[tuple[str, Path]]:
+    """Run every demo step into out_dir (default fleet: DEMO_CONFIG); return the outputs."""
+    ctx = {"out": Path(out_dir), "config": config or DEMO_CONFIG, "log": log}
     ctx["out"].mkdir(parents=True, exist_ok=True)
     outputs = []
     for name, fn in STEPS:
