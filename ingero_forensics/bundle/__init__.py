@@ -8,10 +8,10 @@ from .container import (BUNDLE_SUFFIX, NODE_NAME_RE, bundle_filename, read_manif
                         validate_node_name)
 from .reader import Bundle, open_bundle
 from .schema import FORMAT_VERSION, TABLES, TABLES_BY_NAME
-from .writer import BundleWriter, canonical_frames, now_pair, seal_spool
+from .writer import BundleWriter, canonical_frames, local_host_facts, now_pair, seal_spool
 
 __all__ = [
     "BUNDLE_SUFFIX", "NODE_NAME_RE", "bundle_filename", "read_manifest", "validate_node_name",
     "Bundle", "open_bundle", "FORMAT_VERSION", "TABLES", "TABLES_BY_NAME",
-    "BundleWriter", "canonical_frames", "now_pair", "seal_spool",
+    "BundleWriter", "canonical_frames", "local_host_facts", "now_pair", "seal_spool",
 ]

@@ -8,6 +8,7 @@ holding the SQLite database image.
                                         content = the SQLite database image; nothing follows
 
 The manifest can be read with two small reads and no decompression (``read_manifest``).
+docs/bundle-format.md is the specification; MANIFEST_FIELDS below is rendered into it.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The database image is decompressed to a temporary file (never into memory whole), then
 checked: SQLite header, integrity, application_id and user_version, no views, triggers,
-virtual tables or generated columns, every table and column of the format present, and
-the row counts equal to the manifest's. Only then is it handed out, on a hardened
+virtual tables or generated columns, every table and column of the format present with
+its declared type, the meta table equal to the manifest (which has no checksum of its
+own) and the row counts equal to the manifest's. Only then is it handed out, on a hardened
 read-only connection that executes no SQL stored in the file.
 """
 

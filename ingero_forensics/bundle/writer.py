@@ -95,6 +95,9 @@ class BundleWriter:
         clash = _RESERVED_META.intersection(extra_meta or ())
         if clash:
             raise ValueError(f"extra_meta may not set {', '.join(sorted(clash))}")
+        jobs = (extra_meta or {}).get("job_ids", [])
+        if not isinstance(jobs, list) or not all(isinstance(j, str) for j in jobs):
+            raise ValueError("extra_meta['job_ids'] must be a list of strings")
         if self.spool_path.exists():
             raise IngeroError(f"{self.spool_path}: live segment already exists "
                               "(seal it with seal_spool first)")

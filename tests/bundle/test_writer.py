@@ -210,6 +210,9 @@ def test_refusals(tmp_path):
         BundleWriter(tmp_path / "x.db", node="n", host={"hostname": "h", "kernel_release": "k"})
     with pytest.raises(ValueError, match="extra_meta may not set node"):
         BundleWriter(tmp_path / "x.db", node="n", host=HOST, extra_meta={"node": "m"})
+    with pytest.raises(ValueError, match=r"extra_meta\['job_ids'\] must be a list of strings"):
+        BundleWriter(tmp_path / "x.db", node="n", host=HOST, extra_meta={"job_ids": "j1"})
+    assert not (tmp_path / "x.db").exists()
     w = BundleWriter(tmp_path / "x.db", node="n", host=HOST)
     with pytest.raises(ValueError, match="no bundle table named 'nccl'"):
         w.add("nccl", ())
