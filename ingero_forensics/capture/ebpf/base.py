@@ -42,7 +42,8 @@ static __always_inline int is_target(u32 tgid) {
 #endif
 }
 
-struct stat_key { u32 pid; u32 tid; s32 stack_id; u32 name; };
+/* caller: return address at a uprobe (the frame the stack walk misses), else 0 */
+struct stat_key { u32 pid; u32 tid; s32 stack_id; u32 name; u64 caller; };
 struct stat_val { u64 count; u64 total; u64 max; u64 hist[HIST_SLOTS]; };
 BPF_HASH(stats, struct stat_key, struct stat_val, 16384);
 
@@ -304,7 +305,7 @@ class BccSource(Source):
         for k, v in items:
             stack_id = None
             if k.stack_id >= 0 and self.symbolizer:
-                frames = self.symbolizer.frames(k.pid, k.stack_id)
+                frames = self.symbolizer.frames(k.pid, k.stack_id, k.caller)
                 stack_id = sink.add_stack(frames) if frames else None
             rows.append(self.stat_row(self._stats_start, now, k, v, stack_id))
         if rows:

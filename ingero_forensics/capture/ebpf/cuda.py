@@ -1,0 +1,221 @@
+"""CUDA: uprobes on libcudart (runtime) and libcuda (driver).
+
+Synchronizations, copies, allocations and graph launches are kept one row each, with
+their duration and (for syncs and copies) the user stack. Kernel launches are far too
+frequent for that: the kernel side sums them per (process, thread, stack, API) with a
+log2 latency histogram, drained into event_stats every stats interval.
+
+Arguments come from registers and, past the sixth, from the stack (ARG(n), as in
+nccl.py). cudaLaunchKernel's two dim3 arguments are 12-byte structs passed in two
+registers each, which moves sharedMem and stream onto the stack.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+from ...bundle.schema import MEMCPY_KINDS
+from ..source import CaptureContext, RowSink
+from .base import BccSource, Symbolizer, signed64
+from .libs import LibraryTracker
+
+# (symbol, library kind, kept one by one?, stack?, stream, bytes, memcpy kind, device)
+# C expressions; None = the call has no such argument.
+APIS = (
+    ("cudaLaunchKernel", "cudart", False, True, "ARG(8)", None, None, None),
+    ("cudaMemcpy", "cudart", True, True, None, "ARG(3)", "ARG(4)", None),
+    ("cudaMemcpyAsync", "cudart", True, True, "ARG(5)", "ARG(3)", "ARG(4)", None),
+    ("cudaMemcpy2D", "cudart", True, True, None, "ARG(5) * ARG(6)", "ARG(7)", None),
+    ("cudaMemcpy2DAsync", "cudart", True, True, "ARG(8)", "ARG(5) * ARG(6)", "ARG(7)", None),
+    ("cudaMemcpyPeer", "cudart", True, True, None, "ARG(5)", "3", "ARG(2)"),
+    ("cudaMemcpyPeerAsync", "cudart", True, True, "ARG(6)", "ARG(5)", "3", "ARG(2)"),
+    ("cudaStreamSynchronize", "cudart", True, True, "ARG(1)", None, None, None),
+    ("cudaEventSynchronize", "cudart", True, True, None, None, None, None),
+    ("cudaDeviceSynchronize", "cudart", True, True, None, None, None, None),
+    ("cudaMalloc", "cudart", True, False, None, "ARG(2)", None, None),
+    ("cudaFree", "cudart", True, False, None, None, None, None),
+    ("cudaGraphLaunch", "cudart", True, True, "ARG(2)", None, None, None),
+    ("cuLaunchKernel", "cuda", False, True, "ARG(9)", None, None, None),
+    ("cuMemcpy", "cuda", True, True, None, "ARG(3)", "4", None),
+    ("cuMemcpyAsync", "cuda", True, True, "ARG(4)", "ARG(3)", "4", None),
+    ("cuMemcpyHtoD_v2", "cuda", True, True, None, "ARG(3)", "1", None),
+    ("cuMemcpyDtoH_v2", "cuda", True, True, None, "ARG(3)", "2", None),
+    ("cuMemcpyDtoD_v2", "cuda", True, True, None, "ARG(3)", "3", None),
+    ("cuMemcpyHtoDAsync_v2", "cuda", True, True, "ARG(4)", "ARG(3)", "1", None),
+    ("cuMemcpyDtoHAsync_v2", "cuda", True, True, "ARG(4)", "ARG(3)", "2", None),
+    ("cuMemcpyDtoDAsync_v2", "cuda", True, True, "ARG(4)", "ARG(3)", "3", None),
+    ("cuStreamSynchronize", "cuda", True, True, "ARG(1)", None, None, None),
+    ("cuEventSynchronize", "cuda", True, True, None, None, None, None),
+    ("cuCtxSynchronize", "cuda", True, True, None, None, None, None),
+    ("cuMemAlloc_v2", "cuda", True, False, None, "ARG(2)", None, None),
+    ("cuMemFree_v2", "cuda", True, False, None, None, None, None),
+)
+API_NAMES = tuple(a[0] for a in APIS)
+LAYER = {"cudart": 0, "cuda": 1}
+LAYER_NAMES = ("runtime", "driver")
+HAS_STREAM, HAS_BYTES, HAS_KIND, HAS_DEVICE = 1, 2, 4, 8
+
+PROGRAM = r"""
+#define ARG(n) arg(ctx, n)
+static __always_inline u64 arg(struct pt_regs *ctx, int n) {
+    u64 v = 0;
+    switch (n) {
+    case 1: return PT_REGS_PARM1(ctx);
+    case 2: return PT_REGS_PARM2(ctx);
+    case 3: return PT_REGS_PARM3(ctx);
+    case 4: return PT_REGS_PARM4(ctx);
+    case 5: return PT_REGS_PARM5(ctx);
+    case 6: return PT_REGS_PARM6(ctx);
+    }
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n - 6)));
+    return v;
+}
+
+BPF_STACK_TRACE(stacks, __STACK_ENTRIES__);
+
+/* In flight per (thread, layer): a runtime call may enter the driver. nest counts calls
+ * of the same layer made inside the traced one; only the outermost is recorded. */
+struct call {
+    u64 ts; u64 stream; u64 bytes; u64 ret_addr;
+    s32 stack_id; s32 device; u32 api; u32 nest; u8 kind; u8 has; u8 keep; u8 layer;
+};
+BPF_HASH(calls, u64, struct call, 65536);
+
+struct event {
+    u64 ts; u64 dur; u64 stream; u64 bytes; u64 ret_addr;
+    u32 pid; u32 tid; s32 stack_id; s32 ret; s32 device; u32 api;
+    u8 kind; u8 has; u8 layer; u8 pad[5];
+};
+
+static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 keep, u8 stack,
+                                 u8 has, u64 stream, u64 bytes, u64 kind, u64 device) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!is_target(tgid)) return 0;
+    u64 key = ((id & 0xffffffff) << 1) | layer;
+    struct call *prev = calls.lookup(&key);
+    if (prev) { prev->nest++; return 0; }
+    struct call c = {};
+    c.ts = bpf_ktime_get_ns();
+    c.api = api; c.layer = layer; c.keep = keep; c.has = has;
+    c.stream = stream; c.bytes = bytes; c.kind = kind; c.device = device;
+    c.stack_id = -1;
+#if __STACKS__
+    if (stack) {
+        c.stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+        bpf_probe_read_user(&c.ret_addr, sizeof(c.ret_addr), (void *)PT_REGS_SP(ctx));
+    }
+#endif
+    calls.update(&key, &c);
+    return 0;
+}
+
+static __always_inline int ret(struct pt_regs *ctx, u8 layer) {
+    u64 id = bpf_get_current_pid_tgid();
+    u64 key = ((id & 0xffffffff) << 1) | layer;
+    struct call *c = calls.lookup(&key);
+    if (!c) return 0;
+    if (c->nest) { c->nest--; return 0; }
+    u64 dur = bpf_ktime_get_ns() - c->ts;
+    if (!c->keep) {
+        struct stat_key k = {.pid = id >> 32, .tid = id, .stack_id = c->stack_id, .name = c->api,
+                             .caller = c->ret_addr};
+        stat_add(&k, dur);
+    } else {
+        struct event *e = events.ringbuf_reserve(sizeof(struct event));
+        if (e) {
+            e->ts = c->ts; e->dur = dur; e->stream = c->stream; e->bytes = c->bytes;
+            e->ret_addr = c->ret_addr; e->pid = id >> 32; e->tid = id;
+            e->stack_id = c->stack_id; e->ret = PT_REGS_RC(ctx); e->device = c->device;
+            e->api = c->api; e->kind = c->kind; e->has = c->has; e->layer = c->layer;
+            events.ringbuf_submit(e, 0);
+        } else {
+            count_lost();
+        }
+    }
+    calls.delete(&key);
+    return 0;
+}
+int ret_runtime(struct pt_regs *ctx) { return ret(ctx, 0); }
+int ret_driver(struct pt_regs *ctx) { return ret(ctx, 1); }
+"""
+
+EVENT = struct.Struct("<5Q2I3iI3B5x")
+
+
+def entry_functions() -> str:
+    out = []
+    for i, (sym, lib, keep, stack, stream, nbytes, kind, device) in enumerate(APIS):
+        has = ((HAS_STREAM if stream else 0) | (HAS_BYTES if nbytes else 0)
+               | (HAS_KIND if kind else 0) | (HAS_DEVICE if device else 0))
+        out.append(f"int api_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
+                   f"    return entry(ctx, {i}, {LAYER[lib]}, {int(keep)}, {int(stack)}, {has}, "
+                   f"{stream or 0}, {nbytes or 0}, {kind or 0}, {device or 0});\n}}\n")
+    return "".join(out)
+
+
+class CudaSource(BccSource):
+    name = "cuda"
+    stat_source = "cuda"
+    stat_names = API_NAMES
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.libs = LibraryTracker(("cudart", "cuda"), options.lib_paths)
+        self._last_scan = 0.0
+
+    def program(self, ctx: CaptureContext) -> str:
+        return (PROGRAM + entry_functions()).replace("__STACK_ENTRIES__", "16384").replace(
+            "__STACKS__", "1" if self.options.stacks else "0")
+
+    def filter_targets(self, ctx: CaptureContext) -> bool:
+        return not getattr(ctx.targets, "auto", False)
+
+    def attach(self, ctx: CaptureContext) -> None:
+        self.load_functions([f"api_{i}" for i in range(len(APIS))] + ["ret_runtime", "ret_driver"])
+        self.symbolizer = Symbolizer(self.bcc, self.bpf[b"stacks"]) if self.options.stacks else None
+        self._attach_new(ctx.targets.pids())
+        if not self.attached:
+            self.attached.append("no libcudart/libcuda yet: waiting for target processes to map them")
+
+    def _attach_new(self, pids) -> None:
+        for kind, path in self.libs.new_libraries(pids):
+            ok, missing = 0, []
+            ret_fn = b"ret_runtime" if kind == "cudart" else b"ret_driver"
+            for i, (sym, lib, *_rest) in enumerate(APIS):
+                if lib != kind:
+                    continue
+                try:
+                    self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=f"api_{i}".encode())
+                    self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret_fn)
+                    ok += 1
+                except Exception:
+                    missing.append(sym)
+            msg = f"uprobes on {path}: {ok} functions"
+            if missing:
+                msg += f" (absent: {', '.join(missing)})"
+            self.attached.append(msg)
+            if self._announced:
+                self.notes.append(("info", msg))
+
+    def housekeeping(self, sink: RowSink) -> None:
+        now = time.monotonic()
+        if now - self._last_scan >= self.libs.RESCAN_S:
+            self._last_scan = now
+            self._attach_new(self.ctx.targets.pids())
+
+    def handle(self, raw: list[bytes], sink: RowSink) -> None:
+        rows = []
+        for rec in raw:
+            (ts, dur, stream, nbytes, ret_addr, pid, tid, stack_id, rc, device, api, kind, has,
+             layer) = EVENT.unpack(rec)
+            rows.append((
+                ts, dur, API_NAMES[api], LAYER_NAMES[layer],
+                signed64(stream) if has & HAS_STREAM else None,
+                nbytes if has & HAS_BYTES else None,
+                (MEMCPY_KINDS[kind] if kind < len(MEMCPY_KINDS) else None) if has & HAS_KIND else None,
+                None, device if has & HAS_DEVICE else None, rc, pid, tid,
+                self.stack_row_id(sink, pid, stack_id, ret_addr)))
+        sink.add_many("cuda_events", rows)
+        self.events += len(rows)

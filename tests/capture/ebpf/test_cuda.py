@@ -1,0 +1,158 @@
+"""CUDA probes on the real kernel: the shim libcudart.so.12/libcuda.so.1 (synchronize
+calls sleep a configured time) and the real libcudart.so.12 from the wheel via ctypes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+from conftest import Running, StaticTargets, options, wait_for
+from ingero_forensics.capture.ebpf.cuda import CudaSource
+from jobs import Job, make_ids
+from test_nccl import real_lib
+
+pytestmark = pytest.mark.ebpf
+
+NRANKS = 2
+ITERS = 5
+SYNC_US = 3000
+STREAM = 0x5157
+
+
+@pytest.fixture(scope="module")
+def cuda_run(tmp_path_factory, fixtures):
+    from conftest import ebpf_skip_reason
+    reason = ebpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    idfile = tmp_path_factory.mktemp("cuda") / "ids"
+    make_ids(idfile)
+    job = Job(lambda r: [str(fixtures.rank_job), "full", str(r), str(NRANKS), str(idfile),
+                         str(ITERS)], NRANKS, env={"INGERO_SHIM_SYNC_US": str(SYNC_US)})
+    opts = options(lib_paths=[str(fixtures.libcudart), str(fixtures.libcuda)],
+                   stats_interval_s=0.2)
+    try:
+        with Running(CudaSource(opts), StaticTargets(job.pids), opts) as run:
+            job.go()
+            wait_for(lambda: len(run.sink.dicts("cuda_events")) >= NRANKS * (ITERS + 11))
+            wait_for(lambda: sum(r["count"] for r in run.sink.dicts("event_stats"))
+                     >= NRANKS * (ITERS + 1))
+        job.finish()
+    finally:
+        job.kill()
+    return dict(sink=run.sink, pids=job.pids)
+
+
+def test_kept_calls_per_rank(cuda_run):
+    rows = cuda_run["sink"].dicts("cuda_events")
+    for pid in cuda_run["pids"]:
+        mine = [r for r in rows if r["pid"] == pid]
+        # cudaMemcpyAsync and cudaMemcpyPeer call cudaMemcpy inside the shim: not counted
+        assert Counter(r["api"] for r in mine) == {
+            "cudaStreamSynchronize": ITERS, "cudaMalloc": 1, "cudaMemcpy": 1,
+            "cudaMemcpyAsync": 1, "cudaMemcpy2D": 1, "cudaMemcpyPeer": 1, "cudaFree": 1,
+            "cudaDeviceSynchronize": 1, "cudaEventSynchronize": 1, "cudaGraphLaunch": 1,
+            "cuMemcpyHtoD_v2": 1, "cuStreamSynchronize": 1}
+        one = {r["api"]: r for r in mine}
+        pick = lambda api: (one[api]["bytes"], one[api]["memcpy_kind"], one[api]["stream"],  # noqa: E731
+                            one[api]["device"], one[api]["layer"])
+        assert pick("cudaMemcpy") == (4096, "HtoD", None, None, "runtime")
+        assert pick("cudaMemcpyAsync") == (2048, "DtoH", STREAM, None, "runtime")
+        assert pick("cudaMemcpy2D") == (32 * 8, "DtoD", None, None, "runtime")
+        assert pick("cudaMemcpyPeer") == (512, "DtoD", None, 1, "runtime")
+        assert pick("cudaMalloc") == (1 << 20, None, None, None, "runtime")
+        assert pick("cudaGraphLaunch") == (None, None, STREAM, None, "runtime")
+        assert pick("cuMemcpyHtoD_v2") == (1000, "HtoD", None, None, "driver")
+        assert pick("cuStreamSynchronize")[2:] == (STREAM, None, "driver")
+        assert {r["return_code"] for r in mine} == {0}
+
+
+def test_sync_durations_cover_the_sleep(cuda_run):
+    rows = cuda_run["sink"].dicts("cuda_events")
+    syncs = [r for r in rows if r["api"].endswith("Synchronize")]
+    assert len(syncs) == NRANKS * (ITERS + 3)
+    assert all(r["duration_ns"] >= SYNC_US * 1000 for r in syncs)
+    # copies and allocations do not sleep in the shim: far below the sleep
+    quick = [r for r in rows if r["api"] in ("cudaMalloc", "cudaFree", "cudaMemcpy")]
+    assert quick and all(r["duration_ns"] < SYNC_US * 1000 for r in quick)
+
+
+def test_sync_stacks_name_the_caller(cuda_run):
+    sink = cuda_run["sink"]
+    for r in sink.dicts("cuda_events"):
+        if r["api"] == "cudaStreamSynchronize":
+            symbols = [f["symbol"] for f in sink.stack(r["stack_id"])]
+            assert symbols[:2] == ["cudaStreamSynchronize", "train_step"], symbols
+        if r["api"] == "cudaMalloc":
+            assert r["stack_id"] is None   # allocations: no stack by design
+
+
+def test_launches_aggregated_in_kernel(cuda_run):
+    sink = cuda_run["sink"]
+    stats = sink.dicts("event_stats")
+    assert {s["source"] for s in stats} == {"cuda"}
+    assert not [r for r in sink.dicts("cuda_events") if "Launch" in r["api"]
+                and r["api"] != "cudaGraphLaunch"]
+    for pid in cuda_run["pids"]:
+        mine = [s for s in stats if s["pid"] == pid]
+        counts = Counter()
+        for s in mine:
+            counts[s["name"]] += s["count"]
+            hist = json.loads(s["hist_log2"])
+            assert sum(hist) == s["count"]
+            assert len(hist) - 1 == s["max_ns"].bit_length() - 1   # top slot holds the max
+            assert s["total_ns"] >= s["max_ns"] > 0
+            assert s["interval_end_ns"] > s["interval_start_ns"]
+            assert s["tid"] == pid
+        assert counts == {"cudaLaunchKernel": ITERS, "cuLaunchKernel": 1}
+        launch = next(s for s in mine if s["name"] == "cudaLaunchKernel")
+        symbols = [f["symbol"] for f in sink.stack(launch["stack_id"])]
+        assert symbols[:3] == ["cudaLaunchKernel", "launch_step_kernel", "train_step"], symbols
+
+
+REAL_CUDART_SCRIPT = textwrap.dedent(r"""
+    import ctypes, json, sys
+    rt = ctypes.CDLL(sys.argv[1])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    ptr = ctypes.c_void_p()
+    out = {"malloc": rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(4 << 20)),
+           "memcpy": rt.cudaMemcpy(None, None, ctypes.c_size_t(777), 2),
+           "sync": rt.cudaStreamSynchronize(ctypes.c_void_p(0x99))}
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_real_libcudart_arguments(ebpf_ok, tmp_path):
+    lib = real_lib("nvidia-cuda-runtime-cu12", "libcudart.so.12")
+    script = tmp_path / "real_cudart.py"
+    script.write_text(REAL_CUDART_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), lib], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        opts = options()   # found through /proc/PID/maps
+        with Running(CudaSource(opts), StaticTargets([proc.pid]), opts) as run:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out = json.loads(proc.stdout.readline())
+            wait_for(lambda: len(run.sink.dicts("cuda_events")) >= 3)
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rows = sorted(run.sink.dicts("cuda_events"), key=lambda r: r["timestamp_ns"])
+    got = [(r["api"], r["bytes"], r["memcpy_kind"], r["stream"], r["return_code"], r["pid"])
+           for r in rows]
+    assert got == [("cudaMalloc", 4 << 20, None, None, out["malloc"], proc.pid),
+                   ("cudaMemcpy", 777, "DtoH", None, out["memcpy"], proc.pid),
+                   ("cudaStreamSynchronize", None, None, 0x99, out["sync"], proc.pid)]
+    assert out["malloc"] != 0   # no GPU: the calls failed after entry
