@@ -107,3 +107,25 @@ def test_merge_accepts_a_spec_only_bundle(tmp_path):
     con = sqlite3.connect(out)
     assert con.execute("SELECT COUNT(*) FROM nccl_events").fetchone()[0] == 4
     con.close()
+
+
+def test_zstd_cli_frame_is_accepted(tmp_path):
+    """Step 3 of the spec's recipe allows `zstd -3 --check` on the image file."""
+    import shutil
+    import subprocess
+    if shutil.which("zstd") is None:
+        import pytest
+        pytest.skip("zstd CLI not installed")
+    path = write_from_spec(str(tmp_path), extract_ddl(DOC.read_text(encoding="utf-8")))
+    with open(path, "rb") as f:
+        n = struct.unpack("<II", f.read(8))[1]
+        raw = f.read(n)
+        image = zstandard.ZstdDecompressor().decompress(f.read())
+    (tmp_path / "image.db").write_bytes(image)
+    subprocess.run(["zstd", "-3", "--check", "-q", "-f", str(tmp_path / "image.db"), "-o",
+                    str(tmp_path / "image.db.zst")], check=True)
+    cli = tmp_path / "cli.bundle"
+    cli.write_bytes(struct.pack("<II", 0x184D2A5E, n) + raw
+                    + (tmp_path / "image.db.zst").read_bytes())
+    with open_bundle(cli) as b:
+        assert b.con.execute("SELECT COUNT(*) FROM nccl_events").fetchone()[0] == 4
