@@ -41,6 +41,8 @@ SYNC_APIS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cuStreamSynchroni
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
 DEFAULT_MIN_LATENCY_NS = 1_000
+#: Collectives (at most, about) the alignment looks at; more adds time, not accuracy.
+ALIGN_SAMPLE = 5_000
 #: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
 PASS1_TABLES = ("meta", "clock_samples")
 PASS3_TABLES = tuple(t for t in COPIED_TABLES if t not in PASS1_TABLES)
@@ -339,7 +341,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     con.execute("UPDATE sync_points SET aligned_ns = (SELECT p.off + sync_points.mono_ns + "
                 "CAST(ROUND(sync_points.mono_ns * p.slope) AS INTEGER) FROM temp.node_params p "
                 "WHERE p.node_id = sync_points.node_id)")
-    _completions(con)
+    _completions(con, fl.sample_every)
     # realign rows merged by earlier runs (incremental merge)
     if max_old_bundle:
         _realign_existing(con, params, old_params, max_old_bundle)
@@ -628,12 +630,19 @@ def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
             "json_extract(manifest, '$.capture.end_utc_ns'), capture_end_mono_ns FROM bundles"):
         nodes[nid].manifest_pairs += [(su, sm), (eu, em)]
 
+    # The estimator needs thousands of collectives, not millions: take every k-th seq of
+    # each communicator (spread over the whole capture), at most ~ALIGN_SAMPLE in all.
+    n_coll = con.execute("SELECT COUNT(*) FROM (SELECT DISTINCT comm_id_hash, seq "
+                         "FROM sync_points)").fetchone()[0]
+    every = max(1, -(-n_coll // ALIGN_SAMPLE))
+    fl.sample_every = every
+
     def groups():
         cur = con.cursor()
         key, obs = None, []
         for sid, comm, seq, nid, mono in cur.execute(
                 "SELECT id, comm_id_hash, seq, node_id, mono_ns FROM sync_points "
-                "ORDER BY comm_id_hash, seq"):
+                "WHERE seq % ? = 0 ORDER BY comm_id_hash, seq", (every,)):
             if (comm, seq) != key:
                 if obs:
                     yield key, obs
@@ -658,41 +667,28 @@ def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
     return params
 
 
-def _completions(con) -> None:
-    """Median aligned observed completion per collective; sync_points.used flags."""
+def _completions(con, every: int) -> None:
+    """Observed completion per collective: the mean of the aligned observations without
+    the lowest and the highest when there are 3 or more (robust to one bad sync on each
+    side), computed in SQL. sync_points.used marks the sampled observations that agree
+    with it within 50 us."""
+    ref = con.execute("SELECT MIN(aligned_ns) FROM sync_points").fetchone()[0] or 0
     con.execute("DELETE FROM temp.completion")
-    con.execute("UPDATE sync_points SET used = 0")
-    cur = con.cursor()
-    out, used = [], []
-    key, obs = None, []
-
-    def flush():
-        vals = sorted(t for _, _, t in obs)
-        n = len(vals)
-        med = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) // 2
-        out.append((key[0], key[1], med, n, vals[-1] - vals[0]))
-        if len({nid for _, nid, _ in obs}) > 1:
-            for sid, _, t in obs:
-                if abs(t - med) <= 50_000:
-                    used.append((sid,))
-    for sid, comm, seq, nid, t in cur.execute(
-            "SELECT id, comm_id_hash, seq, node_id, aligned_ns FROM sync_points "
-            "ORDER BY comm_id_hash, seq"):
-        if (comm, seq) != key:
-            if obs:
-                flush()
-            key, obs = (comm, seq), []
-        obs.append((sid, nid, t))
-        if len(out) >= 50_000:
-            con.executemany("INSERT INTO temp.completion VALUES (?, ?, ?, ?, ?)", out)
-            out.clear()
-    if obs:
-        flush()
-    con.executemany("INSERT INTO temp.completion VALUES (?, ?, ?, ?, ?)", out)
-    con.execute("CREATE TEMP TABLE IF NOT EXISTS used_ids (id INTEGER PRIMARY KEY)")
-    con.execute("DELETE FROM temp.used_ids")
-    con.executemany("INSERT INTO temp.used_ids VALUES (?)", used)
-    con.execute("UPDATE sync_points SET used = 1 WHERE id IN (SELECT id FROM temp.used_ids)")
+    con.execute("""
+        INSERT INTO temp.completion (comm_id_hash, seq, completion_ns, n, spread)
+        SELECT comm_id_hash, seq,
+               :ref + CAST(CASE WHEN COUNT(*) >= 3
+                   THEN (SUM(aligned_ns - :ref) - MIN(aligned_ns - :ref) - MAX(aligned_ns - :ref))
+                        / (COUNT(*) - 2.0)
+                   ELSE AVG(aligned_ns - :ref) END AS INTEGER),
+               COUNT(*), MAX(aligned_ns) - MIN(aligned_ns)
+        FROM sync_points GROUP BY comm_id_hash, seq""", {"ref": ref})
+    con.execute("UPDATE sync_points SET used = 0 WHERE used <> 0")
+    con.execute("""
+        UPDATE sync_points SET used = 1 WHERE seq % :every = 0 AND (
+            SELECT c.n > 1 AND abs(sync_points.aligned_ns - c.completion_ns) <= 50000
+            FROM temp.completion c WHERE c.comm_id_hash = sync_points.comm_id_hash
+            AND c.seq = sync_points.seq)""", {"every": every})
 
 
 def _realign_existing(con, params, old_params, max_old_bundle) -> None:

@@ -114,7 +114,10 @@ def _bundle_derived() -> list[FleetTable]:
             continue
         aligned = time_point_columns(t.name)
         cols = tuple(_fleet_column(t.name, c, aligned) for c in t.columns) + _extras(t.name, aligned)
-        idx = [("node_id",)]
+        # No plain node_id index on the big tables: a handful of distinct values does not
+        # pay for an index over millions of rows (filters on node_id scan or use ix below).
+        idx = [("node_id",)] if t.name in ("processes", "threads", "clock_samples",
+                                            "capture_log", "nccl_comm_events") else []
         for ix in t.indexes:
             idx.append(("node_id",) + ix if "pid" in ix else ix)
         out.append(FleetTable(t.name, t.doc, cols, tuple(idx), from_bundle=True))
@@ -203,9 +206,9 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("component", "INTEGER", True, "", "Nodes with the same component are linked by "
           "shared collectives (the smallest node_id of the component); NULL when alone."),
         C("sync_points", "INTEGER", False, "", "Observed completions of this node "
-          "(sync_points rows) matched with at least one other node."),
-        C("sync_points_used", "INTEGER", False, "", "Of those, the ones the robust "
-          "estimator kept (not down-weighted as outliers)."),
+          "in the alignment's sample (every k-th seq) matched with another node."),
+        C("sync_points_used", "INTEGER", False, "", "Of those, the ones within "
+          "5 residual_ns (at least 20 us) of their collective's consensus."),
         C("residual_ns", "INTEGER", True, "ns", "Robust spread (1.4826 x MAD) of this node's "
           "completion residuals after alignment."),
         C("violations_before", "INTEGER", False, "", "Clock-condition violations with the "
@@ -239,8 +242,9 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("mono_ns", "INTEGER", False, MONO_UNIT, "End of the synchronization, raw."),
         C("wait_ns", "INTEGER", False, "ns", "Duration of the synchronization."),
         C("aligned_ns", "INTEGER", True, ALIGNED_UNIT, "End of the synchronization, aligned."),
-        C("used", "INTEGER", False, "", "1 if the alignment used it (matched on another node "
-          "and not an outlier)."),
+        C("used", "INTEGER", False, "", "1 if the alignment's sample included it (every "
+          "k-th seq, at most about 5000 collectives) and it agrees with the collective's "
+          "completion within 50 us."),
     ), indexes=(("comm_id_hash", "seq"), ("node_id",))),
     FleetTable("collectives", "One row per collective (comm_id_hash, seq) over all ranks: "
                "entries, the last rank in, and the observed completion.", (
@@ -260,8 +264,9 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "long the earliest rank waited for the last one to arrive."),
         C("last_rank", "INTEGER", True, "", "Rank of the last entry (the straggler)."),
         C("last_node_id", "INTEGER", False, "", "Node of the last entry."),
-        C("completion_ns", "INTEGER", True, ALIGNED_UNIT, "Median of the aligned observed "
-          "completions (sync_points) of this collective; NULL if none was observed."),
+        C("completion_ns", "INTEGER", True, ALIGNED_UNIT, "Mean of the aligned observed "
+          "completions (sync_points) of this collective without the lowest and highest "
+          "when there are 3 or more; NULL if none was observed."),
         C("completion_observations", "INTEGER", False, "", "Number of observed completions."),
         C("completion_spread_ns", "INTEGER", True, "ns", "Max - min of the aligned observed "
           "completions."),
