@@ -200,7 +200,7 @@ def make_fault_plan(cfg: FleetConfig) -> FaultPlan:
     node = cfg.straggler if cfg.straggler is not None else r.randrange(cfg.nodes)
     gpu_lr = r.randrange(cfg.ranks_per_node)
     slow = r.uniform(1.35, 1.6)
-    comp = (r.choice(COMPETITORS), r.randrange(300_000, 900_000))
+    comp = (r.choice(COMPETITORS), r.randrange(20_000, 59_000))  # below the rank pids
     return FaultPlan(cfg.fault, node, cfg.windows,
                      gpu_lr if cfg.fault == "gpu" else None,
                      slow if cfg.fault == "gpu" else 1.0,

@@ -70,7 +70,7 @@ def rank_pids(seed: int, node: int, ranks_per_node: int) -> list[int]:
     pids, p = [], base
     for _ in range(ranks_per_node):
         pids.append(p)
-        p += r.randrange(30, 90)
+        p += r.randrange(60, 140)  # above the rank's thread ids (pid + 38 ..)
     return pids
 
 

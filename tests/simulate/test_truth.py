@@ -196,3 +196,20 @@ def test_every_table_populated_and_valid(make_fleet):
                              "name = 'cudaLaunchKernel'").fetchone()[0] > 0
         for count, hist in b.con.execute("SELECT count, hist_log2 FROM event_stats"):
             assert sum(json.loads(hist)) == count
+
+
+def test_thread_ids_are_unique_and_owned(make_fleet):
+    f = make_fleet(fault="cpu", straggler=1)
+    comp = f.truth["fault"]["detail"]["competitor_pid"]
+    for node in f.bundles:
+        tids = f.q(node, "SELECT tid FROM threads")
+        assert len(tids) == len(set(tids))
+        pids = {p for (p,) in f.q(node, "SELECT pid FROM processes")}
+        assert {p for (p,) in f.q(node, "SELECT DISTINCT pid FROM threads")} == pids
+        assert comp not in {t for (t,) in tids}
+        # every traced thread that shows up in events is a known thread of its process
+        known = set(f.q(node, "SELECT pid, tid FROM threads"))
+        for table in ("nccl_events", "cuda_events", "sched_events"):
+            assert set(f.q(node, f"SELECT DISTINCT pid, tid FROM {table}")) <= known, table
+        assert set(f.q(node, "SELECT DISTINCT pid, tid FROM block_events WHERE pid IN "
+                             "(SELECT pid FROM processes)")) <= known
