@@ -1,0 +1,137 @@
+"""Scheduler and block I/O tracepoints on the real kernel."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from conftest import Running, StaticTargets, options, wait_for
+from ingero_forensics.capture.ebpf.block import BlockSource, DeviceNames, block_op
+from ingero_forensics.capture.ebpf.sched import SchedSource, state_letter
+
+pytestmark = pytest.mark.ebpf
+
+SLEEPER = textwrap.dedent(r"""
+    import os, sys, time
+    open("/proc/self/comm", "w").write("ingero-sleeper")
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+    os.nice(19)   # lighter than the hog: it waits for the hog's slice to end
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for _ in range(200):
+        time.sleep(0.002)          # wakes up to find the hog on its CPU
+    print("done", flush=True)
+    sys.stdin.readline()
+""")
+HOG = textwrap.dedent(r"""
+    import os, sys
+    open("/proc/self/comm", "w").write("ingero-hog")
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+    print("ready", flush=True)
+    while True:
+        pass
+""")
+
+
+def test_runq_delay_names_the_hog(ebpf_ok, tmp_path):
+    cpu = max(os.sched_getaffinity(0))
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "hog.py").write_text(HOG)
+    sleeper = subprocess.Popen([sys.executable, str(tmp_path / "sleeper.py"), str(cpu)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hog = subprocess.Popen([sys.executable, str(tmp_path / "hog.py"), str(cpu)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert sleeper.stdout.readline().strip() == "ready"
+        assert hog.stdout.readline().strip() == "ready"
+        opts = options(sched_threshold_ns=20_000, stats_interval_s=0.2)
+        with Running(SchedSource(opts), StaticTargets([sleeper.pid]), opts) as run:
+            sleeper.stdin.write("go\n")
+            sleeper.stdin.flush()
+            assert sleeper.stdout.readline().strip() == "done"
+            wait_for(lambda: run.sink.dicts("event_stats"), timeout=5)
+        sleeper.stdin.close()
+        sleeper.wait(timeout=10)
+    finally:
+        for p in (sleeper, hog):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rows = run.sink.dicts("sched_events")
+    assert rows and {r["pid"] for r in rows} == {sleeper.pid}   # only the traced process
+    runq = [r for r in rows if r["kind"] == "runq_delay"]
+    held_by_hog = [r for r in runq if r["other_pid"] == hog.pid]
+    assert held_by_hog, f"no runqueue delay attributed to the hog: {runq[:5]}"
+    assert all(r["other_comm"] == "ingero-hog" and r["other_tid"] == hog.pid for r in held_by_hog)
+    assert all(r["comm"] == "ingero-sleeper" and r["cpu"] == cpu for r in held_by_hog)
+    assert all(r["duration_ns"] >= 20_000 for r in rows)
+    offs = [r for r in rows if r["kind"] == "off_cpu"]
+    # the 2 ms sleeps show as off-CPU spans in state S of at least the sleep
+    assert sum(1 for r in offs if r["prev_state"] == "S" and r["duration_ns"] >= 2_000_000) >= 100
+    stats = run.sink.dicts("event_stats")
+    assert {s["source"] for s in stats} == {"sched"}
+    assert all(s["max_ns"] < 20_000 and s["pid"] == sleeper.pid for s in stats)
+    for s in stats:
+        assert sum(json.loads(s["hist_log2"])) == s["count"]
+
+
+def test_state_letters():
+    assert [state_letter(s) for s in (0, 0x100, 1, 2, 0x80, -1)] == ["R", "R", "S", "D", "I", None]
+
+
+def test_block_op_from_rwbs():
+    assert [block_op(f) for f in ("WS", "R", "RA", "FWS", "DS", "F", "N")] == \
+        ["write", "read", "read", "write", "discard", "flush", "other"]
+
+
+def test_device_names_fall_back_to_major_minor(tmp_path):
+    (tmp_path / "8:0").symlink_to("../../devices/pci0000:00/block/sda")
+    names = DeviceNames(str(tmp_path))
+    assert names.name(8 << 20) == "sda"
+    assert names.name((259 << 20) | 3) == "259:3"
+
+
+def backing_disk(path: str) -> str | None:
+    st = os.stat(path)
+    mm = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        return os.path.basename(os.readlink(f"/sys/dev/block/{mm}"))
+    except OSError:
+        return None
+
+
+def test_block_direct_writes(ebpf_ok):
+    workdir = os.path.dirname(os.path.abspath(__file__))
+    disk = backing_disk(workdir)
+    if disk is None:
+        pytest.skip(f"{workdir} is not on a block device")
+    opts = options()
+    size, count = 64 * 1024, 16
+    buf = mmap.mmap(-1, size)            # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(size))
+    with tempfile.NamedTemporaryFile(dir=workdir) as f:
+        try:
+            fd = os.open(f.name, os.O_WRONLY | os.O_DIRECT)
+        except OSError as e:
+            pytest.skip(f"O_DIRECT not supported here: {e}")
+        with Running(BlockSource(opts), StaticTargets(), opts) as run:
+            for i in range(count):
+                os.pwrite(fd, buf, i * size)
+            os.fsync(fd)
+            os.close(fd)
+            wait_for(lambda: len([r for r in run.sink.dicts("block_events")
+                                  if r["pid"] == os.getpid()]) >= 1)
+    mine = [r for r in run.sink.dicts("block_events") if r["pid"] == os.getpid()]
+    writes = [r for r in mine if r["op"] == "write"]
+    assert writes, mine
+    assert sum(r["bytes"] for r in writes) >= size * count
+    assert all(r["device"] == disk and r["duration_ns"] > 0 and r["error"] == 0 for r in writes)
+    assert all(r["comm"] and r["tid"] and "W" in r["rwbs"] for r in writes)
+    assert all(r["sector"] is not None for r in writes)
