@@ -235,7 +235,7 @@ class NodeGenerator:
         # one sampled kernel launch per step (the capture samples 1 in ~2500 launches)
         sk = "launch_gemm" if st.step % 3 else "launch_attn"
         lt = st.fwd + r.random() * (st.fsync - st.fwd) * 0.8
-        call(lt, lt + tri(r, 2.5, 3.6, 9) * US, "cudaLaunchKernel", stream, None, None,
+        call(lt, lt + (2.5 + 6.5 * r.random() * r.random()) * US, "cudaLaunchKernel", stream, None, None,
              catalog.KERNELS[sk], sk)
         call(st.fsync, st.fsync_end, "cudaEventSynchronize", None, None, None, None,
              "fwd_sync")
@@ -308,7 +308,8 @@ class NodeGenerator:
             if io_fault and r.random() < 0.7:
                 dur = tri(r, 6, 35, 420) * MS
             else:
-                dur = tri(r, 60, 110, 900) * US
+                u = r.random()  # NVMe read latency: ~100 us, long tail
+                dur = (60 + 90 * u + 750 * u ** 6) * US
             ts = int(m0 + t * k)
             out.append((ts, int(m0 + (t + dur) * k) - ts, DISK,
                         (2048 + int(r.random() * 7_400_000_000)) & ~7, 131072 * (1 + int(r.random() * 8)),
@@ -510,7 +511,7 @@ class NodeGenerator:
         out = []
         t = self._clock_next
         while t < t_hi:
-            width = tri(r, 180, 260, 900)
+            width = 180 + 720 * r.random() ** 4
             mb = self.mono(t)
             ma = self.mono(t + width)
             mid = t + width * r.uniform(0.35, 0.65)
@@ -607,7 +608,7 @@ class NodeGenerator:
                 dur = tri(r, 4, 30, 250) * MS
                 nbytes = 4096 * r.randrange(64, 257)
             else:
-                dur = tri(r, 25, 60, 400) * US
+                dur = (25 + 375 * r.random() ** 4) * US
                 nbytes = 4096 * r.randrange(1, 33)
             ts = int(m0 + t * k)
             if r.random() < 0.2 and not storm:
