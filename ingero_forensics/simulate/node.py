@@ -558,7 +558,10 @@ class NodeGenerator:
             else:
                 row = (me["mgmt"], "172.20.255.20", 9100, r.randrange(40000, 60999))
             for i in range(r.randrange(1, 4)):
-                out.append((int(m0 + (t + i * r.uniform(0.2, 0.6) * S) * k),
+                ti = t + i * r.uniform(0.2, 0.6) * S  # backed-off retransmits
+                if ti >= self.cap_end:
+                    break
+                out.append((int(m0 + ti * k),
                             "tcp_retransmit_skb", 4, row[0], row[1], row[2], row[3],
                             "ESTABLISHED", r.choice((0, 0, r.randrange(1000, 60000))),
                             INIT_NETNS, None, "background", None, None))
