@@ -634,7 +634,7 @@ class NodeGenerator:
         for key in sorted(x for x in self._launches if x < k_hi or final):
             counts = self._launches.pop(key)
             a = int(cap_m + key * STATS_NS)
-            b = int(a + STATS_NS)
+            b = min(int(a + STATS_NS), self.mono(self.cap_end))  # last one is partial
             t_mid = (a + STATS_NS / 2 - self.m0) / self.k
             hot = cpu_fault and self.fault_at(t_mid)
             for lr, n in enumerate(counts):
