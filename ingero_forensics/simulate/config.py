@@ -71,6 +71,12 @@ class FleetConfig:
         if self.straggler is not None and not 0 <= self.straggler < self.nodes:
             raise SimulateConfigError("--straggler", f"node {self.straggler} is outside "
                                       f"the fleet (node-00 .. {node_name(self.nodes - 1)})")
+        if self.fault == "none" and self.straggler is not None:
+            raise SimulateConfigError("--straggler", "a straggler needs a fault "
+                                      "(--fault cpu|io|network|gpu|memory)")
+        if self.fault == "none" and self.fault_windows:
+            raise SimulateConfigError("--fault-window", "fault windows need a fault "
+                                      "(--fault cpu|io|network|gpu|memory)")
         if self.fault == "network" and self.nodes < 2:
             raise SimulateConfigError("--fault", "network needs at least 2 nodes "
                                       "(the straggler's ring neighbours)")

@@ -39,11 +39,11 @@ def test_straggler_by_index_and_summary_line(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--fault", "disk"], "Error: Invalid value for '--fault': unknown fault 'disk' "
                           "(choose from none, cpu, io, network, gpu, memory)"),
-    (["--straggler", "node-07"], "Error: Invalid value for '--straggler': node-07 is "
+    (["--fault", "cpu", "--straggler", "node-07"], "Error: Invalid value for '--straggler': node-07 is "
                                  "outside the fleet (node-00 .. node-02)"),
-    (["--straggler", "3"], "Error: Invalid value for '--straggler': 3 is outside the "
+    (["--fault", "cpu", "--straggler", "3"], "Error: Invalid value for '--straggler': 3 is outside the "
                            "fleet (node-00 .. node-02)"),
-    (["--straggler", "gpu7"], "Error: Invalid value for '--straggler': 'gpu7' is not a "
+    (["--fault", "cpu", "--straggler", "gpu7"], "Error: Invalid value for '--straggler': 'gpu7' is not a "
                               "node name (node-03) or index"),
     (["--nodes", "0"], "Error: Invalid value for '--nodes': must be at least 1, got 0"),
     (["--steps", "0"], "Error: Invalid value for '--steps': must be at least 1, got 0"),
@@ -58,6 +58,10 @@ def test_straggler_by_index_and_summary_line(tmp_path):
      "e.g. 100:300)"),
     (["--fault", "cpu", "--fault-window", "2:10", "--fault-window", "8:12"],
      "Error: Invalid value for '--fault-window': windows overlap"),
+    (["--straggler", "1"], "Error: Invalid value for '--straggler': a straggler needs a "
+                           "fault (--fault cpu|io|network|gpu|memory)"),
+    (["--fault-window", "2:5"], "Error: Invalid value for '--fault-window': fault windows "
+                                "need a fault (--fault cpu|io|network|gpu|memory)"),
     (["--ranks-per-node", "0"], "Error: Invalid value for '--ranks-per-node': must be "
                                 "between 1 and 16, got 0"),
 ])
