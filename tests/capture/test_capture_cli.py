@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from ingero_forensics import __version__
 from ingero_forensics.capture.cli import main
 
-from conftest import run_capture
+from .conftest import run_capture
 
 
 def test_check_lists_every_source_with_reasons(tmp_path):

@@ -13,7 +13,7 @@ from ingero_forensics.capture.clock import (PTP_SYS_OFFSET_EXTENDED, PTP_SYS_OFF
                                             bracket, chrony_row, parse_chrony_tracking,
                                             parse_ptp_extended, read_adjtimex, system_row)
 
-from conftest import rows, run_capture
+from .conftest import rows, run_capture
 
 CHRONY_CSV = ("C0A80001,192.168.0.1,3,1700000000.123456789,0.000012345,-0.000001000,"
               "0.000020000,-12.345,0.001,0.050,0.001500000,0.000250000,64.2,Normal\n")

@@ -12,7 +12,7 @@ from ingero_forensics.capture.host import (HostSource, ProcReader, Snapshot, hos
                                            parse_diskstats, parse_meminfo, parse_net_dev,
                                            parse_psi, parse_snmp_tcp, parse_stat, parse_vmstat)
 
-from conftest import rows, run_capture, wait_for
+from .conftest import rows, run_capture, wait_for
 
 METRICS = {m for m, _, _ in HOST_METRICS}
 FIXTURES = Path(__file__).parent / "fixtures"

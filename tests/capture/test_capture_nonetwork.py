@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import capture_env, rows, run_capture
+from .conftest import capture_env, rows, run_capture
 
 pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
 

@@ -9,7 +9,7 @@ import pytest
 
 from ingero_forensics.bundle import read_manifest
 
-from conftest import bundles, rows, run_capture, spool_has_rows, start_capture, wait_for
+from .conftest import bundles, rows, run_capture, spool_has_rows, start_capture, wait_for
 
 FAST = ("--no-ebpf", "--host-interval", "0.5")
 

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fleetgen import make_fleet  # noqa: E402
+from .fleetgen import make_fleet  # noqa: E402
 
 from ingero_forensics.merge import merge_bundles  # noqa: E402
 

@@ -3,7 +3,7 @@ import random
 import apsw
 import pytest
 
-from fleetgen import T_JOB, make_fleet
+from .fleetgen import T_JOB, make_fleet
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.merge.align import (ClockSample, clock_segments, error_bound,
                                           robust_line)

@@ -3,7 +3,7 @@ import json
 import apsw
 from click.testing import CliRunner
 
-from fleetgen import make_fleet
+from .fleetgen import make_fleet
 from ingero_forensics import __version__
 from ingero_forensics.merge.cli import main
 

@@ -5,7 +5,7 @@ import os
 import apsw
 import pytest
 
-from fleetgen import make_fleet
+from .fleetgen import make_fleet
 from ingero_forensics.bundle import read_manifest
 from ingero_forensics.bundle.writer import BundleWriter, seal_spool
 from ingero_forensics.merge import MergeError, merge_bundles
