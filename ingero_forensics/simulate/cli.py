@@ -85,7 +85,8 @@ def main(out_dir, nodes, ranks_per_node, steps, fault, straggler, fault_windows,
         f = result.truth["fault"]
         what = "clean run (no fault)" if f["kind"] == "none" else \
             f"fault {f['kind']} on {f['straggler']} (ranks {f['ranks'][0]}..{f['ranks'][-1]})"
-        click.echo(f"Wrote {len(result.bundles)} bundles and {result.truth_path.name} to "
+        n = len(result.bundles)
+        click.echo(f"Wrote {n} bundle{'' if n == 1 else 's'} and {result.truth_path.name} to "
                    f"{result.out_dir}: {what}; {result.events:,} events in "
                    f"{result.seconds:.1f} s ({result.events / result.seconds:,.0f}/s).")
 

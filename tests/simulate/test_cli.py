@@ -131,3 +131,23 @@ def test_demo_config_is_the_documented_fleet():
     from ingero_forensics.demo import DEMO_CONFIG
     cfg = DEMO_CONFIG.validated()
     assert (cfg.nodes, cfg.fault, cfg.straggler) == (8, "cpu", 5)
+
+
+def test_failure_leaves_nothing_half_written(tmp_path, monkeypatch):
+    import ingero_forensics.simulate.fleet as fleet
+    from ingero_forensics.errors import DiskFullError
+
+    real = fleet.generate_node
+
+    def failing(task):
+        if task[4] == 2:
+            raise DiskFullError(f"{task[5]}/node-02.live.db: file system full")
+        return real(task)
+
+    monkeypatch.setattr(fleet, "generate_node", failing)
+    out = tmp_path / "f"
+    res = run(["-o", str(out), *BASE])
+    assert res.exit_code == 1
+    line = res.output.splitlines()[-1]
+    assert line.startswith("Error: ") and line.endswith("node-02.live.db: file system full")
+    assert list(out.iterdir()) == []  # no bundle, no truth.json, no staging directory
