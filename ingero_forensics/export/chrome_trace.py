@@ -30,6 +30,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import apsw
@@ -330,6 +331,16 @@ def _dur(col: str) -> str:
     return f"printf('%.3f', ({col}) / 1000.0)"
 
 
+def _head(cat: str, ts: str, dur: str | None, name: str) -> str:
+    """SQL: the fixed part of an event, '"ts":…,"dur":…,"name":…,"cat":…,"args":', in one
+    printf (a chain of || over separate printf calls costs about 15% more per row)."""
+    if dur is None:
+        return (f"""printf('"ts":%.3f,"s":"t","name":%s,"cat":"{cat}","args":', """
+                f"({ts} - :origin) / 1000.0, json_quote({name}))")
+    return (f"""printf('"ts":%.3f,"dur":%.3f,"name":%s,"cat":"{cat}","args":', """
+            f"({ts} - :origin) / 1000.0, ({dur}) / 1000.0, json_quote({name}))")
+
+
 def _args(*pairs: str) -> str:
     """SQL: a JSON object of the non-NULL args, built by concatenation.
 
@@ -428,48 +439,49 @@ class _Exporter:
         resolve(node_id, k1, k2) -> (chrome pid, base tid) of the track. Slices placed on
         an overflow lane are recorded in ``overflowed`` when given.
         """
-        cur_key = None
+        cur_key = (None, None, None)
         lanes = None        # lane stacks, only while something overlaps
         max_end = 0         # latest end on the track so far
         pid = base = 0
         pre = ""
         n = 0
-        buf = []
-        for node_id, k1, k2, start, end, body in self.con.execute(sql, self.params):
-            key = (node_id, k1, k2)
-            if key != cur_key:
-                cur_key, lanes, max_end = key, None, start
-                pid, base = resolve(node_id, k1, k2)
-                pre = f'{{"ph":"X","pid":{pid},"tid":{base},'
-            if start >= max_end:
-                # Fast path: everything earlier has ended, lane 0 is free.
-                lanes, max_end = None, end
-                buf.append(pre + body)
-            else:
+        rows = self.con.execute(sql, self.params)
+        # Hot loop (one iteration per slice): locals only, the chunk size bounds the loop
+        # so no length check per row.
+        while True:
+            buf = []
+            append = buf.append
+            for node_id, k1, k2, start, end, body in islice(rows, _CHUNK_EVENTS):
+                if k2 != cur_key[2] or k1 != cur_key[1] or node_id != cur_key[0]:
+                    cur_key, lanes, max_end = (node_id, k1, k2), None, start
+                    pid, base = resolve(node_id, k1, k2)
+                    pre = f'{{"ph":"X","pid":{pid},"tid":{base},'
+                if start >= max_end:
+                    # Fast path: everything earlier has ended, lane 0 is free.
+                    lanes, max_end = None, end
+                    append(pre + body)
+                    continue
                 if lanes is None:
                     lanes = [[max_end]]     # only the last fast-path slice is open
                 lane = _place(lanes, start, end)
                 if end > max_end:
                     max_end = end
                 if lane == 0:
-                    buf.append(pre + body)
+                    append(pre + body)
                 else:
                     tid = self.tracks.lane(pid, base, lane)
                     if overflowed is not None:
-                        overflowed[key + (start, end)] = tid
-                    buf.append(f'{{"ph":"X","pid":{pid},"tid":{tid},{body}')
-            if len(buf) >= _CHUNK_EVENTS:
-                sink.extend(buf)
-                n += len(buf)
-                buf = []
-        sink.extend(buf)
-        n += len(buf)
+                        overflowed[cur_key + (start, end)] = tid
+                    append(f'{{"ph":"X","pid":{pid},"tid":{tid},{body}')
+            if not buf:
+                break
+            sink.extend(buf)
+            n += len(buf)
         self.stats.slices += n
         self.count(kind, n)
 
     def cuda(self, sink: _Sink) -> None:
-        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
-                 ',"name":' || json_quote(api) || ',"cat":"cuda","args":' ||
+        body = (f"""{_head('cuda', 'timestamp_ns', 'duration_ns', 'api')} ||
                  {_args("'layer'", 'layer', "'stream'", 'stream', "'bytes'", 'bytes',
                         "'memcpy_kind'", 'memcpy_kind', "'kernel'", 'kernel',
                         "'device'", 'device', "'return_code'", 'return_code')} || '}}'""")
@@ -492,8 +504,7 @@ class _Exporter:
         self.count("cuda", n)
 
     def nccl(self, sink: _Sink) -> None:
-        coll = (f"""'"ts":' || {_ts('e.timestamp_ns')} || ',"dur":' || {_dur('e.duration_ns')} ||
-                 ',"name":' || json_quote(e.op) || ',"cat":"nccl","args":' ||
+        coll = (f"""{_head('nccl', 'e.timestamp_ns', 'e.duration_ns', 'e.op')} ||
                  {_args("'op'", 'e.op', "'bytes'", 'e.bytes', "'comm'", 'e.comm_id_hash',
                         "'seq'", 'e.seq', "'rank'", 'e.rank', "'nranks'", 'e.nranks',
                         "'count'", 'e.count', "'datatype'", 'e.datatype', "'redop'", 'e.redop',
@@ -509,8 +520,7 @@ class _Exporter:
                         "CASE WHEN c.collective_id IS NULL THEN NULL WHEN c.last_node_id = "
                         "e.node_id AND c.last_rank IS e.rank THEN json('true') ELSE "
                         "json('false') END")} || '}}'""")
-        comm = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
-                 ',"name":' || json_quote(api) || ',"cat":"nccl","args":' ||
+        comm = (f"""{_head('nccl', 'timestamp_ns', 'duration_ns', 'api')} ||
                  {_args("'api'", 'api', "'comm'", 'comm_id_hash', "'parent'", 'parent_hash',
                         "'split_color'", 'split_color', "'split_key'", 'split_key',
                         "'rank'", 'rank', "'nranks'", 'nranks',
@@ -555,9 +565,7 @@ class _Exporter:
         self.count("nccl", 2 * flow_id)
 
     def sched(self, sink: _Sink) -> None:
-        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
-                 ',"name":' || json_quote(kind || CASE WHEN prev_state IS NOT NULL THEN
-                 ' (' || prev_state || ')' ELSE '' END) || ',"cat":"sched","args":' ||
+        body = (f"""{_head('sched', 'timestamp_ns', 'duration_ns', "kind || CASE WHEN prev_state IS NOT NULL THEN ' (' || prev_state || ')' ELSE '' END")} ||
                  {_args("'kind'", 'kind', "'cpu'", 'cpu', "'prev_state'", 'prev_state',
                         "'other_pid'", 'other_pid', "'other_tid'", 'other_tid',
                         "'other_comm'", 'other_comm')} || '}}'""")
@@ -568,8 +576,7 @@ class _Exporter:
                      lambda nid, pid, tid: self.tracks.family(nid, pid, tid, "sched", 8))
 
     def block(self, sink: _Sink) -> None:
-        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"dur":' || {_dur('duration_ns')} ||
-                 ',"name":' || json_quote(op) || ',"cat":"block","args":' ||
+        body = (f"""{_head('block', 'timestamp_ns', 'duration_ns', 'op')} ||
                  {_args("'device'", 'device', "'bytes'", 'bytes', "'sector'", 'sector',
                         "'rwbs'", 'rwbs', "'pid'", 'pid', "'tid'", 'tid', "'comm'", 'comm',
                         "'error'", 'error')} || '}}'""")
@@ -584,10 +591,7 @@ class _Exporter:
         self._slices(sink, sql, "block", resolve)
 
     def tcp(self, sink: _Sink) -> None:
-        body = (f"""'"ts":' || {_ts('timestamp_ns')} || ',"s":"t","name":' ||
-                 json_quote(CASE event WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END
-                 || ' ' || saddr || ':' || sport || ' > ' || daddr || ':' || dport) ||
-                 ',"cat":"tcp","args":' ||
+        body = (f"""{_head('tcp', 'timestamp_ns', None, "CASE event WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END || ' ' || saddr || ':' || sport || ' > ' || daddr || ':' || dport")} ||
                  {_args("'event'", 'event', "'saddr'", 'saddr', "'sport'", 'sport',
                         "'daddr'", 'daddr', "'dport'", 'dport', "'state'", 'state',
                         "'scope'", 'scope', "'owner_pid'", 'owner_pid',
@@ -653,10 +657,9 @@ class _Exporter:
             conds.append("first_entry_ns >= :t_from")
         if self.t_to is not None:
             conds.append("first_entry_ns < :t_to")
-        body = (f"""'"ts":' || {_ts('first_entry_ns')} || ',"dur":' || {_dur('entry_spread_ns')}
-                 || ',"name":' || json_quote(op || ' #' || seq || ': waiting for ' ||
-                 CASE WHEN last_rank IS NULL THEN 'node' ELSE 'rank ' || last_rank END) ||
-                 ',"cat":"straggler","args":' ||
+        body = (f"""{_head('straggler', 'first_entry_ns', 'entry_spread_ns',
+                        "op || ' #' || seq || ': waiting for ' || CASE WHEN last_rank IS NULL "
+                        "THEN 'node' ELSE 'rank ' || last_rank END")} ||
                  {_args("'comm'", 'comm_id_hash', "'seq'", 'seq', "'op'", 'op',
                         "'bytes'", 'bytes', "'last_rank'", 'last_rank',
                         "'last_node_id'", 'last_node_id', "'entry_spread_ns'", 'entry_spread_ns',
