@@ -9,9 +9,6 @@ never from the global ``random`` state or the clock, so output is reproducible.
 from __future__ import annotations
 
 import json
-import math
-import os
-import random
 import uuid
 from operator import itemgetter
 from pathlib import Path
