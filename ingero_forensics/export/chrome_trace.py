@@ -63,6 +63,7 @@ class ExportOptions:
     kinds: frozenset[str] = frozenset(KINDS)
     max_events: int | None = None
     gzip_level: int = 1
+    findings: bool = True              # mark ingero-report's straggler windows
 
 
 @dataclass
@@ -396,6 +397,15 @@ class _Exporter:
             raise ExportError(f"--to ({iso_utc(self.t_to)}) is not after --from "
                               f"({iso_utc(self.t_from)})")
         self.stats = ExportStats(origin_ns=self.origin)
+        self.analysis = None
+        if opts.findings:
+            # The same analysis as ingero-report (a separate read-only connection).
+            from ..report.analyze import analyze_fleet
+            try:
+                self.analysis = analyze_fleet(path)
+            except IngeroError as e:
+                raise ExportError(f"{e} (ingero-report's analysis; --no-findings "
+                                  "exports without it)") from None
 
     def _data_start(self) -> int:
         v = self.con.execute("SELECT MIN(first_utc_ns) FROM nodes").fetchone()[0]
@@ -626,28 +636,22 @@ class _Exporter:
 
     def stats_rates(self, sink: _Sink, kinds) -> None:
         """event_stats as per-node rate counters: calls/s of each API or span kind."""
-        sources = [s for s, k in _STAT_KIND.items() if k in kinds]
-        if not sources:
+        groups = self.stats_sql(kinds)
+        if groups is None:
             return
-        src = ", ".join(f"'{s}'" for s in sources)
         sql = (f"SELECT node_id, source, '\"ts\":' || {_ts('interval_start_ns')} || "
                "',\"name\":' || json_quote(source || ' ' || name || ' calls/s') || "
                "',\"cat\":\"' || source || '\",\"args\":{\"value\":' || "
                "printf('%!.15g', SUM(count) * 1e9 / max(1, interval_end_ns - interval_start_ns)) "
                "|| '}}' "
-               f"FROM event_stats WHERE source IN ({src}) AND "
-               f"{self.where(ts='interval_start_ns', per_process=False)} "
-               "GROUP BY node_id, source, name, interval_start_ns, interval_end_ns "
-               "ORDER BY node_id, source, name, interval_start_ns, interval_end_ns")
+               f"{groups} ORDER BY node_id, source, name, interval_start_ns, interval_end_ns")
         pid_of = {n_.node_id: n_.pid for n_ in self.nodes_all}
         for node_id, source, body in self.con.execute(sql, self.params):
             sink.add(f'{{"ph":"C","pid":{pid_of[node_id]},"tid":0,{body}')
             self.stats.counters += 1
             self.count(_STAT_KIND[source], 1)
 
-    def windows(self, sink: _Sink) -> None:
-        """What fleet.db proves about stragglers: per collective, first to last entry."""
-        node_names = {n.node_id: n.name for n in self.nodes_all}
+    def window_conds(self) -> list[str]:
         conds = ["entry_spread_ns > 0"]
         if len(self.nodes) != len(self.nodes_all):
             conds.append(f"last_node_id IN ({', '.join(str(n.node_id) for n in self.nodes)})")
@@ -657,6 +661,21 @@ class _Exporter:
             conds.append("first_entry_ns >= :t_from")
         if self.t_to is not None:
             conds.append("first_entry_ns < :t_to")
+        return conds
+
+    def stats_sql(self, kinds) -> str | None:
+        sources = [s for s, k in _STAT_KIND.items() if k in kinds]
+        if not sources:
+            return None
+        src = ", ".join(f"'{s}'" for s in sources)
+        return (f"FROM event_stats WHERE source IN ({src}) AND "
+                f"{self.where(ts='interval_start_ns', per_process=False)} "
+                "GROUP BY node_id, source, name, interval_start_ns, interval_end_ns")
+
+    def windows(self, sink: _Sink) -> None:
+        """What fleet.db proves about stragglers: per collective, first to last entry."""
+        node_names = {n.node_id: n.name for n in self.nodes_all}
+        conds = self.window_conds()
         body = (f"""{_head('straggler', 'first_entry_ns', 'entry_spread_ns',
                         "op || ' #' || seq || ': waiting for ' || CASE WHEN last_rank IS NULL "
                         "THEN 'node' ELSE 'rank ' || last_rank END")} ||
@@ -684,6 +703,61 @@ class _Exporter:
             n += 1
         self.stats.slices += n
         self.count("nccl", n)
+
+    def finding_windows(self) -> list:
+        """The report's windows to mark: on an exported straggler node, overlapping the
+        --from/--to range (a window is long; one that starts before --from still matters)."""
+        a = self.analysis
+        if a is None or a.straggler_node_id is None:
+            return []
+        if a.straggler_node_id not in {n.node_id for n in self.nodes}:
+            return []
+        return [w for w in a.windows
+                if (self.t_to is None or w.start_ns < self.t_to)
+                and (self.t_from is None or w.end_ns > self.t_from)]
+
+    def findings(self, sink: _Sink) -> None:
+        """ingero-report's straggler windows as slices on the straggler node's process."""
+        from ..report.analyze import CAUSE_TITLES
+        a = self.analysis
+        windows = self.finding_windows()
+        if not windows:
+            return
+        cp = self.tracks.by_node[a.straggler_node_id].pid
+        tid = self.tracks.synthetic(cp, ("findings",), -1, "ingero-report findings")
+        cause = CAUSE_TITLES.get(a.cause, a.cause) if a.cause else "cause not determined"
+        if a.cause and a.cause_confidence == "weak":
+            cause += " (weak evidence)"
+        for w in windows:
+            rest = orjson.dumps({
+                "name": f"straggler window: {cause}", "cat": "finding",
+                "args": {"straggler": a.straggler, "late_ranks": a.late_ranks,
+                         "lateness_ms": w.lateness_ms, "cause": a.cause,
+                         "cause_confidence": a.cause_confidence,
+                         "start_utc": iso_utc(w.start_ns), "end_utc": iso_utc(w.end_ns),
+                         "verdict": a.verdict}}).decode()
+            # ts/dur formatted as SQLite's printf('%.3f') formats every other event
+            sink.add(f'{{"ph":"X","pid":{cp},"tid":{tid},'
+                     f'"ts":{(w.start_ns - self.origin) / 1000.0:.3f},'
+                     f'"dur":{(w.end_ns - w.start_ns) / 1000.0:.3f},{rest[1:]}')
+        self.stats.slices += len(windows)
+        self.count("findings", len(windows))
+
+    def findings_metadata(self):
+        a = self.analysis
+        if a is None:
+            return None
+        return {"by": "ingero-report analysis (ingero_forensics.report.analyze_fleet)",
+                "straggler": a.straggler, "straggler_node_id": a.straggler_node_id,
+                "straggler_pid": (self.tracks.by_node[a.straggler_node_id].pid
+                                  if a.straggler_node_id is not None else None),
+                "straggler_ranks": a.straggler_ranks, "late_ranks": a.late_ranks,
+                "cause": a.cause, "cause_confidence": a.cause_confidence,
+                "verdict": a.verdict,
+                "windows": [{"start_utc_ns": w.start_ns, "end_utc_ns": w.end_ns,
+                             "start_utc": iso_utc(w.start_ns), "end_utc": iso_utc(w.end_ns),
+                             "lateness_ms": w.lateness_ms} for w in a.windows],
+                "marked_windows": len(self.finding_windows())}
 
     # -- metadata -----------------------------------------------------------------
     def metadata_events(self, sink: _Sink) -> None:
@@ -743,6 +817,7 @@ class _Exporter:
             "to_utc": iso_utc(self.t_to) if self.t_to is not None else None,
             "kinds": sorted(self.opts.kinds),
             "nodes": nodes,
+            "findings": self.findings_metadata(),
             "counts": {"events": s.events, "slices": s.slices, "instants": s.instants,
                        "counters": s.counters, "flows": s.flows,
                        "overflow_tracks": s.overflow_tracks, "by_kind": s.by_kind},
@@ -776,6 +851,7 @@ class _Exporter:
         if "host" in kinds:
             self.host(sink)
         self.stats_rates(sink, kinds)
+        self.findings(sink)
         self.stats.events = sink.events
         self.stats.overflow_tracks = self.tracks.overflow
         self.metadata_events(sink)
@@ -794,6 +870,7 @@ class _Exporter:
         if "nccl" in k:
             n += q(f"SELECT COUNT(*) FROM nccl_events WHERE {self.where()}")
             n += q(f"SELECT COUNT(*) FROM nccl_comm_events WHERE {self.where()}")
+            n += q(f"SELECT COUNT(*) FROM collectives WHERE {' AND '.join(self.window_conds())}")
             n += 2 * q(f"SELECT COUNT(*) - COUNT(DISTINCT comm_id_hash || ':' || seq) FROM "
                        f"nccl_events WHERE comm_id_hash IS NOT NULL AND seq IS NOT NULL AND "
                        f"{self.where()}")
@@ -807,7 +884,10 @@ class _Exporter:
             n += q(f"SELECT COUNT(*) FROM tcp_events WHERE {self.where(per_process=False)}")
         if "host" in k:
             n += q(f"SELECT COUNT(*) FROM host_samples WHERE {self.where(per_process=False)}")
-        return n
+        groups = self.stats_sql(k)
+        if groups is not None:
+            n += q(f"SELECT COUNT(*) FROM (SELECT 1 {groups})")
+        return n + len(self.finding_windows())
 
 
 def _json_or_text(v):

@@ -33,7 +33,12 @@ def _split(values) -> tuple[str, ...]:
               help=f"Only these kinds (comma-separated or repeated): {', '.join(KINDS)}. "
                    "Default: all.")
 @click.option("--max-events", type=click.IntRange(min=1), metavar="N",
-              help="Refuse (writing nothing) if the trace would hold more than N events.")
+              help="Refuse (writing nothing) if the trace would hold more than N events "
+                   "(slices, instants, counter samples, flow s/f events and finding "
+                   "markers; not the M metadata events that name tracks).")
+@click.option("--no-findings", is_flag=True,
+              help="Do not run ingero-report's analysis: no straggler-window markers and "
+                   "metadata.findings is null.")
 @click.option("--json", "json_", is_flag=True,
               help="With -o: print a JSON summary (counts per kind, origin, bytes) on "
                    "stdout. Without -o stdout holds the trace and no summary is printed.")
@@ -41,7 +46,7 @@ def _split(values) -> tuple[str, ...]:
 @version_option("ingero-export")
 @handle_errors
 def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_events,
-         json_, quiet):
+         no_findings, json_, quiet):
     """Write the merged fleet FLEET_DB as a Chrome Trace Event Format timeline.
 
     One process per node (named like "node-05 (ranks 40-47)"), one track per traced
@@ -51,6 +56,13 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     thread, TCP retransmits as instants, block I/O per disk, and host samples as counter
     tracks. A "fleet" process shows, per communicator, each collective's window from the
     first rank's entry to the last one's, named after the rank everybody waited for.
+
+    Findings (unless --no-findings): ingero-report's analysis runs on FLEET_DB and its
+    straggler windows become slices on the straggler node's process, track
+    "ingero-report findings", named like "straggler window: CPU contention"; the
+    straggler, its late ranks, the cause and the verdict go in metadata.findings. A
+    window is marked when it overlaps --from/--to and its node is exported, whatever
+    --kinds selects.
 
     Timestamps are aligned fleet time, in microseconds with nanosecond fractions since
     the origin written in the top-level metadata (with nodes, clock alignment and tool
@@ -73,7 +85,7 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     except Exception as e:  # ExportError: a usage problem here
         raise click.BadParameter(str(e), param_hint="--ranks") from None
     opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,
-                         kinds=kind_set, max_events=max_events)
+                         kinds=kind_set, max_events=max_events, findings=not no_findings)
     stats = export_chrome_trace(fleet_db, output, opts)
     if output is None:
         return  # stdout holds the trace; nothing else goes there
