@@ -195,16 +195,39 @@ def sample_sigma(s: ClockSample) -> float:
 
 
 def clock_segments(samples: list[ClockSample]) -> tuple[list[list[ClockSample]], int]:
-    """Split samples (sorted by mid) into segments of constant realtime - mono."""
+    """Split samples (sorted by mid) into segments of constant realtime - mono.
+
+    Steps are found on the tight samples only (bracket within 10x the tightest, e.g. the
+    sub-us clock_gettime brackets): a wide one (a chronyc call of ~1 ms) would otherwise
+    raise the threshold above the step it should reveal. Wide samples then join the
+    segment they fall in, or, between two segments, the one whose offset they match."""
     if not samples:
         return [], 0
-    thresh = max(STEP_THRESHOLD_NS, 10 * max(s.half_bracket for s in samples))
-    segs = [[samples[0]]]
-    for prev, s in zip(samples, samples[1:]):
+    tight_hb = 10 * max(min(s.half_bracket for s in samples), 1)
+    tight = [s for s in samples if s.half_bracket <= tight_hb]
+    thresh = max(STEP_THRESHOLD_NS, 10 * max(s.half_bracket for s in tight))
+    segs = [[tight[0]]]
+    for prev, s in zip(tight, tight[1:]):
         if abs((s.realtime - s.mid) - (prev.realtime - prev.mid)) > thresh:
             segs.append([s])
         else:
             segs[-1].append(s)
+    if len(tight) < len(samples):
+        for s in samples:
+            if s.half_bracket <= tight_hb:
+                continue
+            k = 0
+            while k + 1 < len(segs) and segs[k + 1][0].mid <= s.mid:
+                k += 1
+            if k + 1 < len(segs) and s.mid > segs[k][-1].mid:
+                off = s.realtime - s.mid
+                nxt = segs[k + 1][0].realtime - segs[k + 1][0].mid
+                cur = segs[k][-1].realtime - segs[k][-1].mid
+                if abs(off - nxt) < abs(off - cur):
+                    k += 1
+            segs[k].append(s)
+        for seg in segs:
+            seg.sort(key=lambda s: s.mid)
     return segs, len(segs) - 1
 
 

@@ -124,6 +124,22 @@ def test_clock_segments_detect_step():
     assert steps == 1 and [len(x) for x in segs] == [5, 5]
 
 
+def test_clock_segments_step_seen_past_wide_chrony_brackets():
+    # chronyc brackets of ~1.2 ms must not hide a 4 ms step the 1 us brackets show
+    def off(t):
+        return 4_000_000 if t < 50 else 0
+    s = [ClockSample(mid=i * 10**9, realtime=i * 10**9 + off(i), half_bracket=400,
+                     claim=None, est=None) for i in range(100)]
+    s += [ClockSample(mid=i * 10**9 + 500_000_000, realtime=i * 10**9 + 500_000_000 +
+                      off(i) + 900_000, half_bracket=1_200_000, claim=None, est=None)
+          for i in range(0, 100, 8)]
+    s.sort(key=lambda x: x.mid)
+    segs, steps = clock_segments(s)
+    assert steps == 1
+    assert [len(x) for x in segs] == [50 + 7, 50 + 6]
+    assert all(x.mid < 50 * 10**9 for x in segs[0])
+
+
 def test_robust_line_ignores_outliers():
     rng = random.Random(1)
     xs = [i / 10 for i in range(1000)]
