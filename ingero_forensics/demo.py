@@ -33,8 +33,37 @@ def step_simulate(ctx: dict) -> list[tuple[str, Path]]:
     return [("bundles", fleet_dir), ("ground truth", result.truth_path)]
 
 
+def step_merge(ctx: dict) -> list[tuple[str, Path]]:
+    from .merge import merge_bundles
+    fleet_db = ctx["out"] / "fleet.db"
+    fleet_db.unlink(missing_ok=True)
+    result = merge_bundles(ctx["bundles"], fleet_db)
+    ctx["fleet_db"] = fleet_db
+    ctx["log"](f"merged {result.bundles_merged} bundles, {result.events:,} rows in "
+               f"{result.elapsed_s:.1f} s; clocks aligned across nodes")
+    return [("fleet.db", fleet_db)]
+
+
+def step_export(ctx: dict) -> list[tuple[str, Path]]:
+    from .export.chrome_trace import export_chrome_trace
+    trace = ctx["out"] / "trace.json.gz"
+    stats = export_chrome_trace(ctx["fleet_db"], trace)
+    ctx["log"](f"exported {stats.events:,} trace events (open in ui.perfetto.dev)")
+    return [("Perfetto trace", trace)]
+
+
+def step_report(ctx: dict) -> list[tuple[str, Path]]:
+    from .report import build_report
+    report = ctx["out"] / "report.html"
+    analysis = build_report(ctx["fleet_db"], report)
+    ctx["analysis"] = analysis
+    ctx["log"](f"report: {analysis.verdict}")
+    return [("report", report)]
+
+
 #: (name, function) in order; each function takes the context and returns outputs.
-STEPS = [("simulate", step_simulate)]
+STEPS = [("simulate", step_simulate), ("merge", step_merge), ("export", step_export),
+         ("report", step_report)]
 
 
 def run_demo(out_dir, *, config: FleetConfig | None = None,
@@ -58,6 +87,9 @@ def run_demo(out_dir, *, config: FleetConfig | None = None,
 @cliutil.handle_errors
 def main(out_dir, as_json, quiet):
     """Simulate an 8-node fleet with a CPU-contention straggler and analyse it.
+
+    Runs the whole workstation chain on it: ingero-merge (fleet.db), ingero-export
+    (a Perfetto trace) and ingero-report (report.html), and prints where each output is.
 
     \b
     Example:
