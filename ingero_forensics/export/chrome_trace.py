@@ -25,10 +25,16 @@ the top-level metadata.
 from __future__ import annotations
 
 import datetime as _dt
-import gzip
+import copy
+import io
 import os
 import re
+import shutil
+import signal
+import struct
 import sys
+import tempfile
+import zlib
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -64,6 +70,7 @@ class ExportOptions:
     max_events: int | None = None
     gzip_level: int = 1
     findings: bool = True              # mark ingero-report's straggler windows
+    jobs: int | None = None            # worker processes; None: os.cpu_count()
 
 
 @dataclass
@@ -323,6 +330,231 @@ class _Sink:
         self.buf.clear()
 
 
+# ------------------------------------------------------------------- part files
+
+@dataclass
+class _Part:
+    """One section's events in a part file: bytes [offset, offset + length) hold the
+    events joined by ",\n" (no separator before the first or after the last), as plain
+    text or, for gzip, as a raw deflate fragment ending in a sync flush (byte aligned,
+    not final, so fragments concatenate into one deflate stream)."""
+    path: str
+    offset: int
+    length: int
+    raw_length: int      # uncompressed bytes
+    crc: int             # CRC-32 of the uncompressed bytes (gzip only)
+
+
+@dataclass
+class _NodeResult:
+    node_id: int
+    parts: dict
+    events: int
+    stats: ExportStats
+    names: dict
+    synthetic: dict
+    next_tid: dict
+    overflow: int
+    overflowed_nccl: dict
+
+
+class _PartFile:
+    """Sections written one after another into one file; each becomes a _Part.
+
+    A fresh compressor per section: a fragment's bytes depend only on its own events, so
+    the output is the same whichever process wrote which section.
+    """
+
+    def __init__(self, path: str, gzip_level: int | None, max_events: int | None):
+        self.path = path
+        self.gzip_level = gzip_level
+        self.f = open(path, "wb")
+        self.sink = _Sink(self, max_events)
+        self._comp = None
+        self._crc = 0
+        self._n = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def section(self, fill) -> _Part:
+        offset = self.f.tell()
+        self._crc, self._n = 0, 0
+        self._comp = (zlib.compressobj(self.gzip_level, zlib.DEFLATED, -15)
+                      if self.gzip_level is not None else None)
+        self.sink.first = True
+        fill(self.sink)
+        self.sink.flush()
+        if self._comp is not None and self._n:
+            self.f.write(self._comp.flush(zlib.Z_SYNC_FLUSH))
+        return _Part(self.path, offset, self.f.tell() - offset, self._n, self._crc)
+
+    def write(self, data: bytes) -> None:
+        self._n += len(data)
+        if self._comp is None:
+            self.f.write(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+            self.f.write(self._comp.compress(data))
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python's
+    zlib does not expose): lets the parent seal fragments it never decompressed."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]   # one zero bit
+    even = _gf2_square(odd)                             # two
+    odd = _gf2_square(even)                             # four
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+class _Assembler:
+    """Writes the output: small pieces of its own, then parts copied from their files,
+    ",\n" between non-empty parts. With gzip_level the output is one gzip member whose
+    deflate stream is the concatenated fragments (as pigz does), sealed with a final empty
+    block and the combined CRC."""
+
+    def __init__(self, out, gzip_level: int | None):
+        self.out = out
+        self.gzip_level = gzip_level
+        self.bytes = 0          # uncompressed
+        self.crc = 0
+        self.any_event = False
+        try:
+            self.fd = out.fileno() if isinstance(out, io.FileIO) else None
+        except (OSError, ValueError):
+            self.fd = None
+        if gzip_level is not None:
+            # RFC 1952 header as gzip.GzipFile(mtime=0, filename="") writes it.
+            xfl = 4 if gzip_level == 1 else 2 if gzip_level == 9 else 0
+            out.write(b"\x1f\x8b\x08\x00\x00\x00\x00\x00" + bytes([xfl]) + b"\xff")
+
+    def raw(self, data: bytes) -> None:
+        if self.gzip_level is None:
+            self.out.write(data)
+        else:
+            c = zlib.compressobj(self.gzip_level, zlib.DEFLATED, -15)
+            self.out.write(c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH))
+            self.crc = crc32_combine(self.crc, zlib.crc32(data), len(data))
+        self.bytes += len(data)
+
+    def part(self, p: _Part | None) -> None:
+        if p is None or not p.raw_length:
+            return
+        if self.any_event:
+            self.raw(b",\n")
+        self.any_event = True
+        self._copy(p.path, p.offset, p.length)
+        self.bytes += p.raw_length
+        if self.gzip_level is not None:
+            self.crc = crc32_combine(self.crc, p.crc, p.raw_length)
+
+    def _copy(self, path: str, offset: int, length: int) -> None:
+        with open(path, "rb") as src:
+            if self.fd is not None:
+                # In the kernel (no copy through Python) when both are files.
+                while length:
+                    try:
+                        n = os.copy_file_range(src.fileno(), self.fd, length, offset)
+                    except OSError:
+                        break
+                    if n == 0:
+                        break
+                    offset += n
+                    length -= n
+            src.seek(offset)
+            while length:
+                chunk = src.read(min(length, 1 << 20))
+                if not chunk:
+                    raise ExportError(f"{path}: part file ended early")
+                self.out.write(chunk)
+                length -= len(chunk)
+
+    def finish(self) -> None:
+        if self.gzip_level is not None:
+            self.out.write(zlib.compressobj(self.gzip_level, zlib.DEFLATED, -15).flush())
+            self.out.write(struct.pack("<II", self.crc, self.bytes & 0xFFFFFFFF))
+
+
+# ---------------------------------------------------------------------- workers
+
+_WORKER_EXPORTER = None      # the parent's exporter, inherited through fork
+
+
+def _worker_init(exporter) -> None:
+    global _WORKER_EXPORTER
+    # Ctrl-C goes to the whole process group: the parent alone handles it (it terminates
+    # the workers and removes the part files).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER_EXPORTER = exporter
+
+
+def _worker_node(args) -> _NodeResult:
+    node_id, path, gzip_level = args
+    ex = _WORKER_EXPORTER
+    try:
+        con = connect_readonly(ex.path)   # never the parent's connection across fork
+        try:
+            return ex.export_node(node_id, path, gzip_level, con=con)
+        finally:
+            con.close()
+    except apsw.Error as e:
+        raise ExportError(f"{ex.path}: cannot read fleet.db ({e})") from None
+    except OSError as e:
+        raise ExportError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
+def _run_workers(exporter, node_ids, paths, gzip_level, jobs, meanwhile):
+    """Per-node sections in ``jobs`` forked processes; ``meanwhile()`` runs here while
+    they work. Results come back in node order whichever worker ran a node."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    pool = ctx.Pool(jobs, initializer=_worker_init, initargs=(exporter,))
+    try:
+        pending = pool.map_async(_worker_node, [(nid, paths[nid], gzip_level)
+                                                for nid in node_ids], chunksize=1)
+        other = meanwhile()
+        results = pending.get()
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+    return results, other
+
+
 def _ts(col: str) -> str:
     """SQL: a ns time point as microseconds relative to the origin (:origin), 3 decimals."""
     return f"printf('%.3f', ({col} - :origin) / 1000.0)"
@@ -397,6 +629,8 @@ class _Exporter:
             raise ExportError(f"--to ({iso_utc(self.t_to)}) is not after --from "
                               f"({iso_utc(self.t_from)})")
         self.stats = ExportStats(origin_ns=self.origin)
+        self.only_node = None      # a node's worker: its rows only
+        self._overflowed_nccl = {}
         self.analysis = None
         if opts.findings:
             # The same analysis as ingero-report (a separate read-only connection).
@@ -423,7 +657,9 @@ class _Exporter:
         """SQL conditions for the selected nodes, ranks and time range (params :t_from, :t_to)."""
         a = f"{alias}." if alias else ""
         conds = []
-        if len(self.nodes) != len(self.nodes_all):
+        if self.only_node is not None:
+            conds.append(f"{a}{node_col} = {self.only_node}")
+        elif len(self.nodes) != len(self.nodes_all):
             conds.append(f"{a}{node_col} IN ({', '.join(str(n.node_id) for n in self.nodes) or 'NULL'})")
         if self.opts.ranks is not None and per_process:
             pairs = " OR ".join(f"({a}node_id = {nid} AND {a}pid = {pid})"
@@ -499,6 +735,8 @@ class _Exporter:
                f"FROM cuda_events WHERE duration_ns IS NOT NULL AND {self.where()} "
                "ORDER BY node_id, pid, tid, timestamp_ns")
         self._slices(sink, sql, "cuda", lambda nid, pid, tid: self.tracks.thread(nid, pid, tid))
+
+    def cuda_instants(self, sink: _Sink) -> None:
         # Entry-only probes (no duration) are instants on the thread's track.
         sql = (f"SELECT node_id, pid, tid, '\"ts\":' || {_ts('timestamp_ns')} || "
                "',\"s\":\"t\",\"name\":' || json_quote(api) || ',\"cat\":\"cuda\",\"args\":' || "
@@ -634,9 +872,9 @@ class _Exporter:
         self.stats.counters += n
         self.count("host", n)
 
-    def stats_rates(self, sink: _Sink, kinds) -> None:
+    def stats_rates(self, sink: _Sink) -> None:
         """event_stats as per-node rate counters: calls/s of each API or span kind."""
-        groups = self.stats_sql(kinds)
+        groups = self.stats_sql(self.opts.kinds)
         if groups is None:
             return
         sql = (f"SELECT node_id, source, '\"ts\":' || {_ts('interval_start_ns')} || "
@@ -824,9 +1062,45 @@ class _Exporter:
         }
 
     # -- all ----------------------------------------------------------------------
-    def run(self, raw) -> ExportStats:
-        kinds = self.opts.kinds
-        sink = _Sink(raw, self.opts.max_events)
+    def node_sections(self) -> list[str]:
+        """The sections that depend on one node's rows, in output order."""
+        k = self.opts.kinds
+        out = [name for name, kind in (("nccl", "nccl"), ("cuda", "cuda"),
+                                       ("cuda_instants", "cuda"), ("sched", "sched"),
+                                       ("block", "block"), ("tcp", "tcp"), ("host", "host"))
+               if kind in k]
+        return out + (["stats_rates"] if self.stats_sql(k) is not None else [])
+
+    def export_node(self, node_id: int, path: str, gzip_level: int | None,
+                    con=None) -> "_NodeResult":
+        """One node's sections into the part file ``path`` (in a worker, or in-process).
+
+        A fresh Tracks per node: a node's synthetic tids then depend only on its own rows,
+        never on which worker ran it or what it ran before.
+        """
+        sub = copy.copy(self)
+        sub.con = con if con is not None else self.con
+        sub.only_node = node_id
+        sub.tracks = Tracks(self.nodes_all, self.proc_rank, self.tracks.thread_comm)
+        sub.stats = ExportStats(origin_ns=self.origin)
+        sub._overflowed_nccl = {}
+        parts = {}
+        with _PartFile(path, gzip_level, self.opts.max_events) as pf:
+            for name in self.node_sections():
+                parts[name] = pf.section(getattr(sub, name))
+            events = pf.sink.events
+        t = sub.tracks
+        return _NodeResult(node_id, parts, events, sub.stats, t.names, t._synthetic, t._next,
+                           t.overflow, sub._overflowed_nccl)
+
+    def run(self, out, *, gzip_level: int | None, jobs: int, tmpdir: str) -> ExportStats:
+        """Write the trace to ``out`` (binary; raw gzip bytes when gzip_level is set).
+
+        Per-node sections go to part files in ``tmpdir`` (by ``jobs`` worker processes,
+        or in this one when jobs is 1); this process writes the global sections (flows,
+        collective windows, findings, metadata) and concatenates everything in a fixed
+        order, so the bytes do not depend on ``jobs``.
+        """
         if self.opts.max_events is not None:
             est = self.estimate()
             if est > self.opts.max_events:
@@ -834,33 +1108,64 @@ class _Exporter:
                                   f"than --max-events {self.opts.max_events}; narrow it with "
                                   "--from/--to, --nodes, --ranks or --kinds, or raise "
                                   "--max-events")
-        sink.write(b'{"traceEvents":[\n')
-        self._overflowed_nccl = {}
-        if "nccl" in kinds:
-            self.nccl(sink)
-            self.flows(sink)
-            self.windows(sink)
-        if "cuda" in kinds:
-            self.cuda(sink)
-        if "sched" in kinds:
-            self.sched(sink)
-        if "block" in kinds:
-            self.block(sink)
-        if "tcp" in kinds:
-            self.tcp(sink)
-        if "host" in kinds:
-            self.host(sink)
-        self.stats_rates(sink, kinds)
-        self.findings(sink)
-        self.stats.events = sink.events
-        self.stats.overflow_tracks = self.tracks.overflow
-        self.metadata_events(sink)
-        sink.flush()
-        sink.write(b'\n],\n"displayTimeUnit":"ns",\n"metadata":')
-        sink.write(orjson.dumps(self.metadata(), option=orjson.OPT_SORT_KEYS))
-        sink.write(b"}\n")
-        self.stats.bytes = sink.bytes
+        kinds = self.opts.kinds
+        node_ids = sorted(n.node_id for n in self.nodes)
+        paths = {nid: os.path.join(tmpdir, f"node-{nid}.part") for nid in node_ids}
+        jobs = max(1, min(jobs, len(node_ids)))
+        own = _PartFile(os.path.join(tmpdir, "global.part"), gzip_level, self.opts.max_events)
+        with own:
+            if jobs == 1:
+                windows = own.section(self.windows) if "nccl" in kinds else None
+                results = [self.export_node(nid, paths[nid], gzip_level) for nid in node_ids]
+            else:
+                results, windows = _run_workers(self, node_ids, paths, gzip_level, jobs,
+                                                lambda: (own.section(self.windows)
+                                                         if "nccl" in kinds else None))
+            events = own.sink.events
+            for r in results:
+                self._merge(r)
+                events += r.events
+            if self.opts.max_events is not None and events > self.opts.max_events:
+                raise ExportError(f"more than --max-events {self.opts.max_events} events; "
+                                  "narrow the export with --from/--to, --nodes, --ranks or "
+                                  "--kinds, or raise --max-events")
+            own.sink.events = events       # the flows and findings count on from here
+            flows = own.section(self.flows) if "nccl" in kinds else None
+            findings = own.section(self.findings)
+            self.stats.events = own.sink.events
+            self.stats.overflow_tracks = self.tracks.overflow
+            own.sink.max_events = None     # M events are not counted
+            meta_events = own.section(self.metadata_events)
+        by_section = {name: [r.parts[name] for r in results] for name in self.node_sections()}
+        order = []
+        for name in self.node_sections():
+            order += by_section[name]
+            if name == "nccl":
+                order += [flows, windows]
+        order += [findings, meta_events]
+        w = _Assembler(out, gzip_level)
+        w.raw(b'{"traceEvents":[\n')
+        for part in order:
+            w.part(part)
+        w.raw(b'\n],\n"displayTimeUnit":"ns",\n"metadata":'
+              + orjson.dumps(self.metadata(), option=orjson.OPT_SORT_KEYS) + b"}\n")
+        w.finish()
+        self.stats.bytes = w.bytes
         return self.stats
+
+    def _merge(self, r: "_NodeResult") -> None:
+        t = self.tracks
+        t.names.update(r.names)
+        t._synthetic.update(r.synthetic)
+        t._next.update(r.next_tid)
+        t.overflow += r.overflow
+        self._overflowed_nccl.update(r.overflowed_nccl)
+        s = self.stats
+        s.slices += r.stats.slices
+        s.instants += r.stats.instants
+        s.counters += r.stats.counters
+        for k, v in r.stats.by_kind.items():
+            self.count(k, v)
 
     def estimate(self) -> int:
         """Events the export will hold (for --max-events, before writing anything)."""
@@ -906,46 +1211,69 @@ def export_chrome_trace(fleet_db, output=None, options: ExportOptions | None = N
     output: a path (``.gz`` suffix: gzip) or None for stdout (``stdout``, a binary
     stream, default sys.stdout.buffer). A file is built as a temporary file next to it and
     renamed into place only when complete: on any error the destination is untouched.
+    Per-node sections are written by ``options.jobs`` worker processes into part files in
+    a temporary directory (next to the output; the system's temp directory for stdout),
+    removed whatever happens.
     """
     opts = options or ExportOptions()
     bad = set(opts.kinds) - set(KINDS)
     if bad:
         raise ExportError(f"unknown kind(s) {', '.join(sorted(bad))} (kinds: {', '.join(KINDS)})")
+    if opts.jobs is not None and opts.jobs < 1:
+        raise ExportError(f"jobs {opts.jobs}: must be at least 1")
+    jobs = opts.jobs or os.cpu_count() or 1
     con = open_fleet(fleet_db)
     try:
         exporter = _Exporter(con, opts, str(fleet_db))
         try:
             if output is None:
                 out = stdout if stdout is not None else sys.stdout.buffer
-                stats = exporter.run(out)
+                with _tempdir(None, "ingero-export-") as tmpdir:
+                    stats = exporter.run(out, gzip_level=None, jobs=jobs, tmpdir=tmpdir)
                 out.flush()
                 stats.output = "-"
                 return stats
-            return _to_file(exporter, Path(output), opts)
+            return _to_file(exporter, Path(output), opts, jobs)
         except apsw.Error as e:
             raise ExportError(f"{fleet_db}: cannot read fleet.db ({e})") from None
     finally:
         con.close()
 
 
-def _to_file(exporter: _Exporter, out_path: Path, opts: ExportOptions) -> ExportStats:
+class _tempdir:
+    """A temporary directory removed on exit, whatever happened (Ctrl-C included)."""
+
+    def __init__(self, parent, prefix: str):
+        self.parent, self.prefix = parent, prefix
+
+    def __enter__(self) -> str:
+        try:
+            self.path = tempfile.mkdtemp(prefix=self.prefix, dir=self.parent)
+        except OSError as e:
+            where = self.parent or tempfile.gettempdir()
+            raise ExportError(f"{where}: cannot create a temporary directory: "
+                              f"{e.strerror or e}") from None
+        return self.path
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _to_file(exporter: _Exporter, out_path: Path, opts: ExportOptions,
+             jobs: int) -> ExportStats:
     if out_path.is_dir():
         raise ExportError(f"{out_path}: is a directory")
     parent = out_path.parent
     if not parent.is_dir():
         raise ExportError(f"{out_path}: directory {parent} does not exist")
     tmp = parent / f".{out_path.name}.{os.getpid()}.tmp"
+    level = opts.gzip_level if out_path.name.endswith(".gz") else None
     try:
-        with open(tmp, "wb") as f:
-            if out_path.name.endswith(".gz"):
-                # mtime=0 and no file name in the header: same input, same bytes.
-                with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0,
-                                   compresslevel=opts.gzip_level) as gz:
-                    stats = exporter.run(gz)
-            else:
-                stats = exporter.run(f)
-            f.flush()
-            os.fsync(f.fileno())
+        with _tempdir(parent, f".{out_path.name}.{os.getpid()}.parts-") as tmpdir:
+            # Unbuffered: the parts are copied in the kernel straight into its descriptor.
+            with open(tmp, "wb", buffering=0) as f:
+                stats = exporter.run(f, gzip_level=level, jobs=jobs, tmpdir=tmpdir)
+                os.fsync(f.fileno())
         os.replace(tmp, out_path)
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -39,6 +39,11 @@ def _split(values) -> tuple[str, ...]:
 @click.option("--no-findings", is_flag=True,
               help="Do not run ingero-report's analysis: no straggler-window markers and "
                    "metadata.findings is null.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
+              help="Worker processes writing the per-node sections (NCCL, CUDA, sched, "
+                   "block, TCP, counters) in parallel; at most one per exported node. "
+                   "Default: the number of CPUs. --jobs 1 works in this process alone. "
+                   "The output is the same bytes whatever N.")
 @click.option("--json", "json_", is_flag=True,
               help="With -o: print a JSON summary (counts per kind, origin, bytes) on "
                    "stdout. Without -o stdout holds the trace and no summary is printed.")
@@ -46,7 +51,7 @@ def _split(values) -> tuple[str, ...]:
 @version_option("ingero-export")
 @handle_errors
 def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_events,
-         no_findings, json_, quiet):
+         no_findings, jobs, json_, quiet):
     """Write the merged fleet FLEET_DB as a Chrome Trace Event Format timeline.
 
     One process per node (named like "node-05 (ranks 40-47)"), one track per traced
@@ -68,6 +73,11 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     the origin written in the top-level metadata (with nodes, clock alignment and tool
     version). The file is written to a temporary name and renamed when complete.
 
+    Each node's sections are written by a worker process (--jobs) into a part file in a
+    temporary directory next to the output (the system temp directory for stdout); this
+    process writes the cross-rank flows, the collective windows, findings and metadata
+    and joins the parts in a fixed order (gzip: one stream, compressed by the workers).
+
     \b
     Example:
       ingero-export fleet.db --chrome-trace -o trace.json.gz
@@ -85,7 +95,8 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     except Exception as e:  # ExportError: a usage problem here
         raise click.BadParameter(str(e), param_hint="--ranks") from None
     opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,
-                         kinds=kind_set, max_events=max_events, findings=not no_findings)
+                         kinds=kind_set, max_events=max_events, findings=not no_findings,
+                         jobs=jobs)
     stats = export_chrome_trace(fleet_db, output, opts)
     if output is None:
         return  # stdout holds the trace; nothing else goes there
