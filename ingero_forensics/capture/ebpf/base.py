@@ -193,7 +193,8 @@ class BccSource(Source):
             return
         if not self._announced:
             self._announced = True
-            sink.log("info", self.name, "source_on", "; ".join(self.attached) or "attached")
+            # the capture logs source_on itself; this says what exactly got attached
+            sink.log("info", self.name, "attached", "; ".join(self.attached) or "attached")
         self.bpf.ring_buffer_consume()
         raw, self._raw = self._raw, []
         if raw:

@@ -16,8 +16,7 @@ import pytest
 from ingero_forensics.bundle.schema import TABLES_BY_NAME
 from ingero_forensics.capture.source import CaptureContext, CaptureOptions
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fixtures"))
-from build import build_fixtures  # noqa: E402
+from ...fixtures.build import build_fixtures
 
 
 def ebpf_skip_reason() -> str | None:

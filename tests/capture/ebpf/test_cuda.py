@@ -11,10 +11,10 @@ from collections import Counter
 
 import pytest
 
-from conftest import Running, StaticTargets, options, wait_for
+from .conftest import Running, StaticTargets, options, wait_for
 from ingero_forensics.capture.ebpf.cuda import CudaSource
-from jobs import Job, make_ids
-from test_nccl import real_lib
+from .jobs import Job, make_ids
+from .test_nccl import real_lib
 
 pytestmark = pytest.mark.ebpf
 
@@ -26,7 +26,7 @@ STREAM = 0x5157
 
 @pytest.fixture(scope="module")
 def cuda_run(tmp_path_factory, fixtures):
-    from conftest import ebpf_skip_reason
+    from .conftest import ebpf_skip_reason
     reason = ebpf_skip_reason()
     if reason:
         pytest.skip(reason)

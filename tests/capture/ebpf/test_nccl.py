@@ -12,10 +12,10 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from conftest import Running, StaticTargets, options, wait_for
+from .conftest import Running, StaticTargets, options, wait_for
 from ingero_forensics.capture.ebpf.hashing import hex_hash, split_hash, unique_id_hash
 from ingero_forensics.capture.ebpf.nccl import NcclSource
-from jobs import Job, make_ids
+from .jobs import Job, make_ids
 
 pytestmark = pytest.mark.ebpf
 
@@ -26,7 +26,7 @@ STREAM = 0x5157
 
 @pytest.fixture(scope="module")
 def shim_run(tmp_path_factory, fixtures):
-    from conftest import ebpf_skip_reason
+    from .conftest import ebpf_skip_reason
     reason = ebpf_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -152,9 +152,9 @@ def test_stacks_name_the_calling_function(shim_run):
 def test_source_logs_on_off_and_no_loss(shim_run):
     logs = shim_run["sink"].logs
     events = [(lvl, src, ev) for lvl, src, ev, _m, _c in logs]
-    assert ("info", "nccl", "source_on") in events and ("info", "nccl", "source_off") in events
+    assert ("info", "nccl", "attached") in events and ("info", "nccl", "source_off") in events
     assert not [entry for entry in logs if entry[2] == "lost_events"]
-    assert "18 functions" in next(m for _l, _s, ev, m, _c in logs if ev == "source_on")
+    assert "18 functions" in next(m for _l, _s, ev, m, _c in logs if ev == "attached")
 
 
 # -- the real libnccl.so.2 from the nvidia-nccl-cu12 wheel ---------------------------------
@@ -226,4 +226,4 @@ def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path):
         ("ALL_REDUCE", 12345, "float32", "max", None, 0x77, out["ar"], None),
         ("SEND", 99, "int64", None, 5, 0x78, out["send"], None)]
     assert out["ar"] != 0   # really failed after entry (no GPU, NULL comm)
-    assert any(lib in m for _l, _s, ev, m, _c in sink.logs if ev == "source_on")
+    assert any(lib in m for _l, _s, ev, m, _c in sink.logs if ev == "attached")

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import Running, StaticTargets, options, wait_for
+from .conftest import Running, StaticTargets, options, wait_for
 from ingero_forensics.capture.ebpf.block import BlockSource, DeviceNames, block_op
 from ingero_forensics.capture.ebpf.sched import SchedSource, state_letter
 

@@ -1,0 +1,79 @@
+"""End to end through the real CLI: ingero-capture traces the shim job with the eBPF
+sources and seals a bundle; the rows are read back with the bundle reader."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ingero_forensics.bundle.reader import open_bundle
+from ingero_forensics.capture.ebpf.hashing import hex_hash, unique_id_hash
+from .jobs import Job, make_ids
+
+pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
+
+NRANKS, ITERS = 2, 4
+
+
+def capture_cmd() -> list[str]:
+    exe = shutil.which("ingero-capture")
+    return [exe] if exe else [sys.executable, "-m", "ingero_forensics.capture"]
+
+
+def test_capture_cli_writes_ebpf_rows(ebpf_ok, fixtures, tmp_path):
+    ids = make_ids(tmp_path / "ids")
+    job = Job(lambda r: [str(fixtures.rank_job), "full", str(r), str(NRANKS),
+                         str(tmp_path / "ids"), str(ITERS)], NRANKS,
+              env={"INGERO_SHIM_SYNC_US": "1000"})
+    out = tmp_path / "bundles"
+    cmd = [*capture_cmd(), "--bundle", str(out), "--node", "e2e-node", "--duration", "8",
+           "--lib", str(fixtures.libnccl), "--lib", str(fixtures.libcudart)]
+    for pid in job.pids:
+        cmd += ["--pid", str(pid)]
+    cap = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in cap.stderr:    # the capture says when its sources are on
+            seen.append(line)
+            if "sources on:" in line:
+                break
+        assert any("nccl" in line for line in seen if "sources on:" in line), "".join(seen)
+        job.go()
+        # Stacks are symbolized while the process lives: give the capture's 50 ms poll
+        # loop time to read them before the ranks exit (not a timing assertion).
+        time.sleep(1.5)
+        job.finish()
+        _, err = cap.communicate(timeout=60)
+    finally:
+        job.kill()
+        if cap.poll() is None:
+            cap.kill()
+            cap.wait()
+    assert cap.returncode == 0, "".join(seen) + err
+    bundles = glob.glob(os.path.join(out, "*.bundle"))
+    assert len(bundles) == 1
+    with open_bundle(bundles[0]) as b:
+        q = lambda sql: list(b.con.execute(sql))  # noqa: E731
+        world = hex_hash(unique_id_hash(ids[0]))
+        rows = q("SELECT pid, rank, nranks, seq FROM nccl_events WHERE op = 'ALL_REDUCE' "
+                 f"AND comm_id_hash = '{world}' ORDER BY pid, seq")
+        assert sorted({(pid, rank) for pid, rank, _n, _s in rows}) == \
+            sorted(zip(job.pids, range(NRANKS)))
+        assert [s for _p, _r, _n, s in rows] == list(range(1, ITERS + 1)) * NRANKS
+        syncs = q("SELECT count(*), min(duration_ns) FROM cuda_events "
+                  "WHERE api = 'cudaStreamSynchronize'")
+        assert syncs[0][0] == NRANKS * ITERS and syncs[0][1] >= 1_000_000
+        frames = q("SELECT s.frames FROM nccl_events e JOIN stacks s USING (stack_id) "
+                   "WHERE e.op = 'ALL_REDUCE' LIMIT 1")
+        assert '"train_step"' in frames[0][0]
+        assert q("SELECT count(*) FROM nccl_comm_events WHERE api = 'ncclCommInitRank'") == \
+            [(NRANKS,)]
+        logs = q("SELECT source, event FROM capture_log WHERE source IN "
+                 "('nccl', 'cuda', 'tcp', 'sched', 'block')")
+        assert ("nccl", "attached") in logs and ("cuda", "source_off") in logs
