@@ -2,10 +2,11 @@
 
 Builds fleet.db files of two sizes on the real fleet schema (tests/export/fleetgen.py),
 exports each in a fresh process (so ru_maxrss is the export's own peak) and prints
-events/s, MB/s, peak RSS, and the floor: a bare SQLite scan of the same event rows.
-Flat memory shows as the same peak RSS for both sizes.
+events/s, MB/s, peak RSS of the parent and of the largest worker (RUSAGE_CHILDREN), and
+the floor: a bare single-threaded SQLite scan of the same event rows. Flat memory shows
+as the same peak RSS for both sizes. Each size is exported once per --jobs value.
 
-    python bench/bench_export.py [--steps 1500] [--gzip]
+    python bench/bench_export.py [--steps 1500] [--gzip] [--jobs 1,2] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ CHILD = r"""
 import json, resource, sys, time
 from ingero_forensics.export.chrome_trace import export_chrome_trace
 from ingero_forensics.db import connect_readonly
-db, out = sys.argv[1], sys.argv[2]
+from ingero_forensics.export.chrome_trace import ExportOptions
+db, out, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t0 = time.perf_counter()
-stats = export_chrome_trace(db, out)
+stats = export_chrome_trace(db, out, ExportOptions(jobs=jobs))
 dt = time.perf_counter() - t0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 con = connect_readonly(db)
 t1 = time.perf_counter(); rows = 0
 for t in ("nccl_events", "nccl_comm_events", "cuda_events", "sched_events", "block_events",
@@ -45,7 +48,8 @@ for t in ("nccl_events", "nccl_comm_events", "cuda_events", "sched_events", "blo
         rows += 1
 scan = time.perf_counter() - t1
 print(json.dumps({"events": stats.events, "bytes": stats.bytes, "seconds": dt,
-                  "peak_rss": rss, "scan_rows": rows, "scan_seconds": scan}))
+                  "peak_rss": rss, "worker_rss": worker_rss, "scan_rows": rows,
+                  "scan_seconds": scan}))
 """
 
 
@@ -53,10 +57,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1500, help="steps of the large fleet")
     ap.add_argument("--gzip", action="store_true", help="write .json.gz")
+    ap.add_argument("--jobs", default="1,2", help="comma-separated --jobs values (default 1,2)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per size and --jobs value")
     args = ap.parse_args()
+    jobs_values = [int(j) for j in args.jobs.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-export-") as d:
-        print(f"{'steps':>6} {'events':>10} {'MB':>8} {'s':>7} {'events/s':>11} {'MB/s':>7} "
-              f"{'peak RSS':>9} {'scan rows/s':>12} {'ratio':>6}")
+        print(f"{'steps':>6} {'jobs':>4} {'events':>10} {'MB':>8} {'s':>7} {'events/s':>11} "
+              f"{'MB/s':>7} {'RSS parent':>10} {'worker':>7} {'scan rows/s':>12} {'ratio':>6}")
         for steps in (max(1, args.steps // 4), args.steps):
             db = Path(d) / f"fleet-{steps}.db"
             env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -65,14 +72,20 @@ def main() -> None:
             subprocess.run([sys.executable, "-c", BUILD, str(db), str(steps)], env=env,
                            check=True)
             out = Path(d) / ("t.json.gz" if args.gzip else "t.json")
-            res = subprocess.run([sys.executable, "-c", CHILD, str(db), str(out)],
-                                 capture_output=True, text=True, env=env, check=True)
-            r = json.loads(res.stdout)
-            eps = r["events"] / r["seconds"]
-            scan = r["scan_rows"] / r["scan_seconds"]
-            print(f"{steps:>6} {r['events']:>10,} {r['bytes'] / 1e6:>8.1f} {r['seconds']:>7.2f} "
-                  f"{eps:>11,.0f} {r['bytes'] / 1e6 / r['seconds']:>7.1f} "
-                  f"{r['peak_rss'] / 2**20:>7.0f}Mi {scan:>12,.0f} {eps / scan:>6.2f}")
+            for jobs in jobs_values:
+                for _ in range(args.repeat):
+                    res = subprocess.run([sys.executable, "-c", CHILD, str(db), str(out),
+                                          str(jobs)],
+                                         capture_output=True, text=True, env=env, check=True)
+                    r = json.loads(res.stdout)
+                    eps = r["events"] / r["seconds"]
+                    scan = r["scan_rows"] / r["scan_seconds"]
+                    wr = f"{r['worker_rss'] / 2**20:>5.0f}Mi" if jobs > 1 else f"{'-':>7}"
+                    print(f"{steps:>6} {jobs:>4} {r['events']:>10,} {r['bytes'] / 1e6:>8.1f} "
+                          f"{r['seconds']:>7.2f} {eps:>11,.0f} "
+                          f"{r['bytes'] / 1e6 / r['seconds']:>7.1f} "
+                          f"{r['peak_rss'] / 2**20:>8.0f}Mi {wr} {scan:>12,.0f} "
+                          f"{eps / scan:>6.2f}", flush=True)
             db.unlink()
 
 

@@ -631,12 +631,14 @@ class _Exporter:
         self.stats = ExportStats(origin_ns=self.origin)
         self.only_node = None      # a node's worker: its rows only
         self._overflowed_nccl = {}
-        self.analysis = None
-        if opts.findings:
+        self.analysis = None       # run_analysis(): while the workers work, if any
+
+    def run_analysis(self) -> None:
+        if self.opts.findings and self.analysis is None:
             # The same analysis as ingero-report (a separate read-only connection).
             from ..report.analyze import analyze_fleet
             try:
-                self.analysis = analyze_fleet(path)
+                self.analysis = analyze_fleet(self.path)
             except IngeroError as e:
                 raise ExportError(f"{e} (ingero-report's analysis; --no-findings "
                                   "exports without it)") from None
@@ -1102,6 +1104,7 @@ class _Exporter:
         order, so the bytes do not depend on ``jobs``.
         """
         if self.opts.max_events is not None:
+            self.run_analysis()            # its windows count toward the estimate
             est = self.estimate()
             if est > self.opts.max_events:
                 raise ExportError(f"{self.path}: the export would hold {est} events, more "
@@ -1114,13 +1117,15 @@ class _Exporter:
         jobs = max(1, min(jobs, len(node_ids)))
         own = _PartFile(os.path.join(tmpdir, "global.part"), gzip_level, self.opts.max_events)
         with own:
+            def meanwhile():
+                self.run_analysis()
+                return own.section(self.windows) if "nccl" in kinds else None
             if jobs == 1:
-                windows = own.section(self.windows) if "nccl" in kinds else None
+                windows = meanwhile()
                 results = [self.export_node(nid, paths[nid], gzip_level) for nid in node_ids]
             else:
                 results, windows = _run_workers(self, node_ids, paths, gzip_level, jobs,
-                                                lambda: (own.section(self.windows)
-                                                         if "nccl" in kinds else None))
+                                                meanwhile)
             events = own.sink.events
             for r in results:
                 self._merge(r)
