@@ -13,11 +13,13 @@ the big tables with aligned times. Then collectives, violations, node facts, ind
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -279,56 +281,57 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         fl.log("error", "skipped_input", reason, input=shown)
 
     # ---------------------------------------------------------------- pass 1
-    for shown, path, err in entries:
-        if err:
-            skip(shown, err)
-            progress(2)
-            continue
-        try:
-            manifest = read_manifest(path)
-            sha = manifest["database"]["sha256"]
+    # Bundle k+1 is verified and decompressed in a helper thread while bundle k is
+    # copied (zstd, sha256 and SQLite release the GIL).
+    with contextlib.closing(_prefetch(entries, known_sha, tmpdir, integrity)) as stream:
+        for shown, path, err, opened in stream:
+            if err:
+                skip(shown, err)
+                progress(2)
+                continue
+            if isinstance(opened, BundleError):
+                skip(shown, opened.reason)
+                progress(2)
+                continue
+            sha, bundle = opened
             if sha in known_sha:
+                if bundle is not None:
+                    bundle.close()
                 res.bundles_already += 1
                 fl.log("info", "already_merged", "bundle already in fleet.db; nothing added",
                        input=shown)
                 progress(2)
                 continue
-            bundle = open_bundle(path, tmpdir=tmpdir, integrity=integrity)
-        except BundleError as e:
-            skip(shown, e.reason)
-            progress(2)
-            continue
-        bundle.con.close()
-        bundle.con = None
-        try:
-            con.execute("BEGIN")
-            node_id = _resolve_node(fl, bundle.manifest, shown, res)
-            bundle_id = _insert_bundle(fl, bundle, node_id, sha)
-            _attach(con, bundle.db_path)
             try:
-                n_stacks = _copy_stacks(fl, shown, node_id, bundle_id, new_stack_ids)
-                stack_rows_seen += n_stacks
-                counts = {"stacks": n_stacks}
-                skipped = {}
-                for t in PASS1_TABLES:
-                    counts[t], skipped[t] = _copy_table(fl, t, bundle, node_id, bundle_id, None)
-                _extract_sync_points(con, node_id, bundle_id, min_wait_ns)
-                con.execute("COMMIT")
-            finally:
+                con.execute("BEGIN")
+                node_id = _resolve_node(fl, bundle.manifest, shown, res)
+                bundle_id = _insert_bundle(fl, bundle, node_id, sha)
+                _attach(con, bundle.db_path)
+                try:
+                    n_stacks = _copy_stacks(fl, shown, node_id, bundle_id, new_stack_ids)
+                    stack_rows_seen += n_stacks
+                    counts = {"stacks": n_stacks}
+                    skipped = {}
+                    for t in PASS1_TABLES:
+                        counts[t], skipped[t] = _copy_table(fl, t, bundle, node_id,
+                                                            bundle_id, None)
+                    _extract_sync_points(con, node_id, bundle_id, min_wait_ns)
+                    con.execute("COMMIT")
+                finally:
+                    if not con.getautocommit():
+                        con.execute("ROLLBACK")
+                    con.execute("DETACH DATABASE b")
+            except (apsw.Error, ValueError) as e:
                 if not con.getautocommit():
                     con.execute("ROLLBACK")
-                con.execute("DETACH DATABASE b")
-        except (apsw.Error, ValueError) as e:
-            if not con.getautocommit():
-                con.execute("ROLLBACK")
-            bundle.close()
-            skip(shown, f"cannot merge ({type(e).__name__}: {e})")
-            progress(2)
-            continue
-        known_sha.add(sha)
-        pending.append({"bundle": bundle, "shown": shown, "node_id": node_id,
-                        "bundle_id": bundle_id, "counts": counts, "skipped": skipped})
-        progress(1)
+                bundle.close()
+                skip(shown, f"cannot merge ({type(e).__name__}: {e})")
+                progress(2)
+                continue
+            known_sha.add(sha)
+            pending.append({"bundle": bundle, "shown": shown, "node_id": node_id,
+                            "bundle_id": bundle_id, "counts": counts, "skipped": skipped})
+            progress(1)
 
     if not pending and not old_params and not res.bundles_already:
         reasons = "; ".join(f"{s['input']}: {s['reason']}" for s in res.skipped[:3])
@@ -413,6 +416,50 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                     [(k, json.dumps(v)) for k, v in info.items()])
     con.execute("COMMIT")
     res.nodes = _node_summary(con)
+
+
+def _open_one(path, known_sha, tmpdir, integrity):
+    """(sha, Bundle) or (sha, None) when already merged, or the BundleError."""
+    try:
+        sha = read_manifest(path)["database"]["sha256"]
+        if sha in known_sha:
+            return sha, None
+        bundle = open_bundle(path, tmpdir=tmpdir, integrity=integrity)
+    except BundleError as e:
+        return e
+    bundle.con.close()
+    bundle.con = None
+    return sha, bundle
+
+
+def _prefetch(entries, known_sha, tmpdir, integrity):
+    """Yield (shown, path, err, opened) with the next bundle opened in a helper thread.
+    known_sha is read again by the caller: a bundle may repeat within one run. On exit
+    (error, interrupt) a bundle opened ahead is closed, removing its temporary image."""
+    todo = list(entries)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-open")
+    futures = {}
+
+    def submit(i):
+        if i < len(todo) and not todo[i][2]:
+            futures[i] = pool.submit(_open_one, todo[i][1], set(known_sha), tmpdir,
+                                     integrity)
+    try:
+        submit(0)
+        for i, (shown, path, err) in enumerate(todo):
+            fut = futures.pop(i, None)
+            opened = fut.result() if fut is not None else None
+            submit(i + 1)
+            yield shown, path, err, opened
+    finally:
+        for fut in futures.values():
+            fut.cancel()
+        pool.shutdown(wait=True)
+        for fut in futures.values():
+            if not fut.cancelled() and fut.exception() is None:
+                r = fut.result()
+                if isinstance(r, tuple) and r[1] is not None:
+                    r[1].close()
 
 
 def _attach(con, db_path) -> None:
