@@ -509,50 +509,74 @@ class _Assembler:
 
 # ---------------------------------------------------------------------- workers
 
-_WORKER_EXPORTER = None      # the parent's exporter, inherited through fork
-
-
-def _worker_init(exporter) -> None:
-    global _WORKER_EXPORTER
+def _worker_main(exporter, tasks, gzip_level, conn) -> None:
+    """A forked worker: its nodes' part files; (True, results) or (False, error) back."""
     # Ctrl-C goes to the whole process group: the parent alone handles it (it terminates
     # the workers and removes the part files).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER_EXPORTER = exporter
-
-
-def _worker_node(args) -> _NodeResult:
-    node_id, path, gzip_level = args
-    ex = _WORKER_EXPORTER
+    path = None
     try:
-        con = connect_readonly(ex.path)   # never the parent's connection across fork
+        con = connect_readonly(exporter.path)   # never the parent's connection across fork
         try:
-            return ex.export_node(node_id, path, gzip_level, con=con)
+            out = []
+            for node_id, path in tasks:
+                out.append(exporter.export_node(node_id, path, gzip_level, con=con))
         finally:
             con.close()
+        conn.send((True, out))
     except apsw.Error as e:
-        raise ExportError(f"{ex.path}: cannot read fleet.db ({e})") from None
+        conn.send((False, f"{exporter.path}: cannot read fleet.db ({e})"))
     except OSError as e:
-        raise ExportError(f"{path}: cannot write: {e.strerror or e}") from None
+        conn.send((False, f"{path}: cannot write: {e.strerror or e}"))
+    except ExportError as e:
+        conn.send((False, str(e)))
+    except BaseException as e:  # a bug: still one line, naming the worker's node
+        conn.send((False, f"{exporter.path}: export worker failed: {type(e).__name__}: {e}"))
 
 
 def _run_workers(exporter, node_ids, paths, gzip_level, jobs, meanwhile):
-    """Per-node sections in ``jobs`` forked processes; ``meanwhile()`` runs here while
-    they work. Results come back in node order whichever worker ran a node."""
+    """Per-node sections in ``jobs`` forked processes (node i to worker i % jobs);
+    ``meanwhile()`` runs here while they work. Results come back in node order. On any
+    error or Ctrl-C here, every worker is terminated before this returns."""
     import multiprocessing
+    from multiprocessing.connection import wait
     ctx = multiprocessing.get_context("fork")
-    pool = ctx.Pool(jobs, initializer=_worker_init, initargs=(exporter,))
+    names = {n.node_id: n.name for n in exporter.nodes_all}
+    procs = []
     try:
-        pending = pool.map_async(_worker_node, [(nid, paths[nid], gzip_level)
-                                                for nid in node_ids], chunksize=1)
+        for w in range(jobs):
+            mine = [(nid, paths[nid]) for nid in node_ids[w::jobs]]
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, args=(exporter, mine, gzip_level, send),
+                               daemon=True)
+            proc.start()
+            send.close()
+            procs.append((proc, recv, mine))
         other = meanwhile()
-        results = pending.get()
-        pool.close()
-    except BaseException:
-        pool.terminate()
-        raise
+        results = {}
+        waiting = {recv: (proc, mine) for proc, recv, mine in procs}
+        while waiting:
+            for recv in wait(list(waiting)):
+                proc, mine = waiting.pop(recv)
+                try:
+                    ok, value = recv.recv()
+                except EOFError:
+                    proc.join()
+                    code = proc.exitcode
+                    why = f"killed by signal {-code}" if code and code < 0 else f"exit {code}"
+                    raise ExportError(
+                        f"{exporter.path}: the export worker for "
+                        f"{', '.join(names[n] for n, _ in mine)} died ({why})") from None
+                if not ok:
+                    raise ExportError(value)
+                results.update((r.node_id, r) for r in value)
+        return [results[nid] for nid in node_ids], other
     finally:
-        pool.join()
-    return results, other
+        for proc, recv, _ in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+            recv.close()
 
 
 def _ts(col: str) -> str:
