@@ -59,6 +59,13 @@ static __always_inline void stat_add(struct stat_key *k, u64 d) {
     if (slot >= HIST_SLOTS) slot = HIST_SLOTS - 1;
     __sync_fetch_and_add(&v->hist[slot], 1);
 }
+
+static __always_inline void stat_count(struct stat_key *k) {   /* entry-only: a count */
+    struct stat_val zero = {};
+    struct stat_val *v = stats.lookup_or_try_init(k, &zero);
+    if (!v) { count_lost(); return; }
+    __sync_fetch_and_add(&v->count, 1);
+}
 """
 
 

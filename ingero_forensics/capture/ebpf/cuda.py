@@ -2,8 +2,10 @@
 
 Synchronizations, copies, allocations and graph launches are kept one row each, with
 their duration and (for syncs and copies) the user stack. Kernel launches are far too
-frequent for that: the kernel side sums them per (process, thread, stack, API) with a
-log2 latency histogram, drained into event_stats every stats interval.
+frequent for that: an entry-only probe (one trap, no return probe) counts them in the
+kernel per (process, thread, stack, API), drained into event_stats every stats interval
+with total_ns and the histogram NULL. A launch's host-side duration is not worth a second
+trap per call; a slow launch shows up as the time before the next call anyway.
 
 Arguments come from registers and, past the sixth, from the stack (ARG(n), as in
 nccl.py). cudaLaunchKernel's two dim3 arguments are 12-byte structs passed in two
@@ -93,6 +95,15 @@ static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 keep
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (!is_target(tgid)) return 0;
+    if (!keep) {   /* launches: count at entry, no return probe */
+        struct stat_key k = {.pid = tgid, .tid = id, .stack_id = -1, .name = api};
+#if __STACKS__
+        k.stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+        bpf_probe_read_user(&k.caller, sizeof(k.caller), (void *)PT_REGS_SP(ctx));
+#endif
+        stat_count(&k);
+        return 0;
+    }
     u64 key = ((id & 0xffffffff) << 1) | layer;
     struct call *prev = calls.lookup(&key);
     if (prev) { prev->nest++; return 0; }
@@ -118,11 +129,7 @@ static __always_inline int ret(struct pt_regs *ctx, u8 layer) {
     if (!c) return 0;
     if (c->nest) { c->nest--; return 0; }
     u64 dur = bpf_ktime_get_ns() - c->ts;
-    if (!c->keep) {
-        struct stat_key k = {.pid = id >> 32, .tid = id, .stack_id = c->stack_id, .name = c->api,
-                             .caller = c->ret_addr};
-        stat_add(&k, dur);
-    } else {
+    {
         struct event *e = events.ringbuf_reserve(sizeof(struct event));
         if (e) {
             e->ts = c->ts; e->dur = dur; e->stream = c->stream; e->bytes = c->bytes;
@@ -188,7 +195,8 @@ class CudaSource(BccSource):
                     continue
                 try:
                     self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=f"api_{i}".encode())
-                    self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret_fn)
+                    if _rest[0]:   # kept one by one: duration needs the return
+                        self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret_fn)
                     ok += 1
                 except Exception:
                     missing.append(sym)
@@ -204,6 +212,11 @@ class CudaSource(BccSource):
         if now - self._last_scan >= self.libs.RESCAN_S:
             self._last_scan = now
             self._attach_new(self.ctx.targets.pids())
+
+    def stat_row(self, start, end, k, v, stack_id) -> tuple:
+        # entry-only counts: no duration was measured
+        return (start, end, self.stat_source, self.stat_names[k.name], k.pid or None,
+                k.tid or None, stack_id, int(v.count), None, None, None)
 
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
         rows = []

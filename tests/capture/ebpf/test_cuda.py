@@ -103,10 +103,8 @@ def test_launches_aggregated_in_kernel(cuda_run):
         counts = Counter()
         for s in mine:
             counts[s["name"]] += s["count"]
-            hist = json.loads(s["hist_log2"])
-            assert sum(hist) == s["count"]
-            assert len(hist) - 1 == s["max_ns"].bit_length() - 1   # top slot holds the max
-            assert s["total_ns"] >= s["max_ns"] > 0
+            # entry-only probes: a count, no duration
+            assert (s["total_ns"], s["max_ns"], s["hist_log2"]) == (None, None, None)
             assert s["interval_end_ns"] > s["interval_start_ns"]
             assert s["tid"] == pid
         assert counts == {"cudaLaunchKernel": ITERS, "cuLaunchKernel": 1}

@@ -1,0 +1,198 @@
+"""Benchmark the eBPF sources (needs root, BCC, kernel headers: scripts/setup-ebpf.sh).
+
+(a) Overhead on the traced job: the shim rank_job loop (tests/fixtures) calls
+    cudaLaunchKernel + ncclAllReduce with calibrated CPU work in between, at 10k and 100k
+    calls/s (sum of both), capture off vs on (NCCL + CUDA sources); ratio of elapsed times.
+(b) The highest sustained NCCL event rate (one ring buffer record per ncclAllReduce) with
+    zero lost events, from the loop with no work between calls and rising poll load.
+(c) CPU of the capture side (ring buffer read, unpack, rows) at about 10k events/s.
+
+Rows go to a counting sink here, not to a bundle: (c) is the eBPF sources' own cost; the
+bundle writer's is measured by the capture's benchmark.
+
+Usage: python bench/bench_ebpf.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ingero_forensics.capture.ebpf.cuda import CudaSource  # noqa: E402
+from ingero_forensics.capture.ebpf.nccl import NcclSource  # noqa: E402
+from ingero_forensics.capture.source import CaptureContext, CaptureOptions  # noqa: E402
+from tests.fixtures.build import build_fixtures  # noqa: E402
+
+
+class CountingSink:
+    def __init__(self):
+        self.rows = 0
+        self.lost = 0
+
+    def add(self, table, row):
+        self.rows += 1
+
+    def add_many(self, table, rows):
+        self.rows += len(rows)
+
+    def add_stack(self, frames):
+        return 1
+
+    def log(self, level, source, event, message, count=None):
+        if event == "lost_events":
+            self.lost += count or 0
+
+
+class Targets:
+    auto = False
+
+    def __init__(self):
+        self._pids = set()
+        self._subs = []
+
+    def pids(self):
+        return set(self._pids)
+
+    def subscribe(self, on_new, on_exit):
+        self._subs.append(on_new)
+
+    def add(self, pid):
+        self._pids.add(pid)
+        for on_new in self._subs:
+            on_new(pid)
+
+
+class Capture:
+    """NCCL + CUDA sources polled every 50 ms from a thread, like ingero-capture."""
+
+    def __init__(self, fx):
+        self.opts = CaptureOptions(lib_paths=[str(fx.libnccl), str(fx.libcudart)])
+        self.targets = Targets()
+        self.sources = [NcclSource(self.opts), CudaSource(self.opts)]
+        self.sink = CountingSink()
+        self.stop_flag = threading.Event()
+
+    def __enter__(self):
+        ctx = CaptureContext("bench", self.opts, self.targets)
+        for s in self.sources:
+            s.start(ctx)
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def loop(self):
+        while not self.stop_flag.wait(0.05):
+            for s in self.sources:
+                s.poll(self.sink)
+
+    def __exit__(self, *exc):
+        self.stop_flag.set()
+        self.thread.join()
+        for s in self.sources:
+            s.stop(self.sink)
+
+
+def run_loop(fx, iters: int, units: int, capture: Capture | None = None) -> float:
+    """Seconds the traced loop took (its own clock, from go to done)."""
+    p = subprocess.Popen([str(fx.rank_job), "loop", str(iters), str(units)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    if capture is not None:
+        capture.targets.add(p.pid)
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    res = json.loads(p.stdout.readline())
+    p.stdin.close()
+    p.wait()
+    return res["elapsed_ns"] / 1e9
+
+
+def calibrate(fx, calls_per_s: float, iters: int) -> int:
+    """Spin units per iteration giving calls_per_s (2 calls per iteration) untraced."""
+    units = 1000
+    for _ in range(6):
+        t = min(run_loop(fx, iters, units) for _ in range(2))
+        rate = 2 * iters / t
+        units = max(0, int(units * rate / calls_per_s))
+    return units
+
+
+def overhead(fx, calls_per_s: float, seconds: float, repeats: int) -> dict:
+    iters = int(calls_per_s * seconds / 2)
+    units = calibrate(fx, calls_per_s, max(1000, iters // 5))
+    off, on = [], []
+    for _ in range(repeats):   # interleaved so drifting machine load hits both alike
+        off.append(run_loop(fx, iters, units))
+        with Capture(fx) as cap:
+            on.append(run_loop(fx, iters, units, cap))
+    t_off, t_on = statistics.median(off), statistics.median(on)
+    return {"target_calls_per_s": calls_per_s, "calls": 2 * iters,
+            "rate_off": 2 * iters / t_off, "elapsed_off_s": t_off, "elapsed_on_s": t_on,
+            "ratio_on_off": t_on / t_off, "overhead_pct": 100 * (t_on / t_off - 1),
+            "per_call_us": (t_on - t_off) / (2 * iters) * 1e6}
+
+
+def max_rate(fx, seconds: float) -> dict:
+    """Loss-free NCCL event rate: raise the rate until the kernel reports losses."""
+    best = None
+    for target in (20_000, 50_000, 100_000, 200_000, 400_000):
+        iters = int(target * seconds / 2)
+        units = calibrate(fx, target, max(1000, iters // 5)) if target < 400_000 else 0
+        with Capture(fx) as cap:
+            t = run_loop(fx, iters, units, cap)
+        nccl = cap.sources[0]
+        rate = iters / t   # one NCCL record per iteration
+        row = {"target_calls_per_s": target, "nccl_events_per_s": rate, "lost": nccl.lost}
+        print("  rate step:", json.dumps(row), flush=True)
+        if nccl.lost:
+            break
+        best = row
+    return best or {}
+
+
+def capture_cpu(fx, seconds: float) -> dict:
+    """Capture-side CPU while the loop makes ~10k NCCL events/s (20k calls/s)."""
+    iters = int(10_000 * seconds)
+    units = calibrate(fx, 20_000, max(1000, iters // 5))
+    with Capture(fx) as cap:
+        c0, w0 = time.process_time(), time.monotonic()
+        t = run_loop(fx, iters, units, cap)
+        c1, w1 = time.process_time(), time.monotonic()
+    return {"nccl_events_per_s": iters / t, "capture_cpu_pct": 100 * (c1 - c0) / (w1 - w0),
+            "rows": cap.sink.rows, "lost": cap.sink.lost}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="shorter runs, fewer repeats")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench_ebpf: needs root")
+    fx = build_fixtures()
+    secs, reps = (1.0, 3) if a.quick else (3.0, 5)
+    print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}")
+    for rate in (10_000, 100_000):
+        r = overhead(fx, rate, secs, reps)
+        print(f"(a) {rate:>7,} calls/s: off {r['elapsed_off_s']:.3f} s, on {r['elapsed_on_s']:.3f} s, "
+              f"ratio {r['ratio_on_off']:.4f} ({r['overhead_pct']:+.2f} %), "
+              f"{r['per_call_us']:.2f} us per call traced")
+    m = max_rate(fx, secs)
+    print(f"(b) highest loss-free NCCL event rate tested: {m.get('nccl_events_per_s', 0):,.0f}/s "
+          f"(target step {m.get('target_calls_per_s')})")
+    c = capture_cpu(fx, secs * 2)
+    print(f"(c) capture CPU at {c['nccl_events_per_s']:,.0f} NCCL events/s: "
+          f"{c['capture_cpu_pct']:.1f} % of one CPU ({c['rows']} rows, {c['lost']} lost)")
+
+
+if __name__ == "__main__":
+    main()
