@@ -788,7 +788,23 @@ def _realign_existing(con, params, old_params, max_old_bundle) -> None:
 
 
 def _collectives(con) -> None:
+    """One row per (comm_id_hash, seq). Two grouped scans of nccl_events: the aggregates
+    (kept in temp.coll_agg with the latest entry under the clock-sample-only lines, which
+    _violations needs), and the last entry with its rank and node (a bare-column MAX,
+    which needs a query with no other min/max)."""
     con.execute("DELETE FROM collectives")
+    con.execute("DROP TABLE IF EXISTS temp.coll_agg")
+    con.execute("""
+        CREATE TEMP TABLE coll_agg AS
+        SELECT n.comm_id_hash, n.seq, MIN(n.op) AS op,
+               (MIN(n.op) <> MAX(n.op) OR COALESCE(MIN(n.bytes) <> MAX(n.bytes), 0)) AS mismatch,
+               MAX(n.nranks) AS nranks,
+               COUNT(DISTINCT COALESCE(n.rank, -1 - n.node_id)) AS ranks_seen,
+               MAX(n.bytes) AS bytes, MIN(n.timestamp_ns) AS first_entry,
+               MAX(n.mono_ns + p.pre) AS last_pre
+        FROM nccl_events n JOIN temp.node_params p USING (node_id)
+        WHERE n.comm_id_hash IS NOT NULL AND n.seq IS NOT NULL
+        GROUP BY n.comm_id_hash, n.seq""")
     con.execute("""
         INSERT INTO collectives (comm_id_hash, seq, op, op_mismatch, nranks, ranks_seen,
             bytes, first_entry_ns, last_entry_ns, entry_spread_ns, last_rank, last_node_id,
@@ -796,39 +812,28 @@ def _collectives(con) -> None:
         SELECT g.comm_id_hash, g.seq, g.op, g.mismatch, g.nranks, g.ranks_seen, g.bytes,
                g.first_entry, l.last_entry, l.last_entry - g.first_entry, l.rank, l.node_id,
                c.completion_ns, COALESCE(c.n, 0), c.spread
-        FROM (SELECT comm_id_hash, seq, MIN(op) AS op,
-                     (MIN(op) <> MAX(op) OR COALESCE(MIN(bytes) <> MAX(bytes), 0)) AS mismatch,
-                     MAX(nranks) AS nranks, COUNT(DISTINCT COALESCE(rank, -1 - node_id)) AS ranks_seen,
-                     MAX(bytes) AS bytes, MIN(timestamp_ns) AS first_entry
-              FROM nccl_events WHERE comm_id_hash IS NOT NULL AND seq IS NOT NULL
-              GROUP BY comm_id_hash, seq) g
+        FROM temp.coll_agg g
         JOIN (SELECT comm_id_hash, seq, MAX(timestamp_ns) AS last_entry, rank, node_id
               FROM nccl_events WHERE comm_id_hash IS NOT NULL AND seq IS NOT NULL
               GROUP BY comm_id_hash, seq) l USING (comm_id_hash, seq)
-        LEFT JOIN temp.completion c USING (comm_id_hash, seq)""")
+        LEFT JOIN temp.completion c USING (comm_id_hash, seq)
+        ORDER BY g.comm_id_hash, g.seq""")
 
 
 def _violations(con, params, min_latency_ns) -> None:
     """Scalasca-style clock condition: an observed completion before the latest entry
-    (plus a minimum latency). Before = clock-sample offsets only; after = final."""
-    after = dict(con.execute(
-        "SELECT s.node_id, COUNT(*) FROM sync_points s JOIN collectives c "
-        "USING (comm_id_hash, seq) WHERE s.aligned_ns < c.last_entry_ns + ? "
-        "GROUP BY s.node_id", (min_latency_ns,)))
-    # latest entry per collective under the clock-sample-only mapping
-    con.execute("CREATE TEMP TABLE pre_last AS SELECT n.comm_id_hash, n.seq, "
-                "MAX(n.mono_ns + p.pre) AS last_pre FROM nccl_events n JOIN temp.node_params p "
-                "USING (node_id) WHERE n.comm_id_hash IS NOT NULL AND n.seq IS NOT NULL "
-                "AND EXISTS (SELECT 1 FROM sync_points s WHERE s.comm_id_hash = n.comm_id_hash "
-                "AND s.seq = n.seq) GROUP BY n.comm_id_hash, n.seq")
-    before = dict(con.execute(
-        "SELECT s.node_id, COUNT(*) FROM sync_points s JOIN temp.node_params p USING (node_id) "
-        "JOIN temp.pre_last l USING (comm_id_hash, seq) WHERE s.mono_ns + p.pre < l.last_pre + ? "
-        "GROUP BY s.node_id", (min_latency_ns,)))
-    con.execute("DROP TABLE temp.pre_last")
+    (plus a minimum latency). Before = clock-sample offsets only; after = final. One
+    scan of sync_points; the latest entries come from _collectives."""
+    counts = {nid: (before, after) for nid, before, after in con.execute(
+        "SELECT s.node_id, SUM(s.mono_ns + p.pre < g.last_pre + :lat), "
+        "SUM(s.aligned_ns < c.last_entry_ns + :lat) "
+        "FROM sync_points s JOIN temp.node_params p USING (node_id) "
+        "JOIN temp.coll_agg g USING (comm_id_hash, seq) "
+        "JOIN collectives c USING (comm_id_hash, seq) GROUP BY s.node_id",
+        {"lat": min_latency_ns})}
+    con.execute("DROP TABLE temp.coll_agg")
     for nid, a in params.items():
-        a.violations_before = before.get(nid, 0)
-        a.violations_after = after.get(nid, 0)
+        a.violations_before, a.violations_after = counts.get(nid, (0, 0))
 
 
 def _write_alignment(con, params) -> None:
