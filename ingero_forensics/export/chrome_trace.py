@@ -753,14 +753,60 @@ class _Exporter:
         self.count(kind, n)
 
     def cuda(self, sink: _Sink) -> None:
-        body = (f"""{_head('cuda', 'timestamp_ns', 'duration_ns', 'api')} ||
+        """CUDA calls on their thread's own track (tid = OS tid).
+
+        The hottest section (most events): one node at a time, so SQLite writes the whole
+        line, pid and tid included, and Python only handles track changes and overlaps.
+        """
+        node_id = self.only_node
+        cp = self.tracks.by_node[node_id].pid
+        head = (f"""printf('{{"ph":"X","pid":{cp},"tid":%d,"ts":%.3f,"dur":%.3f,"name":%s,"""
+                f""""cat":"cuda","args":', tid, (timestamp_ns - :origin) / 1000.0, """
+                "duration_ns / 1000.0, json_quote(api))")
+        line = (f"""{head} ||
                  {_args("'layer'", 'layer', "'stream'", 'stream', "'bytes'", 'bytes',
                         "'memcpy_kind'", 'memcpy_kind', "'kernel'", 'kernel',
                         "'device'", 'device', "'return_code'", 'return_code')} || '}}'""")
-        sql = (f"SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, {body} "
+        sql = (f"SELECT pid, tid, timestamp_ns, timestamp_ns + duration_ns, {line} "
                f"FROM cuda_events WHERE duration_ns IS NOT NULL AND {self.where()} "
                "ORDER BY node_id, pid, tid, timestamp_ns")
-        self._slices(sink, sql, "cuda", lambda nid, pid, tid: self.tracks.thread(nid, pid, tid))
+        cur_pid = cur_tid = None
+        lanes = None        # lane stacks, only while something overlaps
+        max_end = 0         # latest end on the track so far
+        skip = 0            # length of the lane-0 prefix '{"ph":"X","pid":…,"tid":…,'
+        tracks = self.tracks
+        n = 0
+        rows = self.con.execute(sql, self.params)
+        while True:
+            buf = []
+            append = buf.append
+            for pid, tid, start, end, text in islice(rows, _CHUNK_EVENTS):
+                if tid != cur_tid or pid != cur_pid:
+                    cur_pid, cur_tid, lanes, max_end = pid, tid, None, start
+                    tracks.thread(node_id, pid, tid)
+                    skip = len(f'{{"ph":"X","pid":{cp},"tid":{tid},')
+                if start >= max_end:
+                    # Fast path: everything earlier has ended, lane 0 is free.
+                    lanes = None
+                    max_end = end
+                    append(text)
+                    continue
+                if lanes is None:
+                    lanes = [[max_end]]     # only the last fast-path slice is open
+                lane = _place(lanes, start, end)
+                if end > max_end:
+                    max_end = end
+                if lane == 0:
+                    append(text)
+                else:
+                    lt = tracks.lane(cp, tid, lane)
+                    append(f'{{"ph":"X","pid":{cp},"tid":{lt},' + text[skip:])
+            if not buf:
+                break
+            sink.extend(buf)
+            n += len(buf)
+        self.stats.slices += n
+        self.count("cuda", n)
 
     def cuda_instants(self, sink: _Sink) -> None:
         # Entry-only probes (no duration) are instants on the thread's track.
