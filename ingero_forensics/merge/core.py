@@ -703,11 +703,12 @@ def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
     fl.sample_every = every
 
     def groups():
+        # a scan and a sort of the sampled rows beat the (comm_id_hash, seq) index walk
         cur = con.cursor()
         key, obs = None, []
         for sid, comm, seq, nid, mono in cur.execute(
-                "SELECT id, comm_id_hash, seq, node_id, mono_ns FROM sync_points "
-                "WHERE seq % ? = 0 ORDER BY comm_id_hash, seq", (every,)):
+                "SELECT id, comm_id_hash, seq, node_id, mono_ns FROM sync_points NOT INDEXED "
+                "WHERE seq % ? = 0 ORDER BY comm_id_hash, seq, id", (every,)):
             if (comm, seq) != key:
                 if obs:
                     yield key, obs
