@@ -71,6 +71,7 @@ def main() -> None:
             # build here would show up as the export child's peak.
             subprocess.run([sys.executable, "-c", BUILD, str(db), str(steps)], env=env,
                            check=True)
+            os.sync()   # the build's dirty pages would be written back during the export
             out = Path(d) / ("t.json.gz" if args.gzip else "t.json")
             for jobs in jobs_values:
                 for _ in range(args.repeat):

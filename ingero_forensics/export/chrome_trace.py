@@ -401,6 +401,46 @@ class _PartFile:
             self.f.write(self._comp.compress(data))
 
 
+class _InlineSections:
+    """--jobs 1: sections written straight through an _Assembler, byte for byte as the
+    assembler would copy them from part files (separator fragment, then the section as
+    its own fragment)."""
+
+    def __init__(self, w: "_Assembler", max_events: int | None):
+        self.w = w
+        self.sink = _Sink(self, max_events)
+        self._comp = None
+        self._crc = 0
+        self._n = 0
+
+    def section(self, fill) -> None:
+        level = self.w.gzip_level
+        self._crc, self._n = 0, 0
+        self._comp = zlib.compressobj(level, zlib.DEFLATED, -15) if level is not None else None
+        self.sink.first = True
+        fill(self.sink)
+        self.sink.flush()
+        if not self._n:
+            return
+        w = self.w
+        if self._comp is not None:
+            w.out.write(self._comp.flush(zlib.Z_SYNC_FLUSH))
+            w.crc = crc32_combine(w.crc, self._crc, self._n)
+        w.bytes += self._n
+
+    def write(self, data: bytes) -> None:
+        if not self._n:
+            if self.w.any_event:
+                self.w.raw(b",\n")
+            self.w.any_event = True
+        self._n += len(data)
+        if self._comp is None:
+            self.w.out.write(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+            self.w.out.write(self._comp.compress(data))
+
+
 def _gf2_times(mat: list[int], vec: int) -> int:
     out, i = 0, 0
     while vec:
@@ -512,8 +552,9 @@ class _Assembler:
 def _worker_main(exporter, tasks, gzip_level, conn) -> None:
     """A forked worker: its nodes' part files; (True, results) or (False, error) back."""
     # Ctrl-C goes to the whole process group: the parent alone handles it (it terminates
-    # the workers and removes the part files).
+    # the workers and removes the part files). SIGINT was blocked across the fork.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     path = None
     try:
         con = connect_readonly(exporter.path)   # never the parent's connection across fork
@@ -544,14 +585,20 @@ def _run_workers(exporter, node_ids, paths, gzip_level, jobs, meanwhile):
     names = {n.node_id: n.name for n in exporter.nodes_all}
     procs = []
     try:
-        for w in range(jobs):
-            mine = [(nid, paths[nid]) for nid in node_ids[w::jobs]]
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker_main, args=(exporter, mine, gzip_level, send),
-                               daemon=True)
-            proc.start()
-            send.close()
-            procs.append((proc, recv, mine))
+        # Ctrl-C held back while forking: a worker must not die of it before it ignores
+        # it, nor be started without being in procs (and so never terminated).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for w in range(jobs):
+                mine = [(nid, paths[nid]) for nid in node_ids[w::jobs]]
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main,
+                                   args=(exporter, mine, gzip_level, send), daemon=True)
+                procs.append((proc, recv, mine))
+                proc.start()
+                send.close()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         other = meanwhile()
         results = {}
         waiting = {recv: (proc, mine) for proc, recv, mine in procs}
@@ -573,9 +620,10 @@ def _run_workers(exporter, node_ids, paths, gzip_level, jobs, meanwhile):
         return [results[nid] for nid in node_ids], other
     finally:
         for proc, recv, _ in procs:
-            if proc.is_alive():
-                proc.terminate()
-            proc.join()
+            if proc.pid is not None:       # started
+                if proc.is_alive():
+                    proc.terminate()
+                proc.join()
             recv.close()
 
 
@@ -1150,28 +1198,66 @@ class _Exporter:
         A fresh Tracks per node: a node's synthetic tids then depend only on its own rows,
         never on which worker ran it or what it ran before.
         """
+        sub = self._node_exporter(node_id, con)
+        parts = {}
+        with _PartFile(path, gzip_level, self.opts.max_events) as pf:
+            for name in self.node_sections():
+                parts[name] = pf.section(getattr(sub, name))
+            events = pf.sink.events
+        return sub._result(parts, events)
+
+    def _node_exporter(self, node_id: int, con=None) -> "_Exporter":
         sub = copy.copy(self)
         sub.con = con if con is not None else self.con
         sub.only_node = node_id
         sub.tracks = Tracks(self.nodes_all, self.proc_rank, self.tracks.thread_comm)
         sub.stats = ExportStats(origin_ns=self.origin)
         sub._overflowed_nccl = {}
-        parts = {}
-        with _PartFile(path, gzip_level, self.opts.max_events) as pf:
-            for name in self.node_sections():
-                parts[name] = pf.section(getattr(sub, name))
-            events = pf.sink.events
-        t = sub.tracks
-        return _NodeResult(node_id, parts, events, sub.stats, t.names, t._synthetic, t._next,
-                           t.overflow, sub._overflowed_nccl)
+        return sub
 
-    def run(self, out, *, gzip_level: int | None, jobs: int, tmpdir: str) -> ExportStats:
+    def _result(self, parts: dict, events: int) -> "_NodeResult":
+        t = self.tracks
+        return _NodeResult(self.only_node, parts, events, self.stats, t.names, t._synthetic,
+                           t._next, t.overflow, self._overflowed_nccl)
+
+    def _run_direct(self, out, gzip_level: int | None, node_ids: list[int]) -> ExportStats:
+        """--jobs 1: the same sections in the same order and fragments as the part files
+        would hold, written straight to ``out`` (no temporary files, no copy)."""
+        w = _Assembler(out, gzip_level)
+        w.raw(b'{"traceEvents":[\n')
+        inline = _InlineSections(w, self.opts.max_events)
+        self.run_analysis()
+        subs = [self._node_exporter(nid) for nid in node_ids]
+        for name in self.node_sections():
+            for sub in subs:
+                inline.section(getattr(sub, name))
+            if name == "nccl":
+                for sub in subs:       # the flows need every node's nccl tracks
+                    self._merge_tracks(sub._result({}, 0))
+                inline.section(self.flows)
+                inline.section(self.windows)
+        for sub in subs:
+            self._merge(sub._result({}, 0))
+        inline.section(self.findings)
+        self.stats.events = inline.sink.events
+        self.stats.overflow_tracks = self.tracks.overflow
+        inline.sink.max_events = None      # M events are not counted
+        inline.section(self.metadata_events)
+        w.raw(b'\n],\n"displayTimeUnit":"ns",\n"metadata":'
+              + orjson.dumps(self.metadata(), option=orjson.OPT_SORT_KEYS) + b"}\n")
+        w.finish()
+        self.stats.bytes = w.bytes
+        return self.stats
+
+    def run(self, out, *, gzip_level: int | None, jobs: int, tmp_parent: str | None,
+            tmp_prefix: str) -> ExportStats:
         """Write the trace to ``out`` (binary; raw gzip bytes when gzip_level is set).
 
-        Per-node sections go to part files in ``tmpdir`` (by ``jobs`` worker processes,
-        or in this one when jobs is 1); this process writes the global sections (flows,
-        collective windows, findings, metadata) and concatenates everything in a fixed
-        order, so the bytes do not depend on ``jobs``.
+        With jobs > 1, per-node sections go to part files in a temporary directory (in
+        ``tmp_parent``; the system's when None) written by worker processes; this process
+        writes the global sections (flows, collective windows, findings, metadata) and
+        concatenates everything in a fixed order. With jobs 1 the same sections go
+        straight to ``out`` in the same order. The bytes do not depend on ``jobs``.
         """
         if self.opts.max_events is not None:
             self.run_analysis()            # its windows count toward the estimate
@@ -1181,21 +1267,23 @@ class _Exporter:
                                   f"than --max-events {self.opts.max_events}; narrow it with "
                                   "--from/--to, --nodes, --ranks or --kinds, or raise "
                                   "--max-events")
-        kinds = self.opts.kinds
         node_ids = sorted(n.node_id for n in self.nodes)
-        paths = {nid: os.path.join(tmpdir, f"node-{nid}.part") for nid in node_ids}
         jobs = max(1, min(jobs, len(node_ids)))
+        if jobs == 1:
+            return self._run_direct(out, gzip_level, node_ids)
+        with _tempdir(tmp_parent, tmp_prefix) as tmpdir:
+            return self._run_parts(out, gzip_level, jobs, node_ids, tmpdir)
+
+    def _run_parts(self, out, gzip_level, jobs, node_ids, tmpdir) -> ExportStats:
+        kinds = self.opts.kinds
+        paths = {nid: os.path.join(tmpdir, f"node-{nid}.part") for nid in node_ids}
         own = _PartFile(os.path.join(tmpdir, "global.part"), gzip_level, self.opts.max_events)
         with own:
             def meanwhile():
                 self.run_analysis()
                 return own.section(self.windows) if "nccl" in kinds else None
-            if jobs == 1:
-                windows = meanwhile()
-                results = [self.export_node(nid, paths[nid], gzip_level) for nid in node_ids]
-            else:
-                results, windows = _run_workers(self, node_ids, paths, gzip_level, jobs,
-                                                meanwhile)
+            results, windows = _run_workers(self, node_ids, paths, gzip_level, jobs,
+                                            meanwhile)
             events = own.sink.events
             for r in results:
                 self._merge(r)
@@ -1228,13 +1316,16 @@ class _Exporter:
         self.stats.bytes = w.bytes
         return self.stats
 
-    def _merge(self, r: "_NodeResult") -> None:
+    def _merge_tracks(self, r: "_NodeResult") -> None:
         t = self.tracks
         t.names.update(r.names)
         t._synthetic.update(r.synthetic)
         t._next.update(r.next_tid)
-        t.overflow += r.overflow
         self._overflowed_nccl.update(r.overflowed_nccl)
+
+    def _merge(self, r: "_NodeResult") -> None:
+        self._merge_tracks(r)
+        self.tracks.overflow += r.overflow
         s = self.stats
         s.slices += r.stats.slices
         s.instants += r.stats.instants
@@ -1303,8 +1394,8 @@ def export_chrome_trace(fleet_db, output=None, options: ExportOptions | None = N
         try:
             if output is None:
                 out = stdout if stdout is not None else sys.stdout.buffer
-                with _tempdir(None, "ingero-export-") as tmpdir:
-                    stats = exporter.run(out, gzip_level=None, jobs=jobs, tmpdir=tmpdir)
+                stats = exporter.run(out, gzip_level=None, jobs=jobs, tmp_parent=None,
+                                     tmp_prefix="ingero-export-")
                 out.flush()
                 stats.output = "-"
                 return stats
@@ -1344,11 +1435,12 @@ def _to_file(exporter: _Exporter, out_path: Path, opts: ExportOptions,
     tmp = parent / f".{out_path.name}.{os.getpid()}.tmp"
     level = opts.gzip_level if out_path.name.endswith(".gz") else None
     try:
-        with _tempdir(parent, f".{out_path.name}.{os.getpid()}.parts-") as tmpdir:
-            # Unbuffered: the parts are copied in the kernel straight into its descriptor.
-            with open(tmp, "wb", buffering=0) as f:
-                stats = exporter.run(f, gzip_level=level, jobs=jobs, tmpdir=tmpdir)
-                os.fsync(f.fileno())
+        # Unbuffered: the parts are copied in the kernel straight into its descriptor (the
+        # direct path of --jobs 1 writes whole chunks anyway).
+        with open(tmp, "wb", buffering=0) as f:
+            stats = exporter.run(f, gzip_level=level, jobs=jobs, tmp_parent=str(parent),
+                                 tmp_prefix=f".{out_path.name}.{os.getpid()}.parts-")
+            os.fsync(f.fileno())
         os.replace(tmp, out_path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
