@@ -75,8 +75,11 @@ class Targets:
 class Capture:
     """NCCL + CUDA sources polled every 50 ms from a thread, like ingero-capture."""
 
+    stacks = True
+
     def __init__(self, fx):
-        self.opts = CaptureOptions(lib_paths=[str(fx.libnccl), str(fx.libcudart)])
+        self.opts = CaptureOptions(lib_paths=[str(fx.libnccl), str(fx.libcudart)],
+                                   stacks=self.stacks)
         self.targets = Targets()
         self.sources = [NcclSource(self.opts), CudaSource(self.opts)]
         self.sink = CountingSink()
@@ -175,17 +178,23 @@ def capture_cpu(fx, seconds: float) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="shorter runs, fewer repeats")
+    ap.add_argument("--no-stacks", action="store_true", help="capture without user stacks")
+    ap.add_argument("--overhead-only", action="store_true", help="only (a)")
     a = ap.parse_args()
+    Capture.stacks = not a.no_stacks
     if os.geteuid() != 0:
         sys.exit("bench_ebpf: needs root")
     fx = build_fixtures()
     secs, reps = (1.0, 3) if a.quick else (3.0, 5)
-    print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}")
+    print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}"
+          f"{'; stacks off' if a.no_stacks else ''}")
     for rate in (10_000, 100_000):
         r = overhead(fx, rate, secs, reps)
         print(f"(a) {rate:>7,} calls/s: off {r['elapsed_off_s']:.3f} s, on {r['elapsed_on_s']:.3f} s, "
               f"ratio {r['ratio_on_off']:.4f} ({r['overhead_pct']:+.2f} %), "
               f"{r['per_call_us']:.2f} us per call traced")
+    if a.overhead_only:
+        return
     m = max_rate(fx, secs)
     print(f"(b) highest loss-free NCCL event rate tested: {m.get('nccl_events_per_s', 0):,.0f}/s "
           f"(target step {m.get('target_calls_per_s')})")
