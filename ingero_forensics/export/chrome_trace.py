@@ -424,7 +424,7 @@ class _InlineSections:
             return
         w = self.w
         if self._comp is not None:
-            w.out.write(self._comp.flush(zlib.Z_SYNC_FLUSH))
+            w.write(self._comp.flush(zlib.Z_SYNC_FLUSH))
             w.crc = crc32_combine(w.crc, self._crc, self._n)
         w.bytes += self._n
 
@@ -435,10 +435,10 @@ class _InlineSections:
             self.w.any_event = True
         self._n += len(data)
         if self._comp is None:
-            self.w.out.write(data)
+            self.w.write(data)
         else:
             self._crc = zlib.crc32(data, self._crc)
-            self.w.out.write(self._comp.compress(data))
+            self.w.write(self._comp.compress(data))
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:
@@ -495,17 +495,26 @@ class _Assembler:
             self.fd = out.fileno() if isinstance(out, io.FileIO) else None
         except (OSError, ValueError):
             self.fd = None
+        if isinstance(out, io.FileIO):
+            self.write = self._write_all    # unbuffered: a write may be short
+        else:
+            self.write = out.write
         if gzip_level is not None:
             # RFC 1952 header as gzip.GzipFile(mtime=0, filename="") writes it.
             xfl = 4 if gzip_level == 1 else 2 if gzip_level == 9 else 0
-            out.write(b"\x1f\x8b\x08\x00\x00\x00\x00\x00" + bytes([xfl]) + b"\xff")
+            self.write(b"\x1f\x8b\x08\x00\x00\x00\x00\x00" + bytes([xfl]) + b"\xff")
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[self.out.write(view):]
 
     def raw(self, data: bytes) -> None:
         if self.gzip_level is None:
-            self.out.write(data)
+            self.write(data)
         else:
             c = zlib.compressobj(self.gzip_level, zlib.DEFLATED, -15)
-            self.out.write(c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH))
+            self.write(c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH))
             self.crc = crc32_combine(self.crc, zlib.crc32(data), len(data))
         self.bytes += len(data)
 
@@ -538,13 +547,13 @@ class _Assembler:
                 chunk = src.read(min(length, 1 << 20))
                 if not chunk:
                     raise ExportError(f"{path}: part file ended early")
-                self.out.write(chunk)
+                self.write(chunk)
                 length -= len(chunk)
 
     def finish(self) -> None:
         if self.gzip_level is not None:
-            self.out.write(zlib.compressobj(self.gzip_level, zlib.DEFLATED, -15).flush())
-            self.out.write(struct.pack("<II", self.crc, self.bytes & 0xFFFFFFFF))
+            self.write(zlib.compressobj(self.gzip_level, zlib.DEFLATED, -15).flush())
+            self.write(struct.pack("<II", self.crc, self.bytes & 0xFFFFFFFF))
 
 
 # ---------------------------------------------------------------------- workers
