@@ -234,6 +234,9 @@ class TargetSet:
             return True
         if self.comms:
             return read_comm(pid, self.proc) in self.comms
+        if not self.auto:
+            # --pid given: exactly those processes, never whatever else looks like a rank
+            return False
         start = read_stat_starttime(pid, self.proc)
         prev = self._rejected.get(pid)
         if prev is not None and prev[0] == start and now - prev[1] < self.RECHECK_S:
