@@ -2,6 +2,7 @@
 a network namespace that has no interfaces."""
 
 import re
+import os
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,10 @@ def test_capture_creates_no_network_socket(tmp_path, open_all, ebpf):
     assert non_unix_sockets(trace) == []
     [b] = open_all(tmp_path / "b")
     assert rows(b, "SELECT COUNT(*) FROM clock_samples")[0][0] >= 2
+    if ebpf and os.environ.get("INGERO_REQUIRE_EBPF") == "1":
+        # in CI the probes must really have been loaded under strace, not turned off
+        attached = {r[0] for r in rows(b, "SELECT source FROM capture_log WHERE event = 'attached'")}
+        assert {"tcp", "sched", "block"} <= attached, attached
 
 
 def _has_unshare() -> bool:
