@@ -1,8 +1,13 @@
 """Benchmark the eBPF sources (needs root, BCC, kernel headers: scripts/setup-ebpf.sh).
 
+Floor: the cost of EMPTY BPF programs (return 0) on the same shim functions, at the
+    loop's top speed: entry-only uprobes, uprobe+uretprobe pairs, and the capture's own
+    pattern (a pair on ncclAllReduce, entry-only on cudaLaunchKernel). That is the trap
+    cost no probe body can remove; the capture's overhead is reported against it.
 (a) Overhead on the traced job: the shim rank_job loop (tests/fixtures) calls
     cudaLaunchKernel + ncclAllReduce with calibrated CPU work in between, at 10k and 100k
-    calls/s (sum of both), capture off vs on (NCCL + CUDA sources); ratio of elapsed times.
+    calls/s (sum of both), capture off vs empty probes (floor) vs on (NCCL + CUDA
+    sources); ratios of elapsed times.
 (b) The highest sustained NCCL event rate (one ring buffer record per ncclAllReduce) with
     zero lost events, from the loop with no work between calls and rising poll load.
 (c) CPU of the capture side (ring buffer read, unpack, rows) at about 10k events/s.
@@ -10,7 +15,7 @@
 Rows go to a counting sink here, not to a bundle: (c) is the eBPF sources' own cost; the
 bundle writer's is measured by the capture's benchmark.
 
-Usage: python bench/bench_ebpf.py [--quick]
+Usage: python bench/bench_ebpf.py [--quick] [--no-stacks] [--overhead-only]
 """
 
 from __future__ import annotations
@@ -105,6 +110,30 @@ class Capture:
             s.stop(self.sink)
 
 
+class EmptyProbes:
+    """Empty BPF programs where the capture puts its probes: the floor of the overhead."""
+
+    PATTERNS = {   # (uretprobe on ncclAllReduce?, uretprobe on cudaLaunchKernel?)
+        "entry": (False, False), "pair": (True, True), "capture": (True, False)}
+
+    def __init__(self, fx, pattern: str):
+        self.fx, self.pattern = fx, pattern
+
+    def __enter__(self):
+        from ingero_forensics.capture.ebpf._bcc import import_bcc
+        self.bpf = import_bcc().BPF(text=b"int empty(void *ctx) { return 0; }")
+        nccl_ret, cuda_ret = self.PATTERNS[self.pattern]
+        for lib, sym, ret in ((self.fx.libnccl, b"ncclAllReduce", nccl_ret),
+                              (self.fx.libcudart, b"cudaLaunchKernel", cuda_ret)):
+            self.bpf.attach_uprobe(name=str(lib).encode(), sym=sym, fn_name=b"empty")
+            if ret:
+                self.bpf.attach_uretprobe(name=str(lib).encode(), sym=sym, fn_name=b"empty")
+        return self
+
+    def __exit__(self, *exc):
+        self.bpf.cleanup()
+
+
 def run_loop(fx, iters: int, units: int, capture: Capture | None = None) -> float:
     """Seconds the traced loop took (its own clock, from go to done)."""
     p = subprocess.Popen([str(fx.rank_job), "loop", str(iters), str(units)],
@@ -130,25 +159,46 @@ def calibrate(fx, calls_per_s: float, iters: int) -> int:
     return units
 
 
+def floor(fx, iters: int, repeats: int) -> dict:
+    """Microseconds per loop iteration (2 calls) added by empty probes, at top speed."""
+    runs = {"off": [], **{p: [] for p in EmptyProbes.PATTERNS}}
+    for _ in range(repeats):
+        runs["off"].append(run_loop(fx, iters, 0))
+        for pattern in EmptyProbes.PATTERNS:
+            with EmptyProbes(fx, pattern):
+                runs[pattern].append(run_loop(fx, iters, 0))
+        with Capture(fx) as cap:
+            runs.setdefault("capture_on", []).append(run_loop(fx, iters, 0, cap))
+    base = min(runs["off"])
+    return {k: {"best_us": (min(v) - base) / iters * 1e6,
+                "worst_us": (max(v) - base) / iters * 1e6} for k, v in runs.items() if k != "off"}
+
+
 def overhead(fx, calls_per_s: float, seconds: float, repeats: int) -> dict:
     iters = int(calls_per_s * seconds / 2)
     units = calibrate(fx, calls_per_s, max(1000, iters // 5))
-    off, on = [], []
-    for _ in range(repeats):   # interleaved so drifting machine load hits both alike
+    off, empty, on = [], [], []
+    for _ in range(repeats):   # interleaved so drifting machine load hits all alike
         off.append(run_loop(fx, iters, units))
+        with EmptyProbes(fx, "capture"):
+            empty.append(run_loop(fx, iters, units))
         with Capture(fx) as cap:
             on.append(run_loop(fx, iters, units, cap))
-    t_off, t_on = statistics.median(off), statistics.median(on)
+    t_off, t_empty, t_on = (statistics.median(x) for x in (off, empty, on))
+    pct = [100 * (b / a - 1) for a, b in zip(off, on)]   # per interleaved round
     return {"target_calls_per_s": calls_per_s, "calls": 2 * iters,
             "rate_off": 2 * iters / t_off, "elapsed_off_s": t_off, "elapsed_on_s": t_on,
+            "elapsed_floor_s": t_empty, "floor_pct": 100 * (t_empty / t_off - 1),
             "ratio_on_off": t_on / t_off, "overhead_pct": 100 * (t_on / t_off - 1),
-            "per_call_us": (t_on - t_off) / (2 * iters) * 1e6}
+            "overhead_pct_rounds": pct,
+            "per_call_us": (t_on - t_off) / (2 * iters) * 1e6,
+            "above_floor_us": (t_on - t_empty) / (2 * iters) * 1e6}
 
 
 def max_rate(fx, seconds: float) -> dict:
     """Loss-free NCCL event rate: raise the rate until the kernel reports losses."""
     best = None
-    for target in (20_000, 50_000, 100_000, 200_000, 400_000):
+    for target in (20_000, 50_000, 100_000, 200_000, 300_000, 400_000):
         iters = int(target * seconds / 2)
         units = calibrate(fx, target, max(1000, iters // 5)) if target < 400_000 else 0
         with Capture(fx) as cap:
@@ -188,11 +238,23 @@ def main():
     secs, reps = (1.0, 3) if a.quick else (3.0, 5)
     print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}"
           f"{'; stacks off' if a.no_stacks else ''}")
+    f = floor(fx, 100_000 if a.quick else 200_000, reps)
+    for k, label in (("entry", "empty uprobe on both (2 traps)"),
+                     ("pair", "empty uprobe+uretprobe on both (4 traps)"),
+                     ("capture", "empty probes, capture's pattern (3 traps)"),
+                     ("capture_on", "the capture itself (same 3 traps)")):
+        print(f"floor: {label:44s} {f[k]['best_us']:5.2f} us per iteration "
+              f"(worst run {f[k]['worst_us']:.2f}); 2 calls per iteration")
+    floor_10k = f["capture"]["best_us"] * 5_000 / 1e4   # % of a second at 5k iterations/s
+    print(f"floor at 10k calls/s: {floor_10k:.2f} % of the traced thread; "
+          f"capture at top speed = {f['capture_on']['best_us'] / f['capture']['best_us']:.2f} x floor")
     for rate in (10_000, 100_000):
         r = overhead(fx, rate, secs, reps)
-        print(f"(a) {rate:>7,} calls/s: off {r['elapsed_off_s']:.3f} s, on {r['elapsed_on_s']:.3f} s, "
-              f"ratio {r['ratio_on_off']:.4f} ({r['overhead_pct']:+.2f} %), "
-              f"{r['per_call_us']:.2f} us per call traced")
+        rounds = ", ".join(f"{p:+.1f}" for p in r["overhead_pct_rounds"])
+        print(f"(a) {rate:>7,} calls/s: off {r['elapsed_off_s']:.3f} s, empty probes "
+              f"{r['elapsed_floor_s']:.3f} s ({r['floor_pct']:+.2f} %), on {r['elapsed_on_s']:.3f} s, "
+              f"ratio {r['ratio_on_off']:.4f} ({r['overhead_pct']:+.2f} %; rounds {rounds}), "
+              f"{r['per_call_us']:.2f} us per call traced, {r['above_floor_us']:.2f} above the floor")
     if a.overhead_only:
         return
     m = max_rate(fx, secs)

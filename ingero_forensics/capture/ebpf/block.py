@@ -46,7 +46,7 @@ TRACEPOINT_PROBE(block, block_rq_complete) {
         e->error = args->error;
         __builtin_memcpy(e->rwbs, s->rwbs, 12);
         __builtin_memcpy(e->comm, s->comm, 16);
-        events.ringbuf_submit(e, 0);
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     } else {
         count_lost();
     }

@@ -19,7 +19,7 @@ import time
 
 from ...bundle.schema import MEMCPY_KINDS
 from ..source import CaptureContext, RowSink
-from .base import BccSource, Symbolizer, signed64
+from .base import SITE_STACKS, BccSource, Symbolizer, drain, signed64
 from .libs import LibraryTracker
 
 # (symbol, library kind, kept one by one?, stack?, stream, bytes, memcpy kind, device)
@@ -74,13 +74,19 @@ static __always_inline u64 arg(struct pt_regs *ctx, int n) {
     return v;
 }
 
-BPF_STACK_TRACE(stacks, __STACK_ENTRIES__);
+__SITE_STACKS__
+/* Launch counts per (thread, API, call site); the stack id is taken when a key is first
+ * seen. A hit is one map lookup: the target check is only needed on a miss, since a key
+ * carries its process. */
+struct launch_key { struct site site; u32 tid; u32 api; };
+struct launch_val { u64 count; s32 stack_id; u32 pad; };
+BPF_HASH(launches, struct launch_key, struct launch_val, 16384);
 
 /* In flight per (thread, layer): a runtime call may enter the driver. nest counts calls
  * of the same layer made inside the traced one; only the outermost is recorded. */
 struct call {
     u64 ts; u64 stream; u64 bytes; u64 ret_addr;
-    s32 stack_id; s32 device; u32 api; u32 nest; u8 kind; u8 has; u8 keep; u8 layer;
+    s32 stack_id; s32 device; u32 api; u32 nest; u8 kind; u8 has; u8 layer;
 };
 BPF_HASH(calls, u64, struct call, 65536);
 
@@ -90,35 +96,46 @@ struct event {
     u8 kind; u8 has; u8 layer; u8 pad[5];
 };
 
-static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 keep, u8 stack,
+static __always_inline int count_launch(struct pt_regs *ctx, u64 id, u32 api) {
+    struct launch_key k = {.tid = id, .api = api};
+    k.site.tgid = id >> 32;
+#if __STACKS__
+    read_site(ctx, &k.site);
+#endif
+    struct launch_val *v = launches.lookup(&k);
+    if (v) { v->count++; return 0; }   /* the key's own thread is its only writer */
+    if (!is_target(id >> 32)) return 0;
+    struct launch_val nv = {.count = 1, .stack_id = -1};
+#if __STACKS__
+    nv.stack_id = site_stack(ctx, &k.site);
+#endif
+    if (launches.insert(&k, &nv)) count_lost();
+    return 0;
+}
+
+/* a call kept one by one: its arguments and start, until the return probe */
+static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 stack,
                                  u8 has, u64 stream, u64 bytes, u64 kind, u64 device) {
     u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    if (!is_target(tgid)) return 0;
-    if (!keep) {   /* launches: count at entry, no return probe */
-        struct stat_key k = {.pid = tgid, .tid = id, .stack_id = -1, .name = api};
-#if __STACKS__
-        k.stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
-        bpf_probe_read_user(&k.caller, sizeof(k.caller), (void *)PT_REGS_SP(ctx));
-#endif
-        stat_count(&k);
-        return 0;
-    }
+    if (!is_target(id >> 32)) return 0;
     u64 key = ((id & 0xffffffff) << 1) | layer;
-    struct call *prev = calls.lookup(&key);
-    if (prev) { prev->nest++; return 0; }
     struct call c = {};
     c.ts = bpf_ktime_get_ns();
-    c.api = api; c.layer = layer; c.keep = keep; c.has = has;
+    c.api = api; c.layer = layer; c.has = has;
     c.stream = stream; c.bytes = bytes; c.kind = kind; c.device = device;
     c.stack_id = -1;
 #if __STACKS__
     if (stack) {
-        c.stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
-        bpf_probe_read_user(&c.ret_addr, sizeof(c.ret_addr), (void *)PT_REGS_SP(ctx));
+        struct site s = {.tgid = id >> 32};
+        read_site(ctx, &s);
+        c.ret_addr = s.ret;
+        c.stack_id = site_stack(ctx, &s);
     }
 #endif
-    calls.update(&key, &c);
+    if (calls.insert(&key, &c)) {   /* already in a call of this layer: nested */
+        struct call *prev = calls.lookup(&key);
+        if (prev) prev->nest++;
+    }
     return 0;
 }
 
@@ -136,7 +153,7 @@ static __always_inline int ret(struct pt_regs *ctx, u8 layer) {
             e->ret_addr = c->ret_addr; e->pid = id >> 32; e->tid = id;
             e->stack_id = c->stack_id; e->ret = PT_REGS_RC(ctx); e->device = c->device;
             e->api = c->api; e->kind = c->kind; e->has = c->has; e->layer = c->layer;
-            events.ringbuf_submit(e, 0);
+            events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
         } else {
             count_lost();
         }
@@ -154,10 +171,14 @@ EVENT = struct.Struct("<5Q2I3iI3B5x")
 def entry_functions() -> str:
     out = []
     for i, (sym, lib, keep, stack, stream, nbytes, kind, device) in enumerate(APIS):
+        if not keep:   # a launch: no argument is read, each would be a user-memory access
+            out.append(f"int api_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
+                       f"    return count_launch(ctx, bpf_get_current_pid_tgid(), {i});\n}}\n")
+            continue
         has = ((HAS_STREAM if stream else 0) | (HAS_BYTES if nbytes else 0)
                | (HAS_KIND if kind else 0) | (HAS_DEVICE if device else 0))
         out.append(f"int api_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
-                   f"    return entry(ctx, {i}, {LAYER[lib]}, {int(keep)}, {int(stack)}, {has}, "
+                   f"    return entry(ctx, {i}, {LAYER[lib]}, {int(stack)}, {has}, "
                    f"{stream or 0}, {nbytes or 0}, {kind or 0}, {device or 0});\n}}\n")
     return "".join(out)
 
@@ -166,6 +187,7 @@ class CudaSource(BccSource):
     name = "cuda"
     stat_source = "cuda"
     stat_names = API_NAMES
+    uses_sites = True
 
     def __init__(self, options):
         super().__init__(options)
@@ -173,8 +195,9 @@ class CudaSource(BccSource):
         self._last_scan = 0.0
 
     def program(self, ctx: CaptureContext) -> str:
-        return (PROGRAM + entry_functions()).replace("__STACK_ENTRIES__", "16384").replace(
-            "__STACKS__", "1" if self.options.stacks else "0")
+        return ((PROGRAM + entry_functions()).replace("__SITE_STACKS__", SITE_STACKS)
+                .replace("__STACK_ENTRIES__", "16384")
+                .replace("__STACKS__", "1" if self.options.stacks else "0"))
 
     def filter_targets(self, ctx: CaptureContext) -> bool:
         return not getattr(ctx.targets, "auto", False)
@@ -213,10 +236,23 @@ class CudaSource(BccSource):
             self._last_scan = now
             self._attach_new(self.ctx.targets.pids())
 
-    def stat_row(self, start, end, k, v, stack_id) -> tuple:
-        # entry-only counts: no duration was measured
-        return (start, end, self.stat_source, self.stat_names[k.name], k.pid or None,
-                k.tid or None, stack_id, int(v.count), None, None, None)
+    def flush_stats(self, sink: RowSink, now: int) -> None:
+        """Drain the launch counts into event_stats (entry-only: a count, no duration)."""
+        rows = []
+        for k, v in drain(self.bpf[b"launches"]):
+            stack_id = None
+            if v.stack_id >= 0 and self.symbolizer:
+                frames = self.symbolizer.frames(k.site.tgid, v.stack_id, k.site.ret)
+                stack_id = sink.add_stack(frames) if frames else None
+            elif v.stack_id < 0 and self.symbolizer:
+                self.symbolizer.failed += 1
+            rows.append((self._stats_start, now, self.stat_source, API_NAMES[k.api],
+                         k.site.tgid or None, k.tid or None, stack_id, int(v.count),
+                         None, None, None))
+        if rows:
+            sink.add_many("event_stats", rows)
+            self.events += len(rows)
+        self._stats_start = now
 
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
         rows = []

@@ -21,7 +21,7 @@ import time
 
 from ...bundle.schema import NCCL_COMM_APIS, NCCL_DATATYPES, NCCL_OPS, NCCL_REDOPS
 from ..source import CaptureContext, RowSink
-from .base import BccSource, Symbolizer, signed64
+from .base import SITE_STACKS, BccSource, Symbolizer, signed64
 from .hashing import hex_hash
 from .libs import LibraryTracker
 
@@ -77,7 +77,7 @@ struct comm_key { u64 handle; u32 tgid; u32 pad; };
 struct comm_info { u64 hash; u64 seq; u64 splits; s32 rank; s32 nranks; };
 BPF_HASH(comms, struct comm_key, struct comm_info, 16384);
 BPF_HASH(group_depth, u32, u32, 65536);
-BPF_STACK_TRACE(stacks, __STACK_ENTRIES__);
+__SITE_STACKS__
 
 /* In flight on a thread, entry to return. nest counts calls made from inside the
  * traced one (ncclBcast calls ncclBroadcast): only the outermost becomes a row. */
@@ -108,36 +108,41 @@ static __always_inline struct call *begin(u32 tid) {
     return calls.lookup(&tid);
 }
 
-static __always_inline void take_stack(struct pt_regs *ctx, struct call *c) {
-#if __STACKS__
-    c->stack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
-    bpf_probe_read_user(&c->ret_addr, sizeof(c->ret_addr), (void *)PT_REGS_SP(ctx));
-#else
-    c->stack_id = -1;
-#endif
-}
-
+/* A collective: built on the stack and inserted in one map operation; an entry that
+ * finds its thread already in a call is nested and only counts. seq is committed to
+ * the communicator only once the call is known to be the outer one. */
 static __always_inline int coll_entry(struct pt_regs *ctx, u8 op, u64 count, s64 dtype,
                                       s64 redop, s64 peer, u64 comm, u64 stream) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32, tid = id;
     if (!is_target(tgid)) return 0;
-    struct call *c = begin(tid);
-    if (!c) return 0;
-    c->kind = 0; c->op = op; c->count = count; c->dtype = dtype; c->redop = redop;
-    c->peer = peer; c->comm = comm; c->stream = stream;
+    struct call c = {};
+    c.ts = bpf_ktime_get_ns();
+    c.rank = -1; c.nranks = -1; c.color = -1; c.key = -1;
+    c.op = op; c.count = count; c.dtype = dtype; c.redop = redop;
+    c.peer = peer; c.comm = comm; c.stream = stream;
     struct comm_key k = {.handle = comm, .tgid = tgid};
     struct comm_info *ci = comms.lookup(&k);
     if (ci) {
-        /* one thread drives a communicator at a time (NCCL's rule), so a plain
-         * increment is exact */
-        ci->seq += 1;
-        c->known = 1; c->hash = ci->hash; c->seq = ci->seq;
-        c->rank = ci->rank; c->nranks = ci->nranks;
+        c.known = 1; c.hash = ci->hash; c.seq = ci->seq + 1;
+        c.rank = ci->rank; c.nranks = ci->nranks;
     }
     u32 *d = group_depth.lookup(&tid);
-    c->depth = d ? *d : 0;
-    take_stack(ctx, c);
+    c.depth = d ? *d : 0;
+    c.stack_id = -1;
+#if __STACKS__
+    struct site s = {.tgid = tgid};
+    read_site(ctx, &s);
+    c.ret_addr = s.ret;
+    c.stack_id = site_stack(ctx, &s);
+#endif
+    if (calls.insert(&tid, &c)) {
+        struct call *prev = calls.lookup(&tid);
+        if (prev) prev->nest++;
+        return 0;
+    }
+    /* one thread drives a communicator at a time (NCCL's rule), so this is exact */
+    if (ci) ci->seq = c.seq;
     return 0;
 }
 
@@ -151,7 +156,7 @@ static __always_inline void emit(struct pt_regs *ctx, struct call *c, u64 id) {
     e->nranks = c->nranks; e->dtype = c->dtype; e->redop = c->redop; e->peer = c->peer;
     e->color = c->color; e->key = c->key; e->depth = c->depth; e->kind = c->kind;
     e->op = c->op; e->known = c->known;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
 
 int nccl_return(struct pt_regs *ctx) {
@@ -340,6 +345,7 @@ def redop_name(v: int) -> str | None:
 
 class NcclSource(BccSource):
     name = "nccl"
+    uses_sites = True
 
     def __init__(self, options):
         super().__init__(options)
@@ -350,7 +356,7 @@ class NcclSource(BccSource):
         text = PROGRAM + collective_program()
         for api, idx in API_INDEX.items():
             text = text.replace(f"__API_{api}__", str(idx))
-        return (text.replace("__STACK_ENTRIES__", "16384")
+        return (text.replace("__SITE_STACKS__", SITE_STACKS).replace("__STACK_ENTRIES__", "16384")
                     .replace("__STACKS__", "1" if self.options.stacks else "0"))
 
     def filter_targets(self, ctx: CaptureContext) -> bool:

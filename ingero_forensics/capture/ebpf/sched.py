@@ -50,7 +50,7 @@ static __always_inline void span(u8 kind, u64 start, u64 now, struct off *o,
     e->kind = kind;
     __builtin_memcpy(e->comm, o->comm, 16);
     bpf_probe_read_kernel(e->other_comm, 16, other_comm);
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
 
 TRACEPOINT_PROBE(sched, sched_switch) {

@@ -44,7 +44,7 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
         bpf_probe_read_kernel(e->saddr, 16, args->saddr_v6);
         bpf_probe_read_kernel(e->daddr, 16, args->daddr_v6);
     }
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 """
