@@ -94,6 +94,27 @@ static __always_inline s32 site_stack(struct pt_regs *ctx, struct site *s) {
 """
 
 
+#: BPF C: ARG(n), the n-th integer argument of a uprobed x86-64 SysV function: registers
+#: for the first six, the caller's stack for the rest (read at entry, before the callee
+#: touches its frame).
+UPROBE_ARG_C = r"""
+#define ARG(n) arg(ctx, n)
+static __always_inline u64 arg(struct pt_regs *ctx, int n) {
+    u64 v = 0;
+    switch (n) {
+    case 1: return PT_REGS_PARM1(ctx);
+    case 2: return PT_REGS_PARM2(ctx);
+    case 3: return PT_REGS_PARM3(ctx);
+    case 4: return PT_REGS_PARM4(ctx);
+    case 5: return PT_REGS_PARM5(ctx);
+    case 6: return PT_REGS_PARM6(ctx);
+    }
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n - 6)));
+    return v;
+}
+"""
+
+
 def mono_ns() -> int:
     """CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns()."""
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)

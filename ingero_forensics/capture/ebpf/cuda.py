@@ -19,7 +19,7 @@ import time
 
 from ...bundle.schema import MEMCPY_KINDS
 from ..source import CaptureContext, RowSink
-from .base import SITE_STACKS, BccSource, Symbolizer, drain, signed64
+from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, Symbolizer, drain, signed64
 from .libs import LibraryTracker
 
 # (symbol, library kind, kept one by one?, stack?, stream, bytes, memcpy kind, device)
@@ -58,21 +58,7 @@ LAYER = {"cudart": 0, "cuda": 1}
 LAYER_NAMES = ("runtime", "driver")
 HAS_STREAM, HAS_BYTES, HAS_KIND, HAS_DEVICE = 1, 2, 4, 8
 
-PROGRAM = r"""
-#define ARG(n) arg(ctx, n)
-static __always_inline u64 arg(struct pt_regs *ctx, int n) {
-    u64 v = 0;
-    switch (n) {
-    case 1: return PT_REGS_PARM1(ctx);
-    case 2: return PT_REGS_PARM2(ctx);
-    case 3: return PT_REGS_PARM3(ctx);
-    case 4: return PT_REGS_PARM4(ctx);
-    case 5: return PT_REGS_PARM5(ctx);
-    case 6: return PT_REGS_PARM6(ctx);
-    }
-    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n - 6)));
-    return v;
-}
+PROGRAM = UPROBE_ARG_C + r"""
 
 __SITE_STACKS__
 /* Launch counts per (thread, API, call site); the stack id is taken when a key is first

@@ -21,7 +21,7 @@ import time
 
 from ...bundle.schema import NCCL_COMM_APIS, NCCL_DATATYPES, NCCL_OPS, NCCL_REDOPS
 from ..source import CaptureContext, RowSink
-from .base import SITE_STACKS, BccSource, Symbolizer, signed64
+from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, Symbolizer, signed64
 from .hashing import hex_hash
 from .libs import LibraryTracker
 
@@ -40,21 +40,7 @@ COLLECTIVES = (
 )
 API_INDEX = {name: i for i, name in enumerate(NCCL_COMM_APIS)}
 
-PROGRAM = r"""
-#define ARG(n) arg(ctx, n)
-static __always_inline u64 arg(struct pt_regs *ctx, int n) {
-    u64 v = 0;
-    switch (n) {
-    case 1: return PT_REGS_PARM1(ctx);
-    case 2: return PT_REGS_PARM2(ctx);
-    case 3: return PT_REGS_PARM3(ctx);
-    case 4: return PT_REGS_PARM4(ctx);
-    case 5: return PT_REGS_PARM5(ctx);
-    case 6: return PT_REGS_PARM6(ctx);
-    }
-    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n - 6)));
-    return v;
-}
+PROGRAM = UPROBE_ARG_C + r"""
 
 static __always_inline u64 mix64(u64 z) {      /* splitmix64 finalizer */
     z += 0x9e3779b97f4a7c15ULL;
