@@ -49,6 +49,15 @@ def _size(ctx, param, value):
 @click.option("--no-ebpf", is_flag=True, help="Turn the eBPF sources off on purpose.")
 @click.option("--lib", "lib_paths", multiple=True,
               help="Path of libnccl/libcudart/libcuda to probe (eBPF sources; repeatable).")
+@click.option("--tcp-probe", is_flag=True,
+              help="Also sample tcp:tcp_probe: smoothed RTT (srtt_us) and congestion window "
+                   "(snd_cwnd) of every TCP connection on the node, as tcp_events rows with "
+                   "event 'tcp_probe', at most one per connection per --tcp-probe-interval "
+                   "(sampled in the kernel). Off by default.")
+@click.option("--tcp-probe-interval", type=click.IntRange(min=1), default=100,
+              show_default=True, metavar="MS",
+              help="Milliseconds between two tcp_probe rows of one connection "
+                   "(needs --tcp-probe).")
 @click.option("--level", "compression_level", type=click.IntRange(1, 19), default=3,
               show_default=True, help="zstd level used when sealing.")
 @click.option("--check", is_flag=True,
@@ -59,8 +68,8 @@ def _size(ctx, param, value):
 @version_option("ingero-capture")
 @handle_errors
 def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, segment_size,
-         max_disk, clock_interval, host_interval, no_ebpf, lib_paths, compression_level,
-         check, as_json, quiet):
+         max_disk, clock_interval, host_interval, no_ebpf, lib_paths, tcp_probe,
+         tcp_probe_interval, compression_level, check, as_json, quiet):
     """Record this node's training processes into sealed bundles, with no network.
 
     Runs as root on every GPU node. Writes <node>+<UTC start>Z+<index>.bundle files
@@ -73,13 +82,19 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
     Example:
       ingero-capture --bundle /var/ingero --node gpu-017
       ingero-capture --bundle /var/ingero --max-disk 20G --segment-seconds 120
+      ingero-capture --bundle /var/ingero --tcp-probe --tcp-probe-interval 250
       ingero-capture --check
     """
+    if (click.get_current_context().get_parameter_source("tcp_probe_interval")
+            is click.core.ParameterSource.COMMANDLINE and not tcp_probe):
+        raise click.UsageError("--tcp-probe-interval needs --tcp-probe")
     config = CaptureConfig(
         bundle_dir=bundle_dir, node=node, config_file=config_file, pids=pids, comms=comms,
         duration=duration, segment_seconds=segment_seconds, segment_size=segment_size,
         max_disk=max_disk, clock_interval=clock_interval, host_interval=host_interval,
-        ebpf=not no_ebpf, options=CaptureOptions(lib_paths=list(lib_paths)),
+        ebpf=not no_ebpf,
+        options=CaptureOptions(lib_paths=list(lib_paths), tcp_probe=tcp_probe,
+                               tcp_probe_interval_ms=tcp_probe_interval),
         output="quiet" if quiet else ("tty" if is_tty() else "plain"),
         compression_level=compression_level)
     if check:

@@ -58,6 +58,7 @@ class CaptureOptions:
     sched_threshold_ns: int = 1_000_000                  # keep sched spans >= this as rows
     block: bool = True
     tcp_probe: bool = False                              # tcp:tcp_probe sampling (off by default)
+    tcp_probe_interval_ms: int = 100                     # at most one tcp_probe row per connection per interval
     stacks: bool = True
     ring_pages: int = 256                                # per ring/perf buffer
     stats_interval_s: float = 1.0                        # event_stats aggregation interval

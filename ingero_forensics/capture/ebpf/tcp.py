@@ -9,7 +9,13 @@ network namespace it was found in when some process on the node shows it. Tables
 refreshed every second and at once (rate-limited) when an unknown tuple arrives;
 entries are remembered a while after the connection is gone.
 
-Addresses and ports come from the tracepoint's own fields (no struct sock reads).
+With ``CaptureOptions.tcp_probe``, tcp:tcp_probe (fired for each segment an established
+socket receives) is attached too and sampled in the kernel: at most one row per 4-tuple
+per ``tcp_probe_interval_ms``, the last emission time kept in an LRU hash, so a busy
+socket costs a map lookup per segment and not a ring buffer record. Its rows carry
+srtt_us and snd_cwnd and are attributed exactly like retransmits.
+
+Addresses and ports come from the tracepoints' own fields (no struct sock reads).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from .base import BccSource
 
 PROGRAM = r"""
 struct event {
-    u64 ts; u32 pid; s32 state; u16 sport; u16 dport; u16 family; u8 pad[2];
-    u8 saddr[16]; u8 daddr[16];
+    u64 ts; u32 pid; s32 state; u16 sport; u16 dport; u16 family; u8 kind; u8 pad;
+    u8 saddr[16]; u8 daddr[16]; u32 srtt_us; u32 snd_cwnd;
 };
 
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
@@ -36,7 +42,7 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
     e->ts = bpf_ktime_get_ns();
     e->pid = bpf_get_current_pid_tgid() >> 32;
     e->state = args->state; e->sport = args->sport; e->dport = args->dport;
-    e->family = args->family;
+    e->family = args->family; e->kind = KIND_RETRANSMIT;
     if (args->family == 2) {   /* AF_INET */
         bpf_probe_read_kernel(e->saddr, 4, args->saddr);
         bpf_probe_read_kernel(e->daddr, 4, args->daddr);
@@ -44,12 +50,52 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
         bpf_probe_read_kernel(e->saddr, 16, args->saddr_v6);
         bpf_probe_read_kernel(e->daddr, 16, args->daddr_v6);
     }
+    e->srtt_us = 0; e->snd_cwnd = 0;
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 """
 
-EVENT = struct.Struct("<QIiHHH2x16s16s")
+#: Appended only with CaptureOptions.tcp_probe: BCC attaches every TRACEPOINT_PROBE in
+#: the text, so leaving it out is what keeps the tracepoint detached by default.
+PROBE_PROGRAM = r"""
+struct conn { u8 saddr[16]; u8 daddr[16]; u16 sport; u16 dport; u16 family; u16 pad; };
+BPF_TABLE("lru_hash", struct conn, u64, probe_last, __PROBE_CONNS__);
+
+TRACEPOINT_PROBE(tcp, tcp_probe) {
+    /* saddr/daddr are struct sockaddr_in or sockaddr_in6 (by family); ports are host order */
+    struct conn c = {};
+    c.sport = args->sport; c.dport = args->dport; c.family = args->family;
+    if (args->family == 2) {   /* sockaddr_in: sin_addr at offset 4 */
+        bpf_probe_read_kernel(c.saddr, 4, args->saddr + 4);
+        bpf_probe_read_kernel(c.daddr, 4, args->daddr + 4);
+    } else {                   /* sockaddr_in6: sin6_addr at offset 8 */
+        bpf_probe_read_kernel(c.saddr, 16, args->saddr + 8);
+        bpf_probe_read_kernel(c.daddr, 16, args->daddr + 8);
+    }
+    u64 now = bpf_ktime_get_ns();
+    u64 *last = probe_last.lookup(&c);
+    if (last && now - *last < __PROBE_INTERVAL_NS__ULL) return 0;
+    probe_last.update(&c, &now);
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) { count_lost(); return 0; }
+    e->ts = now;
+    e->pid = bpf_get_current_pid_tgid() >> 32;
+    e->state = -1;             /* the tracepoint has no state field */
+    e->sport = c.sport; e->dport = c.dport; e->family = c.family; e->kind = KIND_PROBE;
+    __builtin_memcpy(e->saddr, c.saddr, 16);
+    __builtin_memcpy(e->daddr, c.daddr, 16);
+    e->srtt_us = args->srtt;   /* the kernel stores tp->srtt_us >> 3: microseconds */
+    e->snd_cwnd = args->snd_cwnd;
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+"""
+
+KIND_RETRANSMIT, KIND_PROBE = 0, 1
+EVENT_NAMES = ("tcp_retransmit_skb", "tcp_probe")
+EVENT = struct.Struct("<QIiHHHBx16s16sII")
+PROBE_CONNS = 16384   # connections whose last tcp_probe time is remembered (LRU)
 TCP_STATES = (None, "ESTABLISHED", "SYN_SENT", "SYN_RECV", "FIN_WAIT1", "FIN_WAIT2",
               "TIME_WAIT", "CLOSE", "CLOSE_WAIT", "LAST_ACK", "LISTEN", "CLOSING",
               "NEW_SYN_RECV")
@@ -181,25 +227,51 @@ class TcpSource(BccSource):
     def __init__(self, options):
         super().__init__(options)
         self.index = ConnectionIndex()
+        self.probe_on = False   # tcp:tcp_probe compiled in and attached
 
     def filter_targets(self, ctx: CaptureContext) -> bool:
         return False   # softirq context: the kernel cannot tell whose packet it is
 
     def program(self, ctx: CaptureContext) -> str:
-        return PROGRAM
+        text = f"#define KIND_RETRANSMIT {KIND_RETRANSMIT}\n#define KIND_PROBE {KIND_PROBE}\n"
+        text += PROGRAM
+        if self.probe_on:
+            interval_ns = int(self.options.tcp_probe_interval_ms) * 1_000_000
+            text += (PROBE_PROGRAM.replace("__PROBE_CONNS__", str(PROBE_CONNS))
+                                  .replace("__PROBE_INTERVAL_NS__", str(interval_ns)))
+        return text
 
     def start(self, ctx: CaptureContext) -> None:
         if not tracepoint_exists("tcp", "tcp_retransmit_skb"):
             raise SourceUnavailable("tracepoint tcp:tcp_retransmit_skb not found (kernel < 4.15?)")
-        super().start(ctx)
+        if self.options.tcp_probe:
+            if int(self.options.tcp_probe_interval_ms) <= 0:
+                raise SourceUnavailable(f"tcp_probe interval must be > 0 ms, not "
+                                        f"{self.options.tcp_probe_interval_ms}")
+            self.probe_on = tracepoint_exists("tcp", "tcp_probe")
+            if not self.probe_on:
+                self.notes.append(("warning", "tracepoint tcp:tcp_probe not found (kernel < "
+                                   "4.16?); only retransmits are recorded"))
+        try:
+            super().start(ctx)
+        except SourceUnavailable as e:
+            if not self.probe_on:
+                raise
+            # a tcp_probe layout this program does not know must not cost the retransmits
+            self.probe_on = False
+            self.attached.clear()
+            self.notes.append(("warning", f"tcp:tcp_probe left off: {e.reason}; only "
+                               "retransmits are recorded"))
+            super().start(ctx)
         self.index.refresh_job(ctx.targets.pids(), time.monotonic())
 
     def attach(self, ctx: CaptureContext) -> None:
+        # BCC attached the TRACEPOINT_PROBEs when it loaded the program
         self.attached.append("tracepoint tcp:tcp_retransmit_skb; attribution from the "
                              "traced processes' connection tables")
-        if self.options.tcp_probe:
-            self.notes.append(("warning", "tcp_probe sampling is not implemented in this "
-                               "version; only retransmits are recorded"))
+        if self.probe_on:
+            self.attached.append(f"tracepoint tcp:tcp_probe sampled at most once per "
+                                 f"connection per {self.options.tcp_probe_interval_ms} ms")
 
     def housekeeping(self, sink: RowSink) -> None:
         now = time.monotonic()
@@ -209,14 +281,17 @@ class TcpSource(BccSource):
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
         events = []
         for rec in raw:
-            ts, pid, state, sport, dport, family, saddr, daddr = EVENT.unpack(rec)
+            (ts, pid, state, sport, dport, family, kind, saddr, daddr, srtt_us,
+             snd_cwnd) = EVENT.unpack(rec)
             if family == AF_INET:
                 src, dst = ipaddress.IPv4Address(saddr[:4]), ipaddress.IPv4Address(daddr[:4])
             else:
                 src, dst = ipaddress.IPv6Address(saddr), ipaddress.IPv6Address(daddr)
-            events.append((ts, pid, state, sport, dport, family, src, dst))
+            probe = kind == KIND_PROBE
+            events.append((ts, EVENT_NAMES[kind], pid, state, sport, dport, family, src, dst,
+                           srtt_us if probe else None, snd_cwnd if probe else None))
         now = time.monotonic()
-        keys = [(normalize(e[6]), e[3], normalize(e[7]), e[4]) for e in events]
+        keys = [(normalize(e[7]), e[4], normalize(e[8]), e[5]) for e in events]
         if any(self.index.lookup(k) is None for k in keys) and \
                 now - self.index.job_at >= self.index.MISS_REFRESH_S:
             self.index.refresh_job(self.ctx.targets.pids(), now)
@@ -224,12 +299,12 @@ class TcpSource(BccSource):
                 now - self.index.node_at >= self.index.NODE_REFRESH_S:
             self.index.refresh_node(now)
         rows = []
-        for (ts, pid, state, sport, dport, family, src, dst), key in zip(events, keys):
+        for (ts, event, pid, state, sport, dport, family, src, dst, srtt_us, snd_cwnd), key \
+                in zip(events, keys):
             netns, owner = self.index.lookup(key) or (None, None)
-            rows.append((ts, "tcp_retransmit_skb", 4 if family == AF_INET else 6, str(src),
-                         str(dst), sport, dport,
-                         TCP_STATES[state] if 0 <= state < len(TCP_STATES) else None,
+            rows.append((ts, event, 4 if family == AF_INET else 6, str(src), str(dst), sport,
+                         dport, TCP_STATES[state] if 0 <= state < len(TCP_STATES) else None,
                          pid or None, netns, owner, "job" if owner else "background",
-                         None, None))
+                         srtt_us, snd_cwnd))
         sink.add_many("tcp_events", rows)
         self.events += len(rows)

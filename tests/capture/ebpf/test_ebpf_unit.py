@@ -97,7 +97,7 @@ def test_record_layouts_match_the_c_structs():
     assert cuda.EVENT.size == 72
     assert sched.EVENT.size == 80
     assert block.EVENT.size == 72
-    assert tcp.EVENT.size == 56
+    assert tcp.EVENT.size == 64
 
 
 def test_hist_json_trims_trailing_zeros():
@@ -142,7 +142,8 @@ def test_library_discovery(tmp_path):
 
 
 def test_tcp_event_unpacks_ipv4():
-    rec = tcp.EVENT.pack(5, 0, 1, 40000, 5201, 2, bytes([10, 0, 0, 1]) + bytes(12),
-                         bytes([10, 0, 0, 2]) + bytes(12))
+    rec = tcp.EVENT.pack(5, 0, 1, 40000, 5201, 2, tcp.KIND_RETRANSMIT,
+                         bytes([10, 0, 0, 1]) + bytes(12), bytes([10, 0, 0, 2]) + bytes(12),
+                         0, 0)
     assert struct.unpack_from("<Q", rec)[0] == 5
     assert tcp.TCP_STATES[1] == "ESTABLISHED"

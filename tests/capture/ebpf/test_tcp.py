@@ -1,21 +1,28 @@
-"""TCP retransmits on the real kernel: two network namespaces of our own joined by a
-veth, a tbf qdisc with a tiny burst and queue on the sender side (this kernel has no
-netem), and bulk transfers. One sender is traced (its retransmits are the job's), the
-other is not (background, same namespace)."""
+"""TCP on the real kernel.
+
+Retransmits: two network namespaces of our own joined by a veth, a tbf qdisc with a
+tiny burst and queue on the sender side (this kernel has no netem), and bulk transfers.
+One sender is traced (its retransmits are the job's), the other is not (background,
+same namespace). tcp_probe: a paced loopback transfer between a traced sender and an
+untraced receiver, with the sampling on and off."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
 
 from .conftest import Running, StaticTargets, options, wait_for
+from ingero_forensics.capture.source import CaptureContext, SourceUnavailable
 from ingero_forensics.capture.ebpf.tcp import ConnectionIndex, TcpSource, parse_proc_addr
 
 pytestmark = pytest.mark.ebpf
@@ -163,3 +170,167 @@ def test_retransmits_attributed(netns_pair, tmp_path):
             (addr_a, port, "background", None, ns_inode)
     assert {r["state"] for r in rows} <= {"ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSING",
                                            "LAST_ACK", "CLOSE_WAIT"}
+
+
+# -- tcp:tcp_probe sampling ------------------------------------------------------------
+
+PROBE_RECEIVER = textwrap.dedent(r"""
+    import socket
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    c, _ = srv.accept()
+    while c.recv(1 << 16):
+        pass
+""")
+# Paced small writes for a fixed number of rounds, so the sender's socket receives many
+# ACKs (tcp_probe fires per received segment). TCP_INFO is sampled as it goes:
+# tcpi_rtt is the kernel's srtt_us >> 3 (microseconds), segs_in the segments received.
+PROBE_SENDER = textwrap.dedent(r"""
+    import json, socket, struct, sys, time
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    print(s.getsockname()[1], flush=True)
+    sys.stdin.readline()
+    TCP_INFO = struct.Struct("<8x24I4Q2I")   # up to tcpi_segs_out, tcpi_segs_in
+    rtts = []
+    for i in range(int(sys.argv[2])):
+        s.send(b"x" * 1000)
+        if i % 20 == 0:
+            rtts.append(TCP_INFO.unpack_from(s.getsockopt(socket.IPPROTO_TCP,
+                                                          socket.TCP_INFO, 256))[15])
+        time.sleep(0.001)
+    info = TCP_INFO.unpack_from(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256))
+    print(json.dumps({"rtts": rtts, "segs_in": info[-1]}), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def loopback_transfer(tmp_path, opts, rounds=1500):
+    """Run a traced sender and an untraced receiver over loopback under a TcpSource.
+    Returns (rows of the connection, sender pid, ports, sender's TCP_INFO, source, seconds
+    the source ran, tracepoints attached while it ran)."""
+    (tmp_path / "precv.py").write_text(PROBE_RECEIVER)
+    (tmp_path / "psend.py").write_text(PROBE_SENDER)
+    procs = []
+    try:
+        recv = subprocess.Popen([sys.executable, str(tmp_path / "precv.py")],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(recv)
+        port = int(recv.stdout.readline())
+        send = subprocess.Popen([sys.executable, str(tmp_path / "psend.py"), str(port),
+                                 str(rounds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        procs.append(send)
+        sport = int(send.stdout.readline())
+        source = TcpSource(opts)
+        with Running(source, StaticTargets([send.pid]), opts) as run:
+            attached = set(source.bpf.tracepoint_fds)
+            t0 = time.monotonic()
+            send.stdin.write("go\n")
+            send.stdin.flush()
+            info = json.loads(send.stdout.readline())
+            seconds = time.monotonic() - t0
+            wait_for(lambda: any(r["sport"] == sport for r in run.sink.dicts("tcp_events")),
+                     timeout=2)
+        send.stdin.write("done\n")
+        send.stdin.flush()
+        send.wait(timeout=10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rows = [r for r in run.sink.dicts("tcp_events")
+            if {r["sport"], r["dport"]} == {sport, port} and r["saddr"] == "127.0.0.1"]
+    return rows, send.pid, (sport, port), info, run.sink, seconds, attached
+
+
+def test_tcp_probe_samples_rate_limited(ebpf_ok, tmp_path):
+    interval_ms = 50
+    opts = options(tcp_probe=True, tcp_probe_interval_ms=interval_ms)
+    rows, sender, (sport, dport), info, sink, seconds, attached = \
+        loopback_transfer(tmp_path, opts)
+    assert {b"tcp:tcp_probe", b"tcp:tcp_retransmit_skb"} <= attached
+    probes = [r for r in rows if r["event"] == "tcp_probe"]
+    ns = os.stat("/proc/self/ns/net").st_ino
+    # both ends' sockets receive segments: the sender's (ACKs) and the receiver's (data)
+    out = [r for r in probes if (r["sport"], r["dport"]) == (sport, dport)]
+    back = [r for r in probes if (r["sport"], r["dport"]) == (dport, sport)]
+    assert out and back, probes[:5]
+    for r in out:
+        assert (r["family"], r["daddr"], r["state"], r["scope"], r["owner_pid"], r["netns"]) \
+            == (4, "127.0.0.1", None, "job", sender, ns)
+    for r in back:
+        assert (r["scope"], r["owner_pid"], r["netns"]) == ("background", None, ns)
+    for r in probes:
+        assert 0 < r["srtt_us"] < 1_000_000 and 0 < r["snd_cwnd"] < 1_000_000, r
+    # srtt_us is in microseconds like TCP_INFO's tcpi_rtt (both srtt_us >> 3): an
+    # unshifted value would be 8 times larger
+    probe_rtt = statistics.median(r["srtt_us"] for r in out)
+    info_rtt = statistics.median(info["rtts"])
+    assert info_rtt / 3 <= probe_rtt <= info_rtt * 3, (probe_rtt, info["rtts"])
+    # sampled in the kernel: consecutive rows of one connection are an interval apart,
+    # however many segments the socket received
+    for conn in (out, back):
+        ts = sorted(r["timestamp_ns"] for r in conn)
+        assert all(b - a >= interval_ms * 1_000_000 for a, b in zip(ts, ts[1:])), ts
+        assert len(conn) <= seconds * 1000 / interval_ms + 2
+    assert info["segs_in"] > 3 * len(out), (info["segs_in"], len(out))
+
+
+def test_tcp_probe_off_by_default(ebpf_ok, tmp_path):
+    opts = options()
+    assert opts.tcp_probe is False
+    rows, *_rest, sink, _seconds, attached = loopback_transfer(tmp_path, opts, rounds=300)
+    assert b"tcp:tcp_retransmit_skb" in attached and b"tcp:tcp_probe" not in attached
+    assert not [r for r in sink.dicts("tcp_events") if r["event"] == "tcp_probe"]
+    assert not any("tcp_probe" in log[3] for log in sink.logs), sink.logs
+
+
+def test_tcp_probe_interval_must_be_positive(ebpf_ok):
+    opts = options(tcp_probe=True, tcp_probe_interval_ms=0)
+    with pytest.raises(SourceUnavailable, match="interval must be > 0"):
+        TcpSource(opts).start(CaptureContext("n", opts, StaticTargets()))
+
+
+def test_cli_tcp_probe_options(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+    from ingero_forensics.capture import cli
+    seen = []
+
+    def fake_run_capture(config, reporter=None):
+        seen.append(config.options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "run_capture", fake_run_capture)
+    runner = CliRunner()
+    res = runner.invoke(cli.main, ["--help"])
+    assert res.exit_code == 0 and "--tcp-probe-interval MS" in res.output
+    res = runner.invoke(cli.main, ["--bundle", str(tmp_path), "--tcp-probe",
+                                   "--tcp-probe-interval", "250"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli.main, ["--bundle", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert [(o.tcp_probe, o.tcp_probe_interval_ms) for o in seen] == [(True, 250),
+                                                                        (False, 100)]
+    res = runner.invoke(cli.main, ["--bundle", str(tmp_path), "--tcp-probe-interval", "50"])
+    assert res.exit_code == 2
+    assert res.output.splitlines()[-1] == "Error: --tcp-probe-interval needs --tcp-probe"
+
+
+def test_tcp_probe_that_cannot_load_keeps_retransmits(ebpf_ok, monkeypatch):
+    # a tracepoint layout the program does not know (here: a field it lacks) turns only
+    # the sampling off, with a warning
+    from ingero_forensics.capture.ebpf import tcp
+    monkeypatch.setattr(tcp, "PROBE_PROGRAM",
+                        tcp.PROBE_PROGRAM.replace("args->snd_cwnd", "args->no_such_field"))
+    opts = options(tcp_probe=True)
+    source = TcpSource(opts)
+    with Running(source, StaticTargets(), opts) as run:
+        attached = set(source.bpf.tracepoint_fds)
+    assert b"tcp:tcp_retransmit_skb" in attached and b"tcp:tcp_probe" not in attached
+    warnings = [log for log in run.sink.logs if log[0] == "warning"]
+    assert len(warnings) == 1 and warnings[0][3].startswith("tcp:tcp_probe left off: "), warnings
+    assert not any("tcp_probe" in log[3] for log in run.sink.logs if log[2] == "attached")
