@@ -252,6 +252,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     else:
         window_bins = sorted(set(slow) | set(retrans_bins))
     a.windows = _join_bins(window_bins, t0, bin_ns, cell, suspect)
+    if suspect is not None and a.windows:
+        # a short blip far weaker than the fault itself is a hiccup, not a window;
+        # repeated short stalls of similar size are all kept
+        peak = max(w.lateness_ms for w in a.windows)
+        a.windows = [w for w in a.windows
+                     if w.end_ns - w.start_ns >= 3 * bin_ns or w.lateness_ms >= 0.5 * peak]
 
     for b in sorted(bins):
         per = bins[b]
@@ -610,10 +616,10 @@ def _verdict(a: Analysis, late: bool) -> str:
                  else "ranks " + ", ".join(map(str, ranks))) if ranks else "its ranks"
     secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
     if late:
-        lat = max((nl.median_ms for nl in a.lateness if nl.node_id == a.straggler_node_id), default=0)
-        lead = (f"{a.straggler} ({rank_text}) is the straggler: it arrived late at collectives "
-                f"in {len(a.windows)} window(s) totalling {secs:.0f} s "
-                f"(median lateness over the run {lat:.1f} ms, fleet noise {a.noise_ms:.2f} ms).")
+        lat = sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in a.windows) / max(secs * 1e9, 1)
+        lead = (f"{a.straggler} ({rank_text}) is the straggler: it arrived at collectives "
+                f"{lat:.1f} ms after the median node, on average, in {len(a.windows)} "
+                f"window(s) totalling {secs:.0f} s (fleet jitter {a.noise_ms:.2f} ms).")
     else:
         lead = (f"Collectives were slow for every rank in {len(a.windows)} window(s) totalling "
                 f"{secs:.0f} s while no rank arrived markedly late; {a.straggler}'s network is "

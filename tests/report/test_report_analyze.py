@@ -36,6 +36,7 @@ def test_intermittent_window_is_located(fleets):
     a = analyze_fleet(db)
     assert a.straggler == truth["fault"]["straggler"] and a.cause == "cpu"
     (tw,) = truth["fault"]["windows"]
+    assert len(a.windows) == 1, [(w.start_ns, w.end_ns, w.lateness_ms) for w in a.windows]
     true_len = tw["end_utc_ns"] - tw["start_utc_ns"]
     found = sum(w.end_ns - w.start_ns for w in a.windows)
     overlap = sum(max(0, min(w.end_ns, tw["end_utc_ns"]) - max(w.start_ns, tw["start_utc_ns"]))
