@@ -480,8 +480,9 @@ def _evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[dict]
                 [target] + p):
             top.append({"task": comm or "?", "pid": opid, "spans": n, "total_ms": round(tot / 1e6, 1)})
         if top:
-            ev.append(f"The training threads waited {sum(t['total_ms'] for t in top):.0f} ms in "
-                      f"the run queue during the windows; most behind {top[0]['task']} "
+            total_s = sum(t["total_ms"] for t in top) / 1e3
+            ev.append(f"Its traced threads waited {total_s:,.1f} s in the run queue during the "
+                      f"windows (summed over threads), most of it behind {top[0]['task']} "
                       f"(pid {top[0]['pid']}).")
     elif cause == "io":
         for dev, n, mx, avg in con.execute(
@@ -609,6 +610,10 @@ def _inventory(con) -> dict:
     return inv
 
 
+def _windows_text(windows) -> str:
+    return "1 window" if len(windows) == 1 else f"{len(windows)} windows"
+
+
 def _verdict(a: Analysis, late: bool) -> str:
     ranks = a.late_ranks or a.straggler_ranks
     rank_text = (f"rank {ranks[0]}" if len(ranks) == 1 else
@@ -618,10 +623,10 @@ def _verdict(a: Analysis, late: bool) -> str:
     if late:
         lat = sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in a.windows) / max(secs * 1e9, 1)
         lead = (f"{a.straggler} ({rank_text}) is the straggler: it arrived at collectives "
-                f"{lat:.1f} ms after the median node, on average, in {len(a.windows)} "
-                f"window(s) totalling {secs:.0f} s (fleet jitter {a.noise_ms:.2f} ms).")
+                f"{lat:.1f} ms after the median node, on average, in {_windows_text(a.windows)} "
+                f"totalling {secs:.0f} s (fleet jitter {a.noise_ms:.2f} ms).")
     else:
-        lead = (f"Collectives were slow for every rank in {len(a.windows)} window(s) totalling "
+        lead = (f"Collectives were slow for every rank in {_windows_text(a.windows)} totalling "
                 f"{secs:.0f} s while no rank arrived markedly late; {a.straggler}'s network is "
                 "the suspect.")
     if a.cause and a.cause_confidence == "clear":

@@ -38,3 +38,7 @@ def main(fleet_db, output, bin_s, as_json, quiet):
     elif not quiet:
         click.echo(analysis.verdict)
         click.echo(f"Report written to {output}")
+
+
+if __name__ == "__main__":
+    main()
