@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import copy
+import dataclasses
 import io
 import os
 import re
@@ -71,6 +72,7 @@ class ExportOptions:
     gzip_level: int = 1
     findings: bool = True              # mark ingero-report's straggler windows
     jobs: int | None = None            # worker processes; None: os.cpu_count()
+    accel: bool = True                 # the C loops when built (INGERO_NO_ACCEL=1: off)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class ExportStats:
     origin_ns: int = 0
     output: str = "-"
     bytes: int = 0
+    accelerated: bool = False  # the C loops (_fastslices) wrote the slice sections
 
 
 # ----------------------------------------------------------------------------- time
@@ -151,6 +154,39 @@ def parse_ranks(text: str) -> frozenset[int]:
             raise ExportError(f"ranks {text!r}: bad range {part}")
         out.update(range(lo, hi + 1))
     return frozenset(out)
+
+
+# -------------------------------------------------------------------- accelerator
+
+class _AccelUnsupported(Exception):
+    """The fleet holds a value the C loops leave to the Python path (a slice bound that
+    is not a number): the export is redone without them."""
+
+
+def load_accel():
+    """The C accelerator module, ready, or None (not built, or INGERO_NO_ACCEL=1).
+
+    _fastslices is also a SQLite loadable extension: loading it once into a scratch
+    connection hands it the routines of apsw's own SQLite, so it steps statements on the
+    exporter's connection (no second SQLite library). The exporter's connections keep
+    extension loading off.
+    """
+    if os.environ.get("INGERO_NO_ACCEL", "") not in ("", "0"):
+        return None
+    try:
+        from . import _fastslices
+    except ImportError:
+        return None
+    if not _fastslices.ready():
+        scratch = apsw.Connection(":memory:")
+        try:
+            scratch.enable_load_extension(True)
+            scratch.load_extension(_fastslices.__file__, "sqlite3_fastslices_init")
+        except apsw.Error:
+            return None
+        finally:
+            scratch.close()
+    return _fastslices
 
 
 # ------------------------------------------------------------------------ the fleet
@@ -315,6 +351,18 @@ class _Sink:
                               "the export with --from/--to, --nodes, --ranks or --kinds, "
                               "or raise --max-events")
         self.write(((",\n" if not self.first else "") + ",\n".join(lines)).encode())
+        self.first = False
+
+    def extend_joined(self, data: bytes, n: int) -> None:
+        """``n`` counted events already joined by the C loops: exactly the bytes
+        extend() writes for them (",\n" in front unless they start the section)."""
+        self.flush()
+        self.events += n
+        if self.max_events is not None and self.events > self.max_events:
+            raise ExportError(f"more than --max-events {self.max_events} events; narrow "
+                              "the export with --from/--to, --nodes, --ranks or --kinds, "
+                              "or raise --max-events")
+        self.write(data)
         self.first = False
 
     def write(self, data: bytes) -> None:
@@ -574,6 +622,8 @@ def _worker_main(exporter, tasks, gzip_level, conn) -> None:
         finally:
             con.close()
         conn.send((True, out))
+    except _AccelUnsupported as e:
+        conn.send((False, e))
     except apsw.Error as e:
         conn.send((False, f"{exporter.path}: cannot read fleet.db ({e})"))
     except OSError as e:
@@ -623,6 +673,8 @@ def _run_workers(exporter, node_ids, paths, gzip_level, jobs, meanwhile):
                     raise ExportError(
                         f"{exporter.path}: the export worker for "
                         f"{', '.join(names[n] for n, _ in mine)} died ({why})") from None
+                if isinstance(value, _AccelUnsupported):
+                    raise value
                 if not ok:
                     raise ExportError(value)
                 results.update((r.node_id, r) for r in value)
@@ -713,6 +765,8 @@ class _Exporter:
         self.only_node = None      # a node's worker: its rows only
         self._overflowed_nccl = {}
         self.analysis = None       # run_analysis(): while the workers work, if any
+        self.accel = load_accel() if opts.accel else None
+        self.stats.accelerated = self.accel is not None
 
     def run_analysis(self) -> None:
         if self.opts.findings and self.analysis is None:
@@ -766,8 +820,16 @@ class _Exporter:
         """Rows (node_id, k1, k2, start, end, body): body is JSON after pid/tid.
 
         resolve(node_id, k1, k2) -> (chrome pid, base tid) of the track. Slices placed on
-        an overflow lane are recorded in ``overflowed`` when given.
+        an overflow lane are recorded in ``overflowed`` when given. The C loop
+        (_fastslices.slices) when loaded; the loop below is the reference.
         """
+        if self.accel is not None:
+            sink.flush()
+            n = self._accelerated(self.accel.slices, sql, sink.extend_joined, sink.first,
+                                  resolve, self.tracks.lane, overflowed)
+            self.stats.slices += n
+            self.count(kind, n)
+            return
         cur_key = (None, None, None)
         lanes = None        # lane stacks, only while something overlaps
         max_end = 0         # latest end on the track so far
@@ -809,6 +871,15 @@ class _Exporter:
         self.stats.slices += n
         self.count(kind, n)
 
+    def _accelerated(self, fn, sql: str, *args) -> int:
+        """One C loop over ``sql`` on this exporter's connection."""
+        try:
+            return fn(self.con.sqlite3_pointer(), sql, self.params, *args)
+        except self.accel.Unsupported as e:
+            raise _AccelUnsupported(str(e)) from None
+        except RuntimeError as e:      # SQLite's error, as apsw would raise it
+            raise ExportError(f"{self.path}: cannot read fleet.db ({e})") from None
+
     def cuda(self, sink: _Sink) -> None:
         """CUDA calls on their thread's own track (tid = OS tid).
 
@@ -827,11 +898,25 @@ class _Exporter:
         sql = (f"SELECT pid, tid, timestamp_ns, timestamp_ns + duration_ns, {line} "
                f"FROM cuda_events WHERE duration_ns IS NOT NULL AND {self.where()} "
                "ORDER BY node_id, pid, tid, timestamp_ns")
+        tracks = self.tracks
+        if self.accel is not None:
+            # The C loop builds the same text itself from the raw columns.
+            sink.flush()
+            raw = ("SELECT pid, tid, timestamp_ns, duration_ns, timestamp_ns + duration_ns, "
+                   "api, layer, stream, bytes, memcpy_kind, kernel, device, return_code "
+                   f"FROM cuda_events WHERE duration_ns IS NOT NULL AND {self.where()} "
+                   "ORDER BY node_id, pid, tid, timestamp_ns")
+            n = self._accelerated(self.accel.cuda, raw, sink.extend_joined, sink.first, cp,
+                                  self.origin,
+                                  lambda pid, tid: tracks.thread(node_id, pid, tid),
+                                  tracks.lane)
+            self.stats.slices += n
+            self.count("cuda", n)
+            return
         cur_pid = cur_tid = None
         lanes = None        # lane stacks, only while something overlaps
         max_end = 0         # latest end on the track so far
         skip = 0            # length of the lane-0 prefix '{"ph":"X","pid":…,"tid":…,'
-        tracks = self.tracks
         n = 0
         rows = self.con.execute(sql, self.params)
         while True:
@@ -1220,7 +1305,7 @@ class _Exporter:
         sub.con = con if con is not None else self.con
         sub.only_node = node_id
         sub.tracks = Tracks(self.nodes_all, self.proc_rank, self.tracks.thread_comm)
-        sub.stats = ExportStats(origin_ns=self.origin)
+        sub.stats = ExportStats(origin_ns=self.origin, accelerated=self.accel is not None)
         sub._overflowed_nccl = {}
         return sub
 
@@ -1342,6 +1427,34 @@ class _Exporter:
         for k, v in r.stats.by_kind.items():
             self.count(k, v)
 
+    def accel_fits(self) -> bool:
+        """Whether the C loops can write every selected slice (every bound a number, CUDA
+        pids and tids integers). A scan of the tables: used only where a failure midway
+        could not be redone (stdout); file exports redo the file instead."""
+        num = "IN ('integer', 'real')"
+        checks = {
+            "cuda": [("cuda_events", "duration_ns IS NOT NULL AND NOT (typeof(pid) = "
+                      "'integer' AND typeof(tid) = 'integer' AND typeof(timestamp_ns) "
+                      f"{num} AND typeof(timestamp_ns + duration_ns) {num})")],
+            "nccl": [(t, f"NOT (typeof(timestamp_ns) {num} AND "
+                         f"typeof(timestamp_ns + duration_ns) {num})")
+                     for t in ("nccl_events", "nccl_comm_events")],
+            "sched": [("sched_events", f"NOT (typeof(timestamp_ns) {num} AND "
+                                       f"typeof(timestamp_ns + duration_ns) {num})")],
+            "block": [("block_events", f"NOT (typeof(timestamp_ns) {num} AND "
+                                       f"typeof(timestamp_ns + duration_ns) {num})")],
+        }
+        for kind, tables in checks.items():
+            if kind not in self.opts.kinds:
+                continue
+            for table, odd in tables:
+                per = table != "block_events"
+                if self.con.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {odd} AND "
+                                    f"{self.where(per_process=per)})",
+                                    self.params).fetchone()[0]:
+                    return False
+        return True
+
     def estimate(self) -> int:
         """Events the export will hold (for --max-events, before writing anything)."""
         k = self.opts.kinds
@@ -1403,12 +1516,22 @@ def export_chrome_trace(fleet_db, output=None, options: ExportOptions | None = N
         try:
             if output is None:
                 out = stdout if stdout is not None else sys.stdout.buffer
+                if exporter.accel is not None and not exporter.accel_fits():
+                    exporter.accel = None    # nothing written yet: decide up front
+                    exporter.stats.accelerated = False
                 stats = exporter.run(out, gzip_level=None, jobs=jobs, tmp_parent=None,
                                      tmp_prefix="ingero-export-")
                 out.flush()
                 stats.output = "-"
                 return stats
-            return _to_file(exporter, Path(output), opts, jobs)
+            try:
+                return _to_file(exporter, Path(output), opts, jobs)
+            except _AccelUnsupported:
+                # Odd values the C loops leave to Python: the whole file again without
+                # them (the temporary file is gone, the destination untouched).
+                exporter = _Exporter(con, dataclasses.replace(opts, accel=False),
+                                     str(fleet_db))
+                return _to_file(exporter, Path(output), opts, jobs)
         except apsw.Error as e:
             raise ExportError(f"{fleet_db}: cannot read fleet.db ({e})") from None
     finally:

@@ -1,0 +1,790 @@
+/* ingero-export's accelerator: the per-event loops of the slice sections in C.
+ *
+ * One shared object, two roles:
+ *  - a CPython extension module (_fastslices) the exporter calls;
+ *  - a SQLite loadable extension (entry point sqlite3_fastslices_init), loaded once into
+ *    a scratch apsw connection only to receive the routines table of apsw's own SQLite.
+ * The module then steps statements on the exporter's apsw connection through that table
+ * (its sqlite3* comes from Connection.sqlite3_pointer()): the same SQLite library, so
+ * printf and json_quote called from here give exactly the bytes the SQL of the Python
+ * path gives. Nothing links against another libsqlite3; only the headers are needed.
+ *
+ * The Python path in chrome_trace.py is the reference: each function here mirrors one of
+ * its loops (lane allocator, prefixes, 8192-event chunks) and tests compare the bytes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <sqlite3ext.h>
+#include <stdint.h>
+#include <string.h>
+
+static const sqlite3_api_routines *sqlite3_api = NULL;
+
+__attribute__((visibility("default")))
+int sqlite3_fastslices_init(sqlite3 *db, char **err, const sqlite3_api_routines *api)
+{
+    (void)db;
+    (void)err;
+    sqlite3_api = api;
+    return SQLITE_OK;
+}
+
+#define CHUNK_EVENTS 8192
+
+/* ------------------------------------------------------------------ byte buffer */
+
+typedef struct {
+    char *p;
+    size_t len, cap;
+} Buf;
+
+static int buf_grow(Buf *b, size_t need)
+{
+    if (b->len + need <= b->cap)
+        return 0;
+    size_t cap = b->cap ? b->cap : 1 << 16;
+    while (cap < b->len + need)
+        cap *= 2;
+    char *p = PyMem_Realloc(b->p, cap);
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int buf_add(Buf *b, const char *s, size_t n)
+{
+    if (buf_grow(b, n))
+        return -1;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    return 0;
+}
+
+#define BUF_LIT(b, s) buf_add((b), (s), sizeof(s) - 1)
+
+static inline int buf_i64(Buf *b, sqlite3_int64 v)
+{
+    char tmp[24];
+    char *e = tmp + sizeof tmp, *q = e;
+    sqlite3_uint64 u = v < 0 ? (sqlite3_uint64)0 - (sqlite3_uint64)v : (sqlite3_uint64)v;
+    do {
+        *--q = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        *--q = '-';
+    return buf_add(b, q, (size_t)(e - q));
+}
+
+/* ------------------------------------------------------------------ lane allocator */
+
+/* Slice bounds as Python compares them: ints and floats exactly (a long double holds
+ * every int64 and every double), NaN never ordered. */
+typedef long double Num;
+
+typedef struct {
+    Num *v;
+    Py_ssize_t n, cap;
+} Stack;
+
+typedef struct {
+    Stack *s;
+    Py_ssize_t n, cap;   /* lanes in use, allocated */
+} Lanes;
+
+static int stack_push(Stack *s, Num x)
+{
+    if (s->n == s->cap) {
+        Py_ssize_t cap = s->cap ? s->cap * 2 : 8;
+        Num *v = PyMem_Realloc(s->v, cap * sizeof *v);
+        if (!v) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->v = v;
+        s->cap = cap;
+    }
+    s->v[s->n++] = x;
+    return 0;
+}
+
+static int lanes_new(Lanes *l)
+{
+    if (l->n == l->cap) {
+        Py_ssize_t cap = l->cap ? l->cap * 2 : 4;
+        Stack *s = PyMem_Realloc(l->s, cap * sizeof *s);
+        if (!s) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(s + l->cap, 0, (cap - l->cap) * sizeof *s);
+        l->s = s;
+        l->cap = cap;
+    }
+    l->s[l->n++].n = 0;
+    return 0;
+}
+
+static void lanes_free(Lanes *l)
+{
+    for (Py_ssize_t i = 0; i < l->cap; i++)
+        PyMem_Free(l->s[i].v);
+    PyMem_Free(l->s);
+}
+
+/* chrome_trace._place: the first lane where [start, end) nests or follows. */
+static Py_ssize_t lanes_place(Lanes *l, Num start, Num end)
+{
+    for (Py_ssize_t i = 0; i < l->n; i++) {
+        Stack *s = &l->s[i];
+        while (s->n && s->v[s->n - 1] <= start)
+            s->n--;
+        if (!s->n || end <= s->v[s->n - 1])
+            return stack_push(s, end) ? -1 : i;
+    }
+    if (lanes_new(l) || stack_push(&l->s[l->n - 1], end))
+        return -1;
+    return l->n - 1;
+}
+
+/* Track state of one slice stream, as in the Python loops. */
+typedef struct {
+    Lanes lanes;
+    int open;                /* lanes is not None */
+    Num max_end;
+} Track;
+
+static void track_reset(Track *t, Num start)
+{
+    t->open = 0;
+    t->max_end = start;
+}
+
+/* The lane of [start, end): 0 on the fast path, -1 on error. */
+static Py_ssize_t track_lane(Track *t, Num start, Num end)
+{
+    if (start >= t->max_end) {
+        t->open = 0;
+        t->max_end = end;
+        return 0;
+    }
+    if (!t->open) {
+        t->lanes.n = 0;
+        if (lanes_new(&t->lanes) || stack_push(&t->lanes.s[0], t->max_end))
+            return -1;
+        t->open = 1;
+    }
+    Py_ssize_t lane = lanes_place(&t->lanes, start, end);
+    if (end > t->max_end)
+        t->max_end = end;
+    return lane;
+}
+
+/* ------------------------------------------------------------------ statements */
+
+static PyObject *Unsupported;   /* a value the accelerator does not handle */
+
+static int sql_error(sqlite3 *db)
+{
+    PyErr_Format(PyExc_RuntimeError, "%s", sqlite3_errmsg(db));
+    return -1;
+}
+
+static sqlite3_stmt *prepare(sqlite3 *db, PyObject *sql)
+{
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(sql, &n);
+    if (!s)
+        return NULL;
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(db, s, (int)n, &st, NULL) != SQLITE_OK) {
+        sql_error(db);
+        sqlite3_finalize(st);
+        return NULL;
+    }
+    return st;
+}
+
+/* Binds :name parameters from a dict of int/None (as apsw would). */
+static int bind_params(sqlite3 *db, sqlite3_stmt *st, PyObject *params)
+{
+    int n = sqlite3_bind_parameter_count(st);
+    for (int i = 1; i <= n; i++) {
+        const char *name = sqlite3_bind_parameter_name(st, i);
+        if (!name || (name[0] != ':' && name[0] != '$' && name[0] != '@')) {
+            PyErr_SetString(PyExc_ValueError, "only named parameters");
+            return -1;
+        }
+        PyObject *v = PyDict_GetItemString(params, name + 1);
+        int rc;
+        if (!v || v == Py_None)
+            rc = sqlite3_bind_null(st, i);
+        else if (PyLong_Check(v)) {
+            long long x = PyLong_AsLongLong(v);
+            if (x == -1 && PyErr_Occurred())
+                return -1;
+            rc = sqlite3_bind_int64(st, i, x);
+        } else {
+            PyErr_Format(PyExc_TypeError, "parameter %s: int or None", name);
+            return -1;
+        }
+        if (rc != SQLITE_OK)
+            return sql_error(db);
+    }
+    return 0;
+}
+
+/* A column as apsw gives it to Python. */
+static PyObject *column_object(sqlite3_stmt *st, int i)
+{
+    switch (sqlite3_column_type(st, i)) {
+    case SQLITE_INTEGER:
+        return PyLong_FromLongLong(sqlite3_column_int64(st, i));
+    case SQLITE_FLOAT:
+        return PyFloat_FromDouble(sqlite3_column_double(st, i));
+    case SQLITE_TEXT: {
+        const char *t = (const char *)sqlite3_column_text(st, i);
+        return PyUnicode_DecodeUTF8(t, sqlite3_column_bytes(st, i), NULL);
+    }
+    case SQLITE_BLOB:
+        return PyBytes_FromStringAndSize(sqlite3_column_blob(st, i), sqlite3_column_bytes(st, i));
+    default:
+        Py_RETURN_NONE;
+    }
+}
+
+/* Text that apsw would fail to decode fails here the same way. */
+static int check_utf8(const char *t, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if ((unsigned char)t[i] >= 0x80) {
+            PyObject *u = PyUnicode_DecodeUTF8(t, n, NULL);
+            if (!u)
+                return -1;
+            Py_DECREF(u);
+            return 0;
+        }
+    }
+    return 0;
+}
+
+/* A slice bound: an integer or a float; -1 with Unsupported set for anything else (the
+ * Python path would compare text or None with numbers: the caller falls back to it). */
+static int column_num(sqlite3_stmt *st, int i, Num *out)
+{
+    switch (sqlite3_column_type(st, i)) {
+    case SQLITE_INTEGER:
+        *out = (Num)sqlite3_column_int64(st, i);
+        return 0;
+    case SQLITE_FLOAT:
+        *out = (Num)sqlite3_column_double(st, i);
+        return 0;
+    default:
+        PyErr_Format(Unsupported, "column %d of a row is not a number", i);
+        return -1;
+    }
+}
+
+/* An integer column: -1 with Unsupported set for anything else. */
+static int column_i64(sqlite3_stmt *st, int i, sqlite3_int64 *out)
+{
+    if (sqlite3_column_type(st, i) != SQLITE_INTEGER) {
+        PyErr_Format(Unsupported, "column %d of a row is not an integer", i);
+        return -1;
+    }
+    *out = sqlite3_column_int64(st, i);
+    return 0;
+}
+
+/* The chunk being built: events joined by ",\n", with ",\n" in front when it does not
+ * start the section (as _Sink.extend writes it). */
+typedef struct {
+    Buf buf;
+    Py_ssize_t n;
+    int first;
+    PyObject *emit;
+    Py_ssize_t total;
+} Chunks;
+
+static int chunk_begin_event(Chunks *c)
+{
+    if (c->n || !c->first)
+        return BUF_LIT(&c->buf, ",\n");
+    return 0;
+}
+
+static int chunk_end_event(Chunks *c)
+{
+    if (++c->n < CHUNK_EVENTS)
+        return 0;
+    PyObject *r = PyObject_CallFunction(c->emit, "y#n", c->buf.p, (Py_ssize_t)c->buf.len, c->n);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    c->total += c->n;
+    c->first = 0;
+    c->n = 0;
+    c->buf.len = 0;
+    return 0;
+}
+
+static int chunk_finish(Chunks *c)
+{
+    if (!c->n)
+        return 0;
+    PyObject *r = PyObject_CallFunction(c->emit, "y#n", c->buf.p, (Py_ssize_t)c->buf.len, c->n);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    c->total += c->n;
+    c->first = 0;
+    c->n = 0;
+    c->buf.len = 0;
+    return 0;
+}
+
+static int add_prefix(Buf *b, long long pid, long long tid)
+{
+    if (BUF_LIT(b, "{\"ph\":\"X\",\"pid\":") || buf_i64(b, pid) || BUF_LIT(b, ",\"tid\":") ||
+        buf_i64(b, tid) || BUF_LIT(b, ","))
+        return -1;
+    return 0;
+}
+
+static int lane_tid(PyObject *lane_cb, long long pid, long long base, Py_ssize_t lane,
+                    long long *tid)
+{
+    PyObject *r = PyObject_CallFunction(lane_cb, "LLn", pid, base, lane);
+    if (!r)
+        return -1;
+    *tid = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return (*tid == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static sqlite3 *db_of(PyObject *ptr)
+{
+    if (!sqlite3_api) {
+        PyErr_SetString(PyExc_RuntimeError, "_fastslices: SQLite routines not loaded");
+        return NULL;
+    }
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (!p && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "null sqlite3 pointer");
+    return p;
+}
+
+/* ------------------------------------------------------------- generic slices */
+
+/* Key column as last seen: compared the way Python compares the objects. */
+typedef struct {
+    int type;
+    sqlite3_int64 i;
+    Buf text;
+    PyObject *obj;
+} KeyCol;
+
+static int key_same(KeyCol *k, sqlite3_stmt *st, int col, int *same)
+{
+    int t = sqlite3_column_type(st, col);
+    if (t == k->type) {
+        if (t == SQLITE_NULL) {
+            *same = 1;
+            return 0;
+        }
+        if (t == SQLITE_INTEGER) {
+            *same = sqlite3_column_int64(st, col) == k->i;
+            return 0;
+        }
+        if (t == SQLITE_TEXT) {
+            int n = sqlite3_column_bytes(st, col);
+            const void *p = sqlite3_column_text(st, col);
+            *same = (size_t)n == k->text.len && memcmp(p, k->text.p, n) == 0;
+            return 0;
+        }
+    }
+    PyObject *o = column_object(st, col);
+    if (!o)
+        return -1;
+    int ne = PyObject_RichCompareBool(o, k->obj, Py_NE);
+    Py_DECREF(o);
+    if (ne < 0)
+        return -1;
+    *same = !ne;
+    return 0;
+}
+
+static int key_set(KeyCol *k, sqlite3_stmt *st, int col)
+{
+    PyObject *o = column_object(st, col);
+    if (!o)
+        return -1;
+    Py_XSETREF(k->obj, o);
+    k->type = sqlite3_column_type(st, col);
+    k->text.len = 0;
+    if (k->type == SQLITE_INTEGER)
+        k->i = sqlite3_column_int64(st, col);
+    else if (k->type == SQLITE_TEXT)
+        return buf_add(&k->text, (const char *)sqlite3_column_text(st, col),
+                       sqlite3_column_bytes(st, col));
+    return 0;
+}
+
+/* slices(db, sql, params, emit, first, resolve, lane, overflowed) -> events
+ *
+ * Mirrors _Exporter._slices: rows (node_id, k1, k2, start, end, body) ordered by track
+ * and start; resolve(node_id, k1, k2) -> (pid, base tid) on each new track;
+ * lane(pid, base, n) -> tid of overflow lane n; overflowed (dict or None) gets
+ * (node_id, k1, k2, start, end) -> tid for each slice placed on an overflow lane.
+ * emit(chunk, n) receives the events in chunks of 8192.
+ */
+static PyObject *fs_slices(PyObject *self, PyObject *args)
+{
+    PyObject *ptr, *sql, *params, *emit, *resolve, *lane_cb, *overflowed;
+    int first;
+    if (!PyArg_ParseTuple(args, "OUO!OpOOO", &ptr, &sql, &PyDict_Type, &params, &emit, &first,
+                          &resolve, &lane_cb, &overflowed))
+        return NULL;
+    sqlite3 *db = db_of(ptr);
+    if (!db)
+        return NULL;
+    sqlite3_stmt *st = prepare(db, sql);
+    if (!st)
+        return NULL;
+    PyObject *result = NULL;
+    Chunks c = {{0}, 0, first, emit, 0};
+    Track tr = {{0}};
+    KeyCol key[3] = {{SQLITE_NULL, 0, {0}, NULL}, {SQLITE_NULL, 0, {0}, NULL},
+                     {SQLITE_NULL, 0, {0}, NULL}};
+    for (int i = 0; i < 3; i++) {
+        key[i].obj = Py_None;
+        Py_INCREF(Py_None);
+    }
+    long long pid = 0, base = 0;
+    Buf pre = {0};
+    if (bind_params(db, st, params))
+        goto done;
+    for (;;) {
+        int rc = sqlite3_step(st);
+        if (rc == SQLITE_DONE)
+            break;
+        if (rc != SQLITE_ROW) {
+            sql_error(db);
+            goto done;
+        }
+        int same = 1, s;
+        for (int i = 2; i >= 0 && same; i--) {    /* k2, k1, node_id: as Python tests */
+            if (key_same(&key[i], st, i, &s))
+                goto done;
+            same = s;
+        }
+        Num start, end;
+        if (column_num(st, 3, &start) || column_num(st, 4, &end))
+            goto done;
+        if (!same) {
+            for (int i = 0; i < 3; i++)
+                if (key_set(&key[i], st, i))
+                    goto done;
+            track_reset(&tr, start);
+            PyObject *r = PyObject_CallFunctionObjArgs(resolve, key[0].obj, key[1].obj,
+                                                       key[2].obj, NULL);
+            if (!r)
+                goto done;
+            int ok = PyArg_ParseTuple(r, "LL", &pid, &base);
+            Py_DECREF(r);
+            if (!ok)
+                goto done;
+            pre.len = 0;
+            if (add_prefix(&pre, pid, base))
+                goto done;
+        }
+        if (sqlite3_column_type(st, 5) != SQLITE_TEXT) {
+            PyErr_SetString(Unsupported, "slice body is not text");
+            goto done;
+        }
+        const char *body = (const char *)sqlite3_column_text(st, 5);
+        int body_n = sqlite3_column_bytes(st, 5);
+        if (check_utf8(body, body_n))
+            goto done;
+        Py_ssize_t lane = track_lane(&tr, start, end);
+        if (lane < 0 || chunk_begin_event(&c))
+            goto done;
+        if (lane == 0) {
+            if (buf_add(&c.buf, pre.p, pre.len))
+                goto done;
+        } else {
+            long long tid;
+            if (lane_tid(lane_cb, pid, base, lane, &tid) || add_prefix(&c.buf, pid, tid))
+                goto done;
+            if (overflowed != Py_None) {
+                PyObject *s0 = column_object(st, 3), *e0 = column_object(st, 4);
+                PyObject *k = s0 && e0 ? PyTuple_Pack(5, key[0].obj, key[1].obj, key[2].obj,
+                                                      s0, e0) : NULL;
+                Py_XDECREF(s0);
+                Py_XDECREF(e0);
+                PyObject *v = k ? PyLong_FromLongLong(tid) : NULL;
+                int bad = !v || PyObject_SetItem(overflowed, k, v);
+                Py_XDECREF(k);
+                Py_XDECREF(v);
+                if (bad)
+                    goto done;
+            }
+        }
+        if (buf_add(&c.buf, body, body_n) || chunk_end_event(&c))
+            goto done;
+    }
+    if (chunk_finish(&c))
+        goto done;
+    result = PyLong_FromSsize_t(c.total);
+done:
+    sqlite3_finalize(st);
+    PyMem_Free(c.buf.p);
+    PyMem_Free(pre.p);
+    lanes_free(&tr.lanes);
+    for (int i = 0; i < 3; i++) {
+        Py_XDECREF(key[i].obj);
+        PyMem_Free(key[i].text.p);
+    }
+    return result;
+}
+
+/* ------------------------------------------------------------------ CUDA */
+
+/* Values outside what the fast formatting handles are formatted by the same SQL
+ * expressions the Python path uses, on the same connection: the bytes cannot differ. */
+typedef struct {
+    sqlite3 *db;
+    sqlite3_stmt *quote;    /* json_quote(?1) */
+    sqlite3_stmt *ts;       /* printf('%.3f', (?1 - ?2) / 1000.0) */
+    sqlite3_stmt *dur;      /* printf('%.3f', (?1) / 1000.0) */
+} Slow;
+
+static int slow_text(Slow *sl, sqlite3_stmt **stp, const char *sql, sqlite3_value *a,
+                     sqlite3_int64 b, int nb, Buf *out)
+{
+    if (!*stp && sqlite3_prepare_v2(sl->db, sql, -1, stp, NULL) != SQLITE_OK)
+        return sql_error(sl->db);
+    sqlite3_stmt *st = *stp;
+    if (sqlite3_bind_value(st, 1, a) != SQLITE_OK ||
+        (nb && sqlite3_bind_int64(st, 2, b) != SQLITE_OK))
+        return sql_error(sl->db);
+    int rc = sqlite3_step(st);
+    if (rc != SQLITE_ROW) {
+        sqlite3_reset(st);
+        return sql_error(sl->db);
+    }
+    const char *t = (const char *)sqlite3_column_text(st, 0);
+    int n = sqlite3_column_bytes(st, 0);
+    int bad = check_utf8(t, n) || buf_add(out, t, n);
+    sqlite3_reset(st);
+    sqlite3_clear_bindings(st);
+    return bad ? -1 : 0;
+}
+
+/* ns as microseconds with 3 decimals, exactly as SQLite's printf('%.3f', ns / 1000.0):
+ * below 1e15 ns the double is within far less than half a thousandth of the decimal
+ * value and SQLite keeps 16 significant digits, so integer arithmetic gives the same
+ * digits. Anything larger goes through SQLite itself. */
+#define FAST_US_LIMIT 1000000000000000LL
+
+static int us3(Buf *b, sqlite3_int64 v)
+{
+    char tmp[32];
+    char *e = tmp + sizeof tmp, *q = e;
+    sqlite3_uint64 u = v < 0 ? (sqlite3_uint64)0 - (sqlite3_uint64)v : (sqlite3_uint64)v;
+    unsigned frac = (unsigned)(u % 1000);
+    u /= 1000;
+    *--q = (char)('0' + frac % 10);
+    *--q = (char)('0' + frac / 10 % 10);
+    *--q = (char)('0' + frac / 100);
+    *--q = '.';
+    do {
+        *--q = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        *--q = '-';
+    return buf_add(b, q, (size_t)(e - q));
+}
+
+/* json_quote(column): plain printable ASCII and integers here, the rest by SQLite. */
+static int quote_col(Slow *sl, sqlite3_stmt *st, int col, Buf *b)
+{
+    int t = sqlite3_column_type(st, col);
+    if (t == SQLITE_INTEGER)
+        return buf_i64(b, sqlite3_column_int64(st, col));
+    if (t == SQLITE_NULL)
+        return BUF_LIT(b, "null");
+    if (t == SQLITE_TEXT) {
+        const unsigned char *p = sqlite3_column_text(st, col);
+        int n = sqlite3_column_bytes(st, col);
+        int plain = 1;
+        for (int i = 0; i < n; i++) {
+            unsigned char ch = p[i];
+            if (ch < 0x20 || ch >= 0x80 || ch == '"' || ch == '\\') {
+                plain = 0;
+                break;
+            }
+        }
+        if (plain) {
+            if (buf_grow(b, (size_t)n + 2))
+                return -1;
+            b->p[b->len++] = '"';
+            memcpy(b->p + b->len, p, n);
+            b->len += n;
+            b->p[b->len++] = '"';
+            return 0;
+        }
+    }
+    return slow_text(sl, &sl->quote, "SELECT json_quote(?1)", sqlite3_column_value(st, col),
+                     0, 0, b);
+}
+
+static const char *const CUDA_ARGS[] = {"layer", "stream", "bytes", "memcpy_kind", "kernel",
+                                        "device", "return_code"};
+#define CUDA_NARGS 7
+
+/* cuda(db, sql, params, emit, first, chrome_pid, origin, thread, lane) -> events
+ *
+ * Mirrors _Exporter.cuda with the event text built here: rows (pid, tid, timestamp_ns,
+ * duration_ns, end, api, layer, stream, bytes, memcpy_kind, kernel, device,
+ * return_code) of one node ordered by pid, tid, timestamp_ns; thread(pid, tid) is called
+ * on each new track (Tracks.thread), lane(pid, tid, n) gives overflow lane n's tid.
+ */
+static PyObject *fs_cuda(PyObject *self, PyObject *args)
+{
+    PyObject *ptr, *sql, *params, *emit, *thread_cb, *lane_cb;
+    int first;
+    long long cp, origin;
+    if (!PyArg_ParseTuple(args, "OUO!OpLLOO", &ptr, &sql, &PyDict_Type, &params, &emit,
+                          &first, &cp, &origin, &thread_cb, &lane_cb))
+        return NULL;
+    sqlite3 *db = db_of(ptr);
+    if (!db)
+        return NULL;
+    sqlite3_stmt *st = prepare(db, sql);
+    if (!st)
+        return NULL;
+    PyObject *result = NULL;
+    Slow sl = {db, NULL, NULL, NULL};
+    Chunks c = {{0}, 0, first, emit, 0};
+    Track tr = {{0}};
+    int have = 0;
+    sqlite3_int64 cur_pid = 0, cur_tid = 0;
+    if (bind_params(db, st, params))
+        goto done;
+    for (;;) {
+        int rc = sqlite3_step(st);
+        if (rc == SQLITE_DONE)
+            break;
+        if (rc != SQLITE_ROW) {
+            sql_error(db);
+            goto done;
+        }
+        sqlite3_int64 pid, tid, dur;
+        Num ts, end;
+        if (column_i64(st, 0, &pid) || column_i64(st, 1, &tid) || column_num(st, 2, &ts) ||
+            column_num(st, 4, &end))
+            goto done;
+        if (!have || tid != cur_tid || pid != cur_pid) {
+            have = 1;
+            cur_pid = pid;
+            cur_tid = tid;
+            track_reset(&tr, ts);
+            PyObject *r = PyObject_CallFunction(thread_cb, "LL", (long long)pid, (long long)tid);
+            if (!r)
+                goto done;
+            Py_DECREF(r);
+        }
+        Py_ssize_t lane = track_lane(&tr, ts, end);
+        if (lane < 0 || chunk_begin_event(&c))
+            goto done;
+        long long shown = tid;
+        if (lane && lane_tid(lane_cb, cp, tid, lane, &shown))
+            goto done;
+        Buf *b = &c.buf;
+        if (add_prefix(b, cp, shown) || BUF_LIT(b, "\"ts\":"))
+            goto done;
+        sqlite3_int64 rel;
+        if (sqlite3_column_type(st, 2) == SQLITE_INTEGER &&
+            !__builtin_sub_overflow(sqlite3_column_int64(st, 2), origin, &rel) &&
+            rel < FAST_US_LIMIT && rel > -FAST_US_LIMIT) {
+            if (us3(b, rel))
+                goto done;
+        } else if (slow_text(&sl, &sl.ts, "SELECT printf('%.3f', (?1 - ?2) / 1000.0)",
+                             sqlite3_column_value(st, 2), origin, 1, b))
+            goto done;
+        if (BUF_LIT(b, ",\"dur\":"))
+            goto done;
+        if (sqlite3_column_type(st, 3) == SQLITE_INTEGER &&
+            (dur = sqlite3_column_int64(st, 3)) < FAST_US_LIMIT && dur > -FAST_US_LIMIT) {
+            if (us3(b, dur))
+                goto done;
+        } else if (slow_text(&sl, &sl.dur, "SELECT printf('%.3f', (?1) / 1000.0)",
+                             sqlite3_column_value(st, 3), 0, 0, b))
+            goto done;
+        if (BUF_LIT(b, ",\"name\":") || quote_col(&sl, st, 5, b) ||
+            BUF_LIT(b, ",\"cat\":\"cuda\",\"args\":{"))
+            goto done;
+        int any = 0;
+        for (int i = 0; i < CUDA_NARGS; i++) {
+            int col = 6 + i;
+            if (sqlite3_column_type(st, col) == SQLITE_NULL)
+                continue;
+            if ((any && BUF_LIT(b, ",")) || BUF_LIT(b, "\"") ||
+                buf_add(b, CUDA_ARGS[i], strlen(CUDA_ARGS[i])) || BUF_LIT(b, "\":") ||
+                quote_col(&sl, st, col, b))
+                goto done;
+            any = 1;
+        }
+        if (BUF_LIT(b, "}}") || chunk_end_event(&c))
+            goto done;
+    }
+    if (chunk_finish(&c))
+        goto done;
+    result = PyLong_FromSsize_t(c.total);
+done:
+    sqlite3_finalize(st);
+    sqlite3_finalize(sl.quote);
+    sqlite3_finalize(sl.ts);
+    sqlite3_finalize(sl.dur);
+    PyMem_Free(c.buf.p);
+    lanes_free(&tr.lanes);
+    return result;
+}
+
+static PyObject *fs_ready(PyObject *self, PyObject *noargs)
+{
+    return PyBool_FromLong(sqlite3_api != NULL);
+}
+
+static PyMethodDef methods[] = {
+    {"slices", fs_slices, METH_VARARGS, "Slice rows with SQLite-built bodies, in chunks."},
+    {"cuda", fs_cuda, METH_VARARGS, "CUDA call slices, text built here, in chunks."},
+    {"ready", fs_ready, METH_NOARGS, "True once SQLite's routines are loaded."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastslices",
+    "C loops for ingero-export's slice sections (see chrome_trace.py).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fastslices(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Unsupported = PyErr_NewException("_fastslices.Unsupported", PyExc_ValueError, NULL);
+    if (!Unsupported || PyModule_AddObject(m, "Unsupported", Unsupported)) {
+        Py_XDECREF(Unsupported);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(Unsupported);
+    return m;
+}
