@@ -44,7 +44,7 @@ import apsw
 import orjson
 
 from .. import __version__
-from ..db import connect_readonly
+from ..db import harden
 from ..errors import IngeroError
 from ..merge.fleet_schema import FLEET_APPLICATION_ID, FLEET_VERSION
 
@@ -191,6 +191,14 @@ def load_accel():
 
 # ------------------------------------------------------------------------ the fleet
 
+def connect_fleet(path) -> apsw.Connection:
+    """db.connect_readonly without SQLite's per-connection mutex: an export connection is
+    only ever used by one thread, and the C loops read columns a dozen times per row
+    (each read would lock and unlock it)."""
+    return harden(apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY
+                                  | apsw.SQLITE_OPEN_NOMUTEX))
+
+
 def open_fleet(path) -> apsw.Connection:
     path = Path(path)
     if not path.exists():
@@ -204,7 +212,7 @@ def open_fleet(path) -> apsw.Connection:
         raise ExportError(f"{path}: not a fleet.db (not a SQLite database; bundles are "
                           "merged first with ingero-merge)")
     try:
-        con = connect_readonly(path)
+        con = connect_fleet(path)
         app = con.execute("PRAGMA application_id").fetchone()[0]
         ver = con.execute("PRAGMA user_version").fetchone()[0]
     except apsw.Error as e:
@@ -614,7 +622,7 @@ def _worker_main(exporter, tasks, gzip_level, conn) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     path = None
     try:
-        con = connect_readonly(exporter.path)   # never the parent's connection across fork
+        con = connect_fleet(exporter.path)   # never the parent's connection across fork
         try:
             out = []
             for node_id, path in tasks:
@@ -1012,17 +1020,23 @@ class _Exporter:
         key_prev = None
         flow_id = 0
         lane_of = self._overflowed_nccl
+        family = {}         # (node_id, pid, tid) -> (cp, tid): the first call allocates
+        add = sink.add
         for comm, seq, node_id, pid, tid, ts, ts_ns, dur in self.con.execute(sql, self.params):
-            cp, ct = self.tracks.family(node_id, pid, tid, "nccl", 1)
-            ct = lane_of.get((node_id, pid, tid, ts_ns, ts_ns + dur), ct)
-            here = (cp, ct, ts)
+            track = family.get((node_id, pid, tid))
+            if track is None:
+                track = family[(node_id, pid, tid)] = self.tracks.family(
+                    node_id, pid, tid, "nccl", 1)
+            cp, ct = track
+            if lane_of:
+                ct = lane_of.get((node_id, pid, tid, ts_ns, ts_ns + dur), ct)
             if key_prev == (comm, seq):
                 flow_id += 1
-                sink.add(f'{{"ph":"s","id":{flow_id},"pid":{prev[0]},"tid":{prev[1]},'
-                         f'"ts":{prev[2]},"name":"collective","cat":"nccl"}}')
-                sink.add(f'{{"ph":"f","bp":"e","id":{flow_id},"pid":{cp},"tid":{ct},'
-                         f'"ts":{ts},"name":"collective","cat":"nccl"}}')
-            key_prev, prev = (comm, seq), here
+                add(f'{{"ph":"s","id":{flow_id},"pid":{prev[0]},"tid":{prev[1]},'
+                    f'"ts":{prev[2]},"name":"collective","cat":"nccl"}}')
+                add(f'{{"ph":"f","bp":"e","id":{flow_id},"pid":{cp},"tid":{ct},'
+                    f'"ts":{ts},"name":"collective","cat":"nccl"}}')
+            key_prev, prev = (comm, seq), (cp, ct, ts)
         self.stats.flows += flow_id
         self.count("nccl", 2 * flow_id)
 
