@@ -289,17 +289,6 @@ static int column_num(sqlite3_stmt *st, int i, Num *out)
     }
 }
 
-/* An integer column: -1 with Unsupported set for anything else. */
-static int column_i64(sqlite3_stmt *st, int i, sqlite3_int64 *out)
-{
-    if (sqlite3_column_type(st, i) != SQLITE_INTEGER) {
-        PyErr_Format(Unsupported, "column %d of a row is not an integer", i);
-        return -1;
-    }
-    *out = sqlite3_column_int64(st, i);
-    return 0;
-}
-
 /* The chunk being built: events joined by ",\n", with ",\n" in front when it does not
  * start the section (as _Sink.extend writes it). */
 typedef struct {
@@ -378,7 +367,7 @@ static sqlite3 *db_of(PyObject *ptr)
     return p;
 }
 
-/* ------------------------------------------------------------- generic slices */
+/* ------------------------------------------------------------------ tracks */
 
 /* Key column as last seen: compared the way Python compares the objects. */
 typedef struct {
@@ -434,125 +423,7 @@ static int key_set(KeyCol *k, sqlite3_stmt *st, int col)
     return 0;
 }
 
-/* slices(db, sql, params, emit, first, resolve, lane, overflowed) -> events
- *
- * Mirrors _Exporter._slices: rows (node_id, k1, k2, start, end, body) ordered by track
- * and start; resolve(node_id, k1, k2) -> (pid, base tid) on each new track;
- * lane(pid, base, n) -> tid of overflow lane n; overflowed (dict or None) gets
- * (node_id, k1, k2, start, end) -> tid for each slice placed on an overflow lane.
- * emit(chunk, n) receives the events in chunks of 8192.
- */
-static PyObject *fs_slices(PyObject *self, PyObject *args)
-{
-    PyObject *ptr, *sql, *params, *emit, *resolve, *lane_cb, *overflowed;
-    int first;
-    if (!PyArg_ParseTuple(args, "OUO!OpOOO", &ptr, &sql, &PyDict_Type, &params, &emit, &first,
-                          &resolve, &lane_cb, &overflowed))
-        return NULL;
-    sqlite3 *db = db_of(ptr);
-    if (!db)
-        return NULL;
-    sqlite3_stmt *st = prepare(db, sql);
-    if (!st)
-        return NULL;
-    PyObject *result = NULL;
-    Chunks c = {{0}, 0, first, emit, 0};
-    Track tr = {{0}};
-    KeyCol key[3] = {{SQLITE_NULL, 0, {0}, NULL}, {SQLITE_NULL, 0, {0}, NULL},
-                     {SQLITE_NULL, 0, {0}, NULL}};
-    for (int i = 0; i < 3; i++) {
-        key[i].obj = Py_None;
-        Py_INCREF(Py_None);
-    }
-    long long pid = 0, base = 0;
-    Buf pre = {0};
-    if (bind_params(db, st, params))
-        goto done;
-    for (;;) {
-        int rc = sqlite3_step(st);
-        if (rc == SQLITE_DONE)
-            break;
-        if (rc != SQLITE_ROW) {
-            sql_error(db);
-            goto done;
-        }
-        int same = 1, s;
-        for (int i = 2; i >= 0 && same; i--) {    /* k2, k1, node_id: as Python tests */
-            if (key_same(&key[i], st, i, &s))
-                goto done;
-            same = s;
-        }
-        Num start, end;
-        if (column_num(st, 3, &start) || column_num(st, 4, &end))
-            goto done;
-        if (!same) {
-            for (int i = 0; i < 3; i++)
-                if (key_set(&key[i], st, i))
-                    goto done;
-            track_reset(&tr, start);
-            PyObject *r = PyObject_CallFunctionObjArgs(resolve, key[0].obj, key[1].obj,
-                                                       key[2].obj, NULL);
-            if (!r)
-                goto done;
-            int ok = PyArg_ParseTuple(r, "LL", &pid, &base);
-            Py_DECREF(r);
-            if (!ok)
-                goto done;
-            pre.len = 0;
-            if (add_prefix(&pre, pid, base))
-                goto done;
-        }
-        if (sqlite3_column_type(st, 5) != SQLITE_TEXT) {
-            PyErr_SetString(Unsupported, "slice body is not text");
-            goto done;
-        }
-        const char *body = (const char *)sqlite3_column_text(st, 5);
-        int body_n = sqlite3_column_bytes(st, 5);
-        if (check_utf8(body, body_n))
-            goto done;
-        Py_ssize_t lane = track_lane(&tr, start, end);
-        if (lane < 0 || chunk_begin_event(&c))
-            goto done;
-        if (lane == 0) {
-            if (buf_add(&c.buf, pre.p, pre.len))
-                goto done;
-        } else {
-            long long tid;
-            if (lane_tid(lane_cb, pid, base, lane, &tid) || add_prefix(&c.buf, pid, tid))
-                goto done;
-            if (overflowed != Py_None) {
-                PyObject *s0 = column_object(st, 3), *e0 = column_object(st, 4);
-                PyObject *k = s0 && e0 ? PyTuple_Pack(5, key[0].obj, key[1].obj, key[2].obj,
-                                                      s0, e0) : NULL;
-                Py_XDECREF(s0);
-                Py_XDECREF(e0);
-                PyObject *v = k ? PyLong_FromLongLong(tid) : NULL;
-                int bad = !v || PyObject_SetItem(overflowed, k, v);
-                Py_XDECREF(k);
-                Py_XDECREF(v);
-                if (bad)
-                    goto done;
-            }
-        }
-        if (buf_add(&c.buf, body, body_n) || chunk_end_event(&c))
-            goto done;
-    }
-    if (chunk_finish(&c))
-        goto done;
-    result = PyLong_FromSsize_t(c.total);
-done:
-    sqlite3_finalize(st);
-    PyMem_Free(c.buf.p);
-    PyMem_Free(pre.p);
-    lanes_free(&tr.lanes);
-    for (int i = 0; i < 3; i++) {
-        Py_XDECREF(key[i].obj);
-        PyMem_Free(key[i].text.p);
-    }
-    return result;
-}
-
-/* ------------------------------------------------------------------ CUDA */
+/* ------------------------------------------------------- events built here */
 
 /* Values outside what the fast formatting handles are formatted by the same SQL
  * expressions the Python path uses, on the same connection: the bytes cannot differ. */
@@ -644,37 +515,189 @@ static int quote_col(Slow *sl, sqlite3_stmt *st, int col, Buf *b)
                      0, 0, b);
 }
 
-static const char *const CUDA_ARGS[] = {"layer", "stream", "bytes", "memcpy_kind", "kernel",
-                                        "device", "return_code"};
-#define CUDA_NARGS 7
+/* One layout of event text: its category and args (name, kind, column). */
+typedef struct {
+    Buf cat;                /* "<cat>" as bytes */
+    Py_ssize_t nargs;
+    Buf *keys;              /* ,"key": (the comma dropped for the first arg) */
+    char *kinds;            /* 'q': json_quote(col); 'b': integer as true/false */
+    int first_col;
+} Layout;
 
-/* cuda(db, sql, params, emit, first, chrome_pid, origin, thread, lane) -> events
- *
- * Mirrors _Exporter.cuda with the event text built here: rows (pid, tid, timestamp_ns,
- * duration_ns, end, api, layer, stream, bytes, memcpy_kind, kernel, device,
- * return_code) of one node ordered by pid, tid, timestamp_ns; thread(pid, tid) is called
- * on each new track (Tracks.thread), lane(pid, tid, n) gives overflow lane n's tid.
- */
-static PyObject *fs_cuda(PyObject *self, PyObject *args)
+static void layouts_free(Layout *ls, Py_ssize_t n)
 {
-    PyObject *ptr, *sql, *params, *emit, *thread_cb, *lane_cb;
-    int first;
-    long long cp, origin;
-    if (!PyArg_ParseTuple(args, "OUO!OpLLOO", &ptr, &sql, &PyDict_Type, &params, &emit,
-                          &first, &cp, &origin, &thread_cb, &lane_cb))
+    for (Py_ssize_t i = 0; ls && i < n; i++) {
+        PyMem_Free(ls[i].cat.p);
+        for (Py_ssize_t k = 0; ls[i].keys && k < ls[i].nargs; k++)
+            PyMem_Free(ls[i].keys[k].p);
+        PyMem_Free(ls[i].keys);
+        PyMem_Free(ls[i].kinds);
+    }
+    PyMem_Free(ls);
+}
+
+/* layouts: a tuple of (cat, (key, ...), kinds, first arg column). */
+static Layout *layouts_parse(PyObject *spec, Py_ssize_t *n_out)
+{
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 1) {
+        PyErr_SetString(PyExc_TypeError, "layouts: a non-empty tuple");
         return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(spec);
+    Layout *ls = PyMem_Calloc(n, sizeof *ls);
+    if (!ls)
+        return (Layout *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *cat, *kinds;
+        Py_ssize_t cat_n, kinds_n;
+        PyObject *keys;
+        Layout *l = &ls[i];
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(spec, i), "s#O!s#i", &cat, &cat_n, &PyTuple_Type,
+                              &keys, &kinds, &kinds_n, &l->first_col))
+            goto fail;
+        l->nargs = PyTuple_GET_SIZE(keys);
+        if (kinds_n != l->nargs) {
+            PyErr_SetString(PyExc_ValueError, "layouts: one kind per key");
+            goto fail;
+        }
+        l->keys = PyMem_Calloc(l->nargs ? l->nargs : 1, sizeof *l->keys);
+        l->kinds = PyMem_Malloc(kinds_n + 1);
+        if (!l->keys || !l->kinds) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        memcpy(l->kinds, kinds, kinds_n + 1);
+        if (BUF_LIT(&l->cat, "\"") || buf_add(&l->cat, cat, cat_n) || BUF_LIT(&l->cat, "\""))
+            goto fail;
+        for (Py_ssize_t k = 0; k < l->nargs; k++) {
+            Py_ssize_t kn;
+            const char *key = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(keys, k), &kn);
+            if (!key || BUF_LIT(&l->keys[k], ",\"") || buf_add(&l->keys[k], key, kn) ||
+                BUF_LIT(&l->keys[k], "\":"))
+                goto fail;
+        }
+    }
+    *n_out = n;
+    return ls;
+fail:
+    layouts_free(ls, n);
+    return NULL;
+}
+
+/* "ts":…(,"dur":… | ,"s":"t"),"name":…,"cat":…,"args":{…}} after the prefix, as the
+ * Python path's SQL (_head and _args in chrome_trace.py) writes it. */
+static int event_text(Slow *sl, sqlite3_stmt *st, Buf *b, int slice, sqlite3_int64 origin,
+                      Layout *ls, Py_ssize_t nl)
+{
+    sqlite3_int64 rel, dur;
+    if (BUF_LIT(b, "\"ts\":"))
+        return -1;
+    if (sqlite3_column_type(st, 5) == SQLITE_INTEGER &&
+        !__builtin_sub_overflow(sqlite3_column_int64(st, 5), origin, &rel) &&
+        rel < FAST_US_LIMIT && rel > -FAST_US_LIMIT) {
+        if (us3(b, rel))
+            return -1;
+    } else if (slow_text(sl, &sl->ts, "SELECT printf('%.3f', (?1 - ?2) / 1000.0)",
+                         sqlite3_column_value(st, 5), origin, 1, b))
+        return -1;
+    if (slice) {
+        if (BUF_LIT(b, ",\"dur\":"))
+            return -1;
+        if (sqlite3_column_type(st, 6) == SQLITE_INTEGER &&
+            (dur = sqlite3_column_int64(st, 6)) < FAST_US_LIMIT && dur > -FAST_US_LIMIT) {
+            if (us3(b, dur))
+                return -1;
+        } else if (slow_text(sl, &sl->dur, "SELECT printf('%.3f', (?1) / 1000.0)",
+                             sqlite3_column_value(st, 6), 0, 0, b))
+            return -1;
+    } else if (BUF_LIT(b, ",\"s\":\"t\""))
+        return -1;
+    Layout *l = ls;
+    if (nl > 1) {
+        sqlite3_int64 which = sqlite3_column_int64(st, 8);
+        if (sqlite3_column_type(st, 8) != SQLITE_INTEGER || which < 0 || which >= nl) {
+            PyErr_SetString(PyExc_ValueError, "bad layout column");
+            return -1;
+        }
+        l = &ls[which];
+    }
+    if (BUF_LIT(b, ",\"name\":") || quote_col(sl, st, 7, b) || BUF_LIT(b, ",\"cat\":") ||
+        buf_add(b, l->cat.p, l->cat.len) || BUF_LIT(b, ",\"args\":{"))
+        return -1;
+    int any = 0;
+    for (Py_ssize_t k = 0; k < l->nargs; k++) {
+        int col = l->first_col + (int)k;
+        int t = sqlite3_column_type(st, col);
+        if (t == SQLITE_NULL)
+            continue;
+        const Buf *key = &l->keys[k];
+        if (buf_add(b, key->p + (any ? 0 : 1), key->len - (any ? 0 : 1)))
+            return -1;
+        any = 1;
+        if (l->kinds[k] == 'b') {
+            if (t != SQLITE_INTEGER) {
+                PyErr_SetString(PyExc_ValueError, "bool arg: an integer column");
+                return -1;
+            }
+            if (sqlite3_column_int64(st, col) ? BUF_LIT(b, "true") : BUF_LIT(b, "false"))
+                return -1;
+        } else if (quote_col(sl, st, col, b))
+            return -1;
+    }
+    return BUF_LIT(b, "}}");
+}
+
+/* events(db, sql, params, emit, first, ph, origin, layouts, resolve, lane, overflowed)
+ *   -> events
+ *
+ * Rows: (k0, k1, k2, start, end, ts, dur, name, layout, args...) ordered by track
+ * (k0, k1, k2) and start. resolve(k0, k1, k2) -> (pid, tid) on each new track.
+ * ph "X": slices placed by the lane allocator of _Exporter._slices (lane(pid, tid, n)
+ * gives overflow lane n's tid; overflowed, a dict or None, gets
+ * (k0, k1, k2, start, end) -> tid for those); ph "i": thread-scoped instants (start,
+ * end and dur unused). The layout column picks one of several layouts (when more than
+ * one). emit(chunk, n) receives the events in chunks of 8192.
+ */
+static PyObject *fs_events(PyObject *self, PyObject *args)
+{
+    PyObject *ptr, *sql, *params, *emit, *resolve, *lane_cb, *overflowed, *spec;
+    int first;
+    const char *ph;
+    long long origin;
+    if (!PyArg_ParseTuple(args, "OUO!OpsLOOOO", &ptr, &sql, &PyDict_Type, &params, &emit,
+                          &first, &ph, &origin, &spec, &resolve, &lane_cb, &overflowed))
+        return NULL;
+    int slice = ph[0] == 'X';
+    if (!slice && ph[0] != 'i') {
+        PyErr_SetString(PyExc_ValueError, "ph: X or i");
+        return NULL;
+    }
     sqlite3 *db = db_of(ptr);
     if (!db)
         return NULL;
-    sqlite3_stmt *st = prepare(db, sql);
-    if (!st)
+    Py_ssize_t nl = 0;
+    Layout *ls = layouts_parse(spec, &nl);
+    if (!ls)
         return NULL;
+    sqlite3_stmt *st = prepare(db, sql);
+    if (!st) {
+        layouts_free(ls, nl);
+        return NULL;
+    }
     PyObject *result = NULL;
     Slow sl = {db, NULL, NULL, NULL};
     Chunks c = {{0}, 0, first, emit, 0};
-    Track tr = {{0}};
-    int have = 0;
-    sqlite3_int64 cur_pid = 0, cur_tid = 0;
+    Track tr;
+    memset(&tr, 0, sizeof tr);
+    KeyCol key[3];
+    memset(key, 0, sizeof key);
+    for (int i = 0; i < 3; i++) {
+        key[i].type = SQLITE_NULL;
+        key[i].obj = Py_None;
+        Py_INCREF(Py_None);
+    }
+    long long pid = 0, base = 0;
+    Buf pre = {0};
     if (bind_params(db, st, params))
         goto done;
     for (;;) {
@@ -685,63 +708,66 @@ static PyObject *fs_cuda(PyObject *self, PyObject *args)
             sql_error(db);
             goto done;
         }
-        sqlite3_int64 pid, tid, dur;
-        Num ts, end;
-        if (column_i64(st, 0, &pid) || column_i64(st, 1, &tid) || column_num(st, 2, &ts) ||
-            column_num(st, 4, &end))
+        int same = 1, s;
+        for (int i = 2; i >= 0 && same; i--) {    /* k2, k1, k0: as Python tests */
+            if (key_same(&key[i], st, i, &s))
+                goto done;
+            same = s;
+        }
+        Num start = 0, end = 0;
+        if (slice && (column_num(st, 3, &start) || column_num(st, 4, &end)))
             goto done;
-        if (!have || tid != cur_tid || pid != cur_pid) {
-            have = 1;
-            cur_pid = pid;
-            cur_tid = tid;
-            track_reset(&tr, ts);
-            PyObject *r = PyObject_CallFunction(thread_cb, "LL", (long long)pid, (long long)tid);
+        if (!same) {
+            for (int i = 0; i < 3; i++)
+                if (key_set(&key[i], st, i))
+                    goto done;
+            track_reset(&tr, start);
+            PyObject *r = PyObject_CallFunctionObjArgs(resolve, key[0].obj, key[1].obj,
+                                                       key[2].obj, NULL);
             if (!r)
                 goto done;
+            /* ints only: the Python path would print any other object as it is */
+            int ok = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2 &&
+                     PyLong_CheckExact(PyTuple_GET_ITEM(r, 0)) &&
+                     PyLong_CheckExact(PyTuple_GET_ITEM(r, 1));
+            if (!ok)
+                PyErr_SetString(Unsupported, "a track id that is not an integer");
+            else
+                ok = PyArg_ParseTuple(r, "LL", &pid, &base);
             Py_DECREF(r);
+            if (!ok)
+                goto done;
+            pre.len = 0;
+            if (BUF_LIT(&pre, "{\"ph\":\"") || buf_add(&pre, ph, 1) ||
+                BUF_LIT(&pre, "\",\"pid\":") || buf_i64(&pre, pid) ||
+                BUF_LIT(&pre, ",\"tid\":") || buf_i64(&pre, base) || BUF_LIT(&pre, ","))
+                goto done;
         }
-        Py_ssize_t lane = track_lane(&tr, ts, end);
+        Py_ssize_t lane = slice ? track_lane(&tr, start, end) : 0;
         if (lane < 0 || chunk_begin_event(&c))
             goto done;
-        long long shown = tid;
-        if (lane && lane_tid(lane_cb, cp, tid, lane, &shown))
-            goto done;
-        Buf *b = &c.buf;
-        if (add_prefix(b, cp, shown) || BUF_LIT(b, "\"ts\":"))
-            goto done;
-        sqlite3_int64 rel;
-        if (sqlite3_column_type(st, 2) == SQLITE_INTEGER &&
-            !__builtin_sub_overflow(sqlite3_column_int64(st, 2), origin, &rel) &&
-            rel < FAST_US_LIMIT && rel > -FAST_US_LIMIT) {
-            if (us3(b, rel))
+        if (lane == 0) {
+            if (buf_add(&c.buf, pre.p, pre.len))
                 goto done;
-        } else if (slow_text(&sl, &sl.ts, "SELECT printf('%.3f', (?1 - ?2) / 1000.0)",
-                             sqlite3_column_value(st, 2), origin, 1, b))
-            goto done;
-        if (BUF_LIT(b, ",\"dur\":"))
-            goto done;
-        if (sqlite3_column_type(st, 3) == SQLITE_INTEGER &&
-            (dur = sqlite3_column_int64(st, 3)) < FAST_US_LIMIT && dur > -FAST_US_LIMIT) {
-            if (us3(b, dur))
+        } else {
+            long long tid;
+            if (lane_tid(lane_cb, pid, base, lane, &tid) || add_prefix(&c.buf, pid, tid))
                 goto done;
-        } else if (slow_text(&sl, &sl.dur, "SELECT printf('%.3f', (?1) / 1000.0)",
-                             sqlite3_column_value(st, 3), 0, 0, b))
-            goto done;
-        if (BUF_LIT(b, ",\"name\":") || quote_col(&sl, st, 5, b) ||
-            BUF_LIT(b, ",\"cat\":\"cuda\",\"args\":{"))
-            goto done;
-        int any = 0;
-        for (int i = 0; i < CUDA_NARGS; i++) {
-            int col = 6 + i;
-            if (sqlite3_column_type(st, col) == SQLITE_NULL)
-                continue;
-            if ((any && BUF_LIT(b, ",")) || BUF_LIT(b, "\"") ||
-                buf_add(b, CUDA_ARGS[i], strlen(CUDA_ARGS[i])) || BUF_LIT(b, "\":") ||
-                quote_col(&sl, st, col, b))
-                goto done;
-            any = 1;
+            if (overflowed != Py_None) {
+                PyObject *s0 = column_object(st, 3), *e0 = column_object(st, 4);
+                PyObject *k = s0 && e0 ? PyTuple_Pack(5, key[0].obj, key[1].obj, key[2].obj,
+                                                      s0, e0) : NULL;
+                Py_XDECREF(s0);
+                Py_XDECREF(e0);
+                PyObject *v = k ? PyLong_FromLongLong(tid) : NULL;
+                int bad = !v || PyObject_SetItem(overflowed, k, v);
+                Py_XDECREF(k);
+                Py_XDECREF(v);
+                if (bad)
+                    goto done;
+            }
         }
-        if (BUF_LIT(b, "}}") || chunk_end_event(&c))
+        if (event_text(&sl, st, &c.buf, slice, origin, ls, nl) || chunk_end_event(&c))
             goto done;
     }
     if (chunk_finish(&c))
@@ -753,7 +779,13 @@ done:
     sqlite3_finalize(sl.ts);
     sqlite3_finalize(sl.dur);
     PyMem_Free(c.buf.p);
+    PyMem_Free(pre.p);
     lanes_free(&tr.lanes);
+    layouts_free(ls, nl);
+    for (int i = 0; i < 3; i++) {
+        Py_XDECREF(key[i].obj);
+        PyMem_Free(key[i].text.p);
+    }
     return result;
 }
 
@@ -763,8 +795,7 @@ static PyObject *fs_ready(PyObject *self, PyObject *noargs)
 }
 
 static PyMethodDef methods[] = {
-    {"slices", fs_slices, METH_VARARGS, "Slice rows with SQLite-built bodies, in chunks."},
-    {"cuda", fs_cuda, METH_VARARGS, "CUDA call slices, text built here, in chunks."},
+    {"events", fs_events, METH_VARARGS, "Slices or instants, text built here, in chunks."},
     {"ready", fs_ready, METH_NOARGS, "True once SQLite's routines are loaded."},
     {NULL, NULL, 0, NULL},
 };

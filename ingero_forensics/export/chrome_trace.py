@@ -52,6 +52,14 @@ KINDS = ("nccl", "cuda", "tcp", "sched", "block", "host")
 #: event_stats.source -> the --kinds name it belongs to
 _STAT_KIND = {"nccl": "nccl", "cuda": "cuda", "sched": "sched", "block": "block", "tcp": "tcp"}
 _CHUNK_EVENTS = 8192
+#: Event args in output order (the accelerated SQL selects them in this order).
+_CUDA_ARGS = ("layer", "stream", "bytes", "memcpy_kind", "kernel", "device", "return_code")
+_NCCL_ARGS = ("op", "bytes", "comm", "seq", "rank", "nranks", "count", "datatype", "redop",
+              "peer", "stream", "group_depth", "return_code", "call_duration_ns",
+              "completion_utc_ns", "late_ns", "wait_ns", "entry_spread_ns", "ranks_seen",
+              "last_to_arrive")
+_NCCL_COMM_ARGS = ("api", "comm", "parent", "split_color", "split_key", "rank", "nranks",
+                   "return_code")
 #: Synthetic track ids start above any Linux tid (pid_max <= 2^22) and stay below 2^31.
 _SYNTHETIC_TID = 1 << 30
 _NS = 1_000_000_000
@@ -824,17 +832,17 @@ class _Exporter:
         self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + n
 
     # -- slice streams ------------------------------------------------------------
-    def _slices(self, sink: _Sink, sql: str, kind: str, resolve, overflowed=None) -> None:
+    def _slices(self, sink: _Sink, sql: str, kind: str, resolve, overflowed=None,
+                fast=None) -> None:
         """Rows (node_id, k1, k2, start, end, body): body is JSON after pid/tid.
 
         resolve(node_id, k1, k2) -> (chrome pid, base tid) of the track. Slices placed on
-        an overflow lane are recorded in ``overflowed`` when given. The C loop
-        (_fastslices.slices) when loaded; the loop below is the reference.
+        an overflow lane are recorded in ``overflowed`` when given. With the accelerator,
+        ``fast`` (raw-column SQL, layouts) goes to the C loop instead (_events); the loop
+        below is the reference.
         """
         if self.accel is not None:
-            sink.flush()
-            n = self._accelerated(self.accel.slices, sql, sink.extend_joined, sink.first,
-                                  resolve, self.tracks.lane, overflowed)
+            n = self._events(sink, "X", fast[0], fast[1], resolve, overflowed)
             self.stats.slices += n
             self.count(kind, n)
             return
@@ -879,10 +887,17 @@ class _Exporter:
         self.stats.slices += n
         self.count(kind, n)
 
-    def _accelerated(self, fn, sql: str, *args) -> int:
-        """One C loop over ``sql`` on this exporter's connection."""
+    def _events(self, sink: _Sink, ph: str, sql: str, layouts: tuple, resolve,
+                overflowed=None) -> int:
+        """The C loop (_fastslices.events) over raw-column rows ``(k0, k1, k2, start, end,
+        ts, dur, name, layout, args...)``: the text the SQL of the Python path builds,
+        built in C. layouts: ((cat, arg keys, kinds, first arg column), ...), picked by the
+        layout column; kinds 'q' json_quote, 'b' integer as true/false."""
+        sink.flush()
         try:
-            return fn(self.con.sqlite3_pointer(), sql, self.params, *args)
+            return self.accel.events(self.con.sqlite3_pointer(), sql, self.params,
+                                     sink.extend_joined, sink.first, ph, self.origin,
+                                     layouts, resolve, self.tracks.lane, overflowed)
         except self.accel.Unsupported as e:
             raise _AccelUnsupported(str(e)) from None
         except RuntimeError as e:      # SQLite's error, as apsw would raise it
@@ -908,16 +923,12 @@ class _Exporter:
                "ORDER BY node_id, pid, tid, timestamp_ns")
         tracks = self.tracks
         if self.accel is not None:
-            # The C loop builds the same text itself from the raw columns.
-            sink.flush()
-            raw = ("SELECT pid, tid, timestamp_ns, duration_ns, timestamp_ns + duration_ns, "
-                   "api, layer, stream, bytes, memcpy_kind, kernel, device, return_code "
-                   f"FROM cuda_events WHERE duration_ns IS NOT NULL AND {self.where()} "
-                   "ORDER BY node_id, pid, tid, timestamp_ns")
-            n = self._accelerated(self.accel.cuda, raw, sink.extend_joined, sink.first, cp,
-                                  self.origin,
-                                  lambda pid, tid: tracks.thread(node_id, pid, tid),
-                                  tracks.lane)
+            raw = ("SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, "
+                   "timestamp_ns, duration_ns, api, 0, layer, stream, bytes, memcpy_kind, "
+                   f"kernel, device, return_code FROM cuda_events WHERE duration_ns IS NOT "
+                   f"NULL AND {self.where()} ORDER BY node_id, pid, tid, timestamp_ns")
+            n = self._events(sink, "X", raw, (("cuda", _CUDA_ARGS, "q" * 7, 9),),
+                             tracks.thread)
             self.stats.slices += n
             self.count("cuda", n)
             return
@@ -965,6 +976,15 @@ class _Exporter:
                f"{_args(chr(39) + 'layer' + chr(39), 'layer', chr(39) + 'stream' + chr(39), 'stream')} || '}}' "
                f"FROM cuda_events WHERE duration_ns IS NULL AND {self.where()} "
                "ORDER BY node_id, pid, tid, timestamp_ns, id")
+        if self.accel is not None:
+            raw = ("SELECT node_id, pid, tid, NULL, NULL, timestamp_ns, NULL, api, 0, layer, "
+                   f"stream FROM cuda_events WHERE duration_ns IS NULL AND {self.where()} "
+                   "ORDER BY node_id, pid, tid, timestamp_ns, id")
+            n = self._events(sink, "i", raw, (("cuda", ("layer", "stream"), "qq", 9),),
+                             self.tracks.thread)
+            self.stats.instants += n
+            self.count("cuda", n)
+            return
         n = 0
         for node_id, pid, tid, body in self.con.execute(sql, self.params):
             cp, ct = self.tracks.thread(node_id, pid, tid)
@@ -1003,9 +1023,34 @@ class _Exporter:
                f"UNION ALL SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, "
                f"1, id, {comm} FROM nccl_comm_events WHERE {self.where()}) "
                "ORDER BY node_id, pid, tid, ts, src, id")
+        fast = None
+        if self.accel is not None:
+            coll_args = ("e.op, e.bytes, e.comm_id_hash, e.seq, e.rank, e.nranks, e.count, "
+                         "e.datatype, e.redop, e.peer, e.stream, e.group_depth, "
+                         "e.return_code, e.call_duration_ns, e.completion_ns, "
+                         "e.timestamp_ns - c.first_entry_ns, "
+                         "max(0, c.last_entry_ns - e.timestamp_ns), c.entry_spread_ns, "
+                         "c.ranks_seen, CASE WHEN c.collective_id IS NULL THEN NULL WHEN "
+                         "c.last_node_id = e.node_id AND c.last_rank IS e.rank THEN 1 "
+                         "ELSE 0 END")
+            raw = (f"SELECT node_id, pid, tid, ts, te, ts, dur, name, src, * FROM ("
+                   f"SELECT e.node_id, e.pid, e.tid, e.timestamp_ns AS ts, "
+                   f"e.timestamp_ns + e.duration_ns AS te, e.duration_ns AS dur, "
+                   f"e.op AS name, 0 AS src, e.id, {coll_args}, {', '.join(['NULL'] * 8)} "
+                   f"FROM nccl_events e LEFT JOIN collectives c "
+                   f"ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
+                   f"WHERE {self.where('e')} "
+                   f"UNION ALL SELECT node_id, pid, tid, timestamp_ns, "
+                   f"timestamp_ns + duration_ns, duration_ns, api, 1, id, "
+                   f"{', '.join(['NULL'] * 20)}, api, comm_id_hash, parent_hash, split_color, "
+                   f"split_key, rank, nranks, return_code FROM nccl_comm_events "
+                   f"WHERE {self.where()}) ORDER BY node_id, pid, tid, ts, src, id")
+            # '*' puts the subquery's 9 leading columns again at 9..17: args from 18
+            fast = (raw, (("nccl", _NCCL_ARGS, "q" * 19 + "b", 18),
+                          ("nccl", _NCCL_COMM_ARGS, "q" * 8, 38)))
         self._slices(sink, sql, "nccl",
                      lambda nid, pid, tid: self.tracks.family(nid, pid, tid, "nccl", 1),
-                     self._overflowed_nccl)
+                     self._overflowed_nccl, fast)
 
     def flows(self, sink: _Sink) -> None:
         """Arrows chaining each collective's slices in arrival order across its ranks."""
@@ -1048,8 +1093,18 @@ class _Exporter:
         sql = (f"SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, {body} "
                f"FROM sched_events WHERE {self.where()} ORDER BY node_id, pid, tid, "
                "timestamp_ns, id")
+        fast = None
+        if self.accel is not None:
+            fast = ("SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, "
+                    "timestamp_ns, duration_ns, kind || CASE WHEN prev_state IS NOT NULL "
+                    "THEN ' (' || prev_state || ')' ELSE '' END, 0, kind, cpu, prev_state, "
+                    f"other_pid, other_tid, other_comm FROM sched_events WHERE {self.where()} "
+                    "ORDER BY node_id, pid, tid, timestamp_ns, id",
+                    (("sched", ("kind", "cpu", "prev_state", "other_pid", "other_tid",
+                                "other_comm"), "q" * 6, 9),))
         self._slices(sink, sql, "sched",
-                     lambda nid, pid, tid: self.tracks.family(nid, pid, tid, "sched", 8))
+                     lambda nid, pid, tid: self.tracks.family(nid, pid, tid, "sched", 8),
+                     fast=fast)
 
     def block(self, sink: _Sink) -> None:
         body = (f"""{_head('block', 'timestamp_ns', 'duration_ns', 'op')} ||
@@ -1064,7 +1119,15 @@ class _Exporter:
             cp = self.tracks.by_node[nid].pid
             return cp, self.tracks.synthetic(cp, ("block", device), 3_000_000_000,
                                              f"block I/O · {device}")
-        self._slices(sink, sql, "block", resolve)
+        fast = None
+        if self.accel is not None:
+            fast = ("SELECT node_id, device, NULL, timestamp_ns, timestamp_ns + duration_ns, "
+                    "timestamp_ns, duration_ns, op, 0, device, bytes, sector, rwbs, pid, tid, "
+                    f"comm, error FROM block_events WHERE {self.where(per_process=False)} "
+                    "ORDER BY node_id, device, timestamp_ns, id",
+                    (("block", ("device", "bytes", "sector", "rwbs", "pid", "tid", "comm",
+                                "error"), "q" * 8, 9),))
+        self._slices(sink, sql, "block", resolve, fast=fast)
 
     def tcp(self, sink: _Sink) -> None:
         body = (f"""{_head('tcp', 'timestamp_ns', None, "CASE event WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END || ' ' || saddr || ':' || sport || ' > ' || daddr || ':' || dport")} ||
@@ -1074,6 +1137,24 @@ class _Exporter:
                         "'srtt_us'", 'srtt_us', "'snd_cwnd'", 'snd_cwnd')} || '}}'""")
         sql = (f"SELECT node_id, scope, {body} FROM tcp_events "
                f"WHERE {self.where(per_process=False)} ORDER BY node_id, timestamp_ns, id")
+        if self.accel is not None:
+            def resolve(nid, scope, _):
+                cp = self.tracks.by_node[nid].pid
+                return cp, self.tracks.synthetic(cp, ("tcp", scope), 2_000_000_000
+                                                 + (scope != "job"), f"TCP · {scope} connections")
+            raw = ("SELECT node_id, scope, NULL, NULL, NULL, timestamp_ns, NULL, CASE event "
+                   "WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END || ' ' || "
+                   "saddr || ':' || sport || ' > ' || daddr || ':' || dport, 0, event, saddr, "
+                   "sport, daddr, dport, state, scope, owner_pid, srtt_us, snd_cwnd "
+                   f"FROM tcp_events WHERE {self.where(per_process=False)} "
+                   "ORDER BY node_id, timestamp_ns, id")
+            n = self._events(sink, "i", raw, (("tcp", ("event", "saddr", "sport", "daddr",
+                                                        "dport", "state", "scope", "owner_pid",
+                                                        "srtt_us", "snd_cwnd"), "q" * 10, 9),),
+                             resolve)
+            self.stats.instants += n
+            self.count("tcp", n)
+            return
         n = 0
         for node_id, scope, body in self.con.execute(sql, self.params):
             cp = self.tracks.by_node[node_id].pid
