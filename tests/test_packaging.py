@@ -1,6 +1,7 @@
 """Every subpackage ships in the wheel, and so do the report templates."""
 
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -33,6 +34,13 @@ def test_installed_wheel_runs_the_pipeline(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "-w", str(wheels), str(ROOT)], check=True, capture_output=True)
     (wheel,) = wheels.glob("ingero_forensics-*.whl")
+    import zipfile
+    names = zipfile.ZipFile(wheel).namelist()
+    # The export accelerator is optional; where it can be built (gcc and the SQLite
+    # headers, as scripts/test.sh installs), the wheel must carry it.
+    can_build = shutil.which("gcc") and Path("/usr/include/sqlite3ext.h").exists()
+    built = any(re.match(r"ingero_forensics/export/_fastslices\..*\.so$", n) for n in names)
+    assert built or not can_build, "the wheel lacks ingero_forensics.export._fastslices"
     venv = tmp_path / "venv"
     # system site-packages: the dependencies already installed for this interpreter
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
@@ -50,6 +58,12 @@ def test_installed_wheel_runs_the_pipeline(tmp_path):
         "--fault", "cpu", "--seed", "5")
     run("ingero-merge", "b", "-o", "fleet.db", "-q")
     out = run("ingero-report", "fleet.db", "-o", "report.html")
+    accel = subprocess.run([str(py), "-c", "from ingero_forensics.export.chrome_trace import "
+                            "ExportOptions, export_chrome_trace as e; "
+                            "print(e('fleet.db', 't.json', ExportOptions()).accelerated)"],
+                           cwd=work, check=True, capture_output=True, text=True).stdout
+    assert accel.strip() == str(bool(built))
+    assert (work / "t.json").stat().st_size > 0
     assert "Report written" in out.stdout
     html = (work / "report.html").read_text()
     assert "<style>" in html and "Straggler report" in html
