@@ -789,6 +789,152 @@ done:
     return result;
 }
 
+/* ts (column col) as the Python path's SQL formats it: printf('%.3f', (ts - :origin) /
+ * 1000.0). */
+static int ts_text(Slow *sl, sqlite3_stmt *st, int col, sqlite3_int64 origin, Buf *b)
+{
+    sqlite3_int64 rel;
+    if (sqlite3_column_type(st, col) == SQLITE_INTEGER &&
+        !__builtin_sub_overflow(sqlite3_column_int64(st, col), origin, &rel) &&
+        rel < FAST_US_LIMIT && rel > -FAST_US_LIMIT)
+        return us3(b, rel);
+    return slow_text(sl, &sl->ts, "SELECT printf('%.3f', (?1 - ?2) / 1000.0)",
+                     sqlite3_column_value(st, col), origin, 1, b);
+}
+
+static int flow_event(Buf *b, const char *head, size_t head_n, long long id, long long pid,
+                      long long tid, const Buf *ts)
+{
+    return buf_add(b, head, head_n) || buf_i64(b, id) || BUF_LIT(b, ",\"pid\":") ||
+           buf_i64(b, pid) || BUF_LIT(b, ",\"tid\":") || buf_i64(b, tid) ||
+           BUF_LIT(b, ",\"ts\":") || buf_add(b, ts->p, ts->len) ||
+           BUF_LIT(b, ",\"name\":\"collective\",\"cat\":\"nccl\"}");
+}
+
+/* flows(db, sql, params, emit, first, origin, track, lane_of) -> arrows
+ *
+ * Mirrors _Exporter.flows: rows (comm, seq, node_id, pid, tid, timestamp_ns,
+ * duration_ns) in arrival order per collective; track(node_id, pid, tid) -> (pid, tid)
+ * of the thread's NCCL track, moved to lane_of[(node_id, pid, tid, ts, ts + dur)] when
+ * that slice overflowed. An s/f pair per consecutive pair of rows of one collective.
+ */
+static PyObject *fs_flows(PyObject *self, PyObject *args)
+{
+    PyObject *ptr, *sql, *params, *emit, *track, *lane_of;
+    int first;
+    long long origin;
+    if (!PyArg_ParseTuple(args, "OUO!OpLOO!", &ptr, &sql, &PyDict_Type, &params, &emit,
+                          &first, &origin, &track, &PyDict_Type, &lane_of))
+        return NULL;
+    sqlite3 *db = db_of(ptr);
+    if (!db)
+        return NULL;
+    sqlite3_stmt *st = prepare(db, sql);
+    if (!st)
+        return NULL;
+    PyObject *result = NULL;
+    Slow sl = {db, NULL, NULL, NULL};
+    Chunks c = {{0}, 0, first, emit, 0};
+    KeyCol key[2];
+    memset(key, 0, sizeof key);
+    int have = 0;
+    long long flow_id = 0, prev_pid = 0, prev_tid = 0;
+    Buf ts = {0}, prev_ts = {0};
+    if (bind_params(db, st, params))
+        goto done;
+    for (;;) {
+        int rc = sqlite3_step(st);
+        if (rc == SQLITE_DONE)
+            break;
+        if (rc != SQLITE_ROW) {
+            sql_error(db);
+            goto done;
+        }
+        PyObject *nid = column_object(st, 2), *pid_o = column_object(st, 3),
+                 *tid_o = column_object(st, 4);
+        PyObject *r = nid && pid_o && tid_o ?
+                      PyObject_CallFunctionObjArgs(track, nid, pid_o, tid_o, NULL) : NULL;
+        long long cp = 0, ct = 0;
+        int ok = r && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2;
+        PyObject *ct_o = ok ? PyTuple_GET_ITEM(r, 1) : NULL;
+        if (ok && PyDict_GET_SIZE(lane_of)) {
+            PyObject *t0 = column_object(st, 5), *d = column_object(st, 6);
+            PyObject *t1 = t0 && d ? PyNumber_Add(t0, d) : NULL;
+            PyObject *k = t1 ? PyTuple_Pack(5, nid, pid_o, tid_o, t0, t1) : NULL;
+            PyObject *moved = k ? PyDict_GetItemWithError(lane_of, k) : NULL;
+            if (moved)
+                ct_o = moved;
+            else if (PyErr_Occurred())
+                ok = 0;
+            Py_XDECREF(t0);
+            Py_XDECREF(d);
+            Py_XDECREF(t1);
+            Py_XDECREF(k);    /* moved stays alive: lane_of holds it */
+        }
+        if (ok && !(PyLong_CheckExact(PyTuple_GET_ITEM(r, 0)) && PyLong_CheckExact(ct_o))) {
+            PyErr_SetString(Unsupported, "a track id that is not an integer");
+            ok = 0;
+        }
+        if (ok) {
+            cp = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 0));
+            ct = PyLong_AsLongLong(ct_o);
+            ok = !PyErr_Occurred();
+        }
+        Py_XDECREF(nid);
+        Py_XDECREF(pid_o);
+        Py_XDECREF(tid_o);
+        Py_XDECREF(r);
+        if (!ok)
+            goto done;
+        ts.len = 0;
+        if (ts_text(&sl, st, 5, origin, &ts))
+            goto done;
+        int same = have, s;
+        for (int i = 0; i < 2 && same; i++) {
+            if (key_same(&key[i], st, i, &s))
+                goto done;
+            same = s;
+        }
+        if (same) {
+            flow_id++;
+            if (chunk_begin_event(&c) ||
+                flow_event(&c.buf, "{\"ph\":\"s\",\"id\":", 15, flow_id, prev_pid, prev_tid,
+                           &prev_ts) ||
+                chunk_end_event(&c) || chunk_begin_event(&c) ||
+                flow_event(&c.buf, "{\"ph\":\"f\",\"bp\":\"e\",\"id\":", 24, flow_id, cp, ct,
+                           &ts) ||
+                chunk_end_event(&c))
+                goto done;
+        } else {
+            have = 1;
+            for (int i = 0; i < 2; i++)
+                if (key_set(&key[i], st, i))
+                    goto done;
+        }
+        prev_pid = cp;
+        prev_tid = ct;
+        Buf tmp = prev_ts;
+        prev_ts = ts;
+        ts = tmp;
+    }
+    if (chunk_finish(&c))
+        goto done;
+    result = PyLong_FromLongLong(flow_id);
+done:
+    sqlite3_finalize(st);
+    sqlite3_finalize(sl.quote);
+    sqlite3_finalize(sl.ts);
+    sqlite3_finalize(sl.dur);
+    PyMem_Free(c.buf.p);
+    PyMem_Free(ts.p);
+    PyMem_Free(prev_ts.p);
+    for (int i = 0; i < 2; i++) {
+        Py_XDECREF(key[i].obj);
+        PyMem_Free(key[i].text.p);
+    }
+    return result;
+}
+
 static PyObject *fs_ready(PyObject *self, PyObject *noargs)
 {
     return PyBool_FromLong(sqlite3_api != NULL);
@@ -796,6 +942,7 @@ static PyObject *fs_ready(PyObject *self, PyObject *noargs)
 
 static PyMethodDef methods[] = {
     {"events", fs_events, METH_VARARGS, "Slices or instants, text built here, in chunks."},
+    {"flows", fs_flows, METH_VARARGS, "Flow arrows between a collective's slices."},
     {"ready", fs_ready, METH_NOARGS, "True once SQLite's routines are loaded."},
     {NULL, NULL, 0, NULL},
 };

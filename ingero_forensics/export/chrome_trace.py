@@ -894,10 +894,14 @@ class _Exporter:
         built in C. layouts: ((cat, arg keys, kinds, first arg column), ...), picked by the
         layout column; kinds 'q' json_quote, 'b' integer as true/false."""
         sink.flush()
+        return self._c(self.accel.events, sql, sink.extend_joined, sink.first, ph,
+                       self.origin, layouts, resolve, self.tracks.lane, overflowed)
+
+    def _c(self, fn, sql: str, *args):
+        """A C loop over ``sql`` on this exporter's connection; its errors as the Python
+        path's would be (SQLite's become ExportError, like apsw.Error)."""
         try:
-            return self.accel.events(self.con.sqlite3_pointer(), sql, self.params,
-                                     sink.extend_joined, sink.first, ph, self.origin,
-                                     layouts, resolve, self.tracks.lane, overflowed)
+            return fn(self.con.sqlite3_pointer(), sql, self.params, *args)
         except self.accel.Unsupported as e:
             raise _AccelUnsupported(str(e)) from None
         except RuntimeError as e:      # SQLite's error, as apsw would raise it
@@ -1061,18 +1065,32 @@ class _Exporter:
                "e.node_id, e.rank, e.id")
         # The slice's track: lane 0 of its thread's nccl track, unless it overflowed, in
         # which case it sits on a lane track; rerun the placement to find which.
+        lane_of = self._overflowed_nccl
+        family = {}         # (node_id, pid, tid) -> (cp, tid): the first call allocates
+
+        def track(node_id, pid, tid):
+            t = family.get((node_id, pid, tid))
+            if t is None:
+                t = family[(node_id, pid, tid)] = self.tracks.family(node_id, pid, tid,
+                                                                     "nccl", 1)
+            return t
+        if self.accel is not None:
+            raw = ("SELECT e.comm_id_hash, e.seq, e.node_id, e.pid, e.tid, e.timestamp_ns, "
+                   "e.duration_ns FROM nccl_events e WHERE e.comm_id_hash IS NOT NULL AND "
+                   f"e.seq IS NOT NULL AND {self.where('e')} ORDER BY e.comm_id_hash, e.seq, "
+                   "e.timestamp_ns, e.node_id, e.rank, e.id")
+            sink.flush()
+            flow_id = self._c(self.accel.flows, raw, sink.extend_joined, sink.first,
+                              self.origin, track, lane_of)
+            self.stats.flows += flow_id
+            self.count("nccl", 2 * flow_id)
+            return
         prev = None
         key_prev = None
         flow_id = 0
-        lane_of = self._overflowed_nccl
-        family = {}         # (node_id, pid, tid) -> (cp, tid): the first call allocates
         add = sink.add
         for comm, seq, node_id, pid, tid, ts, ts_ns, dur in self.con.execute(sql, self.params):
-            track = family.get((node_id, pid, tid))
-            if track is None:
-                track = family[(node_id, pid, tid)] = self.tracks.family(
-                    node_id, pid, tid, "nccl", 1)
-            cp, ct = track
+            cp, ct = track(node_id, pid, tid)
             if lane_of:
                 ct = lane_of.get((node_id, pid, tid, ts_ns, ts_ns + dur), ct)
             if key_prev == (comm, seq):
