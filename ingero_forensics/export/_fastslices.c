@@ -656,16 +656,20 @@ static int event_text(Slow *sl, sqlite3_stmt *st, Buf *b, int slice, sqlite3_int
  * gives overflow lane n's tid; overflowed, a dict or None, gets
  * (k0, k1, k2, start, end) -> tid for those); ph "i": thread-scoped instants (start,
  * end and dur unused). The layout column picks one of several layouts (when more than
- * one). emit(chunk, n) receives the events in chunks of 8192.
+ * one). emit(chunk, n) receives the events in chunks of 8192. With emit2, rows whose dur
+ * is NULL are thread instants of their track instead, a second stream to emit2 (CUDA:
+ * slices and entry-only calls from one pass over the index).
  */
 static PyObject *fs_events(PyObject *self, PyObject *args)
 {
     PyObject *ptr, *sql, *params, *emit, *resolve, *lane_cb, *overflowed, *spec;
+    PyObject *emit2 = Py_None;
     int first;
     const char *ph;
     long long origin;
-    if (!PyArg_ParseTuple(args, "OUO!OpsLOOOO", &ptr, &sql, &PyDict_Type, &params, &emit,
-                          &first, &ph, &origin, &spec, &resolve, &lane_cb, &overflowed))
+    if (!PyArg_ParseTuple(args, "OUO!OpsLOOOO|O", &ptr, &sql, &PyDict_Type, &params, &emit,
+                          &first, &ph, &origin, &spec, &resolve, &lane_cb, &overflowed,
+                          &emit2))
         return NULL;
     int slice = ph[0] == 'X';
     if (!slice && ph[0] != 'i') {
@@ -687,6 +691,9 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     Slow sl = {db, NULL, NULL, NULL};
     Chunks c = {{0}, 0, first, emit, 0};
+    Chunks c2 = {{0}, 0, 1, emit2, 0};
+    int reset = 0;
+    Buf pre_i = {0};
     Track tr;
     memset(&tr, 0, sizeof tr);
     KeyCol key[3];
@@ -714,14 +721,11 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
                 goto done;
             same = s;
         }
-        Num start = 0, end = 0;
-        if (slice && (column_num(st, 3, &start) || column_num(st, 4, &end)))
-            goto done;
         if (!same) {
             for (int i = 0; i < 3; i++)
                 if (key_set(&key[i], st, i))
                     goto done;
-            track_reset(&tr, start);
+            reset = 1;
             PyObject *r = PyObject_CallFunctionObjArgs(resolve, key[0].obj, key[1].obj,
                                                        key[2].obj, NULL);
             if (!r)
@@ -742,6 +746,24 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
                 BUF_LIT(&pre, "\",\"pid\":") || buf_i64(&pre, pid) ||
                 BUF_LIT(&pre, ",\"tid\":") || buf_i64(&pre, base) || BUF_LIT(&pre, ","))
                 goto done;
+            pre_i.len = 0;
+            if (BUF_LIT(&pre_i, "{\"ph\":\"i\",\"pid\":") || buf_i64(&pre_i, pid) ||
+                BUF_LIT(&pre_i, ",\"tid\":") || buf_i64(&pre_i, base) || BUF_LIT(&pre_i, ","))
+                goto done;
+        }
+        if (emit2 != Py_None && sqlite3_column_type(st, 6) == SQLITE_NULL) {
+            /* an instant of the same track, for the other stream */
+            if (chunk_begin_event(&c2) || buf_add(&c2.buf, pre_i.p, pre_i.len) ||
+                event_text(&sl, st, &c2.buf, 0, origin, ls, nl) || chunk_end_event(&c2))
+                goto done;
+            continue;
+        }
+        Num start = 0, end = 0;
+        if (slice && (column_num(st, 3, &start) || column_num(st, 4, &end)))
+            goto done;
+        if (reset) {        /* the track's first slice */
+            track_reset(&tr, start);
+            reset = 0;
         }
         Py_ssize_t lane = slice ? track_lane(&tr, start, end) : 0;
         if (lane < 0 || chunk_begin_event(&c))
@@ -770,7 +792,7 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
         if (event_text(&sl, st, &c.buf, slice, origin, ls, nl) || chunk_end_event(&c))
             goto done;
     }
-    if (chunk_finish(&c))
+    if (chunk_finish(&c) || chunk_finish(&c2))
         goto done;
     result = PyLong_FromSsize_t(c.total);
 done:
@@ -779,7 +801,9 @@ done:
     sqlite3_finalize(sl.ts);
     sqlite3_finalize(sl.dur);
     PyMem_Free(c.buf.p);
+    PyMem_Free(c2.buf.p);
     PyMem_Free(pre.p);
+    PyMem_Free(pre_i.p);
     lanes_free(&tr.lanes);
     layouts_free(ls, nl);
     for (int i = 0; i < 3; i++) {

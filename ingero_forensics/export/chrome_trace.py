@@ -394,6 +394,47 @@ class _Sink:
         self.buf.clear()
 
 
+class _Spill:
+    """Chunks of joined events kept for a later section, in a temporary file (memory stays
+    flat) shared by the sections of one process: ``holder`` is {"f": file} once created.
+    Written in a forked worker, it is that worker's own file."""
+
+    def __init__(self, holder: dict):
+        self.holder = holder
+        self.chunks: list[tuple[int, int, int]] = []     # (offset, length, events)
+
+    def write(self, data: bytes, n: int) -> None:
+        f = self.holder.get("f")
+        if f is None:
+            f = self.holder["f"] = tempfile.TemporaryFile(prefix="ingero-export-")
+        offset = f.seek(0, os.SEEK_END)
+        f.write(data)
+        self.chunks.append((offset, len(data), n))
+
+    def replay(self, sink: "_Sink") -> int:
+        """The chunks into ``sink`` as they were written: the bytes and chunking the C
+        loop would have given the sink directly. Returns the number of events."""
+        if not self.chunks:
+            return 0
+        f = self.holder["f"]
+        f.flush()
+        sink.flush()
+        total = 0
+        for offset, length, n in self.chunks:
+            data = os.pread(f.fileno(), length, offset)
+            if len(data) != length:
+                raise ExportError(f"{f.name}: temporary file ended early")
+            sink.extend_joined(data, n)
+            total += n
+        return total
+
+    @staticmethod
+    def close(holder: dict) -> None:
+        f = holder.pop("f", None)
+        if f is not None:
+            f.close()
+
+
 # ------------------------------------------------------------------- part files
 
 @dataclass
@@ -782,6 +823,8 @@ class _Exporter:
         self._overflowed_nccl = {}
         self.analysis = None       # run_analysis(): while the workers work, if any
         self.accel = load_accel() if opts.accel else None
+        self._spill_file = {}      # {"f": temporary file} once something spills
+        self._cuda_instants = None
         self.stats.accelerated = self.accel is not None
 
     def run_analysis(self) -> None:
@@ -927,12 +970,20 @@ class _Exporter:
                "ORDER BY node_id, pid, tid, timestamp_ns")
         tracks = self.tracks
         if self.accel is not None:
+            # One pass over the node's calls: the entry-only ones (instants, a later
+            # section) go to a spill file, replayed by cuda_instants. The id tiebreak is
+            # the index's own order, which both Python queries get.
             raw = ("SELECT node_id, pid, tid, timestamp_ns, timestamp_ns + duration_ns, "
-                   "timestamp_ns, duration_ns, api, 0, layer, stream, bytes, memcpy_kind, "
-                   f"kernel, device, return_code FROM cuda_events WHERE duration_ns IS NOT "
-                   f"NULL AND {self.where()} ORDER BY node_id, pid, tid, timestamp_ns")
-            n = self._events(sink, "X", raw, (("cuda", _CUDA_ARGS, "q" * 7, 9),),
-                             tracks.thread)
+                   "timestamp_ns, duration_ns, api, duration_ns IS NULL, layer, stream, "
+                   "bytes, memcpy_kind, kernel, device, return_code FROM cuda_events "
+                   f"WHERE {self.where()} ORDER BY node_id, pid, tid, timestamp_ns, id")
+            spill = _Spill(self._spill_file)
+            sink.flush()
+            n = self._c(self.accel.events, raw, sink.extend_joined, sink.first, "X",
+                        self.origin, (("cuda", _CUDA_ARGS, "q" * 7, 9),
+                                      ("cuda", ("layer", "stream"), "qq", 9)),
+                        tracks.thread, tracks.lane, None, spill.write)
+            self._cuda_instants = spill
             self.stats.slices += n
             self.count("cuda", n)
             return
@@ -980,12 +1031,9 @@ class _Exporter:
                f"{_args(chr(39) + 'layer' + chr(39), 'layer', chr(39) + 'stream' + chr(39), 'stream')} || '}}' "
                f"FROM cuda_events WHERE duration_ns IS NULL AND {self.where()} "
                "ORDER BY node_id, pid, tid, timestamp_ns, id")
-        if self.accel is not None:
-            raw = ("SELECT node_id, pid, tid, NULL, NULL, timestamp_ns, NULL, api, 0, layer, "
-                   f"stream FROM cuda_events WHERE duration_ns IS NULL AND {self.where()} "
-                   "ORDER BY node_id, pid, tid, timestamp_ns, id")
-            n = self._events(sink, "i", raw, (("cuda", ("layer", "stream"), "qq", 9),),
-                             self.tracks.thread)
+        if self._cuda_instants is not None:      # written by the accelerated cuda()
+            n = self._cuda_instants.replay(sink)
+            self._cuda_instants = None
             self.stats.instants += n
             self.count("cuda", n)
             return
@@ -1419,6 +1467,7 @@ class _Exporter:
         sub.only_node = node_id
         sub.tracks = Tracks(self.nodes_all, self.proc_rank, self.tracks.thread_comm)
         sub.stats = ExportStats(origin_ns=self.origin, accelerated=self.accel is not None)
+        sub._cuda_instants = None
         sub._overflowed_nccl = {}
         return sub
 
@@ -1450,6 +1499,7 @@ class _Exporter:
         self.stats.overflow_tracks = self.tracks.overflow
         inline.sink.max_events = None      # M events are not counted
         inline.section(self.metadata_events)
+        _Spill.close(self._spill_file)
         w.raw(b'\n],\n"displayTimeUnit":"ns",\n"metadata":'
               + orjson.dumps(self.metadata(), option=orjson.OPT_SORT_KEYS) + b"}\n")
         w.finish()
@@ -1546,9 +1596,9 @@ class _Exporter:
         could not be redone (stdout); file exports redo the file instead."""
         num = "IN ('integer', 'real')"
         checks = {
-            "cuda": [("cuda_events", "duration_ns IS NOT NULL AND NOT (typeof(pid) = "
-                      "'integer' AND typeof(tid) = 'integer' AND typeof(timestamp_ns) "
-                      f"{num} AND typeof(timestamp_ns + duration_ns) {num})")],
+            "cuda": [("cuda_events", "NOT (typeof(pid) = 'integer' AND typeof(tid) = "
+                      "'integer') OR (duration_ns IS NOT NULL AND NOT (typeof(timestamp_ns) "
+                      f"{num} AND typeof(timestamp_ns + duration_ns) {num}))")],
             "nccl": [(t, f"NOT (typeof(timestamp_ns) {num} AND "
                          f"typeof(timestamp_ns + duration_ns) {num})")
                      for t in ("nccl_events", "nccl_comm_events")],
@@ -1562,7 +1612,7 @@ class _Exporter:
                 continue
             for table, odd in tables:
                 per = table != "block_events"
-                if self.con.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {odd} AND "
+                if self.con.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE ({odd}) AND "
                                     f"{self.where(per_process=per)})",
                                     self.params).fetchone()[0]:
                     return False
