@@ -11,10 +11,13 @@ Slices on one track must nest (Perfetto spills or drops partial overlaps). Every
 stream is therefore ordered by (track, start) and placed by a small lane allocator: a
 slice that would partially overlap goes to an overflow track "<track> (overlap N)".
 
-Streaming: SQLite formats the fixed part of each event as JSON text (printf and
-json_object run in C); Python only picks the track and writes chunks. Memory is bounded
-by the number of tracks and threads, never by the number of events. Output is
-deterministic: every query has a total order and the metadata holds no wall-clock time.
+Streaming: rows are stepped one by one and written in chunks. Memory is bounded by the
+number of tracks and threads, never by the number of events. Output is deterministic:
+every query has a total order and the metadata holds no wall-clock time. The per-event
+loops have two implementations writing the same bytes: the C accelerator (_fastslices.c:
+it steps the SQL on this connection's own SQLite and builds the text from raw columns),
+used when built, and the Python loops below (SQLite's printf/json_quote build the text),
+the fallback and the reference (INGERO_NO_ACCEL=1 or ExportOptions(accel=False)).
 
 Timestamps are microseconds with three decimals (nanoseconds) relative to ``origin``:
 the start of the data, floored to a whole second of aligned fleet UTC (absolute UTC in
