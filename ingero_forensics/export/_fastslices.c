@@ -584,21 +584,26 @@ fail:
     return NULL;
 }
 
+/* ts (column col) as the Python path's SQL formats it: printf('%.3f', (ts - :origin) /
+ * 1000.0). */
+static int ts_text(Slow *sl, sqlite3_stmt *st, int col, sqlite3_int64 origin, Buf *b)
+{
+    sqlite3_int64 rel;
+    if (sqlite3_column_type(st, col) == SQLITE_INTEGER &&
+        !__builtin_sub_overflow(sqlite3_column_int64(st, col), origin, &rel) &&
+        rel < FAST_US_LIMIT && rel > -FAST_US_LIMIT)
+        return us3(b, rel);
+    return slow_text(sl, &sl->ts, "SELECT printf('%.3f', (?1 - ?2) / 1000.0)",
+                     sqlite3_column_value(st, col), origin, 1, b);
+}
+
 /* "ts":…(,"dur":… | ,"s":"t"),"name":…,"cat":…,"args":{…}} after the prefix, as the
  * Python path's SQL (_head and _args in chrome_trace.py) writes it. */
 static int event_text(Slow *sl, sqlite3_stmt *st, Buf *b, int slice, sqlite3_int64 origin,
                       Layout *ls, Py_ssize_t nl)
 {
-    sqlite3_int64 rel, dur;
-    if (BUF_LIT(b, "\"ts\":"))
-        return -1;
-    if (sqlite3_column_type(st, 5) == SQLITE_INTEGER &&
-        !__builtin_sub_overflow(sqlite3_column_int64(st, 5), origin, &rel) &&
-        rel < FAST_US_LIMIT && rel > -FAST_US_LIMIT) {
-        if (us3(b, rel))
-            return -1;
-    } else if (slow_text(sl, &sl->ts, "SELECT printf('%.3f', (?1 - ?2) / 1000.0)",
-                         sqlite3_column_value(st, 5), origin, 1, b))
+    sqlite3_int64 dur;
+    if (BUF_LIT(b, "\"ts\":") || ts_text(sl, st, 5, origin, b))
         return -1;
     if (slice) {
         if (BUF_LIT(b, ",\"dur\":"))
@@ -811,19 +816,6 @@ done:
         PyMem_Free(key[i].text.p);
     }
     return result;
-}
-
-/* ts (column col) as the Python path's SQL formats it: printf('%.3f', (ts - :origin) /
- * 1000.0). */
-static int ts_text(Slow *sl, sqlite3_stmt *st, int col, sqlite3_int64 origin, Buf *b)
-{
-    sqlite3_int64 rel;
-    if (sqlite3_column_type(st, col) == SQLITE_INTEGER &&
-        !__builtin_sub_overflow(sqlite3_column_int64(st, col), origin, &rel) &&
-        rel < FAST_US_LIMIT && rel > -FAST_US_LIMIT)
-        return us3(b, rel);
-    return slow_text(sl, &sl->ts, "SELECT printf('%.3f', (?1 - ?2) / 1000.0)",
-                     sqlite3_column_value(st, col), origin, 1, b);
 }
 
 static int flow_event(Buf *b, const char *head, size_t head_n, long long id, long long pid,

@@ -193,7 +193,7 @@ def load_accel():
         try:
             scratch.enable_load_extension(True)
             scratch.load_extension(_fastslices.__file__, "sqlite3_fastslices_init")
-        except apsw.Error:
+        except (apsw.Error, AttributeError):     # an apsw built without extension loading
             return None
         finally:
             scratch.close()
