@@ -25,7 +25,7 @@ from .fleetgen import BASE_NS, build_fleet
 BUILT = importlib.util.find_spec("ingero_forensics.export._fastslices") is not None
 needs_accel = pytest.mark.skipif(not BUILT, reason="the C accelerator is not built here")
 
-ODD = ['quote " and back\\slash', "ctl \x01\x1f tab\t nl\n cr\r ff\f bs\b",
+ODD = ['quote " and back\\slash', "only back\\slash", 'only "quote"', "ctl \x01\x1f tab\t nl\n cr\r ff\f bs\b",
        "non-ASCII é ü 漢字 😀 \u2028", "del \x7f", "", "{\"json\": [1]}"]
 
 
@@ -62,6 +62,14 @@ def _odd_fleet(path):
               f"api, layer, stream, bytes, memcpy_kind, kernel, device, return_code, pid, "
               f"tid, stack_id, node_id, bundle_id, mono_ns FROM cuda_events WHERE id % 50 = 3",
               args)
+        # one thread's calls touching exactly while lanes are open: [0, 100) [50, 150)
+        # [100, 120) [120, 130) [60, 70): ends equal to starts free the lane
+        t0 = BASE_NS + 7_000_000
+        for start, end in ((0, 100), (50, 150), (100, 120), (120, 130), (60, 70),
+                           (130, 160), (150, 155)):
+            x("INSERT INTO cuda_events (timestamp_ns, duration_ns, api, layer, pid, tid, "
+              "node_id, bundle_id, mono_ns) VALUES (?, ?, 'touch', 'runtime', 77, 77, 1, 1, 1)",
+              (t0 + start * 1000, (end - start) * 1000))
         # partial overlaps: NCCL and sched slices onto overflow lanes (flows follow them)
         ncols = [c for c in _columns(con, "nccl_events") if c != "id"]
         sel = ", ".join("timestamp_ns + duration_ns / 2" if c == "timestamp_ns" else c
