@@ -1685,8 +1685,12 @@ def export_chrome_trace(fleet_db, output=None, options: ExportOptions | None = N
                 if exporter.accel is not None and not exporter.accel_fits():
                     exporter.accel = None    # nothing written yet: decide up front
                     exporter.stats.accelerated = False
-                stats = exporter.run(out, gzip_level=None, jobs=jobs, tmp_parent=None,
-                                     tmp_prefix="ingero-export-")
+                try:
+                    stats = exporter.run(out, gzip_level=None, jobs=jobs, tmp_parent=None,
+                                         tmp_prefix="ingero-export-")
+                except _AccelUnsupported as e:     # the check above should rule it out
+                    raise ExportError(f"{fleet_db}: {e} (the output is incomplete; "
+                                      "export again with INGERO_NO_ACCEL=1)") from None
                 out.flush()
                 stats.output = "-"
                 return stats
