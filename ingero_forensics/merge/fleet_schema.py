@@ -127,7 +127,8 @@ def _bundle_derived() -> list[FleetTable]:
 FLEET_ONLY: tuple[FleetTable, ...] = (
     FleetTable("fleet_info", "Facts about the fleet database itself.", (
         C("key", "TEXT", False, "", "format_version, created_by, created_utc, updated_utc, "
-          "alignment (JSON parameters of the last alignment)."),
+          "alignment (JSON parameters of the last alignment, including sample_step: the k of "
+          "sync_points)."),
         C("value", "TEXT", False, "", "Value; JSON for structured values."),
     ), constraints=("PRIMARY KEY (key)",)),
     FleetTable("nodes", "One row per node: a (claimed name, hostname, boot_id) triple. Two "
@@ -230,8 +231,12 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "CLOCK_REALTIME - CLOCK_MONOTONIC between steps: {mono_start_ns, mono_end_ns, "
           "samples, offset_ns (median realtime - mono), claimed_error_ns}."),
     ), constraints=("PRIMARY KEY (node_id)",)),
-    FleetTable("sync_points", "Observed completions used for alignment: per waiting "
-               "synchronization, the last collective the same thread enqueued before it.", (
+    FleetTable("sync_points", "Observed completions in the alignment's sample: per waiting "
+               "synchronization, the last collective the same thread enqueued before it, for "
+               "the collectives whose seq is a multiple of the sampling step k (about 5000 "
+               "collectives in all). Every observation, sampled or not, counts in "
+               "collectives.completion_ns and in clock_alignment's violations; they are "
+               "recomputed from nccl_events and cuda_events when bundles are added.", (
         C("id", "INTEGER", False, "", "Row id."),
         C("node_id", "INTEGER", False, "", "The node."),
         C("bundle_id", "INTEGER", False, "", "The bundle."),
@@ -239,13 +244,13 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("seq", "INTEGER", False, "", "Collective identity (with comm_id_hash)."),
         C("pid", "INTEGER", False, "", "Process."),
         C("tid", "INTEGER", False, "", "Thread."),
-        C("mono_ns", "INTEGER", False, MONO_UNIT, "End of the synchronization, raw."),
+        C("mono_ns", "INTEGER", False, MONO_UNIT, "End of the synchronization, raw (its "
+          "aligned time: clock_alignment.offset_ns + mono_ns + round(mono_ns * slope) of "
+          "the node)."),
         C("wait_ns", "INTEGER", False, "ns", "Duration of the synchronization."),
-        C("aligned_ns", "INTEGER", True, ALIGNED_UNIT, "End of the synchronization, aligned."),
-        C("used", "INTEGER", False, "", "1 if the alignment's sample included it (every "
-          "k-th seq, at most about 5000 collectives) and it agrees with the collective's "
-          "completion within 50 us."),
-    ), indexes=(("comm_id_hash", "seq"), ("node_id",))),
+        C("used", "INTEGER", False, "", "1 if it agrees with the collective's completion "
+          "within 50 us (and another observation exists)."),
+    ), indexes=(("comm_id_hash", "seq"),)),
     FleetTable("collectives", "One row per collective (comm_id_hash, seq) over all ranks: "
                "entries, the last rank in, and the observed completion.", (
         C("collective_id", "INTEGER", False, "", "Row id."),
