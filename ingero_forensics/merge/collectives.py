@@ -98,6 +98,8 @@ class CollectiveJob:
         con.executemany("INSERT INTO temp.node_params VALUES (?, ?, ?, ?)", self.params)
         a_sp = aligned_sql("s.mono_ns")
         con.execute("ATTACH DATABASE ? AS cp", (str(self.completion_path),))
+        con.execute("PRAGMA cp.journal_mode = OFF")
+        con.execute("PRAGMA cp.synchronous = OFF")
         with con:
             # Sums run relative to ref (any time near the data) so they stay in 64 bits.
             con.execute("CREATE TABLE cp.completion (comm_id_hash TEXT, seq INTEGER, "

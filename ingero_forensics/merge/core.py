@@ -385,6 +385,11 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     try:
         future = pool.submit(job.run)
         _pass3(fl, res, pending, params, job, future, progress, old_params, max_old_bundle)
+        # The indexes now, while the collectives thread finishes (the tables they index
+        # are complete; sync_points and collectives are small and filled later).
+        with con:
+            for stmt in all_index_ddl():
+                con.execute(stmt)
         results = future.result()
     except BaseException:
         job.interrupt()
@@ -397,8 +402,6 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     con.execute("ATTACH DATABASE ? AS st", (image_uri(fl.staging_path),))
     con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
     con.execute("BEGIN")
-    for stmt in all_index_ddl():
-        con.execute(stmt)
     con.execute("UPDATE clock_samples SET aligned_ns = (SELECT p.off + m + CAST(ROUND(m * "
                 "p.slope) AS INTEGER) FROM (SELECT (clock_samples.mono_before_ns + "
                 "clock_samples.mono_after_ns) / 2 AS m), temp.node_params p WHERE p.node_id = "
@@ -455,6 +458,8 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
             future.result()         # its error, raised here
             raise MergeError("the collectives thread ended without its completions")
     con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
+    # Every nccl_events row looks its collective up: keep the whole table cached.
+    con.execute("PRAGMA cp.cache_size = -32768")
     try:
         if max_old_bundle:      # realign rows merged by earlier runs (incremental merge)
             with con:
