@@ -24,8 +24,11 @@ rows; nothing here depends on the simulator.
 
 from __future__ import annotations
 
+import itertools
 import json
+from array import array
 import math
+import random
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +42,11 @@ CAUSES = ("cpu", "io", "memory", "network", "gpu")
 #: with a warning.
 CLEAR_SCORE = 5.0
 WEAK_SCORE = 3.0
+#: Lateness values kept per node for its median and 90th percentile (a uniform sample
+#: beyond that: memory stays flat however many collectives the fleet holds).
+LATENESS_SAMPLE = 20_000
+#: Transfer times kept per time bin for its median.
+TRANSFER_SAMPLE = 5_000
 #: A node must be late in at least this many time bins to be called a straggler.
 MIN_LATE_BINS = 3
 CAUSE_TITLES = {
@@ -112,6 +120,37 @@ class Analysis:
         return asdict(self)
 
 
+class Reservoir:
+    """At most k values, a uniform sample of all added (seeded: the same input gives the
+    same sample, so reports are reproducible); every value while fewer than k came."""
+
+    def __init__(self, k: int, seed: int):
+        self.k, self.n, self.values = k, 0, array("d")   # 8 bytes a value
+        self._rng = random.Random(seed)
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        if len(self.values) < self.k:
+            self.values.append(x)
+        else:
+            j = self._rng.randrange(self.n)
+            if j < self.k:
+                self.values[j] = x
+
+
+def _groups(rows):
+    """Consecutive rows with the same first column, as lists."""
+    group, key = [], object()
+    for r in rows:
+        if r[0] != key:
+            if group:
+                yield group
+            group, key = [], r[0]
+        group.append(r)
+    if group:
+        yield group
+
+
 def _q(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -154,13 +193,15 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
 def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     nodes = {nid: (name, json.loads(ranks or "[]"))
              for nid, name, ranks in con.execute("SELECT node_id, name, ranks FROM nodes")}
-    rows = con.execute(
+    # Streamed (one collective's rows at a time): memory stays flat whatever the fleet.
+    rows = con.cursor().execute(
         "SELECT c.collective_id, c.first_entry_ns, c.last_node_id, c.completion_ns, "
         "       c.last_entry_ns, e.node_id, MAX(e.timestamp_ns) "
         "FROM collectives c JOIN nccl_events e "
         "  ON e.comm_id_hash = c.comm_id_hash AND e.seq = c.seq "
         "WHERE c.ranks_seen >= 2 "
-        "GROUP BY c.collective_id, e.node_id ORDER BY c.collective_id").fetchall()
+        "GROUP BY c.collective_id, e.node_id ORDER BY c.collective_id")
+    first_row = next(rows, None)
     span = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) FROM collectives").fetchone()
     n_coll = con.execute("SELECT COUNT(*) FROM collectives").fetchone()[0]
     n_ranks = len({r for _, rk in nodes.values() for r in rk})
@@ -174,40 +215,44 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.inventory = _inventory(con)
     a.alignment = _alignment(con, nodes)
     a.capture_issues = _capture_issues(con, nodes)
-    if not rows or len(nodes) < 2:
+    if first_row is None or len(nodes) < 2:
         a.verdict = ("Not enough data to compare nodes: need collectives seen on at least "
                      "two nodes." if nodes else "The fleet database holds no nodes.")
         return a
 
     # -- 1. lateness per (collective, node) ------------------------------------------
     t0 = span[0]
-    per_node: dict[int, list[float]] = defaultdict(list)
-    bins: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    transfer: dict[int, list[float]] = defaultdict(list)
+    per_node: dict[int, Reservoir] = {}
+    bins: dict[int, dict[int, list[float]]] = defaultdict(dict)   # b -> node -> [sum, n]
+    transfer: dict[int, Reservoir] = {}
     last_count: dict[int, int] = defaultdict(int)
-    i = 0
-    while i < len(rows):
-        j = i
-        cid = rows[i][0]
-        while j < len(rows) and rows[j][0] == cid:
-            j += 1
-        group = rows[i:j]
-        i = j
+    for group in _groups(itertools.chain([first_row], rows)):
         if len(group) < 2:
             continue
         first, last_node, completion, last_entry = group[0][1], group[0][2], group[0][3], group[0][4]
         med = _median([g[6] for g in group])
         b = (first - t0) // bin_ns
+        cells = bins[b]
         for g in group:
             late_ms = (g[6] - med) / 1e6
-            per_node[g[5]].append(late_ms)
-            bins[b][g[5]].append(late_ms)
+            nid = g[5]
+            if nid not in per_node:
+                per_node[nid] = Reservoir(LATENESS_SAMPLE, seed=nid)
+            per_node[nid].add(late_ms)
+            acc = cells.get(nid)
+            if acc is None:
+                cells[nid] = [late_ms, 1]
+            else:
+                acc[0] += late_ms
+                acc[1] += 1
         last_count[last_node] += 1
         if completion is not None and completion >= last_entry:
-            transfer[b].append((completion - last_entry) / 1e6)
+            if b not in transfer:
+                transfer[b] = Reservoir(TRANSFER_SAMPLE, seed=b)
+            transfer[b].add((completion - last_entry) / 1e6)
 
     # robust noise floor over all (bin, node) means
-    cell = {(b, n): sum(v) / len(v) for b, per in bins.items() for n, v in per.items()}
+    cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k) in per.items()}
     vals = list(cell.values())
     med_all = _median(vals)
     mad = _median([abs(v - med_all) for v in vals]) * 1.4826
@@ -220,9 +265,11 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             late_bins[n].append(b)
             excess[n] += v - threshold
     for nid, (name, ranks) in sorted(nodes.items(), key=lambda kv: kv[1][0]):
-        lat = per_node.get(nid, [])
+        res = per_node.get(nid)
+        lat = res.values if res else []
         a.lateness.append(NodeLateness(
-            nid, name, ranks, len(lat), round(_median(lat), 3), round(_q(lat, 0.9), 3),
+            nid, name, ranks, res.n if res else 0, round(_median(lat), 3),
+            round(_q(lat, 0.9), 3),
             round(last_count.get(nid, 0) / max(1, n_coll), 3), len(late_bins.get(nid, []))))
 
     # -- 2. straggler and windows ---------------------------------------------------
@@ -234,7 +281,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         if len(late_bins[cand]) >= max(MIN_LATE_BINS, int(0.02 * n_bins)):
             suspect = cand
     # -- 3. slow collectives with nobody late: the network --------------------------
-    tr_med = {b: _median(v) for b, v in transfer.items() if v}
+    tr_med = {b: _median(v.values) for b, v in transfer.items() if v.n}
     base = _median(tr_med.values()) if tr_med else 0.0
     slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
     a.slow_bins = len(slow)
@@ -262,10 +309,10 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     for b in sorted(bins):
         per = bins[b]
         row = {"t_s": round(b * bin_ns / 1e9, 3),
-               "fleet_ms": round(_median([sum(v) / len(v) for v in per.values()]), 3),
+               "fleet_ms": round(_median([sv / k for sv, k in per.values()]), 3),
                "transfer_ms": round(tr_med.get(b, 0.0), 3)}
         if suspect is not None and suspect in per:
-            row["suspect_ms"] = round(sum(per[suspect]) / len(per[suspect]), 3)
+            row["suspect_ms"] = round(per[suspect][0] / per[suspect][1], 3)
         a.timeline.append(row)
 
     target = suspect if suspect is not None else network_suspect
@@ -308,13 +355,16 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 def _retransmit_suspect(con, node_ids, t0, bin_ns) -> tuple[int | None, list[int]]:
     """A node whose job connections retransmit far more than the others' (a persistent
     network fault leaves no slow-vs-normal contrast in time, but it does across nodes)."""
-    per: dict[int, list[int]] = defaultdict(list)
-    for nid, ts in con.execute("SELECT node_id, timestamp_ns FROM tcp_events WHERE scope = 'job' "
-                               "AND event = 'tcp_retransmit_skb'"):
-        per[nid].append((ts - t0) // bin_ns)
+    per: dict[int, set[int]] = defaultdict(set)       # bins with retransmits
+    count: dict[int, int] = defaultdict(int)
+    for nid, b, n in con.execute(
+            "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
+            "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' GROUP BY 1, 2", (t0, bin_ns)):
+        per[nid].add(b)
+        count[nid] += n
     if not per:
         return None, []
-    counts = {n: len(per.get(n, [])) for n in node_ids}
+    counts = {n: count.get(n, 0) for n in node_ids}
     top = max(counts, key=counts.get)
     rest = [c for n, c in counts.items() if n != top]
     med = _median(rest) if rest else 0.0
@@ -360,15 +410,17 @@ def _window_clause(windows, col="timestamp_ns"):
 def _late_ranks(con, node_id, windows) -> list[int]:
     """Ranks of the straggler node whose own lateness stands out within the node."""
     where, params = _window_clause(windows, "e.timestamp_ns")
-    per_rank: dict[int, list[float]] = defaultdict(list)
+    per_rank: dict[int, Reservoir] = {}
     for rank, ts, first in con.execute(
             "SELECT e.rank, e.timestamp_ns, c.first_entry_ns FROM nccl_events e "
             "JOIN collectives c ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
             f"WHERE e.node_id = ? AND e.rank IS NOT NULL AND {where}", [node_id] + params):
-        per_rank[rank].append((ts - first) / 1e6)
+        if rank not in per_rank:
+            per_rank[rank] = Reservoir(LATENESS_SAMPLE, seed=rank)
+        per_rank[rank].add((ts - first) / 1e6)
     if not per_rank:
         return []
-    med = {r: _median(v) for r, v in per_rank.items()}
+    med = {r: _median(v.values) for r, v in per_rank.items()}
     top = max(med.values())
     # late ranks: within a factor of two of the latest one (a GPU fault slows one rank,
     # CPU or I/O contention on the host slows all of them)
@@ -445,25 +497,29 @@ def _signals(con, target, node_ids, windows) -> list[Signal]:
 
 
 def _block_p95(con, w, p) -> dict[int, float]:
-    per: dict[int, list[float]] = defaultdict(list)
+    per: dict[int, Reservoir] = {}
     for nid, d in con.execute(f"SELECT node_id, duration_ns FROM block_events WHERE {w}", p):
-        per[nid].append(d / 1e6)
-    return {n: _q(v, 0.95) for n, v in per.items()}
+        if nid not in per:
+            per[nid] = Reservoir(LATENESS_SAMPLE, seed=nid)
+        per[nid].add(d / 1e6)
+    return {n: _q(v.values, 0.95) for n, v in per.items()}
 
 
 def _sync_wait(con, w, p) -> dict[int, float]:
     """GPU slowdown shows as one rank's waits for its own GPU work (event and device
     synchronizations; stream synchronizations wait for collectives and are left out)
     taking longer than its peers'."""
-    per: dict[tuple[int, int], list[float]] = defaultdict(list)
+    per: dict[tuple[int, int], Reservoir] = {}
     for nid, pid, d in con.execute(
             f"SELECT node_id, pid, duration_ns FROM cuda_events WHERE duration_ns IS NOT NULL "
             f"AND api IN ('cudaEventSynchronize', 'cuEventSynchronize', 'cudaDeviceSynchronize', "
             f"'cuCtxSynchronize') AND {w}", p):
-        per[(nid, pid)].append(d / 1e6)
+        if (nid, pid) not in per:
+            per[(nid, pid)] = Reservoir(LATENESS_SAMPLE, seed=nid * 1_000_003 + pid)
+        per[(nid, pid)].add(d / 1e6)
     out: dict[int, float] = {}
     for (nid, _), v in per.items():
-        out[nid] = max(out.get(nid, 0.0), _median(v))
+        out[nid] = max(out.get(nid, 0.0), _median(v.values))
     return out
 
 
