@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import apsw
 
 from ..db import harden
+from .syncpoints import image_uri
 
 #: SQL: the aligned value of a raw monotonic column with node_params p joined.
 def aligned_sql(col: str) -> str:
@@ -57,17 +58,21 @@ class CollectiveResults:
 
 class CollectiveJob:
     """The helper thread's work; ``completions_ready`` is set once the completion file
-    is complete and closed. ``interrupt()`` stops it (Ctrl-C, an error elsewhere)."""
+    is complete and closed, ``bundles_read`` once it no longer reads the bundles' files.
+    ``interrupt()`` stops it (Ctrl-C, an error elsewhere)."""
 
     def __init__(self, staging_path, completion_path, params: list[tuple], every: int,
-                 ref: int, min_latency_ns: int):
+                 ref: int, min_latency_ns: int, bundles: list[tuple], valid_nccl: str):
         self.staging_path = staging_path
         self.completion_path = completion_path
         self.params = params          # (node_id, offset_ns, slope, pre_offset_ns)
         self.every = every
         self.ref = ref
         self.min_latency_ns = min_latency_ns
+        self.bundles = bundles        # (node_id, bundle_id, sync points file, image)
+        self.valid_nccl = valid_nccl  # SQL: the nccl_events rows the merge copies (alias e)
         self.completions_ready = threading.Event()
+        self.bundles_read = threading.Event()
         self._con = None
         self._lock = threading.Lock()
         self._stopped = False
@@ -97,6 +102,16 @@ class CollectiveJob:
                     "off INTEGER, slope REAL, pre INTEGER)")
         con.executemany("INSERT INTO temp.node_params VALUES (?, ?, ?, ?)", self.params)
         a_sp = aligned_sql("s.mono_ns")
+        # Stage the new bundles' sync points (the helper threads' scratch files).
+        for node_id, bundle_id, sync_path, _ in self.bundles:
+            con.execute("ATTACH DATABASE ? AS s", (image_uri(sync_path),))
+            try:
+                with con:
+                    con.execute("INSERT INTO sp (node_id, bundle_id, comm_id_hash, seq, pid, "
+                                "tid, mono_ns, wait_ns, used) SELECT ?, ?, comm_id_hash, seq, "
+                                "pid, tid, mono_ns, wait_ns, 0 FROM s.sp", (node_id, bundle_id))
+            finally:
+                con.execute("DETACH DATABASE s")
         con.execute("ATTACH DATABASE ? AS cp", (str(self.completion_path),))
         con.execute("PRAGMA cp.journal_mode = OFF")
         con.execute("PRAGMA cp.synchronous = OFF")
@@ -125,6 +140,18 @@ class CollectiveJob:
                         {"every": self.every})
         con.execute("DETACH DATABASE cp")
         self.completions_ready.set()
+        # Stage the new bundles' collective entries: the rows nccl_events gets.
+        for node_id, _, _, image in self.bundles:
+            con.execute("ATTACH DATABASE ? AS b", (image_uri(image),))
+            try:
+                with con:
+                    con.execute("INSERT INTO ent SELECT ?, comm_id_hash, seq, rank, "
+                                "timestamp_ns, op, bytes, nranks FROM b.nccl_events e "
+                                "WHERE e.comm_id_hash IS NOT NULL AND e.seq IS NOT NULL "
+                                f"AND {self.valid_nccl}", (node_id,))
+            finally:
+                con.execute("DETACH DATABASE b")
+        self.bundles_read.set()
         a_ent = aligned_sql("e.mono_ns")
         with con:
             con.execute("DROP TABLE IF EXISTS coll_agg")

@@ -288,8 +288,9 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         fl.log("error", "skipped_input", reason, input=shown)
 
     # ---------------------------------------------------------------- pass 1
-    # The scratch database collects every sync point and collective entry for the
-    # helper thread that computes the collectives during pass 3 (collectives.py).
+    # The scratch database will hold every sync point and collective entry for the
+    # thread that computes the collectives during pass 3 (collectives.py); that thread
+    # fills it from the bundles. Rows merged by earlier runs are staged here.
     open_scratch(fl.staging_path).close()
     con.execute("ATTACH DATABASE ? AS st", (str(fl.staging_path),))
     con.execute("PRAGMA st.journal_mode = MEMORY")
@@ -343,8 +344,6 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                     for t in PASS1_TABLES:
                         counts[t], skipped[t] = _copy_table(fl, t, bundle, node_id,
                                                             bundle_id, None)
-                    _stage_sync_points(con, node_id, bundle_id)
-                    _stage_entries(con, node_id)
                     con.execute("COMMIT")
                 finally:
                     if not con.getautocommit():
@@ -368,6 +367,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         reasons = "; ".join(f"{s['input']}: {s['reason']}" for s in res.skipped[:3])
         raise MergeError(f"no usable bundle among the inputs ({reasons})")
     # ---------------------------------------------------------------- pass 2: align
+    _sample_sync_points(fl, pending)
     con.execute("BEGIN")
     params = _align(fl, res)
     param_rows = [(a.node_id, a.offset_ns, a.slope, a.pre_offset_ns) for a in params.values()]
@@ -380,7 +380,10 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         "SELECT MIN(capture_start_mono_ns) FROM bundles WHERE node_id = ?", (a.node_id,))
         if m is not None] or [0])
     job = CollectiveJob(fl.staging_path, fl.completion_path, param_rows, fl.sample_every,
-                        ref, min_latency_ns)
+                        ref, min_latency_ns,
+                        [(i["node_id"], i["bundle_id"], i["bundle"].sync_path,
+                          i["bundle"].db_path) for i in pending],
+                        _valid_predicate("nccl_events"))
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-collectives")
     try:
         future = pool.submit(job.run)
@@ -453,10 +456,13 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
                             fl, t, bundle, node_id, bundle_id, params[node_id])
         finally:
             con.execute("DETACH DATABASE b")
-    while not job.completions_ready.wait(0.05):
-        if future.done():
-            future.result()         # its error, raised here
-            raise MergeError("the collectives thread ended without its completions")
+    # The collectives thread reads the bundles' images and scratch files: they are
+    # removed (bundle.close) only once it has staged them.
+    for ready in (job.completions_ready, job.bundles_read):
+        while not ready.wait(0.05):
+            if future.done():
+                future.result()         # its error, raised here
+                raise MergeError("the collectives thread ended before its results")
     con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
     # Every nccl_events row looks its collective up: keep the whole table cached.
     con.execute("PRAGMA cp.cache_size = -32768")
@@ -493,14 +499,6 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
             progress(1)
     finally:
         con.execute("DETACH DATABASE cp")
-
-
-def _stage_entries(con, node_id: int) -> None:
-    """The bundle's collective entries, as nccl_events will hold them, for the
-    collectives thread (the same rows: same validity predicate)."""
-    con.execute(f"INSERT INTO st.ent SELECT ?, comm_id_hash, seq, rank, timestamp_ns, op, "
-                f"bytes, nranks FROM b.nccl_events e WHERE e.comm_id_hash IS NOT NULL "
-                f"AND e.seq IS NOT NULL AND {_valid_predicate('nccl_events')}", (node_id,))
 
 
 def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns):
@@ -725,14 +723,6 @@ def _copy_table(fl: _Fleet, table: str, bundle, node_id: int, bundle_id: int,
     return written, max((want or 0) - written, 0)
 
 
-def _stage_sync_points(con, node_id: int, bundle_id: int) -> None:
-    """The bundle's sync points, extracted by a helper thread (syncpoints.py), into the
-    scratch database; fleet.db gets the alignment's sample of them at the end."""
-    con.execute("INSERT INTO st.sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, "
-                "mono_ns, wait_ns, used) SELECT ?, ?, comm_id_hash, seq, pid, tid, mono_ns, "
-                "wait_ns, 0 FROM s.sp", (node_id, bundle_id))
-
-
 # --------------------------------------------------------------------------- alignment
 
 def _claim(source, synchronized, maxerr, ref_off, root_delay, root_disp):
@@ -743,6 +733,34 @@ def _claim(source, synchronized, maxerr, ref_off, root_delay, root_disp):
     if source == "chrony" and root_disp is not None and root_delay is not None:
         return int(abs(ref_off or 0) + root_disp + root_delay / 2)
     return None
+
+
+def _sample_sync_points(fl: _Fleet, pending: list) -> None:
+    """temp.sample_sp: the sync points the alignment looks at."""
+    con = fl.con
+    # The estimator needs thousands of collectives, not millions: take every k-th seq of
+    # each communicator (spread over the whole capture), at most ~ALIGN_SAMPLE in all.
+    # Distinct collectives: the most any one node observed (nodes of one job see the same
+    # ones), counted by the helper threads.
+    n_coll = fl.collectives_seen
+    every = max(1, -(-n_coll // ALIGN_SAMPLE))
+    fl.sample_every = every
+
+    # The sample: from each new bundle's sync points (helper threads' scratch files) and
+    # from the rows of earlier merges (st.sp).
+    con.execute("DROP TABLE IF EXISTS temp.sample_sp")
+    con.execute("CREATE TEMP TABLE sample_sp (id INTEGER PRIMARY KEY, node_id INTEGER, "
+                "comm_id_hash TEXT, seq INTEGER, mono_ns INTEGER)")
+    con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) SELECT "
+                "node_id, comm_id_hash, seq, mono_ns FROM st.sp WHERE seq % ? = 0", (every,))
+    for item in pending:
+        _attach(con, item["bundle"].sync_path, "s")
+        try:
+            con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) "
+                        "SELECT ?, comm_id_hash, seq, mono_ns FROM s.sp WHERE seq % ? = 0",
+                        (item["node_id"], every))
+        finally:
+            con.execute("DETACH DATABASE s")
 
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
@@ -770,21 +788,12 @@ def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
             "json_extract(manifest, '$.capture.end_utc_ns'), capture_end_mono_ns FROM bundles"):
         nodes[nid].manifest_pairs += [(su, sm), (eu, em)]
 
-    # The estimator needs thousands of collectives, not millions: take every k-th seq of
-    # each communicator (spread over the whole capture), at most ~ALIGN_SAMPLE in all.
-    # Distinct collectives: the most any one node observed (nodes of one job see the same
-    # ones), counted by the helper threads.
-    n_coll = fl.collectives_seen
-    every = max(1, -(-n_coll // ALIGN_SAMPLE))
-    fl.sample_every = every
-
     def groups():
-        # a scan and a sort of the sampled rows beat the (comm_id_hash, seq) index walk
         cur = con.cursor()
         key, obs = None, []
         for sid, comm, seq, nid, mono in cur.execute(
-                "SELECT id, comm_id_hash, seq, node_id, mono_ns FROM st.sp NOT INDEXED "
-                "WHERE seq % ? = 0 ORDER BY comm_id_hash, seq, id", (every,)):
+                "SELECT id, comm_id_hash, seq, node_id, mono_ns FROM temp.sample_sp "
+                "ORDER BY comm_id_hash, seq, id"):
             if (comm, seq) != key:
                 if obs:
                     yield key, obs
