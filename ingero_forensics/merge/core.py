@@ -260,12 +260,22 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
             os.close(fd)
         except OSError:
             pass
-    except BaseException:
+    except BaseException as e:
         for suffix in ("", "-journal"):
             try:
                 os.unlink(f"{tmp}{suffix}")
             except FileNotFoundError:
                 pass
+        # The output side failed (disk full, an unwritable directory): one line, not a
+        # traceback; the previous fleet.db is untouched.
+        if isinstance(e, apsw.FullError) or (isinstance(e, OSError) and e.errno == 28):
+            raise MergeError(f"{out}: the disk is full (nothing was written; free space "
+                             "or use --tmpdir for the decompressed bundles)") from None
+        if isinstance(e, apsw.Error):
+            raise MergeError(f"{out}: merge failed ({type(e).__name__}: {e}); "
+                             "nothing was written") from None
+        if isinstance(e, OSError):
+            raise MergeError(f"{out}: cannot write: {e.strerror or e}") from None
         raise
     res.elapsed_s = time.monotonic() - started
     return res
