@@ -663,19 +663,68 @@ static int event_text(Slow *sl, sqlite3_stmt *st, Buf *b, int slice, sqlite3_int
  * end and dur unused). The layout column picks one of several layouts (when more than
  * one). emit(chunk, n) receives the events in chunks of 8192. With emit2, rows whose dur
  * is NULL are thread instants of their track instead, a second stream to emit2 (CUDA:
- * slices and entry-only calls from one pass over the index).
+ * slices and entry-only calls from one pass over the index). With sql2, a second
+ * statement with the same columns, ordered the same way, is merged in row by row (NCCL:
+ * the collectives in their index order and the few communicator events, instead of
+ * SQLite sorting every wide row of their UNION ALL).
  */
+/* ORDER BY's order of two values (SQLite's: NULL, numbers, text, blob; BINARY text). */
+static int value_cmp(sqlite3_stmt *a, sqlite3_stmt *b, int col)
+{
+    int ta = sqlite3_column_type(a, col), tb = sqlite3_column_type(b, col);
+    int ra = ta == SQLITE_NULL ? 0 : ta == SQLITE_TEXT ? 2 : ta == SQLITE_BLOB ? 3 : 1;
+    int rb = tb == SQLITE_NULL ? 0 : tb == SQLITE_TEXT ? 2 : tb == SQLITE_BLOB ? 3 : 1;
+    if (ra != rb)
+        return ra < rb ? -1 : 1;
+    if (ra == 0)
+        return 0;
+    if (ra == 1) {
+        if (ta == SQLITE_INTEGER && tb == SQLITE_INTEGER) {
+            sqlite3_int64 x = sqlite3_column_int64(a, col), y = sqlite3_column_int64(b, col);
+            return x < y ? -1 : x > y;
+        }
+        Num x = ta == SQLITE_INTEGER ? (Num)sqlite3_column_int64(a, col)
+                                     : (Num)sqlite3_column_double(a, col);
+        Num y = tb == SQLITE_INTEGER ? (Num)sqlite3_column_int64(b, col)
+                                     : (Num)sqlite3_column_double(b, col);
+        return x < y ? -1 : x > y;
+    }
+    const void *pa = ra == 2 ? (const void *)sqlite3_column_text(a, col)
+                             : sqlite3_column_blob(a, col);
+    int na = sqlite3_column_bytes(a, col);
+    const void *pb = ra == 2 ? (const void *)sqlite3_column_text(b, col)
+                             : sqlite3_column_blob(b, col);
+    int nb = sqlite3_column_bytes(b, col);
+    int c = memcmp(pa, pb, (size_t)(na < nb ? na : nb));
+    return c ? c : (na < nb ? -1 : na > nb);
+}
+
+/* 1: a row, 0: done, -1: error set. */
+static int step_row(sqlite3 *db, sqlite3_stmt *st)
+{
+    int rc = sqlite3_step(st);
+    if (rc == SQLITE_ROW)
+        return 1;
+    if (rc == SQLITE_DONE)
+        return 0;
+    return sql_error(db);
+}
+
 static PyObject *fs_events(PyObject *self, PyObject *args)
 {
     PyObject *ptr, *sql, *params, *emit, *resolve, *lane_cb, *overflowed, *spec;
-    PyObject *emit2 = Py_None;
+    PyObject *emit2 = Py_None, *sql2 = Py_None;
     int first;
     const char *ph;
     long long origin;
-    if (!PyArg_ParseTuple(args, "OUO!OpsLOOOO|O", &ptr, &sql, &PyDict_Type, &params, &emit,
+    if (!PyArg_ParseTuple(args, "OUO!OpsLOOOO|OO", &ptr, &sql, &PyDict_Type, &params, &emit,
                           &first, &ph, &origin, &spec, &resolve, &lane_cb, &overflowed,
-                          &emit2))
+                          &emit2, &sql2))
         return NULL;
+    if (sql2 != Py_None && !PyUnicode_Check(sql2)) {
+        PyErr_SetString(PyExc_TypeError, "sql2: str or None");
+        return NULL;
+    }
     int slice = ph[0] == 'X';
     if (!slice && ph[0] != 'i') {
         PyErr_SetString(PyExc_ValueError, "ph: X or i");
@@ -688,11 +737,14 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
     Layout *ls = layouts_parse(spec, &nl);
     if (!ls)
         return NULL;
-    sqlite3_stmt *st = prepare(db, sql);
-    if (!st) {
+    sqlite3_stmt *sa = prepare(db, sql), *sb = NULL;
+    if (!sa || (sql2 != Py_None && !(sb = prepare(db, sql2)))) {
+        sqlite3_finalize(sa);
         layouts_free(ls, nl);
         return NULL;
     }
+    sqlite3_stmt *st = NULL;     /* the statement whose row is handled */
+    int ha = 0, hb = 0;          /* each has a row */
     PyObject *result = NULL;
     Slow sl = {db, NULL, NULL, NULL};
     Chunks c = {{0}, 0, first, emit, 0};
@@ -710,16 +762,25 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
     }
     long long pid = 0, base = 0;
     Buf pre = {0};
-    if (bind_params(db, st, params))
+    if (bind_params(db, sa, params) || (sb && bind_params(db, sb, params)))
+        goto done;
+    if ((ha = step_row(db, sa)) < 0 || (sb && (hb = step_row(db, sb)) < 0))
         goto done;
     for (;;) {
-        int rc = sqlite3_step(st);
-        if (rc == SQLITE_DONE)
-            break;
-        if (rc != SQLITE_ROW) {
-            sql_error(db);
+        /* With sql2, two streams ordered by (k0, k1, k2, start) merged into one: at
+         * equal keys sql's row first (the Python path's UNION ALL sorts by a source
+         * column after them). */
+        if (st == sa ? (ha = step_row(db, sa)) < 0 : st && (hb = step_row(db, sb)) < 0)
             goto done;
-        }
+        if (!ha && !hb)
+            break;
+        if (ha && hb) {
+            int c = 0;
+            for (int i = 0; i < 4 && !c; i++)
+                c = value_cmp(sa, sb, i);
+            st = c <= 0 ? sa : sb;
+        } else
+            st = ha ? sa : sb;
         int same = 1, s;
         for (int i = 2; i >= 0 && same; i--) {    /* k2, k1, k0: as Python tests */
             if (key_same(&key[i], st, i, &s))
@@ -801,7 +862,8 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
         goto done;
     result = PyLong_FromSsize_t(c.total);
 done:
-    sqlite3_finalize(st);
+    sqlite3_finalize(sa);
+    sqlite3_finalize(sb);
     sqlite3_finalize(sl.quote);
     sqlite3_finalize(sl.ts);
     sqlite3_finalize(sl.dur);
@@ -817,6 +879,13 @@ done:
     }
     return result;
 }
+
+#define THREAD_CACHE 256
+
+typedef struct {
+    sqlite3_int64 node, pid, tid;
+    long long cp, ct;
+} ThreadTrack;
 
 static int flow_event(Buf *b, const char *head, size_t head_n, long long id, long long pid,
                       long long tid, const Buf *ts)
@@ -855,6 +924,10 @@ static PyObject *fs_flows(PyObject *self, PyObject *args)
     memset(key, 0, sizeof key);
     int have = 0;
     long long flow_id = 0, prev_pid = 0, prev_tid = 0;
+    /* track() per row was most of the loop: its answers for integer thread keys are
+     * kept here (it allocates on the first call only; lane_of empty: no overflow) */
+    ThreadTrack cache[THREAD_CACHE];
+    Py_ssize_t ncache = 0, last = 0;
     Buf ts = {0}, prev_ts = {0};
     if (bind_params(db, st, params))
         goto done;
@@ -866,11 +939,30 @@ static PyObject *fs_flows(PyObject *self, PyObject *args)
             sql_error(db);
             goto done;
         }
+        long long cp = 0, ct = 0;
+        if (!PyDict_GET_SIZE(lane_of) && sqlite3_column_type(st, 2) == SQLITE_INTEGER &&
+            sqlite3_column_type(st, 3) == SQLITE_INTEGER &&
+            sqlite3_column_type(st, 4) == SQLITE_INTEGER) {
+            /* the track of an integer thread key, as track() returned it before */
+            sqlite3_int64 k0 = sqlite3_column_int64(st, 2), k1 = sqlite3_column_int64(st, 3),
+                          k2 = sqlite3_column_int64(st, 4);
+            Py_ssize_t i = 0;
+            for (; i < ncache; i++) {
+                ThreadTrack *t = &cache[(last + i) % ncache];
+                if (t->node == k0 && t->pid == k1 && t->tid == k2)
+                    break;
+            }
+            if (i < ncache) {
+                last = (last + i) % ncache;
+                cp = cache[last].cp;
+                ct = cache[last].ct;
+                goto have_track;
+            }
+        }
         PyObject *nid = column_object(st, 2), *pid_o = column_object(st, 3),
                  *tid_o = column_object(st, 4);
         PyObject *r = nid && pid_o && tid_o ?
                       PyObject_CallFunctionObjArgs(track, nid, pid_o, tid_o, NULL) : NULL;
-        long long cp = 0, ct = 0;
         int ok = r && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2;
         PyObject *ct_o = ok ? PyTuple_GET_ITEM(r, 1) : NULL;
         if (ok && PyDict_GET_SIZE(lane_of)) {
@@ -902,6 +994,15 @@ static PyObject *fs_flows(PyObject *self, PyObject *args)
         Py_XDECREF(r);
         if (!ok)
             goto done;
+        if (!PyDict_GET_SIZE(lane_of) && sqlite3_column_type(st, 2) == SQLITE_INTEGER &&
+            sqlite3_column_type(st, 3) == SQLITE_INTEGER &&
+            sqlite3_column_type(st, 4) == SQLITE_INTEGER && ncache < THREAD_CACHE) {
+            ThreadTrack t = {sqlite3_column_int64(st, 2), sqlite3_column_int64(st, 3),
+                             sqlite3_column_int64(st, 4), cp, ct};
+            last = ncache;
+            cache[ncache++] = t;
+        }
+    have_track:
         ts.len = 0;
         if (ts_text(&sl, st, 5, origin, &ts))
             goto done;
@@ -951,6 +1052,148 @@ done:
     return result;
 }
 
+/* counters(db, sql, params, emit, first, origin, head) -> events
+ *
+ * Mirrors _Exporter.host: rows (timestamp_ns, name, value text) ->
+ * head "ts":…,"name":…,"cat":"host","args":{"value":…}} (head: '{"pid":P,"ph":"C",
+ * "tid":0,'); the value is SQLite's printf('%!.15g') text, copied.
+ */
+static PyObject *fs_counters(PyObject *self, PyObject *args)
+{
+    PyObject *ptr, *sql, *params, *emit;
+    int first;
+    long long origin;
+    const char *head;
+    Py_ssize_t head_n;
+    if (!PyArg_ParseTuple(args, "OUO!OpLs#", &ptr, &sql, &PyDict_Type, &params, &emit,
+                          &first, &origin, &head, &head_n))
+        return NULL;
+    sqlite3 *db = db_of(ptr);
+    if (!db)
+        return NULL;
+    sqlite3_stmt *st = prepare(db, sql);
+    if (!st)
+        return NULL;
+    PyObject *result = NULL;
+    Slow sl = {db, NULL, NULL, NULL};
+    Chunks c = {{0}, 0, first, emit, 0};
+    if (bind_params(db, st, params))
+        goto done;
+    for (;;) {
+        int rc = sqlite3_step(st);
+        if (rc == SQLITE_DONE)
+            break;
+        if (rc != SQLITE_ROW) {
+            sql_error(db);
+            goto done;
+        }
+        if (sqlite3_column_type(st, 2) != SQLITE_TEXT) {
+            PyErr_SetString(PyExc_ValueError, "counter value: text expected");
+            goto done;
+        }
+        const char *v = (const char *)sqlite3_column_text(st, 2);
+        int vn = sqlite3_column_bytes(st, 2);
+        if (chunk_begin_event(&c) || buf_add(&c.buf, head, head_n) ||
+            BUF_LIT(&c.buf, "\"ts\":") || ts_text(&sl, st, 0, origin, &c.buf) ||
+            BUF_LIT(&c.buf, ",\"name\":") || quote_col(&sl, st, 1, &c.buf) ||
+            BUF_LIT(&c.buf, ",\"cat\":\"host\",\"args\":{\"value\":") ||
+            check_utf8(v, vn) || buf_add(&c.buf, v, vn) || BUF_LIT(&c.buf, "}}") ||
+            chunk_end_event(&c))
+            goto done;
+    }
+    if (chunk_finish(&c))
+        goto done;
+    result = PyLong_FromSsize_t(c.total);
+done:
+    sqlite3_finalize(st);
+    sqlite3_finalize(sl.quote);
+    sqlite3_finalize(sl.ts);
+    sqlite3_finalize(sl.dur);
+    PyMem_Free(c.buf.p);
+    return result;
+}
+
+/* id_ranges(db, sql, params) -> {key: (min id, max id)}
+ *
+ * Rows (key, id) with integer keys and ids (others are skipped: a key that is not an
+ * integer matches no node): SELECT key, min(id), max(id) … GROUP BY key without SQLite's
+ * sort of every row (the rows come in rowid order, usually in one run per key).
+ */
+static PyObject *fs_id_ranges(PyObject *self, PyObject *args)
+{
+    PyObject *ptr, *sql, *params;
+    if (!PyArg_ParseTuple(args, "OUO!", &ptr, &sql, &PyDict_Type, &params))
+        return NULL;
+    sqlite3 *db = db_of(ptr);
+    if (!db)
+        return NULL;
+    sqlite3_stmt *st = prepare(db, sql);
+    if (!st)
+        return NULL;
+    PyObject *out = PyDict_New();
+    int have = 0;
+    sqlite3_int64 key = 0, lo = 0, hi = 0;
+    if (!out || bind_params(db, st, params))
+        goto fail;
+    for (;;) {
+        int rc = sqlite3_step(st);
+        if (rc == SQLITE_DONE || rc == SQLITE_ROW) {
+            sqlite3_int64 k = 0, id = 0;
+            int row = rc == SQLITE_ROW;
+            if (row) {
+                if (sqlite3_column_type(st, 0) != SQLITE_INTEGER ||
+                    sqlite3_column_type(st, 1) != SQLITE_INTEGER)
+                    continue;
+                k = sqlite3_column_int64(st, 0);
+                id = sqlite3_column_int64(st, 1);
+                if (have && k == key) {
+                    if (id < lo)
+                        lo = id;
+                    if (id > hi)
+                        hi = id;
+                    continue;
+                }
+            }
+            if (have) {     /* the run of ``key`` ended: widen its range in the dict */
+                PyObject *ko = PyLong_FromLongLong(key);
+                PyObject *prev = ko ? PyDict_GetItemWithError(out, ko) : NULL;
+                if (!ko || (!prev && PyErr_Occurred())) {
+                    Py_XDECREF(ko);
+                    goto fail;
+                }
+                if (prev) {
+                    sqlite3_int64 plo = PyLong_AsLongLong(PyTuple_GET_ITEM(prev, 0));
+                    sqlite3_int64 phi = PyLong_AsLongLong(PyTuple_GET_ITEM(prev, 1));
+                    if (plo < lo)
+                        lo = plo;
+                    if (phi > hi)
+                        hi = phi;
+                }
+                PyObject *v = Py_BuildValue("(LL)", lo, hi);
+                int bad = !v || PyDict_SetItem(out, ko, v);
+                Py_DECREF(ko);
+                Py_XDECREF(v);
+                if (bad)
+                    goto fail;
+            }
+            if (!row)
+                break;
+            have = 1;
+            key = k;
+            lo = hi = id;
+            continue;
+        }
+        sql_error(db);
+        goto fail;
+    }
+    sqlite3_finalize(st);
+    return out;
+fail:
+    sqlite3_finalize(st);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 static PyObject *fs_ready(PyObject *self, PyObject *noargs)
 {
     return PyBool_FromLong(sqlite3_api != NULL);
@@ -959,6 +1202,8 @@ static PyObject *fs_ready(PyObject *self, PyObject *noargs)
 static PyMethodDef methods[] = {
     {"events", fs_events, METH_VARARGS, "Slices or instants, text built here, in chunks."},
     {"flows", fs_flows, METH_VARARGS, "Flow arrows between a collective's slices."},
+    {"counters", fs_counters, METH_VARARGS, "Host counter samples, text built here."},
+    {"id_ranges", fs_id_ranges, METH_VARARGS, "Min and max id per key, in one scan."},
     {"ready", fs_ready, METH_NOARGS, "True once SQLite's routines are loaded."},
     {NULL, NULL, 0, NULL},
 };

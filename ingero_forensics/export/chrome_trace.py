@@ -65,6 +65,9 @@ _NCCL_COMM_ARGS = ("api", "comm", "parent", "split_color", "split_key", "rank", 
                    "return_code")
 #: Synthetic track ids start above any Linux tid (pid_max <= 2^22) and stay below 2^31.
 _SYNTHETIC_TID = 1 << 30
+#: Tables a node section reads that fleet.db does not index by node_id, with the kind
+#: that reads them: one node's rows are bounded by their rowid range (where()).
+_RANGED_TABLES = {"host_samples": "host", "tcp_events": "tcp", "block_events": "block"}
 _NS = 1_000_000_000
 
 
@@ -829,6 +832,44 @@ class _Exporter:
         self._spill_file = {}      # {"f": temporary file} once something spills
         self._cuda_instants = None
         self.stats.accelerated = self.accel is not None
+        self._ranges = {}          # shared by the per-node copies: table -> ranges
+
+    def node_id_ranges(self) -> dict:
+        """{table: {node_id: (min id, max id)}} for the _RANGED_TABLES the export reads
+        (None for a table with an index led by node_id: SQLite finds a node's rows).
+
+        One scan of each table instead of one per node: a node's rows are all within
+        its range, so the condition changes no result; merged tables hold each node's
+        rows in one run of ids, so the range is about that node's rows alone.
+        """
+        if "done" in self._ranges:
+            return self._ranges
+        for table, kind in _RANGED_TABLES.items():
+            if kind not in self.opts.kinds:
+                continue
+            led = False
+            for _, index, _, _, partial in self.con.execute(f"PRAGMA index_list({table})"):
+                cols = list(self.con.execute(f"PRAGMA index_info({index})"))
+                led = led or (not partial and cols and cols[0][2] == "node_id")
+            if led:
+                self._ranges[table] = None
+            elif self.accel is not None:
+                self._ranges[table] = self._c(self.accel.id_ranges,
+                                              f"SELECT node_id, id FROM {table}")
+            else:
+                self._ranges[table] = {nid: (lo, hi) for nid, lo, hi in self.con.execute(
+                    f"SELECT node_id, min(id), max(id) FROM {table} GROUP BY node_id")}
+        self._ranges["done"] = True
+        return self._ranges
+
+    def _id_range(self, table: str) -> str:
+        ranges = self.node_id_ranges()[table]
+        if ranges is None:
+            return "1"
+        r = ranges.get(self.only_node)
+        if r is None or not all(type(x) is int for x in r):
+            return "0" if r is None else "1"
+        return f"id BETWEEN {r[0]} AND {r[1]}"
 
     def run_analysis(self) -> None:
         if self.opts.findings and self.analysis is None:
@@ -852,12 +893,19 @@ class _Exporter:
 
     # -- filters ------------------------------------------------------------------
     def where(self, alias: str = "", ts: str = "timestamp_ns", per_process: bool = True,
-              node_col: str = "node_id") -> str:
-        """SQL conditions for the selected nodes, ranks and time range (params :t_from, :t_to)."""
+              node_col: str = "node_id", table: str | None = None) -> str:
+        """SQL conditions for the selected nodes, ranks and time range (params :t_from, :t_to).
+
+        ``table``: a table without an index led by node_id (_RANGED_TABLES); one node's
+        rows are then also bounded by their rowid range, so SQLite reads only that range
+        instead of the whole table once per node.
+        """
         a = f"{alias}." if alias else ""
         conds = []
         if self.only_node is not None:
             conds.append(f"{a}{node_col} = {self.only_node}")
+            if table is not None:
+                conds.append(self._id_range(table))
         elif len(self.nodes) != len(self.nodes_all):
             conds.append(f"{a}{node_col} IN ({', '.join(str(n.node_id) for n in self.nodes) or 'NULL'})")
         if self.opts.ranks is not None and per_process:
@@ -888,7 +936,7 @@ class _Exporter:
         below is the reference.
         """
         if self.accel is not None:
-            n = self._events(sink, "X", fast[0], fast[1], resolve, overflowed)
+            n = self._events(sink, "X", fast[0], fast[1], resolve, overflowed, *fast[2:])
             self.stats.slices += n
             self.count(kind, n)
             return
@@ -934,14 +982,17 @@ class _Exporter:
         self.count(kind, n)
 
     def _events(self, sink: _Sink, ph: str, sql: str, layouts: tuple, resolve,
-                overflowed=None) -> int:
+                overflowed=None, sql2: str | None = None) -> int:
         """The C loop (_fastslices.events) over raw-column rows ``(k0, k1, k2, start, end,
         ts, dur, name, layout, args...)``: the text the SQL of the Python path builds,
         built in C. layouts: ((cat, arg keys, kinds, first arg column), ...), picked by the
-        layout column; kinds 'q' json_quote, 'b' integer as true/false."""
+        layout column; kinds 'q' json_quote, 'b' integer as true/false. ``sql2``: a second
+        stream of the same columns and order, merged in (at equal keys and start, after
+        the first's rows)."""
         sink.flush()
         return self._c(self.accel.events, sql, sink.extend_joined, sink.first, ph,
-                       self.origin, layouts, resolve, self.tracks.lane, overflowed)
+                       self.origin, layouts, resolve, self.tracks.lane, overflowed, None,
+                       sql2)
 
     def _c(self, fn, sql: str, *args):
         """A C loop over ``sql`` on this exporter's connection; its errors as the Python
@@ -1088,21 +1139,26 @@ class _Exporter:
                          "c.ranks_seen, CASE WHEN c.collective_id IS NULL THEN NULL WHEN "
                          "c.last_node_id = e.node_id AND c.last_rank IS e.rank THEN 1 "
                          "ELSE 0 END")
-            raw = (f"SELECT node_id, pid, tid, ts, te, ts, dur, name, src, * FROM ("
-                   f"SELECT e.node_id, e.pid, e.tid, e.timestamp_ns AS ts, "
+            # Two statements merged by the C loop (the UNION ALL above has SQLite sort
+            # every wide row): the collectives in the index's (node, pid, tid, ts, id)
+            # order, the communicator events (few) sorted the same way; at equal
+            # (node, pid, tid, ts) the collective first, as src orders them above.
+            outer = "SELECT node_id, pid, tid, ts, te, ts, dur, name, src, * FROM ("
+            order = ") ORDER BY node_id, pid, tid, ts, id"
+            raw = (f"{outer}SELECT e.node_id, e.pid, e.tid, e.timestamp_ns AS ts, "
                    f"e.timestamp_ns + e.duration_ns AS te, e.duration_ns AS dur, "
                    f"e.op AS name, 0 AS src, e.id, {coll_args}, {', '.join(['NULL'] * 8)} "
                    f"FROM nccl_events e LEFT JOIN collectives c "
                    f"ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
-                   f"WHERE {self.where('e')} "
-                   f"UNION ALL SELECT node_id, pid, tid, timestamp_ns, "
-                   f"timestamp_ns + duration_ns, duration_ns, api, 1, id, "
-                   f"{', '.join(['NULL'] * 20)}, api, comm_id_hash, parent_hash, split_color, "
-                   f"split_key, rank, nranks, return_code FROM nccl_comm_events "
-                   f"WHERE {self.where()}) ORDER BY node_id, pid, tid, ts, src, id")
+                   f"WHERE {self.where('e')}{order}")
+            raw_comm = (f"{outer}SELECT node_id, pid, tid, timestamp_ns AS ts, "
+                        f"timestamp_ns + duration_ns AS te, duration_ns AS dur, api AS name, "
+                        f"1 AS src, id, {', '.join(['NULL'] * 20)}, api, comm_id_hash, "
+                        f"parent_hash, split_color, split_key, rank, nranks, return_code "
+                        f"FROM nccl_comm_events WHERE {self.where()}{order}")
             # '*' puts the subquery's 9 leading columns again at 9..17: args from 18
             fast = (raw, (("nccl", _NCCL_ARGS, "q" * 19 + "b", 18),
-                          ("nccl", _NCCL_COMM_ARGS, "q" * 8, 38)))
+                          ("nccl", _NCCL_COMM_ARGS, "q" * 8, 38)), raw_comm)
         self._slices(sink, sql, "nccl",
                      lambda nid, pid, tid: self.tracks.family(nid, pid, tid, "nccl", 1),
                      self._overflowed_nccl, fast)
@@ -1181,7 +1237,7 @@ class _Exporter:
                         "'rwbs'", 'rwbs', "'pid'", 'pid', "'tid'", 'tid', "'comm'", 'comm',
                         "'error'", 'error')} || '}}'""")
         sql = (f"SELECT node_id, device, NULL, timestamp_ns, timestamp_ns + duration_ns, {body} "
-               f"FROM block_events WHERE {self.where(per_process=False)} "
+               f"FROM block_events WHERE {self.where(per_process=False, table='block_events')} "
                "ORDER BY node_id, device, timestamp_ns, id")
 
         def resolve(nid, device, _):
@@ -1192,7 +1248,8 @@ class _Exporter:
         if self.accel is not None:
             fast = ("SELECT node_id, device, NULL, timestamp_ns, timestamp_ns + duration_ns, "
                     "timestamp_ns, duration_ns, op, 0, device, bytes, sector, rwbs, pid, tid, "
-                    f"comm, error FROM block_events WHERE {self.where(per_process=False)} "
+                    "comm, error FROM block_events WHERE "
+                    f"{self.where(per_process=False, table='block_events')} "
                     "ORDER BY node_id, device, timestamp_ns, id",
                     (("block", ("device", "bytes", "sector", "rwbs", "pid", "tid", "comm",
                                 "error"), "q" * 8, 9),))
@@ -1205,7 +1262,8 @@ class _Exporter:
                         "'scope'", 'scope', "'owner_pid'", 'owner_pid',
                         "'srtt_us'", 'srtt_us', "'snd_cwnd'", 'snd_cwnd')} || '}}'""")
         sql = (f"SELECT node_id, scope, {body} FROM tcp_events "
-               f"WHERE {self.where(per_process=False)} ORDER BY node_id, timestamp_ns, id")
+               f"WHERE {self.where(per_process=False, table='tcp_events')} "
+               "ORDER BY node_id, timestamp_ns, id")
         if self.accel is not None:
             def resolve(nid, scope, _):
                 cp = self.tracks.by_node[nid].pid
@@ -1215,7 +1273,7 @@ class _Exporter:
                    "WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END || ' ' || "
                    "saddr || ':' || sport || ' > ' || daddr || ':' || dport, 0, event, saddr, "
                    "sport, daddr, dport, state, scope, owner_pid, srtt_us, snd_cwnd "
-                   f"FROM tcp_events WHERE {self.where(per_process=False)} "
+                   f"FROM tcp_events WHERE {self.where(per_process=False, table='tcp_events')} "
                    "ORDER BY node_id, timestamp_ns, id")
             n = self._events(sink, "i", raw, (("tcp", ("event", "saddr", "sport", "daddr",
                                                         "dport", "state", "scope", "owner_pid",
@@ -1239,14 +1297,25 @@ class _Exporter:
                "',\"name\":' || json_quote(metric || CASE WHEN device IS NOT NULL THEN ' ' || "
                "device ELSE '' END) || ',\"cat\":\"host\",\"args\":{\"value\":' || "
                "CASE WHEN value = value THEN printf('%!.15g', value) ELSE 'null' END || '}}' "
-               f"FROM host_samples WHERE {self.where(per_process=False)} "
+               f"FROM host_samples WHERE {self.where(per_process=False, table='host_samples')} "
                "AND value IS NOT NULL AND abs(value) < 1e300 "
                "ORDER BY node_id, metric, device, timestamp_ns, id")
         n = 0
         pid_of = {n_.node_id: n_.pid for n_ in self.nodes_all}
-        for node_id, body in self.con.execute(sql, self.params):
-            sink.add(f'{{"pid":{pid_of[node_id]},{body[1:]}')
-            n += 1
+        if self.accel is not None and self.only_node is not None:
+            raw = ("SELECT timestamp_ns, metric || CASE WHEN device IS NOT NULL THEN ' ' || "
+                   "device ELSE '' END, CASE WHEN value = value THEN printf('%!.15g', value) "
+                   "ELSE 'null' END FROM host_samples "
+                   f"WHERE {self.where(per_process=False, table='host_samples')} "
+                   "AND value IS NOT NULL AND abs(value) < 1e300 "
+                   "ORDER BY node_id, metric, device, timestamp_ns, id")
+            sink.flush()
+            n = self._c(self.accel.counters, raw, sink.extend_joined, sink.first, self.origin,
+                        f'{{"pid":{pid_of[self.only_node]},"ph":"C","tid":0,')
+        else:
+            for node_id, body in self.con.execute(sql, self.params):
+                sink.add(f'{{"pid":{pid_of[node_id]},{body[1:]}')
+                n += 1
         self.stats.counters += n
         self.count("host", n)
 
@@ -1529,6 +1598,7 @@ class _Exporter:
                                   "--max-events")
         node_ids = sorted(n.node_id for n in self.nodes)
         jobs = max(1, min(jobs, len(node_ids)))
+        self.node_id_ranges()      # once here, not once per node (nor per worker)
         if jobs == 1:
             return self._run_direct(out, gzip_level, node_ids)
         with _tempdir(tmp_parent, tmp_prefix) as tmpdir:
