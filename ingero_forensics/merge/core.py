@@ -43,6 +43,8 @@ DEFAULT_MIN_WAIT_NS = 20_000
 DEFAULT_MIN_LATENCY_NS = 1_000
 #: Collectives (at most, about) the alignment looks at; more adds time, not accuracy.
 ALIGN_SAMPLE = 5_000
+#: Page cache of fleet.db (MiB); a larger one measured no faster, index builds included.
+CACHE_MB = 32
 #: Page size of a new fleet.db.
 FLEET_PAGE_SIZE = int(os.environ.get("INGERO_FLEET_PAGE_SIZE", 16384))
 #: Threads that verify, decompress and extract sync points ahead of the copying thread
@@ -186,11 +188,11 @@ class _Fleet:
         harden(self.con)
         self.con.config(apsw.SQLITE_DBCONFIG_ENABLE_TRIGGER, 0)
         # The file is private until the final rename: durability is given by one fsync at
-        # the end, not by syncing every commit. Memory stays bounded (64 MiB cache).
+        # the end, not by syncing every commit. Memory stays bounded (CACHE_MB).
         # Sorts (index builds, GROUP BY) may use a helper thread: 2 cores, not 1. The
         # rollback journal stays on disk: in memory it held every page the whole-table
         # UPDATEs touch (792 MiB peak at 32 M rows), and ROLLBACK must keep working.
-        for pragma in ("PRAGMA synchronous = OFF", "PRAGMA cache_size = -32768",
+        for pragma in ("PRAGMA synchronous = OFF", f"PRAGMA cache_size = -{CACHE_MB * 1024}",
                        "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE",
                        "PRAGMA threads = 2"):
             self.con.execute(pragma)
