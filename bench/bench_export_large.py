@@ -53,7 +53,7 @@ if profile == "1":
         wrap(ct._Exporter, sec)
     wrap(ct._Assembler, "part", "copy part")
     wrap(ct.os, "fsync", "fsync")
-    wrap(ct, "_run_workers", "workers (wall)")
+    wrap(ct._Workers, "receive", "wait for workers")
 def cpu():
     s, c = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return s.ru_utime + c.ru_utime, s.ru_stime + c.ru_stime

@@ -761,6 +761,8 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
         Py_INCREF(Py_None);
     }
     long long pid = 0, base = 0;
+    long long *lane_tids = NULL;    /* overflow lane -> tid on the current track */
+    Py_ssize_t nlane = 0;
     Buf pre = {0};
     if (bind_params(db, sa, params) || (sb && bind_params(db, sb, params)))
         goto done;
@@ -792,6 +794,8 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
                 if (key_set(&key[i], st, i))
                     goto done;
             reset = 1;
+            if (nlane)
+                memset(lane_tids, 0, nlane * sizeof *lane_tids);
             PyObject *r = PyObject_CallFunctionObjArgs(resolve, key[0].obj, key[1].obj,
                                                        key[2].obj, NULL);
             if (!r)
@@ -838,8 +842,28 @@ static PyObject *fs_events(PyObject *self, PyObject *args)
             if (buf_add(&c.buf, pre.p, pre.len))
                 goto done;
         } else {
+            /* lane(pid, base, n) answers the same for the same track and lane (it
+             * allocates on the first call): kept per lane until the track changes */
             long long tid;
-            if (lane_tid(lane_cb, pid, base, lane, &tid) || add_prefix(&c.buf, pid, tid))
+            if (lane < nlane && lane_tids[lane])
+                tid = lane_tids[lane];
+            else {
+                if (lane_tid(lane_cb, pid, base, lane, &tid))
+                    goto done;
+                if (lane >= nlane) {
+                    Py_ssize_t n = lane * 2 + 8;
+                    long long *p = PyMem_Realloc(lane_tids, n * sizeof *p);
+                    if (!p) {
+                        PyErr_NoMemory();
+                        goto done;
+                    }
+                    memset(p + nlane, 0, (n - nlane) * sizeof *p);
+                    lane_tids = p;
+                    nlane = n;
+                }
+                lane_tids[lane] = tid;    /* 0 (never a lane's tid) is only not kept */
+            }
+            if (add_prefix(&c.buf, pid, tid))
                 goto done;
             if (overflowed != Py_None) {
                 PyObject *s0 = column_object(st, 3), *e0 = column_object(st, 4);
@@ -871,6 +895,7 @@ done:
     PyMem_Free(c2.buf.p);
     PyMem_Free(pre.p);
     PyMem_Free(pre_i.p);
+    PyMem_Free(lane_tids);
     lanes_free(&tr.lanes);
     layouts_free(ls, nl);
     for (int i = 0; i < 3; i++) {

@@ -501,6 +501,7 @@ class _PartFile:
         self.sink.flush()
         if self._comp is not None and self._n:
             self.f.write(self._comp.flush(zlib.Z_SYNC_FLUSH))
+        self.f.flush()          # copied from the file while it is still open
         return _Part(self.path, offset, self.f.tell() - offset, self._n, self._crc)
 
     def write(self, data: bytes) -> None:
@@ -669,8 +670,12 @@ class _Assembler:
 
 # ---------------------------------------------------------------------- workers
 
-def _worker_main(exporter, tasks, gzip_level, conn) -> None:
-    """A forked worker: its nodes' part files; (True, results) or (False, error) back."""
+def _worker_main(exporter, node_ids, tmpdir, gzip_level, conn) -> None:
+    """A forked worker: its nodes' sections, section by section (every node's NCCL, then
+    every node's CUDA, ...), each into its own part file, announced as soon as it is
+    written so that the parent copies it while the rest is being written:
+    ("part", node_id, section, _Part, events, tracks after NCCL or None), then
+    ("done", [_NodeResult]); ("error", message or _AccelUnsupported) on failure."""
     # Ctrl-C goes to the whole process group: the parent alone handles it (it terminates
     # the workers and removes the part files). SIGINT was blocked across the fork.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -679,71 +684,91 @@ def _worker_main(exporter, tasks, gzip_level, conn) -> None:
     try:
         con = connect_fleet(exporter.path)   # never the parent's connection across fork
         try:
-            out = []
-            for node_id, path in tasks:
-                out.append(exporter.export_node(node_id, path, gzip_level, con=con))
+            # A fresh Tracks per node: a node's synthetic tids then depend only on its
+            # own rows, never on which worker ran it or what it ran before.
+            subs = [exporter._node_exporter(nid, con) for nid in node_ids]
+            for name in exporter.node_sections():
+                for sub in subs:
+                    path = os.path.join(tmpdir, f"node-{sub.only_node}.{name}.part")
+                    with _PartFile(path, gzip_level, exporter.opts.max_events) as pf:
+                        part = pf.section(getattr(sub, name))
+                    # the flows need every node's NCCL tracks (and nothing later)
+                    tracks = sub._result({}, 0) if name == "nccl" else None
+                    conn.send(("part", sub.only_node, name, part, pf.sink.events, tracks))
+            out = [sub._result({}, 0) for sub in subs]
         finally:
+            _Spill.close(exporter._spill_file)
             con.close()
-        conn.send((True, out))
+        conn.send(("done", out))
     except _AccelUnsupported as e:
-        conn.send((False, e))
+        conn.send(("error", e))
     except apsw.Error as e:
-        conn.send((False, f"{exporter.path}: cannot read fleet.db ({e})"))
+        conn.send(("error", f"{exporter.path}: cannot read fleet.db ({e})"))
     except OSError as e:
-        conn.send((False, f"{path}: cannot write: {e.strerror or e}"))
+        conn.send(("error", f"{path}: cannot write: {e.strerror or e}"))
     except ExportError as e:
-        conn.send((False, str(e)))
+        conn.send(("error", str(e)))
     except BaseException as e:  # a bug: still one line, naming the worker's node
-        conn.send((False, f"{exporter.path}: export worker failed: {type(e).__name__}: {e}"))
+        conn.send(("error", f"{exporter.path}: export worker failed: {type(e).__name__}: {e}"))
 
 
-def _run_workers(exporter, node_ids, paths, gzip_level, jobs, meanwhile):
-    """Per-node sections in ``jobs`` forked processes (node i to worker i % jobs);
-    ``meanwhile()`` runs here while they work. Results come back in node order. On any
-    error or Ctrl-C here, every worker is terminated before this returns."""
-    import multiprocessing
-    from multiprocessing.connection import wait
-    ctx = multiprocessing.get_context("fork")
-    names = {n.node_id: n.name for n in exporter.nodes_all}
-    procs = []
-    try:
+class _Workers:
+    """Per-node sections in ``jobs`` forked processes (node i to worker i % jobs), their
+    messages in arrival order. On any error or Ctrl-C in the parent, close() terminates
+    every worker."""
+
+    def __init__(self, exporter, node_ids, tmpdir, gzip_level, jobs):
+        import multiprocessing
+        ctx = multiprocessing.get_context("fork")
+        self.names = {n.node_id: n.name for n in exporter.nodes_all}
+        self.path = exporter.path
+        self.procs = []
+        self.waiting = {}
         # Ctrl-C held back while forking: a worker must not die of it before it ignores
         # it, nor be started without being in procs (and so never terminated).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             for w in range(jobs):
-                mine = [(nid, paths[nid]) for nid in node_ids[w::jobs]]
+                mine = node_ids[w::jobs]
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main,
-                                   args=(exporter, mine, gzip_level, send), daemon=True)
-                procs.append((proc, recv, mine))
+                                   args=(exporter, mine, tmpdir, gzip_level, send),
+                                   daemon=True)
+                self.procs.append((proc, recv))
+                self.waiting[recv] = (proc, mine)
                 proc.start()
                 send.close()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        other = meanwhile()
-        results = {}
-        waiting = {recv: (proc, mine) for proc, recv, mine in procs}
-        while waiting:
-            for recv in wait(list(waiting)):
-                proc, mine = waiting.pop(recv)
-                try:
-                    ok, value = recv.recv()
-                except EOFError:
-                    proc.join()
-                    code = proc.exitcode
-                    why = f"killed by signal {-code}" if code and code < 0 else f"exit {code}"
-                    raise ExportError(
-                        f"{exporter.path}: the export worker for "
-                        f"{', '.join(names[n] for n, _ in mine)} died ({why})") from None
-                if isinstance(value, _AccelUnsupported):
-                    raise value
-                if not ok:
-                    raise ExportError(value)
-                results.update((r.node_id, r) for r in value)
-        return [results[nid] for nid in node_ids], other
-    finally:
-        for proc, recv, _ in procs:
+
+    def receive(self) -> list:
+        """The next messages ("part", ...) and ("done", ...); [] once all are done."""
+        from multiprocessing.connection import wait
+        if not self.waiting:
+            return []
+        out = []
+        for recv in wait(list(self.waiting)):
+            proc, mine = self.waiting[recv]
+            try:
+                msg = recv.recv()
+            except EOFError:
+                proc.join()
+                code = proc.exitcode
+                why = f"killed by signal {-code}" if code and code < 0 else f"exit {code}"
+                raise ExportError(
+                    f"{self.path}: the export worker for "
+                    f"{', '.join(self.names[n] for n in mine)} died ({why})") from None
+            if msg[0] == "error":
+                if isinstance(msg[1], _AccelUnsupported):
+                    raise msg[1]
+                raise ExportError(msg[1])
+            if msg[0] == "done":
+                del self.waiting[recv]
+            out.append(msg)
+        return out
+
+    def close(self) -> None:
+        for proc, recv in self.procs:
             if proc.pid is not None:       # started
                 if proc.is_alive():
                     proc.terminate()
@@ -1359,35 +1384,37 @@ class _Exporter:
 
     def windows(self, sink: _Sink) -> None:
         """What fleet.db proves about stragglers: per collective, first to last entry."""
-        node_names = {n.node_id: n.name for n in self.nodes_all}
         conds = self.window_conds()
-        body = (f"""{_head('straggler', 'first_entry_ns', 'entry_spread_ns',
-                        "op || ' #' || seq || ': waiting for ' || CASE WHEN last_rank IS NULL "
-                        "THEN 'node' ELSE 'rank ' || last_rank END")} ||
-                 {_args("'comm'", 'comm_id_hash', "'seq'", 'seq', "'op'", 'op',
-                        "'bytes'", 'bytes', "'last_rank'", 'last_rank',
-                        "'last_node_id'", 'last_node_id', "'entry_spread_ns'", 'entry_spread_ns',
-                        "'ranks_seen'", 'ranks_seen', "'nranks'", 'nranks',
-                        "'completion_utc_ns'", 'completion_ns',
-                        "'op_mismatch'", 'op_mismatch')} || '}}'""")
-        sql = (f"SELECT 0, comm_id_hash, NULL, first_entry_ns, last_entry_ns, last_node_id, "
-               f"{body} FROM collectives WHERE {' AND '.join(conds)} "
-               "ORDER BY comm_id_hash, first_entry_ns, seq")
-        cur_key, lanes, n = None, [], 0
+        # The last node's name (its id when fleet.db has no such node) as the last arg.
+        last_node = ("CASE WHEN n.node_id IS NULL THEN CAST(c.last_node_id AS TEXT) "
+                     "ELSE n.name END")
+        name = ("c.op || ' #' || c.seq || ': waiting for ' || CASE WHEN c.last_rank IS NULL "
+                "THEN 'node' ELSE 'rank ' || c.last_rank END")
+        args = ("'comm'", 'c.comm_id_hash', "'seq'", 'c.seq', "'op'", 'c.op',
+                "'bytes'", 'c.bytes', "'last_rank'", 'c.last_rank',
+                "'last_node_id'", 'c.last_node_id', "'entry_spread_ns'", 'c.entry_spread_ns',
+                "'ranks_seen'", 'c.ranks_seen', "'nranks'", 'c.nranks',
+                "'completion_utc_ns'", 'c.completion_ns', "'op_mismatch'", 'c.op_mismatch',
+                "'last_node'", last_node)
+        body = (f"""{_head('straggler', 'c.first_entry_ns', 'c.entry_spread_ns', name)} ||
+                 {_args(*args)} || '}}'""")
+        where = " AND ".join(f"c.{x}" for x in conds)
         fp = self.fleet_pid
-        for _, comm, _, start, end, last_node, body in self.con.execute(sql, self.params):
-            if comm != cur_key:
-                cur_key, lanes = comm, []
-                base = self.tracks.synthetic(fp, ("comm", comm), 0,
+
+        def resolve(_, comm, __):
+            return fp, self.tracks.synthetic(fp, ("comm", comm), 0,
                                              f"communicator {comm} · waits for the last rank")
-            lane = _place(lanes, start, end)
-            tid = base if lane == 0 else self.tracks.lane(fp, base, lane)
-            name = node_names.get(last_node, str(last_node))
-            sink.add(f'{{"ph":"X","pid":{fp},"tid":{tid},'
-                     f'{body[:-2]},"last_node":{orjson.dumps(name).decode()}}}}}')
-            n += 1
-        self.stats.slices += n
-        self.count("nccl", n)
+        fast = None
+        if self.accel is not None:
+            fast = (f"SELECT 0, c.comm_id_hash, NULL, c.first_entry_ns, c.last_entry_ns, "
+                    f"c.first_entry_ns, c.entry_spread_ns, {name}, 0, {', '.join(args[1::2])} "
+                    f"FROM collectives c LEFT JOIN nodes n ON n.node_id = c.last_node_id "
+                    f"WHERE {where} ORDER BY c.comm_id_hash, c.first_entry_ns, c.seq",
+                    (("straggler", tuple(k.strip("'") for k in args[::2]), "q" * 12, 9),))
+        sql = (f"SELECT 0, c.comm_id_hash, NULL, c.first_entry_ns, c.last_entry_ns, {body} "
+               f"FROM collectives c LEFT JOIN nodes n ON n.node_id = c.last_node_id "
+               f"WHERE {where} ORDER BY c.comm_id_hash, c.first_entry_ns, c.seq")
+        self._slices(sink, sql, "nccl", resolve, fast=fast)
 
     def finding_windows(self) -> list:
         """The report's windows to mark: on an exported straggler node, overlapping the
@@ -1518,21 +1545,6 @@ class _Exporter:
                if kind in k]
         return out + (["stats_rates"] if self.stats_sql(k) is not None else [])
 
-    def export_node(self, node_id: int, path: str, gzip_level: int | None,
-                    con=None) -> "_NodeResult":
-        """One node's sections into the part file ``path`` (in a worker, or in-process).
-
-        A fresh Tracks per node: a node's synthetic tids then depend only on its own rows,
-        never on which worker ran it or what it ran before.
-        """
-        sub = self._node_exporter(node_id, con)
-        parts = {}
-        with _PartFile(path, gzip_level, self.opts.max_events) as pf:
-            for name in self.node_sections():
-                parts[name] = pf.section(getattr(sub, name))
-            events = pf.sink.events
-        return sub._result(parts, events)
-
     def _node_exporter(self, node_id: int, con=None) -> "_Exporter":
         sub = copy.copy(self)
         sub.con = con if con is not None else self.con
@@ -1605,41 +1617,120 @@ class _Exporter:
             return self._run_parts(out, gzip_level, jobs, node_ids, tmpdir)
 
     def _run_parts(self, out, gzip_level, jobs, node_ids, tmpdir) -> ExportStats:
+        """Workers write the per-node sections, section by section, each into its own
+        part file; this process writes the output in order as the parts arrive (copied
+        in the kernel, then removed: the parts never pile up in the page cache), the
+        flows as soon as every node's NCCL section is in, and runs the findings analysis
+        when it has nothing to copy yet. With --max-events, nothing is written before
+        the total is known (the parts are kept until then)."""
         kinds = self.opts.kinds
-        paths = {nid: os.path.join(tmpdir, f"node-{nid}.part") for nid in node_ids}
-        own = _PartFile(os.path.join(tmpdir, "global.part"), gzip_level, self.opts.max_events)
-        with own:
-            def meanwhile():
-                self.run_analysis()
-                return own.section(self.windows) if "nccl" in kinds else None
-            results, windows = _run_workers(self, node_ids, paths, gzip_level, jobs,
-                                            meanwhile)
-            events = own.sink.events
-            for r in results:
-                self._merge(r)
-                events += r.events
-            if self.opts.max_events is not None and events > self.opts.max_events:
-                raise ExportError(f"more than --max-events {self.opts.max_events} events; "
-                                  "narrow the export with --from/--to, --nodes, --ranks or "
-                                  "--kinds, or raise --max-events")
-            own.sink.events = events       # the flows and findings count on from here
-            flows = own.section(self.flows) if "nccl" in kinds else None
-            findings = own.section(self.findings)
-            self.stats.events = own.sink.events
-            self.stats.overflow_tracks = self.tracks.overflow
-            own.sink.max_events = None     # M events are not counted
-            meta_events = own.section(self.metadata_events)
-        by_section = {name: [r.parts[name] for r in results] for name in self.node_sections()}
+        deferred = self.opts.max_events is not None
         order = []
         for name in self.node_sections():
-            order += by_section[name]
+            order += [(name, nid) for nid in node_ids]
             if name == "nccl":
-                order += [flows, windows]
-        order += [findings, meta_events]
+                order += [("flows", None), ("windows", None)]
+        own = _PartFile(os.path.join(tmpdir, "global.part"), gzip_level, self.opts.max_events)
         w = _Assembler(out, gzip_level)
-        w.raw(b'{"traceEvents":[\n')
-        for part in order:
-            w.part(part)
+        inline = _InlineSections(w, None)
+        kept = []               # deferred: what to copy, in order, once the total is known
+        events = 0
+        parts, finals, nccl_tracks = {}, [], {}
+        workers = None
+        analysed = False
+
+        def emit(part):
+            if deferred:
+                kept.append(part)
+            elif part is not None:
+                w.part(part)
+                if part.path != own.path:
+                    os.unlink(part.path)
+
+        def own_section(fill):
+            """A section of this process: straight to the output, or kept for later."""
+            nonlocal events
+            if deferred:
+                own.sink.events = 0
+                kept.append(own.section(fill))
+                events += own.sink.events
+            else:
+                inline.sink.events = 0
+                inline.section(fill)
+                events += inline.sink.events
+
+        with own:
+            try:
+                workers = _Workers(self, node_ids, tmpdir, gzip_level, jobs)
+                if not deferred:
+                    w.raw(b'{"traceEvents":[\n')
+                windows = own.section(self.windows) if "nccl" in kinds else None
+                events += own.sink.events
+                for item in order:
+                    while item not in parts and item[0] not in ("flows", "windows"):
+                        if not analysed:
+                            self.run_analysis()       # nothing to copy yet
+                            analysed = True
+                            continue
+                        if not workers.waiting:
+                            raise ExportError(f"{self.path}: the workers left out {item}")
+                        for msg in workers.receive():
+                            if msg[0] == "part":
+                                _, nid, name, part, n, tracks = msg
+                                parts[(name, nid)] = part
+                                events += n
+                                if tracks is not None:
+                                    nccl_tracks[nid] = tracks
+                            else:
+                                finals += msg[1]
+                    if item[0] == "windows":
+                        emit(windows)
+                    elif item[0] == "flows":
+                        if deferred:
+                            continue          # after the total is checked (below)
+                        for nid in node_ids:
+                            self._merge_tracks(nccl_tracks[nid])
+                        own_section(self.flows)
+                    else:
+                        emit(parts.pop(item))
+                while workers.waiting:
+                    for msg in workers.receive():
+                        finals += msg[1]
+            finally:
+                if workers is not None:
+                    workers.close()
+            self.run_analysis()
+            finals.sort(key=lambda r: r.node_id)
+            for r in finals:
+                self._merge(r)
+            if deferred:
+                if events > self.opts.max_events:
+                    raise ExportError(f"more than --max-events {self.opts.max_events} "
+                                      "events; narrow the export with --from/--to, --nodes, "
+                                      "--ranks or --kinds, or raise --max-events")
+                w.raw(b'{"traceEvents":[\n')
+                flows_at = len(node_ids) if "nccl" in kinds else None
+                for i, part in enumerate(kept):
+                    if i == flows_at:
+                        # the flows, counted on from every other event (as --jobs 1)
+                        own.sink.events = events
+                        flows = own.section(self.flows)
+                        events = own.sink.events
+                        w.part(flows)
+                    w.part(part)
+                own.sink.events = events
+                w.part(own.section(self.findings))
+                events = own.sink.events
+            else:
+                own_section(self.findings)
+            self.stats.events = events
+            self.stats.overflow_tracks = self.tracks.overflow
+            inline.sink.max_events = own.sink.max_events = None   # M events are not counted
+            if deferred:
+                w.part(own.section(self.metadata_events))
+            else:
+                inline.section(self.metadata_events)
+        _Spill.close(self._spill_file)
         w.raw(b'\n],\n"displayTimeUnit":"ns",\n"metadata":'
               + orjson.dumps(self.metadata(), option=orjson.OPT_SORT_KEYS) + b"}\n")
         w.finish()

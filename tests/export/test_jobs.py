@@ -1,6 +1,7 @@
 """--jobs: per-node sections in worker processes, the same bytes whatever the count."""
 
 import gzip
+import json
 import os
 import random
 import re
@@ -62,6 +63,47 @@ def test_same_bytes_for_any_jobs_with_filters(fleet4, tmp_path, args):
     one = _export(fleet4, tmp_path / "1.json", "--jobs", 1, *args)
     assert one == _export(fleet4, tmp_path / "3.json", "--jobs", 3, *args)
     assert one.startswith(b'{"traceEvents":[\n{')
+
+
+@pytest.mark.parametrize("name", ["t.json", "t.json.gz"])
+def test_max_events_keeps_parts_until_the_total_is_known(fleet4, tmp_path, name):
+    """With --max-events the parent writes only once every part is in (a different
+    path from the streaming one): the same bytes, and the limit exactly at the count
+    passes."""
+    plain = _export(fleet4, tmp_path / f"1-{name}", "--jobs", 1)
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(tmp_path / f"1-{name}", "rb") as f:
+        count = json.loads(f.read())["metadata"]["counts"]["events"]
+    for jobs in (2, 3):
+        out = tmp_path / f"{jobs}-{name}"
+        assert _export(fleet4, out, "--jobs", jobs, "--max-events", count) == plain
+    r = run(fleet4, "--chrome-trace", "-o", tmp_path / "x.json", "--jobs", 2,
+            "--max-events", count - 1)
+    assert r.exit_code == EXIT_ERROR
+    assert f"more than --max-events {count - 1}" in r.output
+    assert _leftovers(tmp_path, {f"{j}-{name}" for j in (1, 2, 3)}) == []
+
+
+def test_parts_are_removed_as_they_are_copied(fleet4, tmp_path, monkeypatch):
+    """The parent copies each part as soon as it is in and removes it: when the last
+    node section is copied, the earlier ones are gone."""
+    from ingero_forensics.export import chrome_trace as ct
+    seen = []
+    real = ct._Assembler.part
+
+    def part(self, p):
+        if p is not None and os.path.basename(p.path).startswith("node-"):
+            d = os.path.dirname(p.path)
+            seen.append((os.path.basename(p.path),
+                         sorted(n for n in os.listdir(d) if n.startswith("node-"))))
+        return real(self, p)
+    monkeypatch.setattr(ct._Assembler, "part", part)
+    _export(fleet4, tmp_path / "t.json", "--jobs", 2)
+    copied = [name for name, _ in seen]
+    assert len(copied) == len(set(copied)) > 8
+    for i, (name, present) in enumerate(seen):
+        assert name in present
+        assert not set(copied[:i]) & set(present)     # every earlier part already removed
 
 
 def test_gzip_is_one_member_of_the_plain_bytes(fleet4, tmp_path):
