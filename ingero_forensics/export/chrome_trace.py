@@ -712,12 +712,27 @@ def _worker_main(exporter, node_ids, tmpdir, gzip_level, conn) -> None:
         conn.send(("error", f"{exporter.path}: export worker failed: {type(e).__name__}: {e}"))
 
 
-class _Workers:
-    """Per-node sections in ``jobs`` forked processes (node i to worker i % jobs), their
-    messages in arrival order. On any error or Ctrl-C in the parent, close() terminates
-    every worker."""
+def _analysis_main(exporter, conn) -> None:
+    """A forked process running the findings analysis: ("analysis", Analysis) back."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        exporter.run_analysis()
+        conn.send(("analysis", exporter.analysis))
+    except ExportError as e:
+        conn.send(("error", str(e)))
+    except BaseException as e:  # a bug: still one line
+        conn.send(("error", f"{exporter.path}: findings analysis failed: "
+                            f"{type(e).__name__}: {e}"))
 
-    def __init__(self, exporter, node_ids, tmpdir, gzip_level, jobs):
+
+class _Workers:
+    """Per-node sections in ``jobs`` forked processes (node i to worker i % jobs), and,
+    with ``analysis``, the findings analysis in one more (it is a third of the CPU time of
+    a large export and only needed at the end); their messages in arrival order. On any
+    error or Ctrl-C in the parent, close() terminates every one."""
+
+    def __init__(self, exporter, node_ids, tmpdir, gzip_level, jobs, analysis=False):
         import multiprocessing
         ctx = multiprocessing.get_context("fork")
         self.names = {n.node_id: n.name for n in exporter.nodes_all}
@@ -728,12 +743,14 @@ class _Workers:
         # it, nor be started without being in procs (and so never terminated).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            for w in range(jobs):
-                mine = node_ids[w::jobs]
+            tasks = [(_worker_main, node_ids[w::jobs]) for w in range(jobs)]
+            if analysis:
+                tasks.append((_analysis_main, None))
+            for target, mine in tasks:
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main,
-                                   args=(exporter, mine, tmpdir, gzip_level, send),
-                                   daemon=True)
+                args = ((exporter, mine, tmpdir, gzip_level, send) if mine is not None
+                        else (exporter, send))
+                proc = ctx.Process(target=target, args=args, daemon=True)
                 self.procs.append((proc, recv))
                 self.waiting[recv] = (proc, mine)
                 proc.start()
@@ -755,14 +772,14 @@ class _Workers:
                 proc.join()
                 code = proc.exitcode
                 why = f"killed by signal {-code}" if code and code < 0 else f"exit {code}"
-                raise ExportError(
-                    f"{self.path}: the export worker for "
-                    f"{', '.join(self.names[n] for n in mine)} died ({why})") from None
+                what = ("the findings analysis" if mine is None else "the export worker for "
+                        + ", ".join(self.names[n] for n in mine))
+                raise ExportError(f"{self.path}: {what} died ({why})") from None
             if msg[0] == "error":
                 if isinstance(msg[1], _AccelUnsupported):
                     raise msg[1]
                 raise ExportError(msg[1])
-            if msg[0] == "done":
+            if msg[0] in ("done", "analysis"):
                 del self.waiting[recv]
             out.append(msg)
         return out
@@ -1620,9 +1637,10 @@ class _Exporter:
         """Workers write the per-node sections, section by section, each into its own
         part file; this process writes the output in order as the parts arrive (copied
         in the kernel, then removed: the parts never pile up in the page cache), the
-        flows as soon as every node's NCCL section is in, and runs the findings analysis
-        when it has nothing to copy yet. With --max-events, nothing is written before
-        the total is known (the parts are kept until then)."""
+        flows as soon as every node's NCCL section is in; the findings analysis runs in
+        a process of its own meanwhile. With --max-events (the analysis already ran for
+        the estimate), nothing is written before the total is known (the parts are kept
+        until then)."""
         kinds = self.opts.kinds
         deferred = self.opts.max_events is not None
         order = []
@@ -1637,7 +1655,6 @@ class _Exporter:
         events = 0
         parts, finals, nccl_tracks = {}, [], {}
         workers = None
-        analysed = False
 
         def emit(part):
             if deferred:
@@ -1661,17 +1678,14 @@ class _Exporter:
 
         with own:
             try:
-                workers = _Workers(self, node_ids, tmpdir, gzip_level, jobs)
+                workers = _Workers(self, node_ids, tmpdir, gzip_level, jobs,
+                                   analysis=self.opts.findings and self.analysis is None)
                 if not deferred:
                     w.raw(b'{"traceEvents":[\n')
                 windows = own.section(self.windows) if "nccl" in kinds else None
                 events += own.sink.events
                 for item in order:
                     while item not in parts and item[0] not in ("flows", "windows"):
-                        if not analysed:
-                            self.run_analysis()       # nothing to copy yet
-                            analysed = True
-                            continue
                         if not workers.waiting:
                             raise ExportError(f"{self.path}: the workers left out {item}")
                         for msg in workers.receive():
@@ -1681,6 +1695,8 @@ class _Exporter:
                                 events += n
                                 if tracks is not None:
                                     nccl_tracks[nid] = tracks
+                            elif msg[0] == "analysis":
+                                self.analysis = msg[1]
                             else:
                                 finals += msg[1]
                     if item[0] == "windows":
@@ -1695,7 +1711,10 @@ class _Exporter:
                         emit(parts.pop(item))
                 while workers.waiting:
                     for msg in workers.receive():
-                        finals += msg[1]
+                        if msg[0] == "analysis":
+                            self.analysis = msg[1]
+                        elif msg[0] == "done":
+                            finals += msg[1]
             finally:
                 if workers is not None:
                     workers.close()

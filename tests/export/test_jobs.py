@@ -146,6 +146,25 @@ def test_worker_error_is_one_line_and_leaves_nothing(fleet4, tmp_path):
         assert _leftovers(tmp_path, {"bad.db"}) == []
 
 
+def test_analysis_error_in_its_process_is_the_same_line(fleet4, tmp_path):
+    """With workers the findings analysis runs in a process of its own: its error is
+    still the one line --jobs 1 gives, and nothing is left behind."""
+    bad = tmp_path / "bad.db"
+    shutil.copy(fleet4, bad)
+    con = apsw.Connection(str(bad))
+    con.execute("DROP TABLE host_samples")       # the analysis needs it; --kinds nccl not
+    con.close()
+    out = tmp_path / "t.json"
+    for jobs in (1, 2):
+        r = run(bad, "--chrome-trace", "-o", out, "--jobs", jobs, "--kinds", "nccl")
+        assert r.exit_code == EXIT_ERROR
+        assert r.output == (f"Error: {bad}: not a fleet.db (table host_samples missing); "
+                            "build one with ingero-merge (ingero-report's analysis; "
+                            "--no-findings exports without it)\n")
+        assert _leftovers(tmp_path, {"bad.db"}) == []
+    assert _export(bad, out, "--jobs", 2, "--kinds", "nccl", "--no-findings")
+
+
 @pytest.fixture(scope="module")
 def big_fleet(tmp_path_factory):
     """Big enough (about 0.3 M events) that an export can be interrupted mid-way."""
