@@ -45,8 +45,9 @@ def _split(values) -> tuple[str, ...]:
                    "Default: the number of CPUs. --jobs 1 works in this process alone. "
                    "The output is the same bytes whatever N.")
 @click.option("--json", "json_", is_flag=True,
-              help="With -o: print a JSON summary (counts per kind, origin, bytes) on "
-                   "stdout. Without -o stdout holds the trace and no summary is printed.")
+              help="With -o: print a JSON summary (counts per kind, origin, bytes, and "
+                   "accelerated: whether the C loops wrote it) on stdout. Without -o "
+                   "stdout holds the trace and no summary is printed.")
 @click.option("-q", "--quiet", is_flag=True, help="No summary line.")
 @version_option("ingero-export")
 @handle_errors
@@ -73,10 +74,12 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     the origin written in the top-level metadata (with nodes, clock alignment and tool
     version). The file is written to a temporary name and renamed when complete.
 
-    Each node's sections are written by a worker process (--jobs) into a part file in a
+    Each node's sections are written by a worker process (--jobs) into part files in a
     temporary directory next to the output (the system temp directory for stdout); this
-    process writes the cross-rank flows, the collective windows, findings and metadata
-    and joins the parts in a fixed order (gzip: one stream, compressed by the workers).
+    process copies each part into place as soon as it is written (then removes it),
+    writes the cross-rank flows, the collective windows, findings and metadata, in a
+    fixed order (gzip: one stream, compressed by the workers). The findings analysis
+    runs in a process of its own meanwhile.
 
     \b
     Example:
@@ -106,7 +109,7 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
                    "counters": stats.counters, "flows": stats.flows,
                    "metadata_events": stats.metadata_events,
                    "overflow_tracks": stats.overflow_tracks, "by_kind": stats.by_kind,
-                   "origin_utc_ns": stats.origin_ns})
+                   "origin_utc_ns": stats.origin_ns, "accelerated": stats.accelerated})
     elif not quiet:
         click.echo(f"{stats.output}: {stats.events} events ({stats.slices} slices, "
                    f"{stats.flows} flows, {stats.counters} counter samples, "
