@@ -11,6 +11,9 @@ with (comm_id_hash, seq) on every node, a waiting cudaStreamSynchronize after ea
 clock samples every second with an NTP step, TCP, sched, block and host rows.
 
 Usage: python bench/bench_merge.py [--nodes 16] [--events 2000000] [--dir DIR] [--keep]
+       python bench/bench_merge.py --bundles DIR   (merge existing bundles, e.g. a simulator fleet)
+
+Besides events/s it prints CPU seconds, the load average and when each phase ended.
 """
 
 from __future__ import annotations
@@ -35,6 +38,38 @@ T_JOB = 1_760_000_000_000_000_000
 #: share of the events per table (collectives and syncs are half the cuda rows)
 MIX = {"nccl_events": 0.20, "cuda_events": 0.30, "sched_events": 0.20, "tcp_events": 0.05,
        "host_samples": 0.20, "block_events": 0.05}
+
+
+#: The merge, in a child process (its own peak RSS and CPU), with the end of each phase
+#: printed: pass 1 (verify, decompress, sync points; small tables), alignment, the copy
+#: (pass 3) beside the collectives thread, index builds and the rest.
+CHILD = r"""
+import sys, time
+from ingero_forensics.merge import core
+t0 = time.perf_counter()
+marks = []
+def wrap(name, label):
+    f = getattr(core, name)
+    def g(*a, **k):
+        marks.append(f"{label} {time.perf_counter() - t0:.1f}")
+        return f(*a, **k)
+    setattr(core, name, g)
+wrap("_sample_sync_points", "pass1-end")
+wrap("_pass3", "align-end")
+wrap("_collectives", "copy+indexes-end")
+run = core.CollectiveJob.run
+def job(self):
+    try:
+        return run(self)
+    finally:
+        marks.append(f"collectives-thread-end {time.perf_counter() - t0:.1f}")
+core.CollectiveJob.run = job
+r = core.merge_bundles(sys.argv[1:-1], sys.argv[-1])
+marks.append(f"end {time.perf_counter() - t0:.1f}")
+for m in marks:
+    print(m)
+print(r.events, r.elapsed_s, r.stacks.get("dedup_ratio"), len(r.skipped))
+"""
 
 
 def make_bundle(out_dir: Path, node: int, events: int) -> Path:
@@ -164,36 +199,46 @@ def main():
     ap.add_argument("--events", type=int, default=2_000_000, help="events per node")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep bundles and fleet.db")
+    ap.add_argument("--bundles", default=None,
+                    help="merge the *.bundle files of this directory instead (e.g. an "
+                         "ingero-simulate fleet)")
     args = ap.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-merge-"))
     work.mkdir(parents=True, exist_ok=True)
-    bdir = work / "bundles"
-    bdir.mkdir(exist_ok=True)
     t0 = time.perf_counter()
-    paths = sorted(bdir.glob("*.bundle"))
-    if len(paths) != args.nodes:
-        for p in paths:
-            p.unlink()
-        paths = [make_bundle(bdir, i, args.events) for i in range(args.nodes)]
+    if args.bundles:
+        paths = sorted(Path(args.bundles).glob("*.bundle"))
+        what = f"{len(paths)} bundles from {args.bundles}"
+    else:
+        bdir = work / "bundles"
+        bdir.mkdir(exist_ok=True)
+        paths = sorted(bdir.glob("*.bundle"))
+        if len(paths) != args.nodes:
+            for p in paths:
+                p.unlink()
+            paths = [make_bundle(bdir, i, args.events) for i in range(args.nodes)]
+        what = f"{args.nodes} bundles, {args.events:,} events each"
     gen = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in paths)
-    print(f"input: {args.nodes} bundles, {args.events:,} events each, "
-          f"{size / 2**20:.0f} MiB compressed (generated in {gen:.0f}s)")
+    print(f"input: {what}, {size / 2**20:.0f} MiB compressed (ready in {gen:.0f}s)")
     out = work / "fleet.db"
     out.unlink(missing_ok=True)
-    code = ("import sys; from ingero_forensics.merge import merge_bundles; "
-            "r = merge_bundles(sys.argv[1:-1], sys.argv[-1]); "
-            "print(r.events, r.elapsed_s, r.stacks.get('dedup_ratio'), len(r.skipped))")
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, paths), str(out)],
+    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, paths), str(out)],
                           capture_output=True, text=True, check=True)
     wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB -> MiB
-    events, elapsed, dedup, skipped = proc.stdout.split()
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss = ru.ru_maxrss / 1024  # KiB -> MiB
+    lines = proc.stdout.splitlines()
+    events, elapsed, dedup, skipped = lines[-1].split()
     events, elapsed = int(events), float(elapsed)
     print(f"merge: {events:,} events in {elapsed:.1f}s = {events / elapsed:,.0f} events/s "
-          f"(process wall {wall:.1f}s); peak RSS {rss:.0f} MiB; stack dedup {dedup}x; "
-          f"skipped {skipped}; fleet.db {out.stat().st_size / 2**20:.0f} MiB")
+          f"(process wall {wall:.1f}s, CPU {ru.ru_utime:.1f}s user + {ru.ru_stime:.1f}s "
+          f"system); peak RSS {rss:.0f} MiB; stack dedup {dedup}x; skipped {skipped}; "
+          f"fleet.db {out.stat().st_size / 2**20:.0f} MiB; load average before "
+          f"{load_before}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("phases (s from the start): " + "; ".join(lines[:-1]))
     fl_s, fl_rows = floor_sqlite3(paths, work)
     print(f"floor: plain sqlite3 ATTACH + INSERT ... SELECT of {fl_rows:,} rows "
           f"(already decompressed): {fl_s:.1f}s = {fl_rows / fl_s:,.0f} rows/s")
