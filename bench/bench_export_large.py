@@ -13,6 +13,7 @@ fsync (wall seconds of each, from timers wrapped around the exporter's methods).
 
     python bench/bench_export_large.py --fleet /tmp/exp16/fleet.db [--jobs 1,2]
         [--repeat 2] [--gzip] [--per-kind] [--profile] [--out-dir DIR] [--kinds ...]
+        [--no-findings] [--src DIR]
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ if profile == "1":
         wrap(ct._Exporter, sec)
     wrap(ct._Assembler, "part", "copy part")
     wrap(ct.os, "fsync", "fsync")
-    wrap(ct._Workers, "receive", "wait for workers")
+    if hasattr(ct, "_Workers"):
+        wrap(ct._Workers, "receive", "wait for workers")
 def cpu():
     s, c = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return s.ru_utime + c.ru_utime, s.ru_stime + c.ru_stime
@@ -74,12 +76,13 @@ print(json.dumps({"events": stats.events, "bytes": stats.bytes, "seconds": dt,
 KINDS = "nccl,cuda,tcp,sched,block,host"
 
 
-def run_one(fleet, out, jobs, kinds, nodes="", findings=True, profile=False):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def run_one(fleet, out, jobs, kinds, nodes="", findings=True, profile=False, src=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(src))
     load0 = os.getloadavg()[0]
+    # cwd = src too: "python -c" puts the working directory first on sys.path
     res = subprocess.run([sys.executable, "-c", CHILD, str(fleet), str(out), str(jobs),
                           kinds, nodes, "1" if findings else "0", "1" if profile else "0"],
-                         capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=env, cwd=str(src))
     Path(out).unlink(missing_ok=True)
     if res.returncode:
         sys.exit(f"export failed: {res.stderr.strip().splitlines()[-1:]}")
@@ -121,8 +124,13 @@ def main() -> None:
                     help="also one node per kind (--node), --jobs 1, no findings")
     ap.add_argument("--node", default=None, help="node for --per-kind (default: the 4th)")
     ap.add_argument("--profile", action="store_true", help="time sections and copies")
+    ap.add_argument("--src", default=str(ROOT),
+                    help="the ingero_forensics to run (PYTHONPATH; default this checkout): "
+                         "an A/B against another version, e.g. a `git archive` of it with "
+                         "its accelerator built in place")
     ap.add_argument("--out-dir", default=None,
-                    help="where the output goes (default: next to nothing, a temp dir)")
+                    help="directory for the output (a temporary directory is made in it; "
+                         "default: the system's temp directory)")
     args = ap.parse_args()
     print("load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     with tempfile.TemporaryDirectory(prefix="bench-export-large-", dir=args.out_dir) as d:
@@ -137,14 +145,14 @@ def main() -> None:
             con.close()
             node = args.node or names[min(3, len(names) - 1)]
             for kind in ("cuda", "nccl", "sched", "host", "tcp,block"):
-                r = run_one(args.fleet, out, 1, kind, node, False, args.profile)
+                r = run_one(args.fleet, out, 1, kind, node, False, args.profile, args.src)
                 show(f"{node} {kind}", r)
                 if args.profile:
                     show_profile(r["profile"])
         for jobs in (int(j) for j in args.jobs.split(",")):
             for _ in range(args.repeat):
                 r = run_one(args.fleet, out, jobs, args.kinds, "", not args.no_findings,
-                            args.profile)
+                            args.profile, args.src)
                 show(f"all --jobs {jobs}", r)
                 if args.profile:
                     show_profile(r["profile"])

@@ -458,9 +458,8 @@ class _Part:
 
 @dataclass
 class _NodeResult:
+    """A node's track allocator and counts, merged into the parent's."""
     node_id: int
-    parts: dict
-    events: int
     stats: ExportStats
     names: dict
     synthetic: dict
@@ -693,9 +692,9 @@ def _worker_main(exporter, node_ids, tmpdir, gzip_level, conn) -> None:
                     with _PartFile(path, gzip_level, exporter.opts.max_events) as pf:
                         part = pf.section(getattr(sub, name))
                     # the flows need every node's NCCL tracks (and nothing later)
-                    tracks = sub._result({}, 0) if name == "nccl" else None
+                    tracks = sub._result() if name == "nccl" else None
                     conn.send(("part", sub.only_node, name, part, pf.sink.events, tracks))
-            out = [sub._result({}, 0) for sub in subs]
+            out = [sub._result() for sub in subs]
         finally:
             _Spill.close(exporter._spill_file)
             con.close()
@@ -1572,10 +1571,10 @@ class _Exporter:
         sub._overflowed_nccl = {}
         return sub
 
-    def _result(self, parts: dict, events: int) -> "_NodeResult":
+    def _result(self) -> "_NodeResult":
         t = self.tracks
-        return _NodeResult(self.only_node, parts, events, self.stats, t.names, t._synthetic,
-                           t._next, t.overflow, self._overflowed_nccl)
+        return _NodeResult(self.only_node, self.stats, t.names, t._synthetic, t._next,
+                           t.overflow, self._overflowed_nccl)
 
     def _run_direct(self, out, gzip_level: int | None, node_ids: list[int]) -> ExportStats:
         """--jobs 1: the same sections in the same order and fragments as the part files
@@ -1590,11 +1589,11 @@ class _Exporter:
                 inline.section(getattr(sub, name))
             if name == "nccl":
                 for sub in subs:       # the flows need every node's nccl tracks
-                    self._merge_tracks(sub._result({}, 0))
+                    self._merge_tracks(sub._result())
                 inline.section(self.flows)
                 inline.section(self.windows)
         for sub in subs:
-            self._merge(sub._result({}, 0))
+            self._merge(sub._result())
         inline.section(self.findings)
         self.stats.events = inline.sink.events
         self.stats.overflow_tracks = self.tracks.overflow
@@ -1665,16 +1664,11 @@ class _Exporter:
                     os.unlink(part.path)
 
         def own_section(fill):
-            """A section of this process: straight to the output, or kept for later."""
+            """A section of this process, straight to the output (not deferred)."""
             nonlocal events
-            if deferred:
-                own.sink.events = 0
-                kept.append(own.section(fill))
-                events += own.sink.events
-            else:
-                inline.sink.events = 0
-                inline.section(fill)
-                events += inline.sink.events
+            inline.sink.events = 0
+            inline.section(fill)
+            events += inline.sink.events
 
         with own:
             try:
