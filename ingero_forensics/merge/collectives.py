@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import apsw
 
 from ..db import harden
-from .syncpoints import image_uri
+from .syncpoints import attached
 
 #: SQL: the aligned value of a raw monotonic column with node_params p joined.
 def aligned_sql(col: str) -> str:
@@ -104,14 +104,10 @@ class CollectiveJob:
         a_sp = aligned_sql("s.mono_ns")
         # Stage the new bundles' sync points (the helper threads' scratch files).
         for node_id, bundle_id, sync_path, _ in self.bundles:
-            con.execute("ATTACH DATABASE ? AS s", (image_uri(sync_path),))
-            try:
-                with con:
-                    con.execute("INSERT INTO sp (node_id, bundle_id, comm_id_hash, seq, pid, "
-                                "tid, mono_ns, wait_ns, used) SELECT ?, ?, comm_id_hash, seq, "
-                                "pid, tid, mono_ns, wait_ns, 0 FROM s.sp", (node_id, bundle_id))
-            finally:
-                con.execute("DETACH DATABASE s")
+            with attached(con, sync_path, "s"), con:
+                con.execute("INSERT INTO sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, "
+                            "mono_ns, wait_ns, used) SELECT ?, ?, comm_id_hash, seq, pid, tid, "
+                            "mono_ns, wait_ns, 0 FROM s.sp", (node_id, bundle_id))
         con.execute("ATTACH DATABASE ? AS cp", (str(self.completion_path),))
         con.execute("PRAGMA cp.journal_mode = OFF")
         con.execute("PRAGMA cp.synchronous = OFF")
@@ -142,15 +138,10 @@ class CollectiveJob:
         self.completions_ready.set()
         # Stage the new bundles' collective entries: the rows nccl_events gets.
         for node_id, _, _, image in self.bundles:
-            con.execute("ATTACH DATABASE ? AS b", (image_uri(image),))
-            try:
-                with con:
-                    con.execute("INSERT INTO ent SELECT ?, comm_id_hash, seq, rank, "
-                                "timestamp_ns, op, bytes, nranks FROM b.nccl_events e "
-                                "WHERE e.comm_id_hash IS NOT NULL AND e.seq IS NOT NULL "
-                                f"AND {self.valid_nccl}", (node_id,))
-            finally:
-                con.execute("DETACH DATABASE b")
+            with attached(con, image, "b"), con:
+                con.execute("INSERT INTO ent SELECT ?, comm_id_hash, seq, rank, timestamp_ns, "
+                            "op, bytes, nranks FROM b.nccl_events e WHERE e.comm_id_hash IS NOT "
+                            f"NULL AND e.seq IS NOT NULL AND {self.valid_nccl}", (node_id,))
         self.bundles_read.set()
         a_ent = aligned_sql("e.mono_ns")
         with con:

@@ -36,7 +36,8 @@ from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_
                            FLEET_VERSION, all_index_ddl, fleet_ddl, time_point_columns)
 from .stacks import canonical_stack, stack_hash
 from .collectives import STAGING_DDL, CollectiveJob, open_scratch
-from .syncpoints import SYNC_APIS, extract_fleet_sync_points, extract_sync_points, image_uri
+from .syncpoints import (SYNC_APIS, attached, extract_fleet_sync_points,
+                         extract_sync_points, image_uri)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
@@ -457,17 +458,7 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
     completions, which the collectives thread computes meanwhile."""
     con = fl.con
     for item in pending:
-        bundle, node_id, bundle_id = item["bundle"], item["node_id"], item["bundle_id"]
-        _attach(con, bundle.db_path)
-        try:
-            with con:
-                _load_stack_map(fl, bundle_id)
-                for t in PASS3_TABLES:
-                    if t != "nccl_events":
-                        item["counts"][t], item["skipped"][t] = _copy_table(
-                            fl, t, bundle, node_id, bundle_id, params[node_id])
-        finally:
-            con.execute("DETACH DATABASE b")
+        _copy_tables(fl, item, [t for t in PASS3_TABLES if t != "nccl_events"], params)
     # The collectives thread reads the bundles' images and scratch files: they are
     # removed (bundle.close) only once it has staged them.
     for ready in (job.completions_ready, job.bundles_read):
@@ -484,15 +475,7 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
                 _realign_existing(con, params, old_params, max_old_bundle)
         for item in pending:
             bundle, node_id, bundle_id = item["bundle"], item["node_id"], item["bundle_id"]
-            _attach(con, bundle.db_path)
-            try:
-                with con:
-                    _load_stack_map(fl, bundle_id)
-                    item["counts"]["nccl_events"], item["skipped"]["nccl_events"] = \
-                        _copy_table(fl, "nccl_events", bundle, node_id, bundle_id,
-                                    params[node_id])
-            finally:
-                con.execute("DETACH DATABASE b")
+            _copy_tables(fl, item, ["nccl_events"], params)
             bundle.close()
             for t, n in item["skipped"].items():
                 if n:
@@ -511,6 +494,16 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
             progress(1)
     finally:
         con.execute("DETACH DATABASE cp")
+
+
+def _copy_tables(fl: _Fleet, item: dict, tables, params: dict) -> None:
+    """INSERT ... SELECT the bundle's ``tables`` into fleet.db, one transaction."""
+    node_id, bundle_id = item["node_id"], item["bundle_id"]
+    with attached(fl.con, item["bundle"].db_path, "b"), fl.con:
+        _load_stack_map(fl, bundle_id)
+        for t in tables:
+            item["counts"][t], item["skipped"][t] = _copy_table(
+                fl, t, item["bundle"], node_id, bundle_id, params[node_id])
 
 
 def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns):
@@ -766,13 +759,10 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
     con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) SELECT "
                 "node_id, comm_id_hash, seq, mono_ns FROM st.sp WHERE seq % ? = 0", (every,))
     for item in pending:
-        _attach(con, item["bundle"].sync_path, "s")
-        try:
+        with attached(con, item["bundle"].sync_path, "s"):
             con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) "
                         "SELECT ?, comm_id_hash, seq, mono_ns FROM s.sp WHERE seq % ? = 0",
                         (item["node_id"], every))
-        finally:
-            con.execute("DETACH DATABASE s")
 
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:

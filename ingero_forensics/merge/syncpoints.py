@@ -13,6 +13,7 @@ rowid (``rn - 1``). A window function with LAG gives the same rows at twice the 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import apsw
@@ -33,6 +34,16 @@ def image_uri(db_path) -> str:
     lookups on a file nobody else writes."""
     return "file:" + str(Path(db_path).resolve()).replace("%", "%25").replace("?", "%3f") \
         .replace("#", "%23") + "?mode=ro&immutable=1"
+
+
+@contextlib.contextmanager
+def attached(con, path, name: str):
+    """``path`` (a verified image or a scratch file) ATTACHed read-only as ``name``."""
+    con.execute(f"ATTACH DATABASE ? AS {name}", (image_uri(path),))
+    try:
+        yield
+    finally:
+        con.execute(f"DETACH DATABASE {name}")
 
 
 def extract_sync_points(image, out_path, min_wait_ns: int) -> int:
