@@ -306,21 +306,7 @@ static int chunk_begin_event(Chunks *c)
     return 0;
 }
 
-static int chunk_end_event(Chunks *c)
-{
-    if (++c->n < CHUNK_EVENTS)
-        return 0;
-    PyObject *r = PyObject_CallFunction(c->emit, "y#n", c->buf.p, (Py_ssize_t)c->buf.len, c->n);
-    if (!r)
-        return -1;
-    Py_DECREF(r);
-    c->total += c->n;
-    c->first = 0;
-    c->n = 0;
-    c->buf.len = 0;
-    return 0;
-}
-
+/* Hand the buffered events (if any) to the Python sink and start a new chunk. */
 static int chunk_finish(Chunks *c)
 {
     if (!c->n)
@@ -334,6 +320,13 @@ static int chunk_finish(Chunks *c)
     c->n = 0;
     c->buf.len = 0;
     return 0;
+}
+
+static int chunk_end_event(Chunks *c)
+{
+    if (++c->n < CHUNK_EVENTS)
+        return 0;
+    return chunk_finish(c);
 }
 
 static int add_prefix(Buf *b, long long pid, long long tid)

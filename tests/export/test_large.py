@@ -11,7 +11,6 @@
 - Collective windows are written by the C loop, their last_node named through a join.
 """
 
-import importlib.util
 import json
 import shutil
 
@@ -23,9 +22,7 @@ from ingero_forensics.export.chrome_trace import ExportOptions, export_chrome_tr
 from ingero_forensics.export.cli import main
 
 from .fleetgen import build_fleet
-
-BUILT = importlib.util.find_spec("ingero_forensics.export._fastslices") is not None
-needs_accel = pytest.mark.skipif(not BUILT, reason="the C accelerator is not built here")
+from .test_accel import BUILT, _both, needs_accel
 
 ODD = ['quote " and back\\slash', "ctl \x01\x1f tab\t", "non-ASCII é 漢字 😀", ""]
 
@@ -78,16 +75,6 @@ def mixed(tmp_path_factory):
         x("UPDATE nodes SET name = name || ' \"é\\' WHERE node_id = 2")
     con.close()
     return path
-
-
-def _both(fleet, tmp_path, name="t.json", **opts):
-    out = {}
-    for accel in (True, False):
-        dest = tmp_path / f"{accel}-{name}"
-        stats = export_chrome_trace(fleet, dest, ExportOptions(accel=accel, **opts))
-        assert stats.accelerated is (accel and BUILT)
-        out[accel] = dest.read_bytes()
-    return out[True], out[False]
 
 
 @needs_accel
