@@ -190,13 +190,12 @@ class _Fleet:
         self.con.config(apsw.SQLITE_DBCONFIG_ENABLE_TRIGGER, 0)
         # The file is private until the final rename: durability is given by one fsync at
         # the end, not by syncing every commit. Memory stays bounded (CACHE_MB).
-        # Sorts (index builds, GROUP BY) may use helper threads: 4 on 2 cores measured 5%
-        # faster index builds than 2 (the sorting overlaps the b-tree building). The
+        # Sorts (index builds, GROUP BY) may use a helper thread: 2 cores, not 1. The
         # rollback journal stays on disk: in memory it held every page the whole-table
         # UPDATEs touch (792 MiB peak at 32 M rows), and ROLLBACK must keep working.
         for pragma in ("PRAGMA synchronous = OFF", f"PRAGMA cache_size = -{CACHE_MB * 1024}",
                        "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE",
-                       "PRAGMA threads = 4"):
+                       "PRAGMA threads = 2"):
             self.con.execute(pragma)
         if fresh:
             # Larger pages: fewer b-tree pages to split, link and write in the bulk load
