@@ -6,9 +6,12 @@ on a copy. Bundles are untrusted: each is verified by ``bundle.open_bundle`` and
 ATTACHed read-only to a hardened connection; rows move with INSERT ... SELECT, never
 row by row through Python, and no SQL stored in a bundle is ever executed.
 
-Three passes: (1) per bundle: verify, resolve the node, copy the small tables (meta,
-stacks, clock_samples) and extract sync points; (2) align all nodes; (3) per bundle: copy
-the big tables with aligned times. Then collectives, violations, node facts, indexes.
+Three passes (docs/merge.md, "How the work is split"): (1) per bundle, two helper
+threads verify, decompress and extract sync points ahead while the main thread resolves
+the node and copies the small tables (meta, stacks, clock_samples); (2) align all nodes
+on a sample of the sync points; (3) per bundle, copy the big tables with aligned times
+while a thread of their own computes completions, collectives and violations
+(collectives.py); then the indexes, the collectives and the node facts.
 """
 
 from __future__ import annotations
@@ -319,8 +322,8 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
             con.execute("INSERT INTO st.ent SELECT node_id, comm_id_hash, seq, rank, mono_ns, "
                         "op, bytes, nranks FROM main.nccl_events WHERE comm_id_hash IS NOT NULL "
                         "AND seq IS NOT NULL")
-    # Bundle k+1 is verified and decompressed in a helper thread while bundle k is
-    # copied (zstd, sha256 and SQLite release the GIL).
+    # The next bundles are verified, decompressed and their sync points extracted by
+    # helper threads while this one is recorded (zstd, sha256 and SQLite release the GIL).
     with contextlib.closing(_prefetch(entries, known_sha, tmpdir, integrity,
                                       min_wait_ns)) as stream:
         for shown, path, err, opened in stream:
@@ -345,11 +348,10 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                 con.execute("BEGIN")
                 node_id = _resolve_node(fl, bundle.manifest, shown, res)
                 bundle_id = _insert_bundle(fl, bundle, node_id, sha)
-                attached = []
+                attached = False
                 try:
-                    for name, file in (("b", bundle.db_path), ("s", bundle.sync_path)):
-                        _attach(con, file, name)
-                        attached.append(name)
+                    _attach(con, bundle.db_path)
+                    attached = True
                     n_stacks = _copy_stacks(fl, shown, node_id, bundle_id, new_stack_ids)
                     stack_rows_seen += n_stacks
                     counts = {"stacks": n_stacks}
@@ -361,8 +363,8 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                 finally:
                     if not con.getautocommit():
                         con.execute("ROLLBACK")
-                    for name in attached:
-                        con.execute(f"DETACH DATABASE {name}")
+                    if attached:
+                        con.execute("DETACH DATABASE b")
             except (apsw.Error, ValueError) as e:
                 if not con.getautocommit():
                     con.execute("ROLLBACK")
