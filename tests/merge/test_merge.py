@@ -1,6 +1,7 @@
 import hashlib
 import json
 import os
+import threading
 
 import apsw
 import pytest
@@ -183,21 +184,25 @@ def test_strict_leaves_existing_untouched(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".f.db")] == []
 
 
-def test_interrupt_leaves_previous_fleet(tmp_path):
-    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=9)
+@pytest.mark.parametrize("at_call", [2, 4])   # pass 1; pass 3 beside the collectives thread
+def test_interrupt_leaves_previous_fleet(tmp_path, at_call):
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=9)
     db = tmp_path / "f.db"
     merge_bundles(fleet.paths[:1], db)
     before = _sha(db)
+    threads = threading.active_count()
     calls = []
 
     def progress(n=1):
         calls.append(n)
-        if len(calls) == 2:
+        if len(calls) == at_call:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         merge_bundles(fleet.paths, db, progress=progress)
     assert _sha(db) == before
+    # no temp, scratch, decompressed image or sync-point file left; no thread left running
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "f.db"]
+    assert threading.active_count() == threads
 
 
 def test_output_not_a_fleet_is_refused(tmp_path):
