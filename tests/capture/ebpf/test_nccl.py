@@ -25,11 +25,7 @@ STREAM = 0x5157
 
 
 @pytest.fixture(scope="module")
-def shim_run(tmp_path_factory, fixtures):
-    from .conftest import ebpf_skip_reason
-    reason = ebpf_skip_reason()
-    if reason:
-        pytest.skip(reason)
+def shim_run(ebpf_ok, tmp_path_factory, fixtures):
     idfile = tmp_path_factory.mktemp("nccl") / "ids"
     first, second = make_ids(idfile)
     job = Job(lambda r: [str(fixtures.rank_job), "full", str(r), str(NRANKS), str(idfile),
