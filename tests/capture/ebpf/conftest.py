@@ -163,3 +163,31 @@ def wait_for(pred, timeout=10.0, step=0.05):
             return True
         time.sleep(step)
     return pred()
+
+
+def run_real_library(make_source, script_text: str, lib: str, tmp_path, table: str,
+                     min_rows: int):
+    """Trace a Python process that loads the real library ``lib`` (found through its
+    /proc/PID/maps: no --lib). The script prints "ready", waits for "go", makes its calls,
+    prints their results as one JSON line and exits when stdin closes.
+    Returns (the script's JSON, the source's sink, the process's pid)."""
+    import subprocess
+    script = tmp_path / "real_library.py"
+    script.write_text(script_text)
+    proc = subprocess.Popen([sys.executable, str(script), lib], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        opts = options()
+        with Running(make_source(opts), StaticTargets([proc.pid]), opts) as run:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out = json.loads(proc.stdout.readline())
+            wait_for(lambda: len(run.sink.dicts(table)) >= min_rows)
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out, run.sink, proc.pid

@@ -3,15 +3,12 @@ calls sleep a configured time) and the real libcudart.so.12 from the wheel via c
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from collections import Counter
 
 import pytest
 
-from .conftest import Running, StaticTargets, options, wait_for
+from .conftest import Running, StaticTargets, options, run_real_library, wait_for
 from ingero_forensics.capture.ebpf.cuda import CudaSource
 from .jobs import Job, make_ids
 from .test_nccl import real_lib
@@ -125,28 +122,12 @@ REAL_CUDART_SCRIPT = textwrap.dedent(r"""
 
 def test_real_libcudart_arguments(ebpf_ok, tmp_path):
     lib = real_lib("nvidia-cuda-runtime-cu12", "libcudart.so.12")
-    script = tmp_path / "real_cudart.py"
-    script.write_text(REAL_CUDART_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), lib], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        opts = options()   # found through /proc/PID/maps
-        with Running(CudaSource(opts), StaticTargets([proc.pid]), opts) as run:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            out = json.loads(proc.stdout.readline())
-            wait_for(lambda: len(run.sink.dicts("cuda_events")) >= 3)
-            proc.stdin.close()
-            proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    rows = sorted(run.sink.dicts("cuda_events"), key=lambda r: r["timestamp_ns"])
+    out, sink, pid = run_real_library(CudaSource, REAL_CUDART_SCRIPT, lib, tmp_path,
+                                      "cuda_events", 3)
+    rows = sorted(sink.dicts("cuda_events"), key=lambda r: r["timestamp_ns"])
     got = [(r["api"], r["bytes"], r["memcpy_kind"], r["stream"], r["return_code"], r["pid"])
            for r in rows]
-    assert got == [("cudaMalloc", 4 << 20, None, None, out["malloc"], proc.pid),
-                   ("cudaMemcpy", 777, "DtoH", None, out["memcpy"], proc.pid),
-                   ("cudaStreamSynchronize", None, None, 0x99, out["sync"], proc.pid)]
+    assert got == [("cudaMalloc", 4 << 20, None, None, out["malloc"], pid),
+                   ("cudaMemcpy", 777, "DtoH", None, out["memcpy"], pid),
+                   ("cudaStreamSynchronize", None, None, 0x99, out["sync"], pid)]
     assert out["malloc"] != 0   # no GPU: the calls failed after entry

@@ -5,14 +5,12 @@ driven through ctypes without a GPU."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from collections import Counter, defaultdict
 
 import pytest
 
-from .conftest import Running, StaticTargets, options, wait_for
+from .conftest import Running, StaticTargets, options, run_real_library, wait_for
 from ingero_forensics.capture.ebpf.hashing import hex_hash, split_hash, unique_id_hash
 from ingero_forensics.capture.ebpf.nccl import NcclSource
 from .jobs import Job, make_ids
@@ -190,32 +188,13 @@ def real_lib(package: str, name: str) -> str:
 
 def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path):
     lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
-    script = tmp_path / "real_nccl.py"
-    script.write_text(REAL_NCCL_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), lib], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        targets = StaticTargets([proc.pid])
-        opts = options()   # no --lib: the library is found in the process's maps
-        with Running(NcclSource(opts), targets, opts) as run:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            import json
-            out = json.loads(proc.stdout.readline())
-            wait_for(lambda: len(run.sink.dicts("nccl_events")) >= 2)
-            proc.stdin.close()
-            proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    sink = run.sink
+    out, sink, pid = run_real_library(NcclSource, REAL_NCCL_SCRIPT, lib, tmp_path,
+                                      "nccl_events", 2)
     assert out["get"] == 0, f"ncclGetUniqueId failed: {out}"
     expected = hex_hash(unique_id_hash(bytes.fromhex(out["id"])))
     inits = sink.dicts("nccl_comm_events")
     assert [(r["api"], r["comm_id_hash"], r["rank"], r["nranks"], r["return_code"], r["pid"])
-            for r in inits] == [("ncclCommInitRank", expected, 2, 3, out["init"], proc.pid)]
+            for r in inits] == [("ncclCommInitRank", expected, 2, 3, out["init"], pid)]
     colls = sorted(sink.dicts("nccl_events"), key=lambda r: r["timestamp_ns"])
     assert [(r["op"], r["count"], r["datatype"], r["redop"], r["peer"], r["stream"],
              r["return_code"], r["comm_id_hash"]) for r in colls] == [
