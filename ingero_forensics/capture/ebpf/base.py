@@ -332,6 +332,16 @@ class BccSource(Source):
                                         "see the verifier log above; report it with the kernel "
                                         "version") from None
 
+    def attach_libraries(self, ctx: CaptureContext, functions: list[str], waiting: str) -> None:
+        """Uprobe sources: load the programs, then attach to the libraries the targets map
+        now (``_attach_new``; later ones as processes appear). ``waiting`` is the attach
+        note while no target maps the library yet."""
+        self.load_functions(functions)
+        self.symbolizer = Symbolizer(self.bcc, self.bpf[b"stacks"]) if self.options.stacks else None
+        self._attach_new(ctx.targets.pids())
+        if not self.attached:
+            self.attached.append(waiting)
+
     def _on_record(self, _ctx, data, size) -> None:
         self._raw.append(ctypes.string_at(data, size))
 

@@ -19,7 +19,7 @@ import time
 
 from ...bundle.schema import MEMCPY_KINDS
 from ..source import CaptureContext, RowSink
-from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, Symbolizer, drain, signed64
+from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, drain, signed64
 from .libs import LibraryTracker
 
 # (symbol, library kind, kept one by one?, stack?, stream, bytes, memcpy kind, device)
@@ -189,11 +189,9 @@ class CudaSource(BccSource):
         return not getattr(ctx.targets, "auto", False)
 
     def attach(self, ctx: CaptureContext) -> None:
-        self.load_functions([f"api_{i}" for i in range(len(APIS))] + ["ret_runtime", "ret_driver"])
-        self.symbolizer = Symbolizer(self.bcc, self.bpf[b"stacks"]) if self.options.stacks else None
-        self._attach_new(ctx.targets.pids())
-        if not self.attached:
-            self.attached.append("no libcudart/libcuda yet: waiting for target processes to map them")
+        self.attach_libraries(
+            ctx, [f"api_{i}" for i in range(len(APIS))] + ["ret_runtime", "ret_driver"],
+            "no libcudart/libcuda yet: waiting for target processes to map them")
 
     def _attach_new(self, pids) -> None:
         for kind, path in self.libs.new_libraries(pids):

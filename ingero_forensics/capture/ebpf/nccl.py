@@ -21,7 +21,7 @@ import time
 
 from ...bundle.schema import NCCL_COMM_APIS, NCCL_DATATYPES, NCCL_OPS, NCCL_REDOPS
 from ..source import CaptureContext, RowSink
-from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, Symbolizer, signed64
+from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, signed64
 from .hashing import hex_hash
 from .libs import LibraryTracker
 
@@ -351,13 +351,10 @@ class NcclSource(BccSource):
         return not getattr(ctx.targets, "auto", False)
 
     def attach(self, ctx: CaptureContext) -> None:
-        self.load_functions([f"coll_{i}" for i in range(len(COLLECTIVES))]
-                            + [fn for _, fn in COMM_PROBES + GROUP_PROBES]
-                            + ["nccl_return", "nccl_return_all"])
-        self.symbolizer = Symbolizer(self.bcc, self.bpf[b"stacks"]) if self.options.stacks else None
-        self._attach_new(ctx.targets.pids())
-        if not self.attached:
-            self.attached.append("no libnccl yet: waiting for target processes to map it")
+        self.attach_libraries(
+            ctx, [f"coll_{i}" for i in range(len(COLLECTIVES))]
+            + [fn for _, fn in COMM_PROBES + GROUP_PROBES] + ["nccl_return", "nccl_return_all"],
+            "no libnccl yet: waiting for target processes to map it")
 
     def _attach_new(self, pids) -> None:
         for _kind, path in self.libs.new_libraries(pids):
