@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 from itertools import product
 from pathlib import Path
 

@@ -31,7 +31,7 @@ import apsw
 from .. import __version__
 from ..bundle.container import read_manifest
 from ..bundle.reader import open_bundle
-from ..bundle.schema import NCCL_OPS, TABLES_BY_NAME as BUNDLE_TABLES
+from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
 from ..db import harden
 from ..errors import BundleError, IngeroError
 from . import align

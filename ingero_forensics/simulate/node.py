@@ -178,7 +178,8 @@ class NodeGenerator:
                                     "block_events")}
             for step in range(c0, c1):
                 done = sched.completions[step]
-                recs = [tl.phase_backward(step) for tl in tls]
+                for tl in tls:
+                    tl.phase_backward(step)
                 for tl in tls:
                     tl.phase_optimizer(done[N_BUCKETS - 1])
                 for lr, tl in enumerate(tls):
@@ -333,7 +334,7 @@ class NodeGenerator:
     # -- rows that are not tied to steps ---------------------------------------------------
     def _static_rows(self, w: BundleWriter, inits) -> None:
         """Comm init rows and bookkeeping for processes/threads (written at the end)."""
-        m0, k, r = self.m0, self.k, self.r
+        k, r = self.k, self.r
         self._cap_mono = self.mono(self.cap_start)
         self._comm_rows = out = []
         self._inits = inits

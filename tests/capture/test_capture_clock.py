@@ -1,13 +1,10 @@
 """Clock-sync samples: bracket, adjtimex, chrony CSV, PTP ioctl layout, and the bundle rows."""
 
-import os
 import struct
-import time
 
 import pytest
 
 from ingero_forensics.bundle.schema import TABLES_BY_NAME
-from ingero_forensics.capture import clock
 from ingero_forensics.capture.clock import (PTP_SYS_OFFSET_EXTENDED, PTP_SYS_OFFSET_PRECISE,
                                             STA_NANO, STA_UNSYNC, ClockSource, adjtimex_fields,
                                             bracket, chrony_row, parse_chrony_tracking,

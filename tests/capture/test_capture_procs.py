@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import zstandard
@@ -13,7 +12,7 @@ import zstandard
 from ingero_forensics.capture.procs import (RANK_ENV_NAMES, TargetSet, parse_environ_stream,
                                             rank_fields, read_rank_env)
 
-from .conftest import bundles, capture_env, rows, run_capture, start_capture, wait_for
+from .conftest import bundles, capture_env, rows, run_capture, wait_for
 
 SECRET = "hunter2-" + "x9Qz"  # built at run time so the literal is not in this file's bytes
 

@@ -1,6 +1,5 @@
 """Segments and crash safety: signals, kill -9 recovery, rotation, eviction, disk full."""
 
-import os
 import signal
 import subprocess
 from pathlib import Path

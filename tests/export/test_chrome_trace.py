@@ -9,9 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from ingero_forensics.db import connect_readonly
-from ingero_forensics.export.chrome_trace import (ExportError, ExportOptions,
-                                                  export_chrome_trace, iso_utc, parse_ranks,
-                                                  parse_time)
+from ingero_forensics.export.chrome_trace import ExportError, iso_utc, parse_ranks, parse_time
 from ingero_forensics.export.cli import main
 
 from .fleetgen import BASE_NS

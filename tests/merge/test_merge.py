@@ -1,6 +1,5 @@
 import hashlib
 import json
-import os
 import threading
 
 import apsw
@@ -10,8 +9,7 @@ from .fleetgen import make_fleet
 from ingero_forensics.bundle import read_manifest
 from ingero_forensics.bundle.writer import BundleWriter, seal_spool
 from ingero_forensics.merge import MergeError, merge_bundles
-from ingero_forensics.merge.fleet_schema import (FLEET_TABLES, FLEET_TABLES_BY_NAME,
-                                                 render_markdown)
+from ingero_forensics.merge.fleet_schema import FLEET_TABLES, render_markdown
 
 SEED_QUERY = """WITH slow_collectives AS (
     SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import socket
 import struct
 import time
 

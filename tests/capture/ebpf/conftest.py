@@ -5,11 +5,9 @@ that plays the capture loop."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
