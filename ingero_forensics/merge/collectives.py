@@ -25,8 +25,8 @@ import apsw
 from ..db import harden
 from .syncpoints import attached
 
-#: SQL: the aligned value of a raw monotonic column with node_params p joined.
 def aligned_sql(col: str) -> str:
+    """SQL: the aligned value of a raw monotonic column, with node_params p joined."""
     return f"(p.off + {col} + CAST(ROUND({col} * p.slope) AS INTEGER))"
 
 
