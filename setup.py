@@ -1,16 +1,16 @@
-"""Build hook for the one C extension; everything else is in pyproject.toml.
+"""Build hook for the C extensions; everything else is in pyproject.toml.
 
-ingero_forensics.export._fastslices speeds up ingero-export (see docs/export.md). It is
+ingero_forensics.export._fastslices speeds up ingero-export (docs/export.md),
+ingero_forensics.merge._fastcoll the collectives of ingero-merge (docs/merge.md). Both are
 optional: without a C compiler or the SQLite headers (Debian: gcc, libsqlite3-dev) the
-install still succeeds and the export runs its pure-Python path, byte for byte the same.
-It does not link against libsqlite3: it borrows apsw's SQLite at run time.
+install still succeeds and the tools run their Python/SQL paths, with the same output.
+Neither links against libsqlite3: they borrow apsw's SQLite at run time.
 """
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("ingero_forensics.export._fastslices",
-              ["ingero_forensics/export/_fastslices.c"],
-              extra_compile_args=["-O2", "-fvisibility=hidden"],
-              optional=True),
+    Extension(f"ingero_forensics.{pkg}.{name}", [f"ingero_forensics/{pkg}/{name}.c"],
+              extra_compile_args=["-O2", "-fvisibility=hidden"], optional=True)
+    for pkg, name in (("export", "_fastslices"), ("merge", "_fastcoll"))
 ])

@@ -46,7 +46,7 @@ from pathlib import Path
 import apsw
 import orjson
 
-from .. import __version__
+from .. import __version__, accel
 from ..db import harden
 from ..errors import IngeroError
 from ..merge.fleet_schema import FLEET_APPLICATION_ID, FLEET_VERSION
@@ -178,29 +178,9 @@ class _AccelUnsupported(Exception):
 
 
 def load_accel():
-    """The C accelerator module, ready, or None (not built, or INGERO_NO_ACCEL=1).
-
-    _fastslices is also a SQLite loadable extension: loading it once into a scratch
-    connection hands it the routines of apsw's own SQLite, so it steps statements on the
-    exporter's connection (no second SQLite library). The exporter's connections keep
-    extension loading off.
-    """
-    if os.environ.get("INGERO_NO_ACCEL", "") not in ("", "0"):
-        return None
-    try:
-        from . import _fastslices
-    except ImportError:
-        return None
-    if not _fastslices.ready():
-        scratch = apsw.Connection(":memory:")
-        try:
-            scratch.enable_load_extension(True)
-            scratch.load_extension(_fastslices.__file__, "sqlite3_fastslices_init")
-        except (apsw.Error, AttributeError):     # an apsw built without extension loading
-            return None
-        finally:
-            scratch.close()
-    return _fastslices
+    """The C accelerator module, ready, or None (not built, or INGERO_NO_ACCEL=1); see
+    ingero_forensics/accel.py."""
+    return accel.load("export._fastslices", "sqlite3_fastslices_init")
 
 
 # ------------------------------------------------------------------------ the fleet

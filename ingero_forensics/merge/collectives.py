@@ -13,6 +13,13 @@ tables into fleet.db:
 
 SQLite does it all (the GIL is released while a statement runs), so the two threads
 really use two cores. The scratch files are private to the merge.
+
+With the C accelerator (merge/_fastcoll.c) the thread stages nothing: one k-way merge of
+the bundles' run files (syncpoints.py), one collective at a time, writes the same
+completions, collectives and sampled sync points and counts the same violations. Both
+paths define the last rank in the same way: the latest aligned entry, ties to the lowest
+(node_id, bundle_id, row id); a rank, bytes or nranks that is not an integer counts as
+missing.
 """
 
 from __future__ import annotations
@@ -23,7 +30,11 @@ from dataclasses import dataclass
 import apsw
 
 from ..db import harden
-from .syncpoints import attached
+from .syncpoints import SORTED_OPS, attached
+
+#: Rows of one collective the C path holds at once (ranks x repeats); beyond it the merge
+#: runs its SQL path instead (core.merge_bundles).
+MAX_GROUP_ROWS = 1 << 20
 
 def aligned_sql(col: str) -> str:
     """SQL: the aligned value of a raw monotonic column, with node_params p joined."""
@@ -35,9 +46,11 @@ STAGING_DDL = (
     "CREATE TABLE IF NOT EXISTS sp (id INTEGER PRIMARY KEY, node_id INTEGER, "
     "bundle_id INTEGER, comm_id_hash TEXT, seq INTEGER, pid INTEGER, tid INTEGER, "
     "mono_ns INTEGER, wait_ns INTEGER, used INTEGER)",
-    # collective entries exactly as they are (or will be) in fleet.db's nccl_events
-    "CREATE TABLE IF NOT EXISTS ent (node_id INTEGER, comm_id_hash TEXT, seq INTEGER, "
-    "rank INTEGER, mono_ns INTEGER, op TEXT, bytes INTEGER, nranks INTEGER)",
+    # collective entries as they are (or will be) in fleet.db's nccl_events; rank, bytes
+    # and nranks NULL unless integers
+    "CREATE TABLE IF NOT EXISTS ent (node_id INTEGER, bundle_id INTEGER, id INTEGER, "
+    "comm_id_hash TEXT, seq INTEGER, rank INTEGER, mono_ns INTEGER, op TEXT, bytes INTEGER, "
+    "nranks INTEGER)",
 )
 
 
@@ -62,7 +75,8 @@ class CollectiveJob:
     ``interrupt()`` stops it (Ctrl-C, an error elsewhere)."""
 
     def __init__(self, staging_path, completion_path, params: list[tuple], every: int,
-                 ref: int, min_latency_ns: int, bundles: list[tuple], valid_nccl: str):
+                 ref: int, min_latency_ns: int, bundles: list[tuple], valid_nccl: str,
+                 fastcoll=None, runs: list[tuple] = ()):
         self.staging_path = staging_path
         self.completion_path = completion_path
         self.params = params          # (node_id, offset_ns, slope, pre_offset_ns)
@@ -71,6 +85,9 @@ class CollectiveJob:
         self.min_latency_ns = min_latency_ns
         self.bundles = bundles        # (node_id, bundle_id, sync points file, image)
         self.valid_nccl = valid_nccl  # SQL: the nccl_events rows the merge copies (alias e)
+        self.fastcoll = fastcoll      # the C path, or None
+        self.runs = list(runs)        # C path: (run file, node_id, bundle_id or -1)
+        self._stop = bytearray(1)     # set to stop the C path between two collectives
         self.completions_ready = threading.Event()
         self.bundles_read = threading.Event()
         self._con = None
@@ -80,6 +97,7 @@ class CollectiveJob:
     def interrupt(self) -> None:
         with self._lock:
             self._stopped = True
+            self._stop[0] = 1
             if self._con is not None:
                 self._con.interrupt()
 
@@ -98,6 +116,8 @@ class CollectiveJob:
             con.close()
 
     def _run(self, con) -> CollectiveResults:
+        if self.fastcoll is not None:
+            return self._run_c(con)
         con.execute("CREATE TEMP TABLE node_params (node_id INTEGER PRIMARY KEY, "
                     "off INTEGER, slope REAL, pre INTEGER)")
         con.executemany("INSERT INTO temp.node_params VALUES (?, ?, ?, ?)", self.params)
@@ -108,14 +128,10 @@ class CollectiveJob:
                 con.execute("INSERT INTO sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, "
                             "mono_ns, wait_ns, used) SELECT ?, ?, comm_id_hash, seq, pid, tid, "
                             "mono_ns, wait_ns, 0 FROM s.sp", (node_id, bundle_id))
-        con.execute("ATTACH DATABASE ? AS cp", (str(self.completion_path),))
-        con.execute("PRAGMA cp.journal_mode = OFF")
-        con.execute("PRAGMA cp.synchronous = OFF")
+        self._attach_completion(con)
         with con:
             # Sums run relative to ref (any time near the data) so they stay in 64 bits.
-            con.execute("CREATE TABLE cp.completion (comm_id_hash TEXT, seq INTEGER, "
-                        "completion_ns INTEGER, n INTEGER, spread INTEGER, "
-                        "PRIMARY KEY (comm_id_hash, seq)) WITHOUT ROWID")
+            con.execute(COMPLETION_DDL)
             con.execute(f"""
                 INSERT INTO cp.completion (comm_id_hash, seq, completion_ns, n, spread)
                 SELECT comm_id_hash, seq,
@@ -137,23 +153,21 @@ class CollectiveJob:
         con.execute("DETACH DATABASE cp")
         self.completions_ready.set()
         # Stage the new bundles' collective entries: the rows nccl_events gets.
-        for node_id, _, _, image in self.bundles:
+        for node_id, bundle_id, _, image in self.bundles:
             with attached(con, image, "b"), con:
-                con.execute("INSERT INTO ent SELECT ?, comm_id_hash, seq, rank, timestamp_ns, "
-                            "op, bytes, nranks FROM b.nccl_events e WHERE e.comm_id_hash IS NOT "
-                            f"NULL AND e.seq IS NOT NULL AND {self.valid_nccl}", (node_id,))
+                con.execute("INSERT INTO ent SELECT ?, ?, id, comm_id_hash, seq, "
+                            f"{int_or_null('rank')}, "
+                            f"timestamp_ns, op, {int_or_null('bytes')}, {int_or_null('nranks')} "
+                            "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
+                            f"typeof(e.seq) = 'integer' AND {self.valid_nccl}",
+                            (node_id, bundle_id))
         self.bundles_read.set()
         a_ent = aligned_sql("e.mono_ns")
         with con:
             con.execute("DROP TABLE IF EXISTS coll_agg")
             # Two grouped scans: the aggregates, and the last entry with its rank and node
-            # (a bare-column MAX needs a query with no other min/max).
-            con.execute("""
-                CREATE TABLE coll_agg (comm_id_hash TEXT, seq INTEGER, op TEXT,
-                    mismatch INTEGER, nranks INTEGER, ranks_seen INTEGER, bytes INTEGER,
-                    first_entry INTEGER, last_pre INTEGER, last_entry INTEGER,
-                    last_rank INTEGER, last_node INTEGER,
-                    PRIMARY KEY (comm_id_hash, seq)) WITHOUT ROWID""")
+            # (ties: the lowest node_id, bundle_id, row id).
+            con.execute(COLL_AGG_DDL)
             con.execute(f"""
                 INSERT INTO coll_agg
                 SELECT g.comm_id_hash, g.seq, g.op, g.mismatch, g.nranks, g.ranks_seen,
@@ -167,10 +181,12 @@ class CollectiveJob:
                              MAX(e.mono_ns + p.pre) AS last_pre
                       FROM ent e JOIN temp.node_params p USING (node_id)
                       GROUP BY e.comm_id_hash, e.seq) g
-                JOIN (SELECT e.comm_id_hash, e.seq, MAX({a_ent}) AS last_entry, e.rank,
-                             e.node_id
-                      FROM ent e JOIN temp.node_params p USING (node_id)
-                      GROUP BY e.comm_id_hash, e.seq) l USING (comm_id_hash, seq)
+                JOIN (SELECT comm_id_hash, seq, a AS last_entry, rank, node_id FROM (
+                          SELECT e.comm_id_hash, e.seq, {a_ent} AS a, e.rank, e.node_id,
+                                 ROW_NUMBER() OVER (PARTITION BY e.comm_id_hash, e.seq
+                                     ORDER BY {a_ent} DESC, e.node_id, e.bundle_id, e.id) AS k
+                          FROM ent e JOIN temp.node_params p USING (node_id))
+                      WHERE k = 1) l USING (comm_id_hash, seq)
                 ORDER BY g.comm_id_hash, g.seq""")
         # Scalasca-style clock condition: an observed completion before the latest entry
         # (plus a minimum latency). Before: clock-sample offsets only; after: final.
@@ -181,3 +197,52 @@ class CollectiveJob:
             "JOIN coll_agg g USING (comm_id_hash, seq) GROUP BY s.node_id",
             {"lat": self.min_latency_ns})}
         return CollectiveResults(violations)
+
+    def _attach_completion(self, con) -> None:
+        con.execute("ATTACH DATABASE ? AS cp", (str(self.completion_path),))
+        con.execute("PRAGMA cp.journal_mode = OFF")
+        con.execute("PRAGMA cp.synchronous = OFF")
+
+    def _run_c(self, con) -> CollectiveResults:
+        """The C path: one merge of the run files does it all (see the module doc)."""
+        self.bundles_read.set()     # it reads run files only, never the images
+        params = {nid: (off, slope, pre) for nid, off, slope, pre in self.params}
+        specs = [(str(path), nid, bid, *params[nid]) for path, nid, bid in self.runs]
+        self._attach_completion(con)
+        with con:
+            con.execute(COMPLETION_DDL)
+            con.execute("DROP TABLE IF EXISTS coll_agg")
+            con.execute(COLL_AGG_DDL)
+            con.execute("DELETE FROM sp")       # it keeps the sampled sync points only
+            counts = self.fastcoll.aggregate(
+                specs, self.every, self.ref, self.min_latency_ns, con.sqlite3_pointer(),
+                "INSERT INTO cp.completion (comm_id_hash, seq, completion_ns, n, spread) "
+                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO coll_agg VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, mono_ns, "
+                "wait_ns, used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                SORTED_OPS, self._stop, MAX_GROUP_ROWS)
+        con.execute("DETACH DATABASE cp")
+        self.completions_ready.set()
+        violations: dict = {}
+        for nid, before, after in counts:
+            b, a = violations.get(nid, (0, 0))
+            violations[nid] = (b + before, a + after)
+        return CollectiveResults(violations)
+
+
+def int_or_null(col: str) -> str:
+    """SQL: column e.col when it holds an integer, else NULL."""
+    return f"CASE WHEN typeof(e.{col}) = 'integer' THEN e.{col} END"
+
+
+COMPLETION_DDL = ("CREATE TABLE cp.completion (comm_id_hash TEXT, seq INTEGER, "
+                  "completion_ns INTEGER, n INTEGER, spread INTEGER, "
+                  "PRIMARY KEY (comm_id_hash, seq)) WITHOUT ROWID")
+
+COLL_AGG_DDL = """
+    CREATE TABLE coll_agg (comm_id_hash TEXT, seq INTEGER, op TEXT,
+        mismatch INTEGER, nranks INTEGER, ranks_seen INTEGER, bytes INTEGER,
+        first_entry INTEGER, last_pre INTEGER, last_entry INTEGER,
+        last_rank INTEGER, last_node INTEGER,
+        PRIMARY KEY (comm_id_hash, seq)) WITHOUT ROWID"""

@@ -29,6 +29,7 @@ from pathlib import Path
 import apsw
 
 from .. import __version__
+from .. import accel as _accel
 from ..bundle.container import read_manifest
 from ..bundle.reader import open_bundle
 from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
@@ -38,9 +39,9 @@ from . import align
 from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_NAME,
                            FLEET_VERSION, all_index_ddl, fleet_ddl, time_point_columns)
 from .stacks import canonical_stack, stack_hash
-from .collectives import STAGING_DDL, CollectiveJob, open_scratch
+from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
 from .syncpoints import (SYNC_APIS, attached, extract_fleet_sync_points,
-                         extract_sync_points, image_uri)
+                         extract_sync_points, image_runs, image_uri, write_runs)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
@@ -223,13 +224,33 @@ class _Fleet:
 def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
                   tmpdir=None, integrity: str = "quick",
                   min_wait_ns: int = DEFAULT_MIN_WAIT_NS,
-                  min_latency_ns: int = DEFAULT_MIN_LATENCY_NS) -> MergeResult:
+                  min_latency_ns: int = DEFAULT_MIN_LATENCY_NS,
+                  accel: bool = True) -> MergeResult:
     """Merge bundles into out_path (created, or extended when it is a fleet.db).
 
     progress(n) is called after each bundle of each pass (2 x bundles in all).
     Raises MergeError (nothing written) on a bad output or, with strict, on the first
     skipped input. Returns a MergeResult (JSON-serializable with to_dict()).
+    accel: the collectives in C (merge/_fastcoll.c) when it is built; the SQL path gives
+    the same fleet.db (INGERO_NO_ACCEL=1 turns it off too).
     """
+    fastcoll = _accel.load("merge._fastcoll", "sqlite3_fastcoll_init") if accel else None
+    try:
+        return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
+                              min_wait_ns, min_latency_ns, fastcoll)
+    except _too_large(fastcoll):
+        # A collective with more rows than the C path holds at once (no real job has
+        # that many ranks): the SQL path, whose memory stays bounded, does it all again.
+        return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
+                              min_wait_ns, min_latency_ns, None)
+
+
+def _too_large(fastcoll):
+    return fastcoll.TooLarge if fastcoll is not None else ()
+
+
+def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
+                   min_latency_ns, fastcoll) -> MergeResult:
     started = time.monotonic()
     out = Path(out_path)
     res = MergeResult(output=str(out))
@@ -247,6 +268,9 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
             shutil.copyfile(out, tmp)
         fl = _Fleet(tmp, fresh)
         fl.staging_path, fl.completion_path = scratch
+        fl.fastcoll = fastcoll
+        fl.scratch_base = out.with_name(f".{out.name}.{os.getpid()}")
+        fl.old_runs = []
         try:
             _merge(fl, expand_inputs(inputs), res, strict, progress,
                    Path(tmpdir) if tmpdir else out.parent, integrity, min_wait_ns,
@@ -255,7 +279,7 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
             for b in pending:
                 b["bundle"].close()
             fl.con.close()
-            for f in scratch:
+            for f in scratch + [r[0] for r in fl.old_runs]:
                 f.unlink(missing_ok=True)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -315,17 +339,32 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         for stmt in STAGING_DDL:
             con.execute(stmt.replace("EXISTS ", "EXISTS st.", 1))
         fl.collectives_seen = 0
-        if max_old_bundle:     # incremental: the rows merged before count too
+        fl.old_runs = []
+        if max_old_bundle and fl.fastcoll is not None:
+            # incremental, C path: the rows merged before, one run per node
+            for (nid,) in con.execute("SELECT node_id FROM nodes ORDER BY node_id").fetchall():
+                rows = sum(con.execute(f"SELECT COUNT(*) FROM {t} WHERE node_id = ? AND "
+                                       "bundle_id <= ?", (nid, max_old_bundle)).fetchone()[0]
+                           for t in ("nccl_events", "cuda_events"))
+                paths, seen = write_runs(fl.fastcoll, con, "fleet",
+                                         _valid_predicate("nccl_events"), rows,
+                                         fl.scratch_base.with_name(
+                                             f"{fl.scratch_base.name}.old{nid}"),
+                                         min_wait_ns, (nid, max_old_bundle))
+                fl.old_runs += [(p, nid, -1) for p in paths]
+                fl.collectives_seen = max(fl.collectives_seen, seen)
+        elif max_old_bundle:     # incremental: the rows merged before count too
             extract_fleet_sync_points(con, min_wait_ns, max_old_bundle)
             fl.collectives_seen = con.execute(
                 "SELECT COUNT(*) FROM (SELECT DISTINCT comm_id_hash, seq FROM st.sp)").fetchone()[0]
-            con.execute("INSERT INTO st.ent SELECT node_id, comm_id_hash, seq, rank, mono_ns, "
-                        "op, bytes, nranks FROM main.nccl_events WHERE comm_id_hash IS NOT NULL "
-                        "AND seq IS NOT NULL")
+            con.execute("INSERT INTO st.ent SELECT node_id, bundle_id, id, comm_id_hash, seq, "
+                        f"{_int('rank')}, mono_ns, op, {_int('bytes')}, {_int('nranks')} "
+                        "FROM main.nccl_events e WHERE typeof(comm_id_hash) = 'text' "
+                        "AND typeof(seq) = 'integer'")
     # The next bundles are verified, decompressed and their sync points extracted by
     # helper threads while this one is recorded (zstd, sha256 and SQLite release the GIL).
     with contextlib.closing(_prefetch(entries, known_sha, tmpdir, integrity,
-                                      min_wait_ns)) as stream:
+                                      min_wait_ns, fl.fastcoll)) as stream:
         for shown, path, err, opened in stream:
             if err:
                 skip(shown, err)
@@ -398,7 +437,9 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         ref, min_latency_ns,
                         [(i["node_id"], i["bundle_id"], i["bundle"].sync_path,
                           i["bundle"].db_path) for i in pending],
-                        _valid_predicate("nccl_events"))
+                        _valid_predicate("nccl_events"), fastcoll=fl.fastcoll,
+                        runs=fl.old_runs + [(p, i["node_id"], i["bundle_id"]) for i in pending
+                                            for p in i["bundle"].run_paths])
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-collectives")
     try:
         future = pool.submit(job.run)
@@ -508,9 +549,10 @@ def _copy_tables(fl: _Fleet, item: dict, tables, params: dict) -> None:
                 fl, t, item["bundle"], node_id, bundle_id, params[node_id])
 
 
-def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns):
+def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
     """(sha, Bundle) or (sha, None) when already merged, or the BundleError. The Bundle
-    carries ``sync_path``, a scratch file with its sync points (removed by close())."""
+    carries its sync points: ``run_paths`` (the C path: run files of collective rows) or
+    ``sync_path`` (the SQL path: a scratch database); close() removes them."""
     try:
         sha = read_manifest(path)["database"]["sha256"]
         if sha in known_sha:
@@ -521,13 +563,24 @@ def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns):
     bundle.con.close()
     bundle.con = None
     sync_path = Path(f"{bundle.db_path}.sync")
-    _owned_files(bundle).append(sync_path)
+    owned = _owned_files(bundle)
+    bundle.sync_path, bundle.run_paths = None, []
     try:
-        bundle.collectives_seen = extract_sync_points(bundle.db_path, sync_path, min_wait_ns)
-    except apsw.Error as e:
+        if fastcoll is not None:
+            tables = bundle.manifest["tables"]
+            rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
+            bundle.run_paths, bundle.collectives_seen = image_runs(
+                fastcoll, bundle.db_path, bundle.db_path, _valid_predicate("nccl_events"),
+                rows, min_wait_ns)
+            owned.extend(bundle.run_paths)
+        else:
+            owned.append(sync_path)
+            bundle.collectives_seen = extract_sync_points(bundle.db_path, sync_path,
+                                                          min_wait_ns)
+            bundle.sync_path = sync_path
+    except (apsw.Error, RuntimeError) as e:
         bundle.close()
         return BundleError(path, f"cannot read its events ({type(e).__name__}: {e})")
-    bundle.sync_path = sync_path
     return sha, bundle
 
 
@@ -548,7 +601,7 @@ def _owned_files(bundle) -> list:
     return bundle.scratch
 
 
-def _prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns):
+def _prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
     """Yield (shown, path, err, opened) in input order, with the next bundles opened in
     PREFETCH_THREADS helper threads. known_sha is read again by the caller: a bundle may
     repeat within one run. On exit (error, interrupt) bundles opened ahead are closed,
@@ -560,7 +613,7 @@ def _prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns):
     def submit(i):
         if i < len(todo) and not todo[i][2]:
             futures[i] = pool.submit(_open_one, todo[i][1], set(known_sha), tmpdir,
-                                     integrity, min_wait_ns)
+                                     integrity, min_wait_ns, fastcoll)
     try:
         for i in range(PREFETCH_THREADS):
             submit(i)
@@ -760,11 +813,18 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
                 "comm_id_hash TEXT, seq INTEGER, mono_ns INTEGER)")
     con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) SELECT "
                 "node_id, comm_id_hash, seq, mono_ns FROM st.sp WHERE seq % ? = 0", (every,))
+    insert = "INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) VALUES (?, ?, ?, ?)"
+    for path, nid, _ in fl.old_runs:
+        con.executemany(insert, ((nid, *r) for r in fl.fastcoll.sample(str(path), every)))
     for item in pending:
-        with attached(con, item["bundle"].sync_path, "s"):
-            con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) "
-                        "SELECT ?, comm_id_hash, seq, mono_ns FROM s.sp WHERE seq % ? = 0",
-                        (item["node_id"], every))
+        for path in item["bundle"].run_paths:
+            con.executemany(insert, ((item["node_id"], *r)
+                                     for r in fl.fastcoll.sample(str(path), every)))
+        if item["bundle"].sync_path is not None:
+            with attached(con, item["bundle"].sync_path, "s"):
+                con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) "
+                            "SELECT ?, comm_id_hash, seq, mono_ns FROM s.sp WHERE seq % ? = 0",
+                            (item["node_id"], every))
 
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
@@ -871,7 +931,7 @@ def _collectives(con, every: int) -> None:
     con.execute("INSERT INTO sync_points (node_id, bundle_id, comm_id_hash, seq, pid, tid, "
                 "mono_ns, wait_ns, used) SELECT node_id, bundle_id, comm_id_hash, seq, pid, "
                 "tid, mono_ns, wait_ns, used FROM st.sp WHERE seq % ? = 0 "
-                "ORDER BY comm_id_hash, seq, node_id, id", (every,))
+                "ORDER BY comm_id_hash, seq, node_id, bundle_id, pid, tid, mono_ns, id", (every,))
 
 
 def _write_alignment(con, params) -> None:

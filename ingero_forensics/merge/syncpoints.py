@@ -37,7 +37,7 @@ EVENTS_SQL = f"""
         SELECT pid, tid, timestamp_ns AS t, duration_ns AS d, 0 AS is_sync,
                comm_id_hash AS comm, seq, id
           FROM b.nccl_events
-         WHERE comm_id_hash IS NOT NULL AND typeof(seq) = 'integer' AND op IN ({_OPS})
+         WHERE typeof(comm_id_hash) = 'text' AND typeof(seq) = 'integer' AND op IN ({_OPS})
            AND typeof(timestamp_ns) = 'integer' AND typeof(duration_ns) = 'integer'
            AND typeof(pid) = 'integer' AND typeof(tid) = 'integer'
         UNION ALL
@@ -113,7 +113,8 @@ def extract_fleet_sync_points(con, min_wait_ns: int, max_bundle: int) -> None:
             SELECT node_id, bundle_id, pid, tid, mono_ns AS t, call_duration_ns AS d,
                    0 AS is_sync, comm_id_hash AS comm, seq, id
               FROM main.nccl_events
-             WHERE bundle_id <= :maxb AND comm_id_hash IS NOT NULL AND seq IS NOT NULL
+             WHERE bundle_id <= :maxb AND typeof(comm_id_hash) = 'text'
+               AND typeof(seq) = 'integer'
                AND op IN ({_OPS}) AND typeof(pid) = 'integer' AND typeof(tid) = 'integer'
             UNION ALL
             SELECT node_id, bundle_id, pid, tid, mono_ns, duration_ns, 1, NULL, NULL, id
@@ -130,3 +131,84 @@ def extract_fleet_sync_points(con, min_wait_ns: int, max_bundle: int) -> None:
            AND c.node_id = s.node_id AND c.pid = s.pid AND c.tid = s.tid""",
                 {"min_wait": min_wait_ns})
     con.execute("DROP TABLE temp.fleet_ev")
+
+
+# ------------------------------------------------------------------- the C path
+#
+# merge/_fastcoll.c applies the same rule in one read of the rows: it sorts a bundle's
+# collectives and synchronizations into thread order in memory, pairs them, and writes a
+# "run": every collective row (its entry, and the completion it observed if any) sorted
+# by (comm_id_hash, seq). The collectives thread merges all runs (collectives.py).
+
+#: Collective rows and synchronizations one runs() call holds (about 100 bytes each);
+#: a larger bundle is split into partitions by thread, one run each.
+RUN_ROWS = 1_500_000
+
+#: NCCL ops in SQLite's text order: the C code keeps an op as its index here.
+SORTED_OPS = tuple(sorted(NCCL_OPS))
+
+def _part(alias: str, p: int, k: int) -> str:
+    """Rows of partition k of p, by thread (a thread's rows all land in one)."""
+    if p <= 1:
+        return ""
+    return (f" AND (((({alias}.pid % {p}) + ({alias}.tid % {p})) % {p}) + {p}) % {p} = {k}")
+
+
+def run_sources(source: str, valid_nccl: str, p: int = 1, k: int = 0) -> tuple[str, str]:
+    """(collective rows SQL, synchronizations SQL) for _fastcoll.runs(): ``image`` reads
+    the ATTACHed bundle image ``b``, ``fleet`` the rows earlier merges put in fleet.db
+    for one node (binds ?1 node_id, ?2 the last old bundle_id). The C code applies the
+    rest of EVENTS_SQL's filter (known op, integer pid, tid and times) itself."""
+    if source == "image":
+        t, d, tab, cuda, ent, where, bundle = ("timestamp_ns", "duration_ns", "b.nccl_events",
+                                               "b.cuda_events", valid_nccl, "", "0")
+    else:
+        t, d, tab, cuda, ent, bundle = ("mono_ns", "call_duration_ns", "main.nccl_events",
+                                        "main.cuda_events", "1", "e.bundle_id")
+        where = " AND e.node_id = ?1 AND e.bundle_id <= ?2"
+    coll = (f"SELECT e.id, e.pid, e.tid, e.{t}, e.{d}, e.comm_id_hash, e.seq, e.rank, e.op, "
+            f"e.bytes, e.nranks, ({ent}), {bundle} FROM {tab} e "
+            "WHERE typeof(e.comm_id_hash) = 'text' AND typeof(e.seq) = 'integer'"
+            f"{where}{_part('e', p, k)} ORDER BY e.id")
+    sync = (f"SELECT s.pid, s.tid, s.{t}, s.duration_ns FROM {cuda} s "
+            f"WHERE s.api IN ({_APIS}) AND typeof(s.{t}) = 'integer' "
+            "AND typeof(s.duration_ns) = 'integer' AND typeof(s.pid) = 'integer' "
+            f"AND typeof(s.tid) = 'integer'{where.replace('e.', 's.')}{_part('s', p, k)} "
+            "ORDER BY s.id")
+    return coll, sync
+
+
+def write_runs(fastcoll, con, source: str, valid_nccl: str, rows: int, out_base,
+               min_wait_ns: int, binds: tuple = ()) -> tuple[list[Path], int]:
+    """Run files for one source (see run_sources), as many partitions as ``rows`` (the
+    collective and CUDA rows it may read) needs. Returns (paths, distinct collectives
+    observed). Raises apsw.Error or RuntimeError on an unreadable source."""
+    parts = max(1, -(-rows // RUN_ROWS))
+    paths, distinct = [], 0
+    try:
+        for k in range(parts):
+            path = Path(f"{out_base}.run{k}")
+            paths.append(path)
+            coll, sync = run_sources(source, valid_nccl, parts, k)
+            _, distinct = fastcoll.runs(con.sqlite3_pointer(), coll, sync, tuple(binds),
+                                        SORTED_OPS, min_wait_ns, str(path))
+        if parts > 1:       # a collective seen by several threads is counted once
+            distinct = fastcoll.distinct([(str(p), 0, -1, 0, 0.0, 0) for p in paths])
+    except BaseException:
+        for p in paths:
+            p.unlink(missing_ok=True)
+        raise
+    return paths, distinct
+
+
+def image_runs(fastcoll, image, out_base, valid_nccl: str, rows: int,
+               min_wait_ns: int) -> tuple[list[Path], int]:
+    """write_runs() for a verified bundle image, on a hardened connection of its own."""
+    con = apsw.Connection(":memory:", flags=apsw.SQLITE_OPEN_READWRITE |
+                          apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
+    try:
+        harden(con)
+        con.execute("ATTACH DATABASE ? AS b", (image_uri(image),))
+        return write_runs(fastcoll, con, "image", valid_nccl, rows, out_base, min_wait_ns)
+    finally:
+        con.close()
