@@ -1,5 +1,6 @@
 """Every subpackage ships in the wheel, and so do the report templates."""
 
+import json
 import re
 import shutil
 import tomllib
@@ -36,11 +37,14 @@ def test_installed_wheel_runs_the_pipeline(tmp_path):
     (wheel,) = wheels.glob("ingero_forensics-*.whl")
     import zipfile
     names = zipfile.ZipFile(wheel).namelist()
-    # The export accelerator is optional; where it can be built (gcc and the SQLite
-    # headers, as scripts/test.sh installs), the wheel must carry it.
+    # The C accelerators are optional; where they can be built (gcc and the SQLite
+    # headers, as scripts/test.sh installs), the wheel must carry them.
     can_build = shutil.which("gcc") and Path("/usr/include/sqlite3ext.h").exists()
-    built = any(re.match(r"ingero_forensics/export/_fastslices\..*\.so$", n) for n in names)
-    assert built or not can_build, "the wheel lacks ingero_forensics.export._fastslices"
+    built = True
+    for mod in ("export/_fastslices", "merge/_fastcoll"):
+        has = any(re.match(rf"ingero_forensics/{mod}\..*\.so$", n) for n in names)
+        assert has or not can_build, f"the wheel lacks ingero_forensics/{mod}"
+        built = built and has
     venv = tmp_path / "venv"
     # system site-packages: the dependencies already installed for this interpreter
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
@@ -56,7 +60,8 @@ def test_installed_wheel_runs_the_pipeline(tmp_path):
     assert str(venv) in where
     run("ingero-simulate", "-o", "b", "--nodes", "3", "--ranks-per-node", "2", "--steps", "40",
         "--fault", "cpu", "--seed", "5")
-    run("ingero-merge", "b", "-o", "fleet.db", "-q")
+    merged = json.loads(run("ingero-merge", "b", "-o", "fleet.db", "--json").stdout)
+    assert merged["accelerated"] == bool(built)
     out = run("ingero-report", "fleet.db", "-o", "report.html")
     accel = subprocess.run([str(py), "-c", "from ingero_forensics.export.chrome_trace import "
                             "ExportOptions, export_chrome_trace as e; "

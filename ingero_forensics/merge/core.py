@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,8 @@ from ..db import harden
 from ..errors import BundleError, IngeroError
 from . import align
 from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_NAME,
-                           FLEET_VERSION, all_index_ddl, fleet_ddl, time_point_columns)
+                           FLEET_VERSION, all_index_ddl, fleet_ddl, index_ddl, table_ddl,
+                           time_point_columns)
 from .stacks import canonical_stack, stack_hash
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
 from .syncpoints import (SYNC_APIS, attached, extract_fleet_sync_points,
@@ -76,6 +78,7 @@ class MergeResult:
     stacks: dict = field(default_factory=dict)
     events: int = 0
     elapsed_s: float = 0.0
+    accelerated: bool = False    # the collectives ran in C (merge/_fastcoll.c)
 
     @property
     def events_per_s(self) -> float:
@@ -253,7 +256,7 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
                    min_latency_ns, fastcoll) -> MergeResult:
     started = time.monotonic()
     out = Path(out_path)
-    res = MergeResult(output=str(out))
+    res = MergeResult(output=str(out), accelerated=fastcoll is not None)
     progress = progress or (lambda n=1: None)
     fresh = not out.exists()
     if not fresh:
@@ -271,6 +274,8 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         fl.fastcoll = fastcoll
         fl.scratch_base = out.with_name(f".{out.name}.{os.getpid()}")
         fl.old_runs = []
+        fl.nccl_builder = None
+        scratch.append(fl.scratch_base.with_name(fl.scratch_base.name + ".nccl"))
         try:
             _merge(fl, expand_inputs(inputs), res, strict, progress,
                    Path(tmpdir) if tmpdir else out.parent, integrity, min_wait_ns,
@@ -396,7 +401,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                     counts = {"stacks": n_stacks}
                     skipped = {}
                     for t in PASS1_TABLES:
-                        counts[t], skipped[t] = _copy_table(fl, t, bundle, node_id,
+                        counts[t], skipped[t] = _copy_table(con, t, bundle, node_id,
                                                             bundle_id, None)
                     con.execute("COMMIT")
                 finally:
@@ -452,6 +457,8 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         results = future.result()
     except BaseException:
         job.interrupt()
+        if fl.nccl_builder is not None:
+            fl.nccl_builder.interrupt()
         raise
     finally:
         pool.shutdown(wait=True)
@@ -498,10 +505,26 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
 def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, future,
            progress, old_params, max_old_bundle) -> None:
     """Copy the big tables with aligned times. nccl_events goes last: it joins the
-    completions, which the collectives thread computes meanwhile."""
+    completions, which the collectives thread computes meanwhile. In a fresh merge a
+    thread of its own builds nccl_events and its indexes in a scratch database while this
+    one copies and indexes the rest (_NcclBuilder)."""
     con = fl.con
+    builder = None
+    if not max_old_bundle and pending:
+        stack_rows = con.execute("SELECT bundle_id, local_id, fleet_id FROM "
+                                 "temp.stack_map_all").fetchall()
+        builder = _NcclBuilder(fl.scratch_base.with_name(fl.scratch_base.name + ".nccl"),
+                               fl.completion_path, job, pending, params, stack_rows)
+        fl.nccl_builder = builder
+        builder.start()
     for item in pending:
         _copy_tables(fl, item, [t for t in PASS3_TABLES if t != "nccl_events"], params)
+    if builder is not None:
+        # the other tables' indexes now, while the builder works on nccl_events
+        with con:
+            for stmt in all_index_ddl():
+                if " ON nccl_events(" not in stmt:
+                    con.execute(stmt)
     # The collectives thread reads the bundles' images and scratch files: they are
     # removed (bundle.close) only once it has staged them.
     for ready in (job.completions_ready, job.bundles_read):
@@ -509,44 +532,146 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
             if future.done():
                 future.result()         # its error, raised here
                 raise MergeError("the collectives thread ended before its results")
-    con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
-    # Every nccl_events row looks its collective up: keep the whole table cached.
-    con.execute("PRAGMA cp.cache_size = -32768")
-    try:
-        if max_old_bundle:      # realign rows merged by earlier runs (incremental merge)
+    if builder is not None:
+        counts = builder.result()
+        con.execute("ATTACH DATABASE ? AS nb", (image_uri(builder.path),))
+        try:
             with con:
-                _realign_existing(con, params, old_params, max_old_bundle)
+                # An empty table with the same schema and indexes as the scratch one:
+                # SQLite moves rows and index entries as they are (its "transfer
+                # optimization"), without decoding a row.
+                for stmt in index_ddl(FLEET_TABLES_BY_NAME["nccl_events"]):
+                    con.execute(stmt)
+                con.execute("INSERT INTO main.nccl_events SELECT * FROM nb.nccl_events")
+        finally:
+            con.execute("DETACH DATABASE nb")
         for item in pending:
-            bundle, node_id, bundle_id = item["bundle"], item["node_id"], item["bundle_id"]
-            _copy_tables(fl, item, ["nccl_events"], params)
-            bundle.close()
-            for t, n in item["skipped"].items():
-                if n:
-                    fl.log("warning", "skipped_rows", f"{n} rows of {t} not merged (unknown "
-                           "enum value, NULL in a required column or non-integer time)",
-                           input=item["shown"], node_id=node_id, count=n)
-                    res.warnings.append(f"{item['shown']}: {n} invalid rows of {t} skipped")
-            con.execute("UPDATE bundles SET rows = ?, skipped_rows = ? WHERE bundle_id = ?",
-                        (json.dumps(item["counts"], sort_keys=True),
-                         json.dumps(item["skipped"], sort_keys=True), bundle_id))
-            for t, n in item["counts"].items():
-                res.rows[t] = res.rows.get(t, 0) + n
-            res.bundles_merged += 1
-            fl.log("info", "merged", "bundle merged", input=item["shown"], node_id=node_id,
-                   count=sum(item["counts"].values()))
-            progress(1)
-    finally:
-        con.execute("DETACH DATABASE cp")
+            item["counts"]["nccl_events"], item["skipped"]["nccl_events"] = \
+                counts[item["bundle_id"]]
+        builder.remove()
+    else:
+        con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
+        # Every nccl_events row looks its collective up: keep the whole table cached.
+        con.execute("PRAGMA cp.cache_size = -32768")
+        try:
+            if max_old_bundle:      # realign rows merged by earlier runs (incremental merge)
+                with con:
+                    _realign_existing(con, params, old_params, max_old_bundle)
+            for item in pending:
+                _copy_tables(fl, item, ["nccl_events"], params)
+        finally:
+            con.execute("DETACH DATABASE cp")
+    for item in pending:
+        bundle, node_id, bundle_id = item["bundle"], item["node_id"], item["bundle_id"]
+        bundle.close()
+        for t, n in item["skipped"].items():
+            if n:
+                fl.log("warning", "skipped_rows", f"{n} rows of {t} not merged (unknown "
+                       "enum value, NULL in a required column or non-integer time)",
+                       input=item["shown"], node_id=node_id, count=n)
+                res.warnings.append(f"{item['shown']}: {n} invalid rows of {t} skipped")
+        con.execute("UPDATE bundles SET rows = ?, skipped_rows = ? WHERE bundle_id = ?",
+                    (json.dumps(item["counts"], sort_keys=True),
+                     json.dumps(item["skipped"], sort_keys=True), bundle_id))
+        for t, n in item["counts"].items():
+            res.rows[t] = res.rows.get(t, 0) + n
+        res.bundles_merged += 1
+        fl.log("info", "merged", "bundle merged", input=item["shown"], node_id=node_id,
+               count=sum(item["counts"].values()))
+        progress(1)
+
+
+class _NcclBuilder:
+    """nccl_events of a fresh merge, built beside the main thread's copy: the same
+    INSERT ... SELECT per bundle (it joins the completions, so it starts once they are
+    ready), into a scratch database of its own, then its indexes. The main thread moves
+    the result into the still empty fleet table in one transfer. ``interrupt()`` stops it."""
+
+    def __init__(self, path, completion_path, job, pending, params, stack_rows):
+        self.path = Path(path)
+        self.completion_path = completion_path
+        self.job = job
+        self.items = [(i["bundle"], i["node_id"], i["bundle_id"]) for i in pending]
+        self.params = params
+        self.stack_rows = stack_rows
+        self._lock = threading.Lock()
+        self._con = None
+        self._stopped = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-nccl")
+        self._future = None
+
+    def start(self):
+        self._future = self._pool.submit(self._run)
+
+    def result(self) -> dict:
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def interrupt(self):
+        with self._lock:
+            self._stopped = True
+            if self._con is not None:
+                self._con.interrupt()
+        self._pool.shutdown(wait=True)
+
+    def remove(self):
+        for suffix in ("", "-journal"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
+    def _run(self) -> dict:
+        self.remove()
+        con = apsw.Connection(str(self.path), flags=apsw.SQLITE_OPEN_READWRITE |
+                              apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
+        with self._lock:
+            if self._stopped:
+                con.close()
+                raise apsw.InterruptError("interrupted")
+            self._con = con
+        try:
+            harden(con)
+            for pragma in ("PRAGMA journal_mode = OFF", "PRAGMA synchronous = OFF",
+                           f"PRAGMA page_size = {FLEET_PAGE_SIZE}",
+                           f"PRAGMA cache_size = -{CACHE_MB * 1024}",
+                           "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE"):
+                con.execute(pragma)
+            con.execute(table_ddl(FLEET_TABLES_BY_NAME["nccl_events"]))
+            con.execute("CREATE TEMP TABLE stack_map_all (bundle_id INTEGER, local_id INTEGER, "
+                        "fleet_id INTEGER, PRIMARY KEY (bundle_id, local_id)) WITHOUT ROWID")
+            con.execute("CREATE TEMP TABLE stack_map (local_id INTEGER PRIMARY KEY, "
+                        "fleet_id INTEGER)")
+            con.executemany("INSERT INTO temp.stack_map_all VALUES (?, ?, ?)", self.stack_rows)
+            while not self.job.completions_ready.wait(0.05):
+                if self._stopped:
+                    raise apsw.InterruptError("interrupted")
+            con.execute("ATTACH DATABASE ? AS cp", (image_uri(self.completion_path),))
+            con.execute("PRAGMA cp.cache_size = -32768")
+            counts = {}
+            for bundle, node_id, bundle_id in self.items:
+                with attached(con, bundle.db_path, "b"), con:
+                    _load_stack_map(con, bundle_id)
+                    counts[bundle_id] = _copy_table(con, "nccl_events", bundle, node_id,
+                                                    bundle_id, self.params[node_id])
+            con.execute("DETACH DATABASE cp")
+            with con:
+                for stmt in index_ddl(FLEET_TABLES_BY_NAME["nccl_events"]):
+                    con.execute(stmt)
+            return counts
+        finally:
+            with self._lock:
+                self._con = None
+            con.close()
 
 
 def _copy_tables(fl: _Fleet, item: dict, tables, params: dict) -> None:
     """INSERT ... SELECT the bundle's ``tables`` into fleet.db, one transaction."""
     node_id, bundle_id = item["node_id"], item["bundle_id"]
     with attached(fl.con, item["bundle"].db_path, "b"), fl.con:
-        _load_stack_map(fl, bundle_id)
+        _load_stack_map(fl.con, bundle_id)
         for t in tables:
             item["counts"][t], item["skipped"][t] = _copy_table(
-                fl, t, item["bundle"], node_id, bundle_id, params[node_id])
+                fl.con, t, item["bundle"], node_id, bundle_id, params[node_id])
 
 
 def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
@@ -730,16 +855,16 @@ def _copy_stacks(fl: _Fleet, shown: str, node_id: int, bundle_id: int, used: set
     return n
 
 
-def _load_stack_map(fl: _Fleet, bundle_id: int) -> None:
-    fl.con.execute("DELETE FROM temp.stack_map")
-    fl.con.execute("INSERT INTO temp.stack_map SELECT local_id, fleet_id FROM "
-                   "temp.stack_map_all WHERE bundle_id = ?", (bundle_id,))
+def _load_stack_map(con, bundle_id: int) -> None:
+    con.execute("DELETE FROM temp.stack_map")
+    con.execute("INSERT INTO temp.stack_map SELECT local_id, fleet_id FROM "
+                "temp.stack_map_all WHERE bundle_id = ?", (bundle_id,))
 
 
-def _copy_table(fl: _Fleet, table: str, bundle, node_id: int, bundle_id: int,
+def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
                 p: align.NodeAlignment | None) -> tuple[int, int]:
-    """INSERT ... SELECT one bundle table into fleet.db; returns (written, skipped)."""
-    con = fl.con
+    """INSERT ... SELECT one bundle table into main (fleet.db, or the scratch database
+    of _NcclBuilder); returns (written, skipped)."""
     want = bundle.manifest["tables"].get(table)
     if table == "meta":
         con.execute("INSERT INTO meta (bundle_id, node_id, key, value) SELECT ?, ?, key, value "
