@@ -38,8 +38,13 @@ Example:
 @click.option("--list", "list_", is_flag=True,
               help="Print each bundle's manifest (no decompression) and exit.")
 @click.option("--strict", is_flag=True, help="Abort on the first unusable input, writing nothing.")
-@click.option("--integrity", type=click.Choice(["quick", "full", "none"]), default="quick",
-              show_default=True, help="SQLite check run on every bundle before merging.")
+@click.option("--integrity", type=click.Choice(["quick", "full", "none"]), default="none",
+              show_default=True,
+              help="SQLite check of every bundle image before its rows are read: quick_check, "
+                   "integrity_check or none. Images are always verified against their "
+                   "sha256 and row counts, and a malformed page met while copying skips "
+                   "the bundle all the same; a check only finds it sooner, at about 0.3 s "
+                   "per 100 MiB image.")
 @click.option("--tmpdir", type=click.Path(file_okay=False), default=None,
               help="Where bundle images are decompressed (default: next to the output).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")

@@ -55,8 +55,11 @@ STAGING_DDL = (
 
 
 def open_scratch(path) -> apsw.Connection:
+    # Used by one thread at a time (interrupt() needs no lock): no mutex around each of
+    # _fastcoll's per-row sqlite3 calls.
     con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE |
-                          apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
+                          apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI |
+                          apsw.SQLITE_OPEN_NOMUTEX)
     harden(con)
     for pragma in ("PRAGMA journal_mode = OFF", "PRAGMA synchronous = OFF",
                    "PRAGMA cache_size = -16384", "PRAGMA temp_store = FILE"):

@@ -66,6 +66,20 @@ class MergeError(IngeroError):
     """The merge cannot proceed (bad output, --strict with a skipped input)."""
 
 
+class _CorruptBundle(Exception):
+    """A bundle image found corrupt while pass 3 reads it (SQLite reports a malformed
+    page; with integrity "none" nothing looked at those pages before). The merge is
+    redone without that bundle, which is reported as skipped."""
+
+    def __init__(self, path, reason):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = str(path), reason
+
+
+#: SQLite's answers to a malformed database file.
+_CORRUPT = (apsw.CorruptError, apsw.NotADBError)
+
+
 @dataclass
 class MergeResult:
     output: str
@@ -191,6 +205,7 @@ class _Fleet:
     """The connection to the temporary fleet database and small caches."""
 
     def __init__(self, path: Path, fresh: bool):
+        self.path = path
         self.con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE |
                                    apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
         harden(self.con)
@@ -225,7 +240,7 @@ class _Fleet:
 # ------------------------------------------------------------------------------ merge
 
 def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
-                  tmpdir=None, integrity: str = "quick",
+                  tmpdir=None, integrity: str = "none",
                   min_wait_ns: int = DEFAULT_MIN_WAIT_NS,
                   min_latency_ns: int = DEFAULT_MIN_LATENCY_NS,
                   accel: bool = True) -> MergeResult:
@@ -236,16 +251,27 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     skipped input. Returns a MergeResult (JSON-serializable with to_dict()).
     accel: the collectives in C (merge/_fastcoll.c) when it is built; the SQL path gives
     the same fleet.db (INGERO_NO_ACCEL=1 turns it off too).
+    integrity: the SQLite check run on every image before its rows are read, "quick"
+    (PRAGMA quick_check), "full" (integrity_check) or "none". Every image is verified
+    byte for byte against its manifest's sha256 and row counts either way; with "none",
+    a page SQLite finds malformed while copying skips the bundle as the check would
+    have (the merge is redone without it), at no cost for the bundles that are sound.
     """
     fastcoll = _accel.load("merge._fastcoll", "sqlite3_fastcoll_init") if accel else None
-    try:
-        return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
-                              min_wait_ns, min_latency_ns, fastcoll)
-    except _too_large(fastcoll):
-        # A collective with more rows than the C path holds at once (no real job has
-        # that many ranks): the SQL path, whose memory stays bounded, does it all again.
-        return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
-                              min_wait_ns, min_latency_ns, None)
+    corrupt: dict[str, str] = {}
+    while True:
+        try:
+            return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
+                                  min_wait_ns, min_latency_ns, fastcoll, corrupt)
+        except _too_large(fastcoll):
+            # A collective with more rows than the C path holds at once (no real job has
+            # that many ranks): the SQL path, whose memory stays bounded, does it again.
+            fastcoll = None
+        except _CorruptBundle as e:
+            # Nothing of this attempt was kept (the output is written only at the end):
+            # again, with that bundle skipped for its reason from the start.
+            corrupt[e.path] = e.reason
+        progress = None     # the bar counted the first attempt
 
 
 def _too_large(fastcoll):
@@ -253,7 +279,7 @@ def _too_large(fastcoll):
 
 
 def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
-                   min_latency_ns, fastcoll) -> MergeResult:
+                   min_latency_ns, fastcoll, corrupt) -> MergeResult:
     started = time.monotonic()
     out = Path(out_path)
     res = MergeResult(output=str(out), accelerated=fastcoll is not None)
@@ -274,16 +300,21 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         fl.fastcoll = fastcoll
         fl.scratch_base = out.with_name(f".{out.name}.{os.getpid()}")
         fl.old_runs = []
-        fl.nccl_builder = None
-        scratch.append(fl.scratch_base.with_name(fl.scratch_base.name + ".nccl"))
+        fl.builder = None
+        fl.flusher = None
+        scratch.extend(Path(f"{fl.scratch_base}.{t}") for t in PASS3_TABLES)
         try:
-            _merge(fl, expand_inputs(inputs), res, strict, progress,
+            entries = [(shown, path, corrupt.get(str(path), err))
+                       for shown, path, err in expand_inputs(inputs)]
+            _merge(fl, entries, res, strict, progress,
                    Path(tmpdir) if tmpdir else out.parent, integrity, min_wait_ns,
                    min_latency_ns, pending)
         finally:
             for b in pending:
                 b["bundle"].close()
             fl.con.close()
+            if fl.flusher is not None:
+                fl.flusher.join()
             for f in scratch + [r[0] for r in fl.old_runs]:
                 f.unlink(missing_ok=True)
         with open(tmp, "rb+") as f:
@@ -446,39 +477,55 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         runs=fl.old_runs + [(p, i["node_id"], i["bundle_id"]) for i in pending
                                             for p in i["bundle"].run_paths])
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-collectives")
+    finished = []
+
+    def finish_collectives():
+        """The collectives, sync points, alignment and node facts: they need the
+        collectives thread's results but none of the big tables, so pass 3 runs this
+        when the main thread would otherwise wait for the table builder."""
+        if finished:
+            return
+        finished.append(True)
+        results = future.result()
+        con.execute("ATTACH DATABASE ? AS st", (image_uri(fl.staging_path),))
+        con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
+        try:
+            with con:
+                con.execute("UPDATE clock_samples SET aligned_ns = (SELECT p.off + m + "
+                            "CAST(ROUND(m * p.slope) AS INTEGER) FROM (SELECT "
+                            "(clock_samples.mono_before_ns + clock_samples.mono_after_ns) / 2 "
+                            "AS m), temp.node_params p WHERE p.node_id = clock_samples.node_id)")
+                con.execute("UPDATE clock_samples SET clock_error_ns = realtime_ns - aligned_ns")
+                _collectives(con, fl.sample_every)
+                for nid, a in params.items():
+                    a.violations_before, a.violations_after = results.violations.get(nid,
+                                                                                     (0, 0))
+                _write_alignment(con, params)
+                _update_nodes(con)
+        finally:
+            con.execute("DETACH DATABASE st")
+            con.execute("DETACH DATABASE cp")
+
     try:
         future = pool.submit(job.run)
-        _pass3(fl, res, pending, params, job, future, progress, old_params, max_old_bundle)
-        # The indexes now, while the collectives thread finishes (the tables they index
-        # are complete; sync_points and collectives are small and filled later).
+        _pass3(fl, res, pending, params, job, future, progress, old_params, max_old_bundle,
+               finish_collectives)
+        finish_collectives()
+        # The indexes of the small tables (the big ones have theirs).
         with con:
             for stmt in all_index_ddl():
                 con.execute(stmt)
-        results = future.result()
     except BaseException:
         job.interrupt()
-        if fl.nccl_builder is not None:
-            fl.nccl_builder.interrupt()
+        if fl.builder is not None:
+            fl.builder.interrupt()
         raise
     finally:
         pool.shutdown(wait=True)
     pending.clear()
 
     # ---------------------------------------------------------------- finish
-    con.execute("ATTACH DATABASE ? AS st", (image_uri(fl.staging_path),))
-    con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
     con.execute("BEGIN")
-    con.execute("UPDATE clock_samples SET aligned_ns = (SELECT p.off + m + CAST(ROUND(m * "
-                "p.slope) AS INTEGER) FROM (SELECT (clock_samples.mono_before_ns + "
-                "clock_samples.mono_after_ns) / 2 AS m), temp.node_params p WHERE p.node_id = "
-                "clock_samples.node_id)")
-    con.execute("UPDATE clock_samples SET clock_error_ns = realtime_ns - aligned_ns")
-    _collectives(con, fl.sample_every)
-    for nid, a in params.items():
-        a.violations_before, a.violations_after = results.violations.get(nid, (0, 0))
-    _write_alignment(con, params)
-    _update_nodes(con)
-
     total_stacks = con.execute("SELECT COUNT(*) FROM stacks").fetchone()[0]
     res.stacks = {"bundle_stacks": stack_rows_seen, "fleet_stacks_used": len(new_stack_ids),
                   "fleet_stacks_total": total_stacks,
@@ -497,59 +544,23 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     con.executemany("INSERT OR REPLACE INTO fleet_info VALUES (?, ?)",
                     [(k, json.dumps(v)) for k, v in info.items()])
     con.execute("COMMIT")
-    con.execute("DETACH DATABASE st")
-    con.execute("DETACH DATABASE cp")
     res.nodes = _node_summary(con)
 
 
 def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, future,
-           progress, old_params, max_old_bundle) -> None:
-    """Copy the big tables with aligned times. nccl_events goes last: it joins the
-    completions, which the collectives thread computes meanwhile. In a fresh merge a
-    thread of its own builds nccl_events and its indexes in a scratch database while this
-    one copies and indexes the rest (_NcclBuilder)."""
+           progress, old_params, max_old_bundle, idle) -> None:
+    """Copy the big tables with aligned times. nccl_events joins the completions, which
+    the collectives thread computes meanwhile. In a fresh merge a thread of its own
+    builds nccl_events and a share of the other tables, each with its indexes, in
+    scratch databases while this one copies and indexes the rest, moving each built
+    table in as soon as it is ready (_TableBuilder)."""
     con = fl.con
-    builder = None
     if not max_old_bundle and pending:
-        stack_rows = con.execute("SELECT bundle_id, local_id, fleet_id FROM "
-                                 "temp.stack_map_all").fetchall()
-        builder = _NcclBuilder(fl.scratch_base.with_name(fl.scratch_base.name + ".nccl"),
-                               fl.completion_path, job, pending, params, stack_rows)
-        fl.nccl_builder = builder
-        builder.start()
-    for item in pending:
-        _copy_tables(fl, item, [t for t in PASS3_TABLES if t != "nccl_events"], params)
-    if builder is not None:
-        # the other tables' indexes now, while the builder works on nccl_events
-        with con:
-            for stmt in all_index_ddl():
-                if " ON nccl_events(" not in stmt:
-                    con.execute(stmt)
-    # The collectives thread reads the bundles' images and scratch files: they are
-    # removed (bundle.close) only once it has staged them.
-    for ready in (job.completions_ready, job.bundles_read):
-        while not ready.wait(0.05):
-            if future.done():
-                future.result()         # its error, raised here
-                raise MergeError("the collectives thread ended before its results")
-    if builder is not None:
-        counts = builder.result()
-        con.execute("ATTACH DATABASE ? AS nb", (image_uri(builder.path),))
-        try:
-            with con:
-                # An empty table with the same schema and indexes as the scratch one:
-                # SQLite moves rows and index entries as they are (its "transfer
-                # optimization"), without decoding a row.
-                for stmt in index_ddl(FLEET_TABLES_BY_NAME["nccl_events"]):
-                    con.execute(stmt)
-                con.execute("INSERT INTO main.nccl_events SELECT * FROM nb.nccl_events")
-        finally:
-            con.execute("DETACH DATABASE nb")
-        for item in pending:
-            item["counts"]["nccl_events"], item["skipped"]["nccl_events"] = \
-                counts[item["bundle_id"]]
-        builder.remove()
+        _pass3_fresh(fl, pending, params, job, future, idle)
     else:
+        for item in pending:
+            _copy_tables(fl, item, [t for t in PASS3_TABLES if t != "nccl_events"], params)
+        _wait_staged(job, future)
         con.execute("ATTACH DATABASE ? AS cp", (image_uri(fl.completion_path),))
         # Every nccl_events row looks its collective up: keep the whole table cached.
         con.execute("PRAGMA cp.cache_size = -32768")
@@ -581,31 +592,182 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
         progress(1)
 
 
-class _NcclBuilder:
-    """nccl_events of a fresh merge, built beside the main thread's copy: the same
-    INSERT ... SELECT per bundle (it joins the completions, so it starts once they are
-    ready), into a scratch database of its own, then its indexes. The main thread moves
-    the result into the still empty fleet table in one transfer. ``interrupt()`` stops it."""
+def _wait_staged(job, future) -> None:
+    """Until the collectives thread has written the completions and read every bundle
+    (their images and scratch files are removed, by bundle.close, only after that)."""
+    for ready in (job.completions_ready, job.bundles_read):
+        while not ready.wait(0.05):
+            if future.done():
+                future.result()         # its error, raised here
+                raise MergeError("the collectives thread ended before its results")
 
-    def __init__(self, path, completion_path, job, pending, params, stack_rows):
-        self.path = Path(path)
+
+def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> None:
+    con = fl.con
+    rows = {t: sum(i["bundle"].manifest["tables"].get(t) or 0 for i in pending)
+            for t in PASS3_TABLES}
+    built = _builder_share(rows)
+    stack_rows = con.execute("SELECT bundle_id, local_id, fleet_id FROM "
+                             "temp.stack_map_all").fetchall()
+    builder = _TableBuilder(fl.scratch_base, built, fl.completion_path, job, pending,
+                            params, stack_rows)
+    fl.builder = builder
+    builder.start()
+    by_id = {i["bundle_id"]: i for i in pending}
+
+    def move_in(ready):
+        # An empty fleet table with the same schema and indexes as the scratch one:
+        # SQLite moves rows and index entries as they are (its "transfer optimization"),
+        # without decoding a row or sorting an index again.
+        for table, path, counts in ready:
+            con.execute("ATTACH DATABASE ? AS nb", (image_uri(path),))
+            try:
+                with con:
+                    for stmt in index_ddl(FLEET_TABLES_BY_NAME[table]):
+                        con.execute(stmt)
+                    con.execute(f"INSERT INTO main.{table} SELECT * FROM nb.{table}")
+            finally:
+                con.execute("DETACH DATABASE nb")
+            builder.remove(table)
+            for bundle_id, (written, skipped) in counts.items():
+                by_id[bundle_id]["counts"][table] = written
+                by_id[bundle_id]["skipped"][table] = skipped
+
+    own = [t for t in PASS3_TABLES if t not in built]
+    for item in pending:
+        _copy_tables(fl, item, own, params)
+        move_in(builder.take_ready())
+    for t in own:
+        with con:
+            for stmt in index_ddl(FLEET_TABLES_BY_NAME[t]):
+                con.execute(stmt)
+        move_in(builder.take_ready())
+    ready = []
+    while True:
+        ready += builder.take_ready()
+        if builder.ended():
+            break
+        if not ready:
+            _wait_staged(job, future)
+            idle()      # work that needs no builder table, instead of waiting
+            ready = builder.take_ready(wait=True)
+        move_in(ready)
+        ready = []
+    # The last transfers use one core: the other removes the images (no thread reads
+    # them any more) and writes fleet.db's pages out, so the final fsync has less to do.
+    _wait_staged(job, future)
+    tail = threading.Thread(target=_release, name="ingero-release",
+                            args=([i["bundle"] for i in pending], fl))
+    tail.start()
+    try:
+        move_in(ready + builder.take_ready())
+        builder.join()
+    finally:
+        tail.join()
+
+
+def _release(bundles, fl: _Fleet) -> None:
+    for bundle in bundles:
+        bundle.close()
+    fl.flusher = threading.Thread(target=_flush, name="ingero-flush", args=(fl.path,))
+    fl.flusher.start()
+
+
+def _flush(path) -> None:
+    """Write fleet.db's dirty pages out ahead of the final fsync (best effort: the
+    final fsync is what makes the file durable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+#: Costs per row and per index entry, relative to the main thread copying and indexing
+#: a row of a table (measured in merges of 16 x 2 M events on a 2-core VM): the builder
+#: building one (it sorts without a helper thread) 1.2; an nccl_events row (24 columns,
+#: the join on the completions, and the wait for them) 1.65; the main thread moving a
+#: built row and its index entries in (the transfer) 0.5.
+_BUILDER_COST, _NCCL_COST, _TRANSFER_COST = 1.2, 1.65, 0.5
+
+
+def _builder_share(rows: dict) -> list:
+    """The tables _TableBuilder builds, in its order: nccl_events (it waits for the
+    completions, which the main thread need not), then the subset of the others that
+    ends the merge soonest, largest first. The main thread pays for every transfer, and
+    the last one cannot overlap anything, so it should be small. By row counts from the
+    manifests; a handful of candidate tables, so every subset is tried."""
+    def units(t):
+        return rows[t] * (1 + len(FLEET_TABLES_BY_NAME[t].indexes))
+
+    # Tables under 1% of the rows are not worth a scratch database.
+    others = sorted((t for t in PASS3_TABLES
+                     if t != "nccl_events" and rows[t] * 100 >= sum(rows.values())),
+                    key=lambda t: (-units(t), t))
+    best = None
+    for mask in range(1 << len(others)):
+        share = [t for k, t in enumerate(others) if mask >> k & 1]
+        built = ["nccl_events"] + share
+        builder = _NCCL_COST * units("nccl_events") + _BUILDER_COST * sum(map(units, share))
+        main = sum(units(t) for t in others if t not in share)
+        moves = [_TRANSFER_COST * units(t) for t in built]
+        end = max(builder, main + sum(moves[:-1])) + moves[-1]
+        if best is None or (end, len(share)) < best[0]:
+            best = ((end, len(share)), built)
+    return best[1]
+
+
+class _TableBuilder:
+    """Whole fleet tables of a fresh merge, built beside the main thread: per table, the
+    same INSERT ... SELECT per bundle as _copy_table, into a scratch database of its own
+    (``<scratch_base>.<table>``), then its indexes. nccl_events comes first: it joins the
+    completions, so it starts once they are ready. ``take_ready()`` hands the finished
+    tables to the main thread, which moves each into the still empty fleet table in one
+    transfer. ``interrupt()`` stops it."""
+
+    def __init__(self, scratch_base, tables, completion_path, job, pending, params,
+                 stack_rows):
+        self.tables = list(tables)
+        self.paths = {t: Path(f"{scratch_base}.{t}") for t in self.tables}
         self.completion_path = completion_path
         self.job = job
         self.items = [(i["bundle"], i["node_id"], i["bundle_id"]) for i in pending]
         self.params = params
         self.stack_rows = stack_rows
         self._lock = threading.Lock()
+        self._ready = []
+        self._ready_event = threading.Event()
         self._con = None
         self._stopped = False
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-nccl")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-build")
         self._future = None
 
     def start(self):
         self._future = self._pool.submit(self._run)
 
-    def result(self) -> dict:
+    def take_ready(self, wait: bool = False) -> list:
+        """(table, scratch path, {bundle_id: (written, skipped)}) of each table finished
+        since the last call (with ``wait``, once there is one or the thread has ended);
+        re-raises the thread's error."""
+        while wait and not self._ready_event.wait(0.05) and not self._future.done():
+            pass
+        if self._future.done():
+            self._future.result()
+        with self._lock:
+            ready, self._ready = self._ready, []
+            self._ready_event.clear()
+        return ready
+
+    def ended(self) -> bool:
+        """The thread has ended: every table is built, or it failed."""
+        return self._future.done()
+
+    def join(self):
         try:
-            return self._future.result()
+            self._future.result()
         finally:
             self._pool.shutdown(wait=True)
 
@@ -616,13 +778,21 @@ class _NcclBuilder:
                 self._con.interrupt()
         self._pool.shutdown(wait=True)
 
-    def remove(self):
-        for suffix in ("", "-journal"):
-            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+    def remove(self, table=None):
+        for t in [table] if table else self.tables:
+            for suffix in ("", "-journal"):
+                Path(f"{self.paths[t]}{suffix}").unlink(missing_ok=True)
 
-    def _run(self) -> dict:
-        self.remove()
-        con = apsw.Connection(str(self.path), flags=apsw.SQLITE_OPEN_READWRITE |
+    def _run(self) -> None:
+        for table in self.tables:
+            self.remove(table)
+            counts = self._build(table)
+            with self._lock:
+                self._ready.append((table, self.paths[table], counts))
+                self._ready_event.set()
+
+    def _build(self, table) -> dict:
+        con = apsw.Connection(str(self.paths[table]), flags=apsw.SQLITE_OPEN_READWRITE |
                               apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
         with self._lock:
             if self._stopped:
@@ -636,26 +806,34 @@ class _NcclBuilder:
                            f"PRAGMA cache_size = -{CACHE_MB * 1024}",
                            "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE"):
                 con.execute(pragma)
-            con.execute(table_ddl(FLEET_TABLES_BY_NAME["nccl_events"]))
-            con.execute("CREATE TEMP TABLE stack_map_all (bundle_id INTEGER, local_id INTEGER, "
-                        "fleet_id INTEGER, PRIMARY KEY (bundle_id, local_id)) WITHOUT ROWID")
-            con.execute("CREATE TEMP TABLE stack_map (local_id INTEGER PRIMARY KEY, "
-                        "fleet_id INTEGER)")
-            con.executemany("INSERT INTO temp.stack_map_all VALUES (?, ?, ?)", self.stack_rows)
-            while not self.job.completions_ready.wait(0.05):
-                if self._stopped:
-                    raise apsw.InterruptError("interrupted")
-            con.execute("ATTACH DATABASE ? AS cp", (image_uri(self.completion_path),))
-            con.execute("PRAGMA cp.cache_size = -32768")
+            ft = FLEET_TABLES_BY_NAME[table]
+            con.execute(table_ddl(ft))
+            stacks = "stack_id" in BUNDLE_TABLES[table].column_names
+            if stacks:
+                con.execute("CREATE TEMP TABLE stack_map_all (bundle_id INTEGER, "
+                            "local_id INTEGER, fleet_id INTEGER, PRIMARY KEY (bundle_id, "
+                            "local_id)) WITHOUT ROWID")
+                con.execute("CREATE TEMP TABLE stack_map (local_id INTEGER PRIMARY KEY, "
+                            "fleet_id INTEGER)")
+                con.executemany("INSERT INTO temp.stack_map_all VALUES (?, ?, ?)",
+                                self.stack_rows)
+            if table == "nccl_events":
+                while not self.job.completions_ready.wait(0.05):
+                    if self._stopped:
+                        raise apsw.InterruptError("interrupted")
+                con.execute("ATTACH DATABASE ? AS cp", (image_uri(self.completion_path),))
+                con.execute("PRAGMA cp.cache_size = -32768")
             counts = {}
             for bundle, node_id, bundle_id in self.items:
                 with attached(con, bundle.db_path, "b"), con:
-                    _load_stack_map(con, bundle_id)
-                    counts[bundle_id] = _copy_table(con, "nccl_events", bundle, node_id,
-                                                    bundle_id, self.params[node_id])
-            con.execute("DETACH DATABASE cp")
+                    if stacks:
+                        _load_stack_map(con, bundle_id)
+                    counts[bundle_id] = _copy_bundle_table(con, table, bundle, node_id,
+                                                           bundle_id, self.params[node_id])
+            if table == "nccl_events":
+                con.execute("DETACH DATABASE cp")
             with con:
-                for stmt in index_ddl(FLEET_TABLES_BY_NAME["nccl_events"]):
+                for stmt in index_ddl(ft):
                     con.execute(stmt)
             return counts
         finally:
@@ -670,8 +848,18 @@ def _copy_tables(fl: _Fleet, item: dict, tables, params: dict) -> None:
     with attached(fl.con, item["bundle"].db_path, "b"), fl.con:
         _load_stack_map(fl.con, bundle_id)
         for t in tables:
-            item["counts"][t], item["skipped"][t] = _copy_table(
+            item["counts"][t], item["skipped"][t] = _copy_bundle_table(
                 fl.con, t, item["bundle"], node_id, bundle_id, params[node_id])
+
+
+def _copy_bundle_table(con, table, bundle, node_id, bundle_id, p) -> tuple[int, int]:
+    """_copy_table, a malformed page of the bundle raising _CorruptBundle."""
+    try:
+        return _copy_table(con, table, bundle, node_id, bundle_id, p)
+    except _CORRUPT as e:
+        raise _CorruptBundle(bundle.path, f"database is corrupt ({type(e).__name__}: "
+                                          f"{' '.join(str(e).split())}; table {table})") \
+            from None
 
 
 def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
@@ -864,7 +1052,7 @@ def _load_stack_map(con, bundle_id: int) -> None:
 def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
                 p: align.NodeAlignment | None) -> tuple[int, int]:
     """INSERT ... SELECT one bundle table into main (fleet.db, or the scratch database
-    of _NcclBuilder); returns (written, skipped)."""
+    of _TableBuilder); returns (written, skipped)."""
     want = bundle.manifest["tables"].get(table)
     if table == "meta":
         con.execute("INSERT INTO meta (bundle_id, node_id, key, value) SELECT ?, ?, key, value "

@@ -1,0 +1,118 @@
+"""A bundle whose image matches its sha256 and row counts but holds a malformed record,
+met only when pass 3 copies that table (integrity "none", the merge's default): the
+bundle is skipped with the reason, as an upfront check would have, and every other
+bundle is merged exactly as without it."""
+
+import apsw
+import pytest
+
+from ..bundle.conftest import pack, split_bundle
+from .fleetgen import make_fleet
+from ingero_forensics.merge import MergeError, merge_bundles
+from ingero_forensics.merge import core
+
+TABLE = "host_samples"
+
+
+def _varint_end(buf, p):
+    while buf[p] & 0x80:
+        p += 1
+    return p + 1
+
+
+def _corrupt_first_leaf(image: bytes, table: str) -> bytes:
+    """Every record of the table's first leaf page gets a header-size byte beyond its
+    payload. The page itself stays well formed (cell sizes, pointers, counts), so
+    COUNT(*) and the sha256 pass; reading a column of those rows fails."""
+    con = apsw.Connection(":memory:")
+    con.deserialize("main", image)
+    root = con.execute("SELECT rootpage FROM sqlite_schema WHERE name = ?",
+                       (table,)).fetchone()[0]
+    con.close()
+    page_size = int.from_bytes(image[16:18], "big")
+    buf = bytearray(image)
+    pg = root
+    while True:
+        off = (pg - 1) * page_size
+        hdr = off + (100 if pg == 1 else 0)
+        if buf[hdr] == 0x0D:            # leaf table page
+            break
+        assert buf[hdr] == 0x05         # interior table page: follow the first child
+        cell = off + int.from_bytes(buf[hdr + 12:hdr + 14], "big")
+        pg = int.from_bytes(buf[cell:cell + 4], "big")
+    ncells = int.from_bytes(buf[hdr + 3:hdr + 5], "big")
+    assert ncells > 0
+    for i in range(ncells):
+        cell = off + int.from_bytes(buf[hdr + 8 + 2 * i:hdr + 10 + 2 * i], "big")
+        assert buf[cell] < 0x7F         # a payload under 127 bytes: 0x7F is beyond it
+        record = _varint_end(buf, _varint_end(buf, cell))
+        buf[record] = 0x7F
+    return bytes(buf)
+
+
+@pytest.fixture
+def fleet_with_corrupt(tmp_path):
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=21)
+    manifest, image = split_bundle(fleet.paths[1])
+    bad = tmp_path / "b" / "corrupt.bundle"
+    bad.write_bytes(pack(manifest, _corrupt_first_leaf(image, TABLE)))
+    good = [fleet.paths[0], fleet.paths[2]]
+    return good, bad
+
+
+def _table_counts(db):
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return {t: con.execute(f"SELECT COUNT(*), SUM(timestamp_ns % 1000003), MIN(timestamp_ns) FROM {t}").fetchone()
+                for t in ("nccl_events", "cuda_events", "sched_events", TABLE)}
+    finally:
+        con.close()
+
+
+def test_the_image_passes_the_upfront_checks_but_not_a_read(fleet_with_corrupt, tmp_path):
+    from ingero_forensics.bundle import open_bundle
+    _, bad = fleet_with_corrupt
+    with open_bundle(bad, integrity="none") as b:   # sha256, schema and COUNT(*) pass
+        with pytest.raises(apsw.CorruptError):
+            b.con.execute(f"SELECT SUM(value) FROM {TABLE}").fetchall()
+
+
+@pytest.mark.parametrize("built_by", ["builder", "main"])
+def test_corrupt_bundle_skipped_rest_merged(fleet_with_corrupt, tmp_path, monkeypatch,
+                                            built_by):
+    good, bad = fleet_with_corrupt
+    want = tmp_path / "want.db"
+    merge_bundles(good, want)
+    # The table is copied by the builder thread or by the main thread, whichever the
+    # split gives it: both find the malformed record.
+    share = ["nccl_events", TABLE] if built_by == "builder" else ["nccl_events"]
+    monkeypatch.setattr(core, "_builder_share", lambda rows: share)
+    db = tmp_path / "f.db"
+    res = merge_bundles([good[0], bad, good[1]], db)
+    assert [s["input"] for s in res.skipped] == [str(bad)]
+    reason = res.skipped[0]["reason"]
+    assert reason.startswith("database is corrupt (CorruptError: ") and TABLE in reason, reason
+    assert res.bundles_merged == 2
+    assert _table_counts(db) == _table_counts(want)
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    logged = con.execute("SELECT input, message FROM merge_log WHERE event = "
+                         "'skipped_input'").fetchall()
+    con.close()
+    assert [r[0] for r in logged] == [str(bad)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".f.db")]
+
+
+def test_corrupt_bundle_with_strict_writes_nothing(fleet_with_corrupt, tmp_path):
+    good, bad = fleet_with_corrupt
+    db = tmp_path / "f.db"
+    with pytest.raises(MergeError, match="--strict"):
+        merge_bundles([good[0], bad], db, strict=True)
+    assert not db.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".f.db")]
+
+
+def test_quick_check_finds_it_before_copying(fleet_with_corrupt, tmp_path):
+    good, bad = fleet_with_corrupt
+    res = merge_bundles([good[0], bad], tmp_path / "f.db", integrity="quick")
+    assert [s["input"] for s in res.skipped] == [str(bad)]
+    assert res.bundles_merged == 1
