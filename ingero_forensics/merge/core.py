@@ -615,11 +615,20 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
     builder.start()
     by_id = {i["bundle_id"]: i for i in pending}
 
+    moved = []
+
     def move_in(ready):
         # An empty fleet table with the same schema and indexes as the scratch one:
         # SQLite moves rows and index entries as they are (its "transfer optimization"),
         # without decoding a row or sorting an index again.
         for table, path, counts in ready:
+            moved.append(table)
+            if len(moved) == len(built):
+                # The last transfer uses one core; meanwhile fleet.db's pages are written
+                # out, so the final fsync has less to do.
+                fl.flusher = threading.Thread(target=_flush, name="ingero-flush",
+                                              args=(fl.path,))
+                fl.flusher.start()
             con.execute("ATTACH DATABASE ? AS nb", (image_uri(path),))
             try:
                 with con:
@@ -633,44 +642,57 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
                 by_id[bundle_id]["counts"][table] = written
                 by_id[bundle_id]["skipped"][table] = skipped
 
-    own = [t for t in PASS3_TABLES if t not in built]
-    for item in pending:
-        _copy_tables(fl, item, own, params)
+    release = None
+    copied = []         # this thread is done with the images
+    sync_files = [p for i in pending
+                  for p in i["bundle"].run_paths + [i["bundle"].sync_path] if p]
+
+    def between_steps():
+        nonlocal release
+        # Files no thread reads any more go as soon as possible: their page cache is then
+        # reused by the writes still to come instead of fresh memory (which costs more,
+        # on a VM most of all). The run files (or sync-point files) are read until the
+        # completions are written; the images until every table is copied.
+        if sync_files and job.completions_ready.is_set():
+            for p in sync_files:
+                Path(p).unlink(missing_ok=True)
+            sync_files.clear()
+        if release is None and copied and builder.copies_done.is_set() and \
+                job.bundles_read.is_set():
+            release = threading.Thread(target=_release, name="ingero-release",
+                                       args=([i["bundle"] for i in pending],))
+            release.start()
         move_in(builder.take_ready())
-    for t in own:
-        with con:
-            for stmt in index_ddl(FLEET_TABLES_BY_NAME[t]):
-                con.execute(stmt)
-        move_in(builder.take_ready())
-    ready = []
-    while True:
-        ready += builder.take_ready()
-        if builder.ended():
-            break
-        if not ready:
+
+    try:
+        own = [t for t in PASS3_TABLES if t not in built]
+        for item in pending:
+            _copy_tables(fl, item, own, params)
+            between_steps()
+        copied.append(True)
+        for t in own:
+            with con:
+                for stmt in index_ddl(FLEET_TABLES_BY_NAME[t]):
+                    con.execute(stmt)
+            between_steps()
+        while True:
+            between_steps()
+            if builder.ended():
+                break
             _wait_staged(job, future)
             idle()      # work that needs no builder table, instead of waiting
-            ready = builder.take_ready(wait=True)
-        move_in(ready)
-        ready = []
-    # The last transfers use one core: the other removes the images (no thread reads
-    # them any more) and writes fleet.db's pages out, so the final fsync has less to do.
-    _wait_staged(job, future)
-    tail = threading.Thread(target=_release, name="ingero-release",
-                            args=([i["bundle"] for i in pending], fl))
-    tail.start()
-    try:
-        move_in(ready + builder.take_ready())
+            move_in(builder.take_ready(wait=True))
         builder.join()
+        move_in(builder.take_ready())
     finally:
-        tail.join()
+        if release is not None:
+            release.join()
+    _wait_staged(job, future)
 
 
-def _release(bundles, fl: _Fleet) -> None:
+def _release(bundles) -> None:
     for bundle in bundles:
         bundle.close()
-    fl.flusher = threading.Thread(target=_flush, name="ingero-flush", args=(fl.path,))
-    fl.flusher.start()
 
 
 def _flush(path) -> None:
@@ -687,19 +709,20 @@ def _flush(path) -> None:
 
 
 #: Costs per row and per index entry, relative to the main thread copying and indexing
-#: a row of a table (measured in merges of 16 x 2 M events on a 2-core VM): the builder
+#: a row of a table (fitted to merges of 16 x 2 M events on a 2-core VM): the builder
 #: building one (it sorts without a helper thread) 1.2; an nccl_events row (24 columns,
-#: the join on the completions, and the wait for them) 1.65; the main thread moving a
-#: built row and its index entries in (the transfer) 0.5.
+#: the join on the completions) 1.65; the main thread moving a built row and its index
+#: entries in (the transfer) 0.5.
 _BUILDER_COST, _NCCL_COST, _TRANSFER_COST = 1.2, 1.65, 0.5
 
 
 def _builder_share(rows: dict) -> list:
-    """The tables _TableBuilder builds, in its order: nccl_events (it waits for the
-    completions, which the main thread need not), then the subset of the others that
-    ends the merge soonest, largest first. The main thread pays for every transfer, and
-    the last one cannot overlap anything, so it should be small. By row counts from the
-    manifests; a handful of candidate tables, so every subset is tried."""
+    """The tables _TableBuilder builds, in the order they become ready: nccl_events
+    (its rows wait for the completions, which the main thread's need not), then the
+    subset of the others that ends the merge soonest, largest first. The main thread
+    pays for every transfer, and the last one cannot overlap anything, so it should be
+    small. By row counts from the manifests; a handful of candidate tables, so every
+    subset is tried."""
     def units(t):
         return rows[t] * (1 + len(FLEET_TABLES_BY_NAME[t].indexes))
 
@@ -721,12 +744,14 @@ def _builder_share(rows: dict) -> list:
 
 
 class _TableBuilder:
-    """Whole fleet tables of a fresh merge, built beside the main thread: per table, the
-    same INSERT ... SELECT per bundle as _copy_table, into a scratch database of its own
-    (``<scratch_base>.<table>``), then its indexes. nccl_events comes first: it joins the
-    completions, so it starts once they are ready. ``take_ready()`` hands the finished
-    tables to the main thread, which moves each into the still empty fleet table in one
-    transfer. ``interrupt()`` stops it."""
+    """Whole fleet tables of a fresh merge, built beside the main thread, each in a
+    scratch database of its own (``<scratch_base>.<table>``). First the rows of every
+    table: per bundle the same INSERT ... SELECT as _copy_table, the others while the
+    collectives thread computes the completions, nccl_events (which joins them) last.
+    ``copies_done`` is then set: the bundle images are no longer needed here. Then the
+    indexes, table by table in the given order, each table handed to the main thread by
+    ``take_ready()`` as soon as it is complete; the main thread moves it into the still
+    empty fleet table in one transfer. ``interrupt()`` stops it."""
 
     def __init__(self, scratch_base, tables, completion_path, job, pending, params,
                  stack_rows):
@@ -737,10 +762,11 @@ class _TableBuilder:
         self.items = [(i["bundle"], i["node_id"], i["bundle_id"]) for i in pending]
         self.params = params
         self.stack_rows = stack_rows
+        self.copies_done = threading.Event()
         self._lock = threading.Lock()
         self._ready = []
         self._ready_event = threading.Event()
-        self._con = None
+        self._cons = {}
         self._stopped = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-build")
         self._future = None
@@ -774,8 +800,8 @@ class _TableBuilder:
     def interrupt(self):
         with self._lock:
             self._stopped = True
-            if self._con is not None:
-                self._con.interrupt()
+            for con in self._cons.values():
+                con.interrupt()
         self._pool.shutdown(wait=True)
 
     def remove(self, table=None):
@@ -784,62 +810,71 @@ class _TableBuilder:
                 Path(f"{self.paths[t]}{suffix}").unlink(missing_ok=True)
 
     def _run(self) -> None:
-        for table in self.tables:
-            self.remove(table)
-            counts = self._build(table)
+        try:
+            counts = {}
+            for table in self.tables[1:] + self.tables[:1]:
+                counts[table] = self._copy(table)
+            self.copies_done.set()
+            for table in self.tables:
+                con = self._cons[table]
+                with con:
+                    for stmt in index_ddl(FLEET_TABLES_BY_NAME[table]):
+                        con.execute(stmt)
+                with self._lock:
+                    del self._cons[table]
+                con.close()
+                with self._lock:
+                    self._ready.append((table, self.paths[table], counts[table]))
+                    self._ready_event.set()
+        finally:
             with self._lock:
-                self._ready.append((table, self.paths[table], counts))
-                self._ready_event.set()
+                cons, self._cons = list(self._cons.values()), {}
+            for con in cons:
+                con.close()
 
-    def _build(self, table) -> dict:
+    def _copy(self, table) -> dict:
+        self.remove(table)
         con = apsw.Connection(str(self.paths[table]), flags=apsw.SQLITE_OPEN_READWRITE |
                               apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
         with self._lock:
             if self._stopped:
                 con.close()
                 raise apsw.InterruptError("interrupted")
-            self._con = con
-        try:
-            harden(con)
-            for pragma in ("PRAGMA journal_mode = OFF", "PRAGMA synchronous = OFF",
-                           f"PRAGMA page_size = {FLEET_PAGE_SIZE}",
-                           f"PRAGMA cache_size = -{CACHE_MB * 1024}",
-                           "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE"):
-                con.execute(pragma)
-            ft = FLEET_TABLES_BY_NAME[table]
-            con.execute(table_ddl(ft))
-            stacks = "stack_id" in BUNDLE_TABLES[table].column_names
-            if stacks:
-                con.execute("CREATE TEMP TABLE stack_map_all (bundle_id INTEGER, "
-                            "local_id INTEGER, fleet_id INTEGER, PRIMARY KEY (bundle_id, "
-                            "local_id)) WITHOUT ROWID")
-                con.execute("CREATE TEMP TABLE stack_map (local_id INTEGER PRIMARY KEY, "
-                            "fleet_id INTEGER)")
-                con.executemany("INSERT INTO temp.stack_map_all VALUES (?, ?, ?)",
-                                self.stack_rows)
-            if table == "nccl_events":
-                while not self.job.completions_ready.wait(0.05):
-                    if self._stopped:
-                        raise apsw.InterruptError("interrupted")
-                con.execute("ATTACH DATABASE ? AS cp", (image_uri(self.completion_path),))
-                con.execute("PRAGMA cp.cache_size = -32768")
-            counts = {}
-            for bundle, node_id, bundle_id in self.items:
-                with attached(con, bundle.db_path, "b"), con:
-                    if stacks:
-                        _load_stack_map(con, bundle_id)
-                    counts[bundle_id] = _copy_bundle_table(con, table, bundle, node_id,
-                                                           bundle_id, self.params[node_id])
-            if table == "nccl_events":
-                con.execute("DETACH DATABASE cp")
-            with con:
-                for stmt in index_ddl(ft):
-                    con.execute(stmt)
-            return counts
-        finally:
-            with self._lock:
-                self._con = None
-            con.close()
+            self._cons[table] = con
+        harden(con)
+        for pragma in ("PRAGMA journal_mode = OFF", "PRAGMA synchronous = OFF",
+                       f"PRAGMA page_size = {FLEET_PAGE_SIZE}",
+                       f"PRAGMA cache_size = -{CACHE_MB * 1024}",
+                       "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE"):
+            con.execute(pragma)
+        con.execute(table_ddl(FLEET_TABLES_BY_NAME[table]))
+        stacks = "stack_id" in BUNDLE_TABLES[table].column_names
+        if stacks:
+            con.execute("CREATE TEMP TABLE stack_map_all (bundle_id INTEGER, "
+                        "local_id INTEGER, fleet_id INTEGER, PRIMARY KEY (bundle_id, "
+                        "local_id)) WITHOUT ROWID")
+            con.execute("CREATE TEMP TABLE stack_map (local_id INTEGER PRIMARY KEY, "
+                        "fleet_id INTEGER)")
+            con.executemany("INSERT INTO temp.stack_map_all VALUES (?, ?, ?)",
+                            self.stack_rows)
+        if table == "nccl_events":
+            while not self.job.completions_ready.wait(0.05):
+                if self._stopped:
+                    raise apsw.InterruptError("interrupted")
+            con.execute("ATTACH DATABASE ? AS cp", (image_uri(self.completion_path),))
+            con.execute("PRAGMA cp.cache_size = -32768")
+        counts = {}
+        for bundle, node_id, bundle_id in self.items:
+            with attached(con, bundle.db_path, "b"), con:
+                if stacks:
+                    _load_stack_map(con, bundle_id)
+                counts[bundle_id] = _copy_bundle_table(con, table, bundle, node_id,
+                                                       bundle_id, self.params[node_id])
+        if table == "nccl_events":
+            con.execute("DETACH DATABASE cp")
+        # Its pages are written: keep the memory of several open scratch databases down.
+        con.execute("PRAGMA shrink_memory")
+        return counts
 
 
 def _copy_tables(fl: _Fleet, item: dict, tables, params: dict) -> None:

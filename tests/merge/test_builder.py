@@ -1,0 +1,106 @@
+"""The table builder of a fresh merge (merge/core.py, _TableBuilder): which tables it
+takes, and that the result does not depend on which thread is faster (the images, run
+files and scratch databases are shared between threads and removed as soon as none
+reads them)."""
+
+import time
+
+import apsw
+import pytest
+
+from .fleetgen import make_fleet
+from ingero_forensics.merge import core, merge_bundles
+from ingero_forensics.merge.core import PASS3_TABLES, _builder_share
+
+BIG = ("nccl_events", "cuda_events", "sched_events", "host_samples", "tcp_events",
+       "block_events")
+
+
+def _rows(**kw):
+    rows = {t: 0 for t in PASS3_TABLES}
+    rows.update(processes=100, threads=1000, **kw)
+    return rows
+
+
+def test_share_starts_with_nccl_and_ends_small():
+    share = _builder_share(_rows(nccl_events=6_400_000, cuda_events=9_600_000,
+                                 sched_events=6_400_000, host_samples=6_400_000,
+                                 tcp_events=1_600_000, block_events=1_600_000))
+    assert share[0] == "nccl_events"
+    assert 1 < len(share) < len(BIG)                 # both threads get a share
+    assert "processes" not in share and "threads" not in share      # under 1%
+    rest = share[1:]
+    sizes = [(1 + len(core.FLEET_TABLES_BY_NAME[t].indexes)) * _rows(
+        nccl_events=6_400_000, cuda_events=9_600_000, sched_events=6_400_000,
+        host_samples=6_400_000, tcp_events=1_600_000, block_events=1_600_000)[t]
+        for t in rest]
+    assert sizes == sorted(sizes, reverse=True)      # the last transfer is the smallest
+
+
+def test_share_follows_the_mix():
+    nccl_heavy = _builder_share(_rows(nccl_events=20_000_000, cuda_events=1_000_000,
+                                      host_samples=1_000_000))
+    host_heavy = _builder_share(_rows(nccl_events=1_000_000, cuda_events=3_000_000,
+                                      sched_events=1_000_000, host_samples=20_000_000))
+    # nccl_events is most of the work: one more table at most, so that its transfer
+    # overlaps something; host_samples is: the main thread keeps it, the builder the rest.
+    assert nccl_heavy[0] == "nccl_events" and len(nccl_heavy) <= 2
+    assert "host_samples" not in host_heavy and len(host_heavy) > len(nccl_heavy)
+
+
+def _summary(db):
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        out = {t: con.execute(f"SELECT COUNT(*), SUM(timestamp_ns % 1000003), "
+                              f"MIN(timestamp_ns), MAX(timestamp_ns) FROM {t}").fetchone()
+               for t in BIG}
+        out["collectives"] = con.execute("SELECT COUNT(*), SUM(completion_ns % 1000003) "
+                                         "FROM collectives").fetchone()
+        out["indexes"] = con.execute("SELECT name FROM sqlite_schema WHERE type = 'index' "
+                                     "ORDER BY name").fetchall()
+        return out
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def small_fleet(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fleet")
+    fleet = make_fleet(d / "b", nodes=3, ranks_per_node=2, seconds=3, seed=31)
+    want = d / "want.db"
+    merge_bundles(fleet.paths, want)
+    return fleet, _summary(want)
+
+
+@pytest.mark.parametrize("slow", ["main", "builder", "collectives"])
+def test_result_does_not_depend_on_which_thread_is_slower(small_fleet, tmp_path,
+                                                          monkeypatch, slow):
+    fleet, want = small_fleet
+    monkeypatch.setattr(core, "_builder_share",
+                        lambda rows: ["nccl_events", "host_samples", "tcp_events"])
+    if slow == "main":
+        real = core._copy_tables
+
+        def copy_tables(*a, **k):
+            time.sleep(0.1)
+            return real(*a, **k)
+        monkeypatch.setattr(core, "_copy_tables", copy_tables)
+    elif slow == "builder":
+        real_copy = core._TableBuilder._copy
+
+        def copy(self, table):
+            time.sleep(0.2)
+            return real_copy(self, table)
+        monkeypatch.setattr(core._TableBuilder, "_copy", copy)
+    else:
+        real_run = core.CollectiveJob.run
+
+        def run(self):
+            time.sleep(0.5)
+            return real_run(self)
+        monkeypatch.setattr(core.CollectiveJob, "run", run)
+    db = tmp_path / "f.db"
+    res = merge_bundles(fleet.paths, db)
+    assert not res.skipped
+    assert _summary(db) == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.db"]      # no scratch left
