@@ -698,14 +698,12 @@ def _release(bundles) -> None:
 def _flush(path) -> None:
     """Write fleet.db's dirty pages out ahead of the final fsync (best effort: the
     final fsync is what makes the file durable)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fdatasync(fd)
         finally:
             os.close(fd)
-    except OSError:
-        pass
 
 
 #: Costs per row and per index entry, relative to the main thread copying and indexing
@@ -778,8 +776,9 @@ class _TableBuilder:
         """(table, scratch path, {bundle_id: (written, skipped)}) of each table finished
         since the last call (with ``wait``, once there is one or the thread has ended);
         re-raises the thread's error."""
-        while wait and not self._ready_event.wait(0.05) and not self._future.done():
-            pass
+        while wait and not self._future.done():
+            if self._ready_event.wait(0.05):
+                break
         if self._future.done():
             self._future.result()
         with self._lock:
