@@ -712,6 +712,9 @@ def _flush(path) -> None:
 #: the join on the completions) 1.65; the main thread moving a built row and its index
 #: entries in (the transfer) 0.5.
 _BUILDER_COST, _NCCL_COST, _TRANSFER_COST = 1.2, 1.65, 0.5
+#: Tables the builder may take.
+_BUILDABLE = ("nccl_events", "cuda_events", "sched_events", "tcp_events", "block_events",
+              "host_samples")
 
 
 def _builder_share(rows: dict) -> list:
@@ -724,8 +727,9 @@ def _builder_share(rows: dict) -> list:
     def units(t):
         return rows[t] * (1 + len(FLEET_TABLES_BY_NAME[t].indexes))
 
-    # Tables under 1% of the rows are not worth a scratch database.
-    others = sorted((t for t in PASS3_TABLES
+    # Event tables only (the finish reads processes and nccl_comm_events while the
+    # builder may still run), and none under 1% of the rows: not worth a scratch database.
+    others = sorted((t for t in _BUILDABLE
                      if t != "nccl_events" and rows[t] * 100 >= sum(rows.values())),
                     key=lambda t: (-units(t), t))
     best = None
