@@ -5,6 +5,7 @@ driven through ctypes without a GPU."""
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from collections import Counter, defaultdict
 
@@ -132,8 +133,18 @@ def test_stacks_name_the_calling_function(shim_run):
     sink = shim_run["sink"]
     rows = sink.dicts("nccl_events")
     world = hex_hash(unique_id_hash(shim_run["first"]))
+    # A call site's stack is walked once, at its first call. bpf_get_stackid can fail
+    # (it did for 1 of 64 rows in one full CI run here); the site is then walked again at
+    # its next call. Such a row has no stack and is counted in the source_off message:
+    # none may go missing unreported, and they stay rare.
+    missing = [r for r in rows if r["stack_id"] is None]
+    off = [m for _l, src, ev, m, _c in sink.logs if src == "nccl" and ev == "source_off"]
+    reported = int(m.group(1)) if (m := re.search(r"(\d+) stacks not recorded", off[0])) else 0
+    assert len(missing) <= reported and len(missing) <= len(rows) // 32, (missing, off)
+    assert {r["op"] for r in rows if r["stack_id"] is not None} == {r["op"] for r in rows}
     for r in rows:
-        assert r["stack_id"] is not None
+        if r["stack_id"] is None:
+            continue
         frames = sink.stack(r["stack_id"])
         symbols = [f["symbol"] for f in frames]
         assert frames[0]["module"] == "libnccl.so.2"
