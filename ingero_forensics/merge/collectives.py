@@ -55,8 +55,8 @@ STAGING_DDL = (
 
 
 def open_scratch(path) -> apsw.Connection:
-    # Used by one thread at a time (interrupt() needs no lock): no mutex around each of
-    # _fastcoll's per-row sqlite3 calls.
+    # Used by one thread (sqlite3_interrupt from another is safe without the mutex): no
+    # mutex around each of _fastcoll's per-row sqlite3 calls.
     con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE |
                           apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI |
                           apsw.SQLITE_OPEN_NOMUTEX)

@@ -807,10 +807,9 @@ class _TableBuilder:
                 con.interrupt()
         self._pool.shutdown(wait=True)
 
-    def remove(self, table=None):
-        for t in [table] if table else self.tables:
-            for suffix in ("", "-journal"):
-                Path(f"{self.paths[t]}{suffix}").unlink(missing_ok=True)
+    def remove(self, table):
+        for suffix in ("", "-journal"):
+            Path(f"{self.paths[table]}{suffix}").unlink(missing_ok=True)
 
     def _run(self) -> None:
         try:
