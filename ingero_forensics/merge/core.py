@@ -1118,8 +1118,8 @@ def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
                               f"THEN c.completion_ns - {a} ELSE e.duration_ns END")
         extra["call_duration_ns"] = "e.duration_ns"
         extra["completion_ns"] = "c.completion_ns"
-        joins += (" LEFT JOIN cp.completion c ON c.comm_id_hash = e.comm_id_hash "
-                  "AND c.seq = e.seq")
+        joins += (" LEFT JOIN cp.completion c ON c.seq = e.seq "
+                  "AND c.comm_id_hash = e.comm_id_hash")
     cols = list(sel) + list(extra)
     assert set(cols) <= set(ft.column_names), (table, set(cols) - set(ft.column_names))
     sql = (f"INSERT INTO main.{table} ({', '.join(cols)}) SELECT "
