@@ -11,7 +11,11 @@ with (comm_id_hash, seq) on every node, a waiting cudaStreamSynchronize after ea
 clock samples every second with an NTP step, TCP, sched, block and host rows.
 
 Usage: python bench/bench_merge.py [--nodes 16] [--events 2000000] [--dir DIR] [--keep]
+                                   [--repeat N]
        python bench/bench_merge.py --bundles DIR   (merge existing bundles, e.g. a simulator fleet)
+
+--repeat N merges N times, each in a fresh process, and prints the median, the best and
+the worst. On a VM the spread is wide (docs/performance.md, "Merge"): report the median.
 
 Besides events/s it prints CPU seconds, the load average and when each phase ended.
 """
@@ -23,6 +27,7 @@ import os
 import resource
 import shutil
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -192,6 +197,29 @@ def floor_sqlite3(paths, work: Path) -> tuple[float, int]:
     return elapsed, rows
 
 
+def merge_once(paths, out: Path) -> tuple[int, float]:
+    """One merge in a fresh process; prints its figures, returns (events, seconds)."""
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, paths), str(out)],
+                          capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss = ru.ru_maxrss / 1024  # KiB -> MiB (the largest child so far)
+    lines = proc.stdout.splitlines()
+    events, elapsed, dedup, skipped = lines[-1].split()
+    events, elapsed = int(events), float(elapsed)
+    print(f"merge: {events:,} events in {elapsed:.1f}s = {events / elapsed:,.0f} events/s "
+          f"(process wall {wall:.1f}s, CPU {ru.ru_utime - before.ru_utime:.1f}s user + "
+          f"{ru.ru_stime - before.ru_stime:.1f}s system); peak RSS {rss:.0f} MiB; stack "
+          f"dedup {dedup}x; skipped {skipped}; fleet.db {out.stat().st_size / 2**20:.0f} "
+          f"MiB; load average before {load_before}, after "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print("phases (s from the start): " + "; ".join(lines[:-1]), flush=True)
+    return events, elapsed
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,6 +227,8 @@ def main():
     ap.add_argument("--events", type=int, default=2_000_000, help="events per node")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep bundles and fleet.db")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="merges to run (each in a fresh process); prints the median")
     ap.add_argument("--bundles", default=None,
                     help="merge the *.bundle files of this directory instead (e.g. an "
                          "ingero-simulate fleet)")
@@ -222,26 +252,21 @@ def main():
     size = sum(p.stat().st_size for p in paths)
     print(f"input: {what}, {size / 2**20:.0f} MiB compressed (ready in {gen:.0f}s)")
     out = work / "fleet.db"
-    out.unlink(missing_ok=True)
-    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, paths), str(out)],
-                          capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - t0
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    rss = ru.ru_maxrss / 1024  # KiB -> MiB
-    lines = proc.stdout.splitlines()
-    events, elapsed, dedup, skipped = lines[-1].split()
-    events, elapsed = int(events), float(elapsed)
-    print(f"merge: {events:,} events in {elapsed:.1f}s = {events / elapsed:,.0f} events/s "
-          f"(process wall {wall:.1f}s, CPU {ru.ru_utime:.1f}s user + {ru.ru_stime:.1f}s "
-          f"system); peak RSS {rss:.0f} MiB; stack dedup {dedup}x; skipped {skipped}; "
-          f"fleet.db {out.stat().st_size / 2**20:.0f} MiB; load average before "
-          f"{load_before}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("phases (s from the start): " + "; ".join(lines[:-1]))
+    times = []
+    for _ in range(max(1, args.repeat)):
+        out.unlink(missing_ok=True)
+        events, elapsed = merge_once(paths, out)
+        times.append(elapsed)
+    if len(times) > 1:
+        times.sort()
+        med = statistics.median(times)
+        print(f"median of {len(times)}: {med:.1f}s = {events / med:,.0f} events/s (best "
+              f"{times[0]:.1f}s = {events / times[0]:,.0f}, worst {times[-1]:.1f}s = "
+              f"{events / times[-1]:,.0f})")
     fl_s, fl_rows = floor_sqlite3(paths, work)
     print(f"floor: plain sqlite3 ATTACH + INSERT ... SELECT of {fl_rows:,} rows "
           f"(already decompressed): {fl_s:.1f}s = {fl_rows / fl_s:,.0f} rows/s")
+    elapsed = statistics.median(times)
     print(f"ratio: merge takes {elapsed / fl_s:.2f}x the floor's time "
           f"(it also verifies, decompresses, aligns, indexes and builds collectives)")
     if not args.keep:
