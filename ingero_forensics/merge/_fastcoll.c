@@ -10,7 +10,8 @@
  *              sync with the event before it (the SQL rule of syncpoints.py), then every
  *              collective row, with the completion it observed if any, written to a
  *              "run" file sorted by (comm_id_hash, seq, pid, tid, t, id).
- *  sample()    the observations of every k-th seq of a run: the alignment's input.
+ *  sample()    the observations of every k-th seq of a run: the alignment's input
+ *              (sample_into() inserts them with a statement of the caller's instead).
  *  aggregate() a k-way merge of all runs by (comm_id_hash, seq), one collective at a
  *              time: completions, the collectives, the sampled sync points and the
  *              clock-condition violations per run, the SQL of collectives.py in one pass.
@@ -975,6 +976,19 @@ static int spec_runs(PyObject *specs, Run **out, PyObject **keep)
     return (int)n;
 }
 
+/* The run's next observation of a collective whose seq is a multiple of every, or NULL
+ * at its end (or on error, with e set). */
+static const Rec *next_sampled(Run *r, long long every, Err *e)
+{
+    const Rec *c;
+    while ((c = run_peek(r, e))) {
+        r->bufpos++;
+        if (c->flags & F_OBS && c->seq % every == 0)
+            return c;
+    }
+    return NULL;
+}
+
 static PyObject *fc_sample(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -992,20 +1006,17 @@ static PyObject *fc_sample(PyObject *self, PyObject *args)
     if (!out || run_open(&r, 65536, &e))
         goto fail;
     const Rec *c;
-    while ((c = run_peek(&r, &e))) {
-        if (c->flags & F_OBS && c->seq % every == 0) {
-            const Str *s = &r.comms[c->comm];
-            PyObject *t = Py_BuildValue("(s#LL)", s->s, (Py_ssize_t)s->n, (long long)c->seq,
-                                        (long long)c->obs);
-            if (!t || PyList_Append(out, t)) {
-                Py_XDECREF(t);
-                run_close(&r);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(t);
+    while ((c = next_sampled(&r, every, &e))) {
+        const Str *s = &r.comms[c->comm];
+        PyObject *t = Py_BuildValue("(s#LL)", s->s, (Py_ssize_t)s->n, (long long)c->seq,
+                                    (long long)c->obs);
+        if (!t || PyList_Append(out, t)) {
+            Py_XDECREF(t);
+            run_close(&r);
+            Py_DECREF(out);
+            return NULL;
         }
-        r.bufpos++;
+        Py_DECREF(t);
     }
     if (e.set)
         goto fail;
@@ -1015,6 +1026,63 @@ fail:
     run_close(&r);
     Py_XDECREF(out);
     return e.set ? raise_err(&e) : NULL;
+}
+
+/* sample() straight into SQLite: each observation bound as (?1 node, ?2 comm_id_hash,
+ * ?3 seq, ?4 completion) to insert_sql and stepped, without a Python object per row
+ * (a fleet of 128 ranks samples 640 k of them). */
+static int do_sample_into(sqlite3 *db, Run *r, long long every, const char *insert_sql,
+                          long long node, int64_t *n, Err *e)
+{
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(db, insert_sql, -1, &st, NULL);
+    if (rc != SQLITE_OK)
+        return fail_sql(e, db, rc, "sample_into: prepare");
+    const Rec *c;
+    while ((c = next_sampled(r, every, e))) {
+        const Str *s = &r->comms[c->comm];
+        sqlite3_bind_int64(st, 1, node);
+        sqlite3_bind_text(st, 2, s->s, (int)s->n, SQLITE_STATIC);
+        sqlite3_bind_int64(st, 3, c->seq);
+        sqlite3_bind_int64(st, 4, c->obs);
+        rc = sqlite3_step(st);
+        sqlite3_reset(st);
+        if (rc != SQLITE_DONE) {
+            fail_sql(e, db, rc, "sample_into: insert");
+            break;
+        }
+        (*n)++;
+    }
+    sqlite3_finalize(st);
+    return e->set ? -1 : 0;
+}
+
+static PyObject *fc_sample_into(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *ptr;
+    const char *path, *insert_sql;
+    long long every, node;
+    if (!PyArg_ParseTuple(args, "OsLsL", &ptr, &path, &every, &insert_sql, &node))
+        return NULL;
+    if (every < 1)
+        return PyErr_Format(PyExc_ValueError, "every must be >= 1");
+    sqlite3 *db = db_of(ptr);
+    if (!db)
+        return NULL;
+    Run r = {0};
+    r.path = path;
+    r.bundle = -1;
+    Err e = {0};
+    int64_t n = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = run_open(&r, 65536, &e) || do_sample_into(db, &r, every, insert_sql, node, &n, &e);
+    Py_END_ALLOW_THREADS
+    run_close(&r);
+    if (rc)
+        return raise_err(&e);
+    return PyLong_FromLongLong((long long)n);
 }
 
 static PyObject *fc_distinct(PyObject *self, PyObject *args)
@@ -1138,6 +1206,9 @@ static PyObject *fc_ready(PyObject *self, PyObject *noargs)
 static PyMethodDef methods[] = {
     {"runs", fc_runs, METH_VARARGS, "One bundle's collective rows and sync points -> a run file."},
     {"sample", fc_sample, METH_VARARGS, "(comm, seq, observed completion) of every k-th seq."},
+    {"sample_into", fc_sample_into, METH_VARARGS, "sample() inserted by a statement: "
+     "(db pointer, run path, every, insert SQL binding node, comm, seq, completion, node) "
+     "-> rows inserted."},
     {"distinct", fc_distinct, METH_VARARGS, "Distinct observed collectives over some runs."},
     {"aggregate", fc_aggregate, METH_VARARGS, "Completions, collectives, violations: all runs."},
     {"ready", fc_ready, METH_NOARGS, "True once SQLite's routines are loaded."},

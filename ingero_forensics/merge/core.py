@@ -1164,12 +1164,13 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
     con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) SELECT "
                 "node_id, comm_id_hash, seq, mono_ns FROM st.sp WHERE seq % ? = 0", (every,))
     insert = "INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) VALUES (?, ?, ?, ?)"
-    for path, nid, _ in fl.old_runs:
-        con.executemany(insert, ((nid, *r) for r in fl.fastcoll.sample(str(path), every)))
+    runs = [(path, nid) for path, nid, _ in fl.old_runs] + \
+        [(path, item["node_id"]) for item in pending for path in item["bundle"].run_paths]
+    if runs:
+        with con:
+            for path, nid in runs:
+                fl.fastcoll.sample_into(con.sqlite3_pointer(), str(path), every, insert, nid)
     for item in pending:
-        for path in item["bundle"].run_paths:
-            con.executemany(insert, ((item["node_id"], *r)
-                                     for r in fl.fastcoll.sample(str(path), every)))
         if item["bundle"].sync_path is not None:
             with attached(con, item["bundle"].sync_path, "s"):
                 con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) "

@@ -71,6 +71,18 @@ def test_runs_observe_what_the_sql_rule_observes(tmp_path, fc, monkeypatch, run_
     # every k-th seq only
     assert sorted(r for p in paths for r in fc.sample(str(p), 7)) == \
         [r for r in expect if r[1] % 7 == 0]
+    # the same observations inserted by sample_into, each bound with the node given
+    con = apsw.Connection(":memory:")
+    con.execute("CREATE TABLE s (node_id, comm_id_hash, seq, mono_ns)")
+    insert = "INSERT INTO s VALUES (?, ?, ?, ?)"
+    n = sum(fc.sample_into(con.sqlite3_pointer(), str(p), 7, insert, 42) for p in paths)
+    rows = con.execute("SELECT node_id, comm_id_hash, seq, mono_ns FROM s").fetchall()
+    assert n == len(rows) == len([r for r in expect if r[1] % 7 == 0]) > 0
+    assert {r[0] for r in rows} == {42}
+    assert sorted(r[1:] for r in rows) == [r for r in expect if r[1] % 7 == 0]
+    with pytest.raises(RuntimeError, match="no such table"):
+        fc.sample_into(con.sqlite3_pointer(), str(paths[0]), 7, "INSERT INTO nope VALUES "
+                       "(?, ?, ?, ?)", 1)
 
 
 def dump(db):
