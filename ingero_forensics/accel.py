@@ -1,4 +1,4 @@
-"""The optional C accelerators (export/_fastslices.c, merge/_fastcoll.c).
+"""The optional C accelerators (export/_fastslices.c, merge/_fastcoll.c, merge/_splice.c).
 
 Each is both a CPython module and a SQLite loadable extension: loading it once into a
 scratch connection hands it the routines of apsw's own SQLite, so it steps statements on

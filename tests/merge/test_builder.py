@@ -88,7 +88,7 @@ def test_result_does_not_depend_on_which_thread_is_slower(small_fleet, tmp_path,
                                                           monkeypatch, slow):
     fleet, want = small_fleet
     monkeypatch.setattr(core, "_builder_share",
-                        lambda rows: ["nccl_events", "host_samples", "tcp_events"])
+                        lambda rows, move_cost=None: ["nccl_events", "host_samples", "tcp_events"])
     if slow == "main":
         real = core._copy_tables
 
