@@ -658,7 +658,7 @@ done:
 /* ------------------------------------------------------------------ splice */
 
 typedef struct {
-    uint32_t E, N, lock, moved_from, moved_to;     /* moved: the page on the lock page */
+    uint32_t E, N, moved_from, moved_to;           /* moved: the page on the lock page */
     uint32_t *root_local, *root_fleet;
     Py_ssize_t nroots;
 } Map;
@@ -691,8 +691,8 @@ static int patch_visit(void *ctx, unsigned char *slot, int kind)
 }
 
 typedef struct {
-    int fd;
-    off_t offset;               /* where the region starts in the file now */
+    off_t offset;               /* where the region starts in the file (before any gap
+                                 * is closed) */
     PyObject *pointers;         /* bytes from scan() */
     uint32_t *root_local, *root_fleet;
     Py_ssize_t nroots;
@@ -741,7 +741,7 @@ static int splice_all(int fd, Region *rg, Py_ssize_t nrg, int *collapse, uint32_
     int rc = -1;
     if (!buf) {
         fail(e, "out of memory", 0, 0);
-        goto out;
+        goto bad;
     }
     for (Py_ssize_t r = 0; r < nrg; r++) {
         off_t at = rg[r].offset - shift;
@@ -768,7 +768,7 @@ static int splice_all(int fd, Region *rg, Py_ssize_t nrg, int *collapse, uint32_
         if (*collapse)
             shift += at - (off_t)E * P;
 
-        Map m = {E, N, lock, 0, 0, rg[r].root_local, rg[r].root_fleet, rg[r].nroots};
+        Map m = {E, N, 0, 0, rg[r].root_local, rg[r].root_fleet, rg[r].nroots};
         /* the region page that would land on the lock-byte page goes to the end */
         if (lock > E + 1 && lock <= E + N) {
             uint32_t c = lock - E;
@@ -870,7 +870,6 @@ static int splice_all(int fd, Region *rg, Py_ssize_t nrg, int *collapse, uint32_
     *total = E;
     rc = 0;
 bad:
-out:
     free(buf);
     free(seen);
     free(freed);

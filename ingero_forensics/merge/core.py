@@ -45,7 +45,8 @@ from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_
 from .stacks import canonical_stack, stack_hash
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
 from .syncpoints import (SYNC_APIS, attached, extract_fleet_sync_points,
-                         extract_sync_points, image_runs, image_uri, write_runs)
+                         extract_sync_points, file_uri, image_runs, image_uri,
+                         write_runs)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
@@ -653,6 +654,8 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
             with con:
                 for stmt in index_ddl(FLEET_TABLES_BY_NAME[table]):
                     con.execute(stmt)
+            # region: None (a scratch file), why scan() refused it, or what splice() needs
+            why = region if isinstance(region, str) else None
             if isinstance(region, tuple):
                 roots = dict(con.execute("SELECT name, rootpage FROM sqlite_schema "
                                          "WHERE tbl_name = ?", (table,)))
@@ -660,15 +663,14 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
                 if set(roots) == {n for n, _ in built_roots}:
                     fl.spliced.append((offset, pointers,
                                        [(r, roots[n]) for n, r in built_roots]))
-                    region = False
                 else:
-                    region = f"its indexes differ from fleet.db's ({sorted(roots)})"
-            if region:
-                # A region splice() cannot move (scan() said why): row by row. Never
-                # expected; logged so that the time it costs is explained.
+                    why = f"its indexes differ from fleet.db's ({sorted(roots)})"
+            if why:
+                # A region splice() cannot move: row by row. Never expected; logged so
+                # that the time it costs is explained.
                 fl.log("warning", "table_transferred", f"{table}: built pages not spliced "
-                       f"({region}); rows moved by INSERT ... SELECT instead")
-            if region is not False:
+                       f"({why}); rows moved by INSERT ... SELECT instead")
+            if region is None or why:
                 con.execute("ATTACH DATABASE ? AS nb", (source,))
                 try:
                     with con:
@@ -892,11 +894,11 @@ class _TableBuilder:
         size: read-only, for a transfer)."""
         if self.regions is None:
             return str(self.paths[table])
-        name = str(self.paths[table].resolve()).replace("%", "%25").replace("?", "%3f") \
-            .replace("#", "%23")
-        uri = (f"file:{name}?vfs=ingero-region&fd={self.regions[1]}"
-               f"&offset={self.offsets[table]}&limit={REGION_STRIDE}")
-        return uri if size is None else f"{uri}&size={size}&mode=ro&immutable=1"
+        query = (f"vfs=ingero-region&fd={self.regions[1]}&offset={self.offsets[table]}"
+                 f"&limit={REGION_STRIDE}")
+        if size is not None:
+            query += f"&size={size}&mode=ro&immutable=1"
+        return file_uri(self.paths[table], query)
 
     def _run(self) -> None:
         try:

@@ -49,11 +49,16 @@ EVENTS_SQL = f"""
     ORDER BY pid, tid, t, is_sync, id"""
 
 
+def file_uri(db_path, query: str) -> str:
+    """A SQLite URI for db_path (absolute, its %, ? and # escaped) with ``query``."""
+    return "file:" + str(Path(db_path).resolve()).replace("%", "%25").replace("?", "%3f") \
+        .replace("#", "%23") + "?" + query
+
+
 def image_uri(db_path) -> str:
     """Read-only URI of a verified bundle image: immutable, so no locks and no journal
     lookups on a file nobody else writes."""
-    return "file:" + str(Path(db_path).resolve()).replace("%", "%25").replace("?", "%3f") \
-        .replace("#", "%23") + "?mode=ro&immutable=1"
+    return file_uri(db_path, "mode=ro&immutable=1")
 
 
 @contextlib.contextmanager

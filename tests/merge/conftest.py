@@ -1,3 +1,5 @@
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,3 +19,40 @@ def fleet4(tmp_path_factory):
     fleet = make_fleet(d / "bundles", nodes=4, seconds=20, straggler_rank=3, seed=11)
     res = merge_bundles(fleet.paths, d / "fleet.db")
     return fleet, res, d / "fleet.db"
+
+
+@pytest.fixture(scope="session")
+def built_accel():
+    """built_accel(module, entry): a C accelerator, loaded. CI builds them (scripts/test.sh
+    installs gcc and the SQLite headers): there a missing one fails; elsewhere the test
+    skips (no compiler at install time)."""
+    from ingero_forensics import accel
+
+    def load(module, entry):
+        mod = accel.load(module, entry)
+        if mod is None:
+            assert not os.environ.get("CI"), f"{module} is not built"
+            pytest.skip("the C accelerator is not built (no compiler at install time)")
+        return mod
+    return load
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """tmpfs(size): a real tmpfs of that size, mounted under tmp_path and unmounted
+    after the test. CI runs as root: there it must mount, not skip."""
+    mounts = []
+
+    def mount(size):
+        if os.geteuid() != 0:
+            assert not os.environ.get("CI"), "mounting a tmpfs needs root in CI"
+            pytest.skip("mounting a tmpfs needs root")
+        mnt = tmp_path / f"tmpfs{len(mounts)}"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                       check=True)
+        mounts.append(mnt)
+        return mnt
+    yield mount
+    for mnt in mounts:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

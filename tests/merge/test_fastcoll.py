@@ -2,12 +2,9 @@
 one bundle, and the same fleet.db from the same inputs (fresh, incremental, partitioned
 runs, and the fall-back for a collective too large for the C path)."""
 
-import os
-
 import apsw
 import pytest
 
-from ingero_forensics import accel
 from ingero_forensics.bundle import BundleWriter, open_bundle
 from ingero_forensics.merge import collectives, core, merge_bundles, syncpoints
 from ingero_forensics.merge.core import _valid_predicate
@@ -17,13 +14,8 @@ from .test_syncpoints import MIN_WAIT, cuda, extracted, nccl
 
 
 @pytest.fixture(scope="module")
-def fc():
-    mod = accel.load("merge._fastcoll", "sqlite3_fastcoll_init")
-    if mod is None:
-        # CI builds it (scripts/test.sh installs gcc and the SQLite headers)
-        assert not os.environ.get("CI"), "merge/_fastcoll.c is not built"
-        pytest.skip("the C accelerator is not built (no compiler at install time)")
-    return mod
+def fc(built_accel):
+    return built_accel("merge._fastcoll", "sqlite3_fastcoll_init")
 
 
 def tricky_bundle(tmp_path):

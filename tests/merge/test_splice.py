@@ -6,12 +6,10 @@ collapses ranges and on one that must copy."""
 
 import hashlib
 import os
-import subprocess
 
 import apsw
 import pytest
 
-from ingero_forensics import accel
 from ingero_forensics.merge import core, merge_bundles
 
 from .fleetgen import make_fleet
@@ -35,12 +33,8 @@ TABLES = {
 
 
 @pytest.fixture(scope="module")
-def sp():
-    mod = accel.load("merge._splice", "sqlite3_splice_init")
-    if mod is None:
-        assert not os.environ.get("CI"), "merge/_splice.c is not built"
-        pytest.skip("the C accelerator is not built (no compiler at install time)")
-    return mod
+def sp(built_accel):
+    return built_accel("merge._splice", "sqlite3_splice_init")
 
 
 def _open(uri):
@@ -326,35 +320,26 @@ def test_no_regions_where_the_filesystem_cannot_hold_them(sp, fleet, tmp_path,
     assert _dump(tmp_path / "s" / "f.db")["nccl_events"]
 
 
-def test_merge_on_a_filesystem_that_copies(sp, fleet, tmp_path, monkeypatch):
+def test_merge_on_a_filesystem_that_copies(sp, fleet, tmp_path, tmpfs, monkeypatch):
     """tmpfs holds sparse files but cannot collapse a range: the regions are copied
     down, with the same result."""
-    if os.geteuid() != 0:
-        assert not os.environ.get("CI"), "mounting a tmpfs needs root in CI"
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mnt)],
-                   check=True)
-    try:
-        (mnt / "s").mkdir()
-        hows = []
-        real = sp.splice
+    mnt = tmpfs("256m")
+    (mnt / "s").mkdir()
+    hows = []
+    real = sp.splice
 
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(sp, name)
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(sp, name)
 
-            def splice(self, fd, regions, collapse):
-                hows.append(real(fd, regions, collapse)[1])
-                return hows[-1]
-        monkeypatch.setattr(core._accel, "load", lambda mod, entry, load=core._accel.load:
-                            Spy() if mod == "merge._splice" else load(mod, entry))
-        assert len(_merged(fleet, mnt / "s" / "f.db", monkeypatch)) == 3
-        assert hows == ["copy"]
-        monkeypatch.undo()
-        (tmp_path / "t").mkdir()
-        _merged(fleet, tmp_path / "t" / "f.db", monkeypatch, INGERO_NO_SPLICE="1")
-        assert _dump(mnt / "s" / "f.db") == _dump(tmp_path / "t" / "f.db")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        def splice(self, fd, regions, collapse):
+            hows.append(real(fd, regions, collapse)[1])
+            return hows[-1]
+    monkeypatch.setattr(core._accel, "load", lambda mod, entry, load=core._accel.load:
+                        Spy() if mod == "merge._splice" else load(mod, entry))
+    assert len(_merged(fleet, mnt / "s" / "f.db", monkeypatch)) == 3
+    assert hows == ["copy"]
+    monkeypatch.undo()
+    (tmp_path / "t").mkdir()
+    _merged(fleet, tmp_path / "t" / "f.db", monkeypatch, INGERO_NO_SPLICE="1")
+    assert _dump(mnt / "s" / "f.db") == _dump(tmp_path / "t" / "f.db")
