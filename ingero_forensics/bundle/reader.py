@@ -31,6 +31,9 @@ class Bundle:
         self.manifest = manifest
         self.db_path = db_path
         self.con = con
+        #: table -> optional columns (added within version 1) this bundle lacks: readers
+        #: take them as NULL
+        self.absent = absent_columns(con)
 
     @property
     def node(self) -> str:
@@ -72,6 +75,22 @@ def open_bundle(path, *, tmpdir=None, limit: int | None = None,
             con.close()
         tmp.unlink(missing_ok=True)
         raise
+
+
+def absent_columns(con) -> dict[str, frozenset[str]]:
+    """Per table, the optional catalogue columns a (verified) bundle database lacks."""
+    out = {}
+    for t in TABLES:
+        have = {row[1] for row in con.execute(f"PRAGMA table_xinfo({t.name})")}
+        gone = frozenset(c.name for c in t.columns if not c.required and c.name not in have)
+        if gone:
+            out[t.name] = gone
+    return out
+
+
+def column_or_null(bundle, table: str, column: str, alias: str = "e") -> str:
+    """SQL for ``alias.column`` of a bundle table, or NULL where the bundle predates it."""
+    return "NULL" if column in bundle.absent.get(table, ()) else f"{alias}.{column}"
 
 
 def verify_database(path, db_path, manifest: dict, *, integrity: str = "quick") -> apsw.Connection:
@@ -178,4 +197,5 @@ def _verify(path, con, manifest, integrity):
                                     f"{manifest['tables'][t]}")
 
 
-__all__ = ["Bundle", "open_bundle", "read_manifest", "verify_database"]
+__all__ = ["Bundle", "absent_columns", "column_or_null", "open_bundle", "read_manifest",
+           "verify_database"]

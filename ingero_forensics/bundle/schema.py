@@ -153,6 +153,18 @@ TABLES: tuple[Table, ...] = (
         C("device", "INTEGER", True, "", "CUDA device ordinal, when known."),
         C("return_code", "INTEGER", True, "", "cudaError_t / CUresult returned."),
         _PID, _TID, _STACK,
+        Column("queued_ops", "INTEGER", True, "operations",
+               "Synchronizations only: stream operations (kernel launches, async copies, "
+               "graph launches; a runtime call and the driver call it makes may count "
+               "twice) this thread enqueued after its last NCCL collective (or group end) "
+               "or synchronization and before this one; 0 when none; NULL on other calls "
+               "and when not recorded. Decides whether the synchronization's end may stand "
+               "for the completion of the collective before it (docs/merge.md).",
+               required=False),
+        Column("queue_gap_ns", "INTEGER", True, "ns",
+               "Synchronizations with queued_ops > 0: time from the entry of the last of "
+               "those operations to the entry of this synchronization; NULL otherwise.",
+               required=False),
     ), indexes=(("pid", "tid", "timestamp_ns"),)),
     Table("event_stats", "In-kernel aggregates for calls too frequent to keep one by one "
           "(cudaLaunchKernel, sched spans under the threshold): one row per interval and key.", (

@@ -107,6 +107,10 @@ class BundleWriter:
         self._buf: dict[str, list] = {t.name: [] for t in TABLES if t.name != "meta"}
         self._sql = {name: insert_sql(name) for name in self._buf}
         self._sql["stacks"] = "INSERT INTO stacks (stack_id, frames) VALUES (?, ?)"
+        # Rows may leave out the optional columns a table gained within version 1 (they
+        # come last): a writer of the 1.0 layout stays valid, those columns NULL.
+        self._full = {t.name: len(t.data_columns) for t in TABLES
+                      if t.name in self._buf and not all(c.required for c in t.columns)}
         self._pending = 0
         self._stacks: dict[str, int] = {}
         self.rows = {name: 0 for name in self._buf}
@@ -181,7 +185,7 @@ class BundleWriter:
                 with transaction(self.con):
                     for name, rows in self._buf.items():
                         if rows:
-                            self.con.executemany(self._sql[name], rows)
+                            self.con.executemany(self._sql[name], self._complete(name, rows))
                 written = {name: len(rows) for name, rows in self._buf.items()}
             except _ROW_ERRORS:
                 written = self._flush_row_by_row()
@@ -194,6 +198,13 @@ class BundleWriter:
         self._pending = 0
         return sum(written.values())
 
+    def _complete(self, name: str, rows: list) -> list:
+        """rows with the optional trailing columns they leave out set to NULL."""
+        n = self._full.get(name)
+        if n is None:
+            return rows
+        return [r if len(r) >= n else tuple(r) + (None,) * (n - len(r)) for r in rows]
+
     def _flush_row_by_row(self) -> dict[str, int]:
         """Slow path after a bad row: commit the good rows, count and log the bad ones."""
         written: dict[str, int] = {}
@@ -201,7 +212,7 @@ class BundleWriter:
         with transaction(self.con):
             for name, rows in self._buf.items():
                 ok = 0
-                for row in rows:
+                for row in self._complete(name, rows):
                     try:
                         self.con.execute(self._sql[name], row)
                         ok += 1

@@ -7,6 +7,16 @@ kernel per (process, thread, stack, API), drained into event_stats every stats i
 with total_ns and the histogram NULL. A launch's host-side duration is not worth a second
 trap per call; a slow launch shows up as the time before the next call anyway.
 
+Synchronizations also say what the thread queued before them: the number of stream
+operations (launches, async copies, graph launches) it enqueued since its last NCCL
+collective or synchronization, and how long before the synchronization the last one was
+enqueued (``queued_ops``, ``queue_gap_ns``). The merge uses a synchronization's end as a
+collective's completion only when nothing, or only a trivial copy enqueued right after
+the collective, sits between them: kernels launched after the last gradient bucket (the
+optimizer, in PyTorch) make the sync end when they end, late on a CPU-starved rank. A
+return probe on libnccl's collectives (and ncclGroupEnd) resets the thread's count; it
+shares the breakpoint the NCCL source already placed there.
+
 Arguments come from registers and, past the sixth, from the stack (ARG(n), as in
 nccl.py). cudaLaunchKernel's two dim3 arguments are 12-byte structs passed in two
 registers each, which moves sharedMem and stream onto the stack.
@@ -54,9 +64,20 @@ APIS = (
     ("cuMemFree_v2", "cuda", True, False, None, None, None, None),
 )
 API_NAMES = tuple(a[0] for a in APIS)
+#: Calls that put work on a stream (counted as queued before the next synchronization).
+QUEUEING = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemcpy2DAsync",
+            "cudaMemcpyPeerAsync", "cudaGraphLaunch", "cuMemcpyAsync", "cuMemcpyHtoDAsync_v2",
+            "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2")
+#: Calls that wait for stream work: they read and reset the thread's queued count.
+SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+         "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize")
+#: libnccl functions after whose return the count restarts (a collective enqueued; a
+#: group end launches the grouped ones).
+NCCL_MARKS = ("ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast",
+              "ncclBcast", "ncclReduce", "ncclAlltoAll", "ncclSend", "ncclRecv", "ncclGroupEnd")
 LAYER = {"cudart": 0, "cuda": 1}
 LAYER_NAMES = ("runtime", "driver")
-HAS_STREAM, HAS_BYTES, HAS_KIND, HAS_DEVICE = 1, 2, 4, 8
+HAS_STREAM, HAS_BYTES, HAS_KIND, HAS_DEVICE, HAS_QUEUED = 1, 2, 4, 8, 16
 
 PROGRAM = UPROBE_ARG_C + r"""
 
@@ -71,18 +92,40 @@ BPF_HASH(launches, struct launch_key, struct launch_val, 16384);
 /* In flight per (thread, layer): a runtime call may enter the driver. nest counts calls
  * of the same layer made inside the traced one; only the outermost is recorded. */
 struct call {
-    u64 ts; u64 stream; u64 bytes; u64 ret_addr;
-    s32 stack_id; s32 device; u32 api; u32 nest; u8 kind; u8 has; u8 layer;
+    u64 ts; u64 stream; u64 bytes; u64 ret_addr; u64 qgap;
+    s32 stack_id; s32 device; u32 api; u32 nest; u32 qops; u8 kind; u8 has; u8 layer;
 };
 BPF_HASH(calls, u64, struct call, 65536);
 
 struct event {
-    u64 ts; u64 dur; u64 stream; u64 bytes; u64 ret_addr;
-    u32 pid; u32 tid; s32 stack_id; s32 ret; s32 device; u32 api;
-    u8 kind; u8 has; u8 layer; u8 pad[5];
+    u64 ts; u64 dur; u64 stream; u64 bytes; u64 ret_addr; u64 qgap;
+    u32 pid; u32 tid; s32 stack_id; s32 ret; s32 device; u32 api; u32 qops;
+    u8 kind; u8 has; u8 layer; u8 pad[1];
 };
 
+/* Stream work a thread enqueued since its last collective or synchronization. A thread
+ * with no entry has queued nothing since (the common case costs one failed lookup). */
+struct queued { u64 last_ts; u32 ops; u32 pad; };
+BPF_HASH(queued, u32, struct queued, 65536);
+
+static __always_inline void note_queued(u32 tid, u64 ts) {
+    struct queued *q = queued.lookup(&tid);
+    if (q) { q->ops++; q->last_ts = ts; return; }
+    struct queued nq = {.last_ts = ts, .ops = 1};
+    queued.update(&tid, &nq);
+}
+
+/* return of a libnccl collective or group end: counting restarts */
+int mark_nccl(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32)) return 0;
+    u32 tid = id;
+    queued.delete(&tid);
+    return 0;
+}
+
 static __always_inline int count_launch(struct pt_regs *ctx, u64 id, u32 api) {
+    if (is_target(id >> 32)) note_queued(id, bpf_ktime_get_ns());
     struct launch_key k = {.tid = id, .api = api};
     k.site.tgid = id >> 32;
 #if __STACKS__
@@ -101,13 +144,24 @@ static __always_inline int count_launch(struct pt_regs *ctx, u64 id, u32 api) {
 
 /* a call kept one by one: its arguments and start, until the return probe */
 static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 stack,
-                                 u8 has, u64 stream, u64 bytes, u64 kind, u64 device) {
+                                 u8 has, u64 stream, u64 bytes, u64 kind, u64 device,
+                                 u8 role) {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_target(id >> 32)) return 0;
     u64 key = ((id & 0xffffffff) << 1) | layer;
     struct call c = {};
     c.ts = bpf_ktime_get_ns();
-    c.api = api; c.layer = layer; c.has = has;
+    u32 tid = id;
+    if (role == ROLE_QUEUE) {
+        note_queued(tid, c.ts);
+    } else if (role == ROLE_SYNC) {
+        struct queued *q = queued.lookup(&tid);
+        if (q) {
+            c.qops = q->ops; c.qgap = c.ts - q->last_ts;
+            queued.delete(&tid);
+        }
+    }
+    c.api = api; c.layer = layer; c.has = has | (role == ROLE_SYNC ? HAS_QUEUED : 0);
     c.stream = stream; c.bytes = bytes; c.kind = kind; c.device = device;
     c.stack_id = -1;
 #if __STACKS__
@@ -137,6 +191,7 @@ static __always_inline int ret(struct pt_regs *ctx, u8 layer) {
         if (e) {
             e->ts = c->ts; e->dur = dur; e->stream = c->stream; e->bytes = c->bytes;
             e->ret_addr = c->ret_addr; e->pid = id >> 32; e->tid = id;
+            e->qops = c->qops; e->qgap = c->qgap;
             e->stack_id = c->stack_id; e->ret = PT_REGS_RC(ctx); e->device = c->device;
             e->api = c->api; e->kind = c->kind; e->has = c->has; e->layer = c->layer;
             events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
@@ -151,7 +206,8 @@ int ret_runtime(struct pt_regs *ctx) { return ret(ctx, 0); }
 int ret_driver(struct pt_regs *ctx) { return ret(ctx, 1); }
 """
 
-EVENT = struct.Struct("<5Q2I3iI3B5x")
+EVENT = struct.Struct("<6Q2I3i2I3Bx")
+ROLE_OTHER, ROLE_QUEUE, ROLE_SYNC = 0, 1, 2
 
 
 def entry_functions() -> str:
@@ -163,9 +219,10 @@ def entry_functions() -> str:
             continue
         has = ((HAS_STREAM if stream else 0) | (HAS_BYTES if nbytes else 0)
                | (HAS_KIND if kind else 0) | (HAS_DEVICE if device else 0))
+        role = ROLE_QUEUE if sym in QUEUEING else ROLE_SYNC if sym in SYNCS else ROLE_OTHER
         out.append(f"int api_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
                    f"    return entry(ctx, {i}, {LAYER[lib]}, {int(stack)}, {has}, "
-                   f"{stream or 0}, {nbytes or 0}, {kind or 0}, {device or 0});\n}}\n")
+                   f"{stream or 0}, {nbytes or 0}, {kind or 0}, {device or 0}, {role});\n}}\n")
     return "".join(out)
 
 
@@ -177,11 +234,13 @@ class CudaSource(BccSource):
 
     def __init__(self, options):
         super().__init__(options)
-        self.libs = LibraryTracker(("cudart", "cuda"), options.lib_paths)
+        self.libs = LibraryTracker(("cudart", "cuda", "nccl"), options.lib_paths)
         self._last_scan = 0.0
 
     def program(self, ctx: CaptureContext) -> str:
-        return ((PROGRAM + entry_functions()).replace("__SITE_STACKS__", SITE_STACKS)
+        consts = (f"#define ROLE_QUEUE {ROLE_QUEUE}\n#define ROLE_SYNC {ROLE_SYNC}\n"
+                  f"#define HAS_QUEUED {HAS_QUEUED}\n")
+        return ((consts + PROGRAM + entry_functions()).replace("__SITE_STACKS__", SITE_STACKS)
                 .replace("__STACK_ENTRIES__", "16384")
                 .replace("__STACKS__", "1" if self.options.stacks else "0"))
 
@@ -190,11 +249,14 @@ class CudaSource(BccSource):
 
     def attach(self, ctx: CaptureContext) -> None:
         self.attach_libraries(
-            ctx, [f"api_{i}" for i in range(len(APIS))] + ["ret_runtime", "ret_driver"],
+            ctx, [f"api_{i}" for i in range(len(APIS))] + ["ret_runtime", "ret_driver", "mark_nccl"],
             "no libcudart/libcuda yet: waiting for target processes to map them")
 
     def _attach_new(self, pids) -> None:
         for kind, path in self.libs.new_libraries(pids):
+            if kind == "nccl":
+                self._attach_marks(path)
+                continue
             ok, missing = 0, []
             ret_fn = b"ret_runtime" if kind == "cudart" else b"ret_driver"
             for i, (sym, lib, *_rest) in enumerate(APIS):
@@ -213,6 +275,21 @@ class CudaSource(BccSource):
             self.attached.append(msg)
             if self._announced:
                 self.notes.append(("info", msg))
+
+    def _attach_marks(self, path: str) -> None:
+        """Return probes on libnccl that restart each thread's queued count."""
+        ok = 0
+        for sym in NCCL_MARKS:
+            try:
+                self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(),
+                                          fn_name=b"mark_nccl")
+                ok += 1
+            except Exception:
+                pass
+        msg = f"queued-work marks on {path}: {ok} functions"
+        self.attached.append(msg)
+        if self._announced:
+            self.notes.append(("info", msg))
 
     def housekeeping(self, sink: RowSink) -> None:
         now = time.monotonic()
@@ -241,14 +318,16 @@ class CudaSource(BccSource):
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
         rows = []
         for rec in raw:
-            (ts, dur, stream, nbytes, ret_addr, pid, tid, stack_id, rc, device, api, kind, has,
-             layer) = EVENT.unpack(rec)
+            (ts, dur, stream, nbytes, ret_addr, qgap, pid, tid, stack_id, rc, device, api, qops,
+             kind, has, layer) = EVENT.unpack(rec)
             rows.append((
                 ts, dur, API_NAMES[api], LAYER_NAMES[layer],
                 signed64(stream) if has & HAS_STREAM else None,
                 nbytes if has & HAS_BYTES else None,
                 (MEMCPY_KINDS[kind] if kind < len(MEMCPY_KINDS) else None) if has & HAS_KIND else None,
                 None, device if has & HAS_DEVICE else None, rc, pid, tid,
-                self.stack_row_id(sink, pid, stack_id, ret_addr)))
+                self.stack_row_id(sink, pid, stack_id, ret_addr),
+                qops if has & HAS_QUEUED else None,
+                (qgap if qops else None) if has & HAS_QUEUED else None))
         sink.add_many("cuda_events", rows)
         self.events += len(rows)

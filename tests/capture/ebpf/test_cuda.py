@@ -65,6 +65,29 @@ def test_kept_calls_per_rank(cuda_run):
         assert {r["return_code"] for r in mine} == {0}
 
 
+def test_syncs_record_the_work_queued_before_them(cuda_run):
+    """queued_ops counts the stream operations a thread enqueued after its last NCCL
+    collective or synchronization: nothing between train_step's AllReduce and its sync;
+    the async copy before cudaDeviceSynchronize; the graph launch and cuLaunchKernel
+    before cuStreamSynchronize. Calls other than syncs carry no count."""
+    rows = cuda_run["sink"].dicts("cuda_events")
+    for pid in cuda_run["pids"]:
+        mine = sorted((r for r in rows if r["pid"] == pid), key=lambda r: r["timestamp_ns"])
+        steps = [r for r in mine if r["api"] == "cudaStreamSynchronize"]
+        assert [(r["queued_ops"], r["queue_gap_ns"]) for r in steps] == [(0, None)] * ITERS
+        one = {r["api"]: r for r in mine}
+        assert one["cudaDeviceSynchronize"]["queued_ops"] == 1
+        copy = one["cudaMemcpyAsync"]
+        gap = one["cudaDeviceSynchronize"]["timestamp_ns"] - copy["timestamp_ns"]
+        assert 0 < one["cudaDeviceSynchronize"]["queue_gap_ns"] <= gap
+        assert (one["cudaEventSynchronize"]["queued_ops"],
+                one["cudaEventSynchronize"]["queue_gap_ns"]) == (0, None)
+        assert one["cuStreamSynchronize"]["queued_ops"] == 2
+        assert one["cuStreamSynchronize"]["queue_gap_ns"] > 0
+        assert all(r["queued_ops"] is None and r["queue_gap_ns"] is None for r in mine
+                   if not r["api"].endswith("Synchronize"))
+
+
 def test_sync_durations_cover_the_sleep(cuda_run):
     rows = cuda_run["sink"].dicts("cuda_events")
     syncs = [r for r in rows if r["api"].endswith("Synchronize")]
