@@ -8,7 +8,8 @@
  *  runs()      one bundle (or one node's earlier rows): its collective rows and waiting
  *              synchronizations, read once, sorted here into thread order to pair each
  *              sync with the event before it (the SQL rule of syncpoints.py), then every
- *              collective row, with the completion it observed if any, written to a
+ *              collective row, with the completion it observed if any (and whether that
+ *              observation is tight: nothing substantial queued between), written to a
  *              "run" file sorted by (comm_id_hash, seq, pid, tid, t, id).
  *  sample()    the observations of every k-th seq of a run: the alignment's input
  *              (sample_into() inserts them with a statement of the caller's instead).
@@ -103,12 +104,14 @@ static void *grow(void *p, size_t *cap, size_t need, size_t size)
 
 /* ------------------------------------------------------------------ records */
 
-enum { F_ENT = 1, F_OBS = 2, F_EV = 4, F_RANK = 8, F_BYTES = 16, F_NRANKS = 32 };
+enum { F_ENT = 1, F_OBS = 2, F_EV = 4, F_RANK = 8, F_BYTES = 16, F_NRANKS = 32, F_TIGHT = 64 };
 
 /* One collective row of a bundle: its entry (F_ENT: a row nccl_events gets) and the
- * completion it observed (F_OBS: the end of the waiting sync right after it). */
+ * completion it observed (F_OBS: the end of the waiting sync right after it; F_TIGHT:
+ * nothing but a trivial copy was queued between the two, so the end stands for the
+ * completion itself, not for work queued after it). */
 typedef struct {
-    int64_t seq, t, obs, wait, pid, tid, id, bundle, rank, bytes, nranks;
+    int64_t seq, t, d, obs, wait, pid, tid, id, bundle, rank, bytes, nranks;
     int32_t comm;     /* index into the run's communicator table (sorted by bytes) */
     uint8_t flags, op;
     uint8_t pad[2];
@@ -392,7 +395,7 @@ static int cmp_comm_idx(const void *pa, const void *pb, void *strs)
 }
 
 typedef struct {
-    int64_t pid, tid, t, d;
+    int64_t pid, tid, t, d, queued, gap;    /* queued -1: not recorded */
 } Sync;
 
 static int bind_all(sqlite3_stmt *st, const int64_t *binds, int nb)
@@ -406,9 +409,12 @@ static int bind_all(sqlite3_stmt *st, const int64_t *binds, int nb)
 
 /* Collective rows: id, pid, tid, t, d, comm_id_hash (text), seq (integer), rank, op,
  * bytes, nranks, ent (a row nccl_events gets), bundle_id.
- * Syncs: pid, tid, t, d (all integers), in id order. */
+ * Syncs: pid, tid, t, d (all integers), queued_ops, queue_gap_ns, in id order.
+ * A sync's observation is tight when it queued nothing after the collective, or at most
+ * tight_ops operations all enqueued within tight_lag of the collective's return. */
 static int do_runs(sqlite3 *db, const char *coll_sql, const char *sync_sql, const int64_t *binds,
                    int nb, const char *const *ops, int nops, int64_t min_wait,
+                   int64_t tight_ops, int64_t tight_lag,
                    const char *out, int64_t *n_out, int64_t *n_distinct, Err *e)
 {
     sqlite3_stmt *st = NULL;
@@ -439,6 +445,7 @@ static int do_runs(sqlite3 *db, const char *coll_sql, const char *sync_sql, cons
         r->pid = sqlite3_column_int64(st, 1);
         r->tid = sqlite3_column_int64(st, 2);
         r->t = sqlite3_column_int64(st, 3);
+        r->d = sqlite3_column_int64(st, 4);
         const char *c = (const char *)sqlite3_column_text(st, 5);
         int cn = sqlite3_column_bytes(st, 5);
         r->seq = sqlite3_column_int64(st, 6);
@@ -504,6 +511,10 @@ static int do_runs(sqlite3 *db, const char *coll_sql, const char *sync_sql, cons
         syncs[nsync].tid = sqlite3_column_int64(st, 1);
         syncs[nsync].t = sqlite3_column_int64(st, 2);
         syncs[nsync].d = sqlite3_column_int64(st, 3);
+        syncs[nsync].queued = sqlite3_column_type(st, 4) == SQLITE_INTEGER
+                                  ? sqlite3_column_int64(st, 4) : -1;
+        syncs[nsync].gap = sqlite3_column_type(st, 5) == SQLITE_INTEGER
+                               ? sqlite3_column_int64(st, 5) : INT64_MAX;
         nsync++;
     }
     if (rc != SQLITE_DONE) {
@@ -536,6 +547,12 @@ static int do_runs(sqlite3 *db, const char *coll_sql, const char *sync_sql, cons
             c->obs = s->t + s->d;
             c->wait = s->d;
             c->flags |= F_OBS;
+            /* the last queued op's entry, relative to the collective's return (in
+             * __int128: times and gaps come from an untrusted bundle) */
+            __int128 lag = (__int128)s->t - s->gap - c->t - c->d;
+            if (s->queued == 0 || (s->queued > 0 && s->queued <= tight_ops && s->gap != INT64_MAX
+                                   && lag <= tight_lag))
+                c->flags |= F_TIGHT;
         }
     }
     free(evs);
@@ -756,26 +773,42 @@ static int agg_group(Agg *a, Merge *m, Err *e)
     const Str *comm = &r0->comms[rows[0].r.comm];
     int64_t seq = rows[0].r.seq;
 
-    int64_t nobs = 0, sum = 0, amin = 0, amax = 0, completion = 0;
+    /* The completion: the trimmed mean of the tight observations; without any, the
+     * earliest observation (an upper bound: work queued after the collective delayed
+     * every one of them). */
+    int64_t nobs = 0, ntight = 0, sum = 0, amin = 0, amax = 0, omin = 0, omax = 0;
+    int64_t completion = 0;
     for (size_t i = 0; i < n; i++) {
         if (!(rows[i].r.flags & F_OBS))
             continue;
         int64_t v = aligned(&m->runs[rows[i].run], rows[i].r.obs) - a->ref;
+        omin = nobs ? (v < omin ? v : omin) : v;
+        omax = nobs ? (v > omax ? v : omax) : v;
+        nobs++;
+        if (!(rows[i].r.flags & F_TIGHT))
+            continue;
         if (__builtin_add_overflow(sum, v, &sum))
             return fail(e, "integer overflow", "sum of completion times");
-        amin = nobs ? (v < amin ? v : amin) : v;
-        amax = nobs ? (v > amax ? v : amax) : v;
-        nobs++;
+        amin = ntight ? (v < amin ? v : amin) : v;
+        amax = ntight ? (v > amax ? v : amax) : v;
+        ntight++;
     }
     if (nobs) {
-        double mean = nobs >= 3 ? (double)(sum - amin - amax) / ((double)nobs - 2.0)
-                                : (double)sum / (double)nobs;
-        completion = a->ref + (int64_t)mean;
+        if (ntight) {
+            double mean = ntight >= 3 ? (double)(sum - amin - amax) / ((double)ntight - 2.0)
+                                      : (double)sum / (double)ntight;
+            completion = a->ref + (int64_t)mean;
+        } else {
+            completion = a->ref + omin;
+            amin = omin;
+            amax = omax;
+        }
         sqlite3_bind_text(a->comp, 1, comm->s, (int)comm->n, SQLITE_STATIC);
         sqlite3_bind_int64(a->comp, 2, seq);
         sqlite3_bind_int64(a->comp, 3, completion);
-        sqlite3_bind_int64(a->comp, 4, nobs);
+        sqlite3_bind_int64(a->comp, 4, ntight ? ntight : nobs);
         sqlite3_bind_int64(a->comp, 5, amax - amin);
+        sqlite3_bind_int64(a->comp, 6, ntight);
         if (step_reset(a, a->comp, e))
             return -1;
     }
@@ -866,7 +899,9 @@ static int agg_group(Agg *a, Merge *m, Err *e)
             sqlite3_bind_int64(s, 6, c->tid);
             sqlite3_bind_int64(s, 7, c->obs);
             sqlite3_bind_int64(s, 8, c->wait);
-            sqlite3_bind_int(s, 9, nobs > 1 && d <= 50000 && d >= -50000);
+            sqlite3_bind_int(s, 9, (c->flags & F_TIGHT) && ntight > 1 && d <= 50000 &&
+                                   d >= -50000);
+            sqlite3_bind_int(s, 10, (c->flags & F_TIGHT) != 0);
             if (step_reset(a, s, e))
                 return -1;
         }
@@ -912,9 +947,9 @@ static PyObject *fc_runs(PyObject *self, PyObject *args)
     (void)self;
     PyObject *ptr, *binds, *ops;
     const char *coll_sql, *sync_sql, *out;
-    long long min_wait;
-    if (!PyArg_ParseTuple(args, "OssO!O!Ls", &ptr, &coll_sql, &sync_sql, &PyTuple_Type, &binds,
-                          &PyTuple_Type, &ops, &min_wait, &out))
+    long long min_wait, tight_ops, tight_lag;
+    if (!PyArg_ParseTuple(args, "OssO!O!LLLs", &ptr, &coll_sql, &sync_sql, &PyTuple_Type,
+                          &binds, &PyTuple_Type, &ops, &min_wait, &tight_ops, &tight_lag, &out))
         return NULL;
     sqlite3 *db = db_of(ptr);
     if (!db)
@@ -936,7 +971,8 @@ static PyObject *fc_runs(PyObject *self, PyObject *args)
     int64_t n = 0, distinct = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = do_runs(db, coll_sql, sync_sql, b, nb, opv, nops, min_wait, out, &n, &distinct, &e);
+    rc = do_runs(db, coll_sql, sync_sql, b, nb, opv, nops, min_wait, tight_ops, tight_lag, out,
+                 &n, &distinct, &e);
     Py_END_ALLOW_THREADS
     PyMem_Free(opv);
     if (rc)
@@ -1028,9 +1064,11 @@ fail:
     return e.set ? raise_err(&e) : NULL;
 }
 
-/* sample() straight into SQLite: each observation bound as (?1 node, ?2 comm_id_hash,
- * ?3 seq, ?4 completion) to insert_sql and stepped, without a Python object per row
- * (a fleet of 128 ranks samples 640 k of them). */
+/* The alignment's sample straight into SQLite: every record of a sampled seq (entry,
+ * observation or both) bound as (?1 node, ?2 comm_id_hash, ?3 seq, ?4 observed
+ * completion or NULL, ?5 entry or NULL, ?6 tight, ?7 op index in SORTED_OPS or NULL)
+ * to insert_sql and stepped, without a Python object per row (a fleet of 128 ranks
+ * samples over a million of them). */
 static int do_sample_into(sqlite3 *db, Run *r, long long every, const char *insert_sql,
                           long long node, int64_t *n, Err *e)
 {
@@ -1039,12 +1077,27 @@ static int do_sample_into(sqlite3 *db, Run *r, long long every, const char *inse
     if (rc != SQLITE_OK)
         return fail_sql(e, db, rc, "sample_into: prepare");
     const Rec *c;
-    while ((c = next_sampled(r, every, e))) {
+    while ((c = run_peek(r, e))) {
+        r->bufpos++;
+        if (c->seq % every != 0 || !(c->flags & (F_OBS | F_ENT)))
+            continue;
         const Str *s = &r->comms[c->comm];
         sqlite3_bind_int64(st, 1, node);
         sqlite3_bind_text(st, 2, s->s, (int)s->n, SQLITE_STATIC);
         sqlite3_bind_int64(st, 3, c->seq);
-        sqlite3_bind_int64(st, 4, c->obs);
+        if (c->flags & F_OBS)
+            sqlite3_bind_int64(st, 4, c->obs);
+        else
+            sqlite3_bind_null(st, 4);
+        if (c->flags & F_ENT)
+            sqlite3_bind_int64(st, 5, c->t);
+        else
+            sqlite3_bind_null(st, 5);
+        sqlite3_bind_int(st, 6, (c->flags & F_TIGHT) != 0);
+        if (c->op != 255)
+            sqlite3_bind_int(st, 7, c->op);
+        else
+            sqlite3_bind_null(st, 7);
         rc = sqlite3_step(st);
         sqlite3_reset(st);
         if (rc != SQLITE_DONE) {
@@ -1206,9 +1259,9 @@ static PyObject *fc_ready(PyObject *self, PyObject *noargs)
 static PyMethodDef methods[] = {
     {"runs", fc_runs, METH_VARARGS, "One bundle's collective rows and sync points -> a run file."},
     {"sample", fc_sample, METH_VARARGS, "(comm, seq, observed completion) of every k-th seq."},
-    {"sample_into", fc_sample_into, METH_VARARGS, "sample() inserted by a statement: "
-     "(db pointer, run path, every, insert SQL binding node, comm, seq, completion, node) "
-     "-> rows inserted."},
+    {"sample_into", fc_sample_into, METH_VARARGS, "The alignment's sample inserted by a "
+     "statement: (db pointer, run path, every, insert SQL binding node, comm, seq, "
+     "completion, entry, tight, op index; node) -> rows inserted."},
     {"distinct", fc_distinct, METH_VARARGS, "Distinct observed collectives over some runs."},
     {"aggregate", fc_aggregate, METH_VARARGS, "Completions, collectives, violations: all runs."},
     {"ready", fc_ready, METH_NOARGS, "True once SQLite's routines are loaded."},

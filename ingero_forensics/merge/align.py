@@ -8,18 +8,25 @@ monotonic clock, ``true = B + mono / (1 + d)``. So each node gets a line
    NTP steps; split it into segments at steps and take a weighted median over samples,
    weighted by the node's own error estimate. Slope 0 (drift is not observable here:
    realtime and monotonic tick at the same rate).
-2. Collectives (per component of nodes sharing communicators): observed completions of
-   the same (comm_id_hash, seq) are the same true instant on every rank. For each edge
-   of the node graph a robust line fit (bin medians) of the difference of observations
-   against time gives a relative offset and rate; a weighted least-squares solve over
-   the whole graph (edges checked against the solution, outliers down-weighted) gives
-   every node's correction. Entry times are never used.
+2. Collectives (per component of nodes sharing communicators): *tight* observed
+   completions of the same (comm_id_hash, seq) (syncpoints.py: nothing substantial was
+   queued between the collective and the synchronization) are the same true instant on
+   every rank, give or take the wake-up. For each edge of the node graph a robust line
+   fit (bin medians) of the difference of observations against time gives a relative
+   offset and rate; a weighted least-squares solve over the whole graph (edges checked
+   against the solution, outliers down-weighted) gives every node's correction. Entry
+   times never estimate anything.
 3. The common mode of a component (one offset and one rate for all its nodes: collectives
    cannot see it) comes from all its nodes' clock samples (robust weighted fit), and the
    absolute uncertainty is the worst case over all lines consistent with the honest claims
    (adjtimex maxerror ...) of the component's samples. Claims that cannot all hold at
    once reveal a lying time service: the node with the largest excess is flagged and its
    claims dropped until the rest is consistent.
+4. Causal bounds (causal.py): every entry into a full-dependency collective precedes
+   every observation of its completion, tight or not. A line that breaks these
+   inequalities is moved as little as needed; the room left on either side is the
+   relative uncertainty of a node that no tight observation pins. A rate beyond
+   DRIFT_BOUND_PPM is clamped and reported, never applied silently.
 
 Pure Python on purpose: the systems are 2 x nodes in size.
 """
@@ -43,6 +50,8 @@ DRIFT_BOUND_PPM = 200.0
 COMMON_RATE_PRIOR_PPB = 20_000.0
 #: An edge needs this many shared observed completions to link two nodes.
 MIN_EDGE_OBS = 3
+#: Clock condition: an observed completion is at least this long after the last entry.
+MIN_LATENCY_NS = 1_000
 LINE_BINS = 16
 
 
@@ -85,6 +94,12 @@ class NodeAlignment:
     pre_offset_ns: int        # clock-sample-only offset (slope 0): violations_before
     violations_before: int = 0
     violations_after: int = 0
+    #: how far the line could move earlier / later and still satisfy every causal
+    #: constraint (others fixed); None: nothing bounds it on that side
+    causal_early_ns: int | None = None
+    causal_late_ns: int | None = None
+    causal_moved_ns: int = 0      # how far the causal bounds moved it (0: not at all)
+    rate_clamped: bool = False    # its fitted rate exceeded the bound and was clamped
 
     def aligned(self, mono: int) -> int:
         return self.offset_ns + mono + round(mono * self.slope)
@@ -307,12 +322,16 @@ def _bin_constraints(items: list[tuple[float, float, float]], t0: float, t1: flo
 
 # --------------------------------------------------------------------------- the solve
 
-Groups = Callable[[], Iterable[tuple[object, list[tuple[int, int, int]]]]]
+#: (collective key, full dependency?, [(node_id, latest entry, earliest observed
+#: completion, earliest tight observation)]), raw CLOCK_MONOTONIC ns or None.
+Groups = Callable[[], Iterable[tuple[object, bool, list[tuple[int, int | None, int | None,
+                                                               int | None]]]]]
 
 
-def align_fleet(nodes: dict[int, NodeInput], groups: Groups) -> dict[int, NodeAlignment]:
-    """Align every node. ``groups()`` yields (collective key, [(sync_point_id, node_id,
-    mono)]) once per collective, freshly each call (it is streamed several times)."""
+def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
+                min_latency_ns: int = MIN_LATENCY_NS) -> dict[int, NodeAlignment]:
+    """Align every node. ``groups()`` yields one tuple per sampled collective (see
+    Groups), freshly each call (it is streamed several times)."""
     # Step 1 ------------------------------------------------------------------------
     pre: dict[int, int] = {}
     seg_info: dict[int, tuple[list[dict], int]] = {}
@@ -335,18 +354,16 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups) -> dict[int, NodeAl
     # Step 2: edges -------------------------------------------------------------------
     t_ref = None
     edges: dict[tuple[int, int], tuple[array, array]] = {}
-    for _key, obs in groups():
-        per_node: dict[int, list[int]] = {}
-        for _sid, nid, mono in obs:
-            if nid in pre:
-                per_node.setdefault(nid, []).append(mono)
+    for _key, _full, obs in groups():
+        per_node: dict[int, int] = {nid: t for nid, _e, _s, t in obs
+                                    if t is not None and nid in pre}
         if len(per_node) < 2:
             continue
         ids = sorted(per_node)
         if t_ref is None:
-            t_ref = int(median(per_node[ids[0]])) + pre[ids[0]]
+            t_ref = per_node[ids[0]] + pre[ids[0]]
         # relative to t_ref before any float arithmetic: UTC ns do not fit a double exactly
-        u = {nid: median([m + pre[nid] - t_ref for m in per_node[nid]]) for nid in ids}
+        u = {nid: float(per_node[nid] + pre[nid] - t_ref) for nid in ids}
         # A ring over the members (a chain for two): O(k) edges per collective, every
         # member linked twice, no hub node.
         pairs = list(zip(ids, ids[1:]))
@@ -401,9 +418,9 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups) -> dict[int, NodeAl
         return u + x + y * u / 1e9
 
     node_res: dict[int, array] = {nid: array("d") for nid in nodes}
-    for _key, obs in groups():
-        mem = [(nid, rel_time(nid, mono)) for _sid, nid, mono in obs
-               if comp_of.get(nid) is not None]
+    for _key, _full, obs in groups():
+        mem = [(nid, rel_time(nid, t)) for nid, _e, _s, t in obs
+               if t is not None and comp_of.get(nid) is not None]
         comps_here = {comp_of[n] for n, _ in mem}
         for c in comps_here:
             vals = [(n, t) for n, t in mem if comp_of[n] == c]
@@ -463,7 +480,81 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups) -> dict[int, NodeAl
                 claimed_error_ns=round(median(claims)) if claims else None,
                 max_correction_ns=max(corr) if corr else None,
                 exceeds_claim=nid in liars, segments=segs, pre_offset_ns=pre[nid])
+    _clamp_rates(result)
+    _apply_causal(result, nodes, groups, min_latency_ns)
     return result
+
+
+def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
+    """A rate no crystal has (beyond DRIFT_BOUND_PPM) is a fit gone wrong: bound it,
+    keeping the line where it is in the middle of the node's data, and say so."""
+    bound = DRIFT_BOUND_PPM * 1e-6
+    for a in result.values():
+        if abs(a.slope) <= bound or a.method != "collectives":
+            continue
+        new = math.copysign(bound, a.slope)
+        # keep aligned(m_c) at the centre m_c of the node's clock segments (its capture)
+        segs = a.segments
+        m_c = (segs[0]["mono_start_ns"] + segs[-1]["mono_end_ns"]) // 2 if segs else 0
+        a.offset_ns += round(m_c * a.slope) - round(m_c * new)
+        a.slope = new
+        a.drift_ppm = ((1.0 / (1.0 + new)) - 1.0) * 1e6
+        a.rate_clamped = True
+
+
+def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_ns) -> None:
+    """Step 4 (causal.py): move lines that break the causal constraints, minimally; record
+    each node's room on both sides; nodes no tight observation pins take that room as
+    their relative uncertainty."""
+    from .causal import CausalSystem
+
+    ref = None
+    rows = []
+    for _key, full, obs in groups():
+        if not full:
+            continue
+        row = []
+        for nid, e, sv, _t in obs:
+            a = result.get(nid)
+            if a is None or (e is None and sv is None):
+                continue
+            if ref is None:
+                ref = a.aligned(e if e is not None else sv)
+            row.append((nid, None if e is None else float(a.aligned(e) - ref),
+                        None if sv is None else float(a.aligned(sv) - ref)))
+        if len(row) >= 2:
+            rows.append(row)
+    if not rows:
+        return
+    system = CausalSystem(rows, min_latency_ns)
+    rate = {nid: max(0.0, DRIFT_BOUND_PPM * 1e3 - abs(a.slope) * 1e9)
+            for nid, a in result.items()}
+    info = system.enforce(set(system.span), rate)
+    for nid, b in info.items():
+        a = result[nid]
+        ca, cb = system.corr.get(nid, (0.0, 0.0))
+        if ca or cb:
+            # aligned_new(m) = aligned(m) + ca + cb * (aligned(m) - ref) / 1e9
+            a.offset_ns += round(ca + cb * (a.offset_ns - ref) / 1e9)
+            a.slope = (1.0 + a.slope) * (1.0 + cb / 1e9) - 1.0
+            a.causal_moved_ns = round(b.moved_ns)
+            a.method = "causal"
+            a.drift_ppm = ((1.0 / (1.0 + a.slope)) - 1.0) * 1e6
+            samples = nodes[nid].samples
+            if samples:
+                a.max_correction_ns = max(abs(s.realtime - a.aligned(s.mid)) for s in samples)
+        a.causal_early_ns = None if b.early_ns is None else round(b.early_ns)
+        a.causal_late_ns = None if b.late_ns is None else round(b.late_ns)
+        if a.method != "collectives":
+            # nothing tight pins it: the causal room is all that bounds it relative to
+            # the others (None when one side is unbounded)
+            if b.early_ns is None or b.late_ns is None:
+                a.relative_uncertainty_ns = None
+            else:
+                a.relative_uncertainty_ns = math.ceil(max(b.early_ns, b.late_ns))
+            if a.method == "causal" and a.uncertainty_ns is not None:
+                a.uncertainty_ns = None if a.relative_uncertainty_ns is None else \
+                    a.uncertainty_ns + a.relative_uncertainty_ns + a.causal_moved_ns
 
 
 def _solve_graph(members: list[int], cedges: dict) -> dict[int, tuple[float, float]]:

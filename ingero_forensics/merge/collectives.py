@@ -5,8 +5,9 @@ CLOCK_MONOTONIC) in a scratch database. Once the alignment is known, a helper th
 computes from it, on a connection of its own, while the main thread copies the big
 tables into fleet.db:
 
-1. completions: per (comm_id_hash, seq), the trimmed mean of the aligned observed
-   completions, into a file of its own (the nccl_events copy joins it);
+1. completions: per (comm_id_hash, seq), the trimmed mean of the aligned tight
+   observations (syncpoints.py), or without any the earliest observation (an upper
+   bound), into a file of its own (the nccl_events copy joins it);
 2. the ``used`` flags of the sampled sync points;
 3. the collectives (entries, last rank in), keyed like them in ``coll_agg``;
 4. the clock-condition violations per node, before and after the alignment.
@@ -45,7 +46,7 @@ STAGING_DDL = (
     # every sync point (fleet.db keeps the alignment's sample of them)
     "CREATE TABLE IF NOT EXISTS sp (id INTEGER PRIMARY KEY, node_id INTEGER, "
     "bundle_id INTEGER, comm_id_hash TEXT, seq INTEGER, pid INTEGER, tid INTEGER, "
-    "mono_ns INTEGER, wait_ns INTEGER, used INTEGER)",
+    "mono_ns INTEGER, wait_ns INTEGER, used INTEGER, tight INTEGER)",
     # collective entries as they are (or will be) in fleet.db's nccl_events; rank, bytes
     # and nranks NULL unless integers
     "CREATE TABLE IF NOT EXISTS ent (node_id INTEGER, bundle_id INTEGER, id INTEGER, "
@@ -129,29 +130,37 @@ class CollectiveJob:
         for node_id, bundle_id, sync_path, _ in self.bundles:
             with attached(con, sync_path, "s"), con:
                 con.execute("INSERT INTO sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, "
-                            "mono_ns, wait_ns, used) SELECT ?, ?, comm_id_hash, seq, pid, tid, "
-                            "mono_ns, wait_ns, 0 FROM s.sp", (node_id, bundle_id))
+                            "mono_ns, wait_ns, used, tight) SELECT ?, ?, comm_id_hash, seq, "
+                            "pid, tid, mono_ns, wait_ns, 0, tight FROM s.sp",
+                            (node_id, bundle_id))
         self._attach_completion(con)
         with con:
             # Sums run relative to ref (any time near the data) so they stay in 64 bits.
             con.execute(COMPLETION_DDL)
+            # The tight observations' trimmed mean, else the earliest observation (the
+            # C path's rule, to the nanosecond).
             con.execute(f"""
-                INSERT INTO cp.completion (comm_id_hash, seq, completion_ns, n, spread)
+                INSERT INTO cp.completion (comm_id_hash, seq, completion_ns, n, spread, tight)
                 SELECT comm_id_hash, seq,
-                       :ref + CAST(CASE WHEN COUNT(*) >= 3
-                           THEN (SUM(a) - MIN(a) - MAX(a)) / (COUNT(*) - 2.0)
-                           ELSE AVG(a) END AS INTEGER),
-                       COUNT(*), MAX(a) - MIN(a)
-                FROM (SELECT s.comm_id_hash, s.seq, {a_sp} - :ref AS a
-                      FROM sp s JOIN temp.node_params p USING (node_id))
-                GROUP BY comm_id_hash, seq""", {"ref": self.ref})
+                       :ref + CASE WHEN nt = 0 THEN omin ELSE CAST(CASE WHEN nt >= 3
+                           THEN (st - tmin - tmax) / (nt - 2.0)
+                           ELSE st * 1.0 / nt END AS INTEGER) END,
+                       CASE WHEN nt = 0 THEN n ELSE nt END,
+                       CASE WHEN nt = 0 THEN omax - omin ELSE tmax - tmin END, nt
+                FROM (SELECT comm_id_hash, seq, COUNT(*) AS n, MIN(a) AS omin, MAX(a) AS omax,
+                             SUM(tight) AS nt, SUM(CASE WHEN tight THEN a END) AS st,
+                             MIN(CASE WHEN tight THEN a END) AS tmin,
+                             MAX(CASE WHEN tight THEN a END) AS tmax
+                      FROM (SELECT s.comm_id_hash, s.seq, {a_sp} - :ref AS a, s.tight
+                            FROM sp s JOIN temp.node_params p USING (node_id))
+                      GROUP BY comm_id_hash, seq)""", {"ref": self.ref})
         with con:
             con.execute("UPDATE sp SET used = 0 WHERE used <> 0")
             con.execute(f"""
                 UPDATE sp AS s SET used = 1 FROM temp.node_params p, cp.completion c
-                 WHERE s.seq % :every = 0 AND p.node_id = s.node_id
+                 WHERE s.seq % :every = 0 AND p.node_id = s.node_id AND s.tight
                    AND c.comm_id_hash = s.comm_id_hash AND c.seq = s.seq
-                   AND c.n > 1 AND abs({a_sp} - c.completion_ns) <= 50000""",
+                   AND c.tight > 1 AND abs({a_sp} - c.completion_ns) <= 50000""",
                         {"every": self.every})
         con.execute("DETACH DATABASE cp")
         self.completions_ready.set()
@@ -219,11 +228,11 @@ class CollectiveJob:
             con.execute("DELETE FROM sp")       # it keeps the sampled sync points only
             counts = self.fastcoll.aggregate(
                 specs, self.every, self.ref, self.min_latency_ns, con.sqlite3_pointer(),
-                "INSERT INTO cp.completion (comm_id_hash, seq, completion_ns, n, spread) "
-                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO cp.completion (comm_id_hash, seq, completion_ns, n, spread, "
+                "tight) VALUES (?, ?, ?, ?, ?, ?)",
                 "INSERT INTO coll_agg VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 "INSERT INTO sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, mono_ns, "
-                "wait_ns, used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "wait_ns, used, tight) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 SORTED_OPS, self._stop, MAX_GROUP_ROWS)
         con.execute("DETACH DATABASE cp")
         self.completions_ready.set()
@@ -243,7 +252,7 @@ def int_or_null(col: str) -> str:
 #: integer comparison settles most steps of the search, where comm_id_hash first needs a
 #: string comparison at every step (measured: 110 ns less per row copied).
 COMPLETION_DDL = ("CREATE TABLE cp.completion (seq INTEGER, comm_id_hash TEXT, "
-                  "completion_ns INTEGER, n INTEGER, spread INTEGER, "
+                  "completion_ns INTEGER, n INTEGER, spread INTEGER, tight INTEGER, "
                   "PRIMARY KEY (seq, comm_id_hash)) WITHOUT ROWID")
 
 COLL_AGG_DDL = """

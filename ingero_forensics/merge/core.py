@@ -34,7 +34,7 @@ import apsw
 from .. import __version__
 from .. import accel as _accel
 from ..bundle.container import read_manifest
-from ..bundle.reader import open_bundle
+from ..bundle.reader import column_or_null, open_bundle
 from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
 from ..db import harden
 from ..errors import BundleError, IngeroError
@@ -43,10 +43,11 @@ from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_
                            FLEET_VERSION, all_index_ddl, fleet_ddl, index_ddl, table_ddl,
                            time_point_columns)
 from .stacks import canonical_stack, stack_hash
+from .causal import FULL_DEPENDENCY_OPS
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
-from .syncpoints import (SYNC_APIS, attached, extract_fleet_sync_points,
-                         extract_sync_points, file_uri, image_runs, image_uri,
-                         write_runs)
+from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, attached,
+                         extract_fleet_sync_points, extract_sync_points, file_uri,
+                         image_runs, image_uri, write_runs)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
@@ -205,6 +206,9 @@ def check_fleet(path: Path) -> None:
                          "refusing to overwrite it")
     if ver > FLEET_VERSION:
         raise MergeError(f"{path}: fleet.db version {ver} is newer than this tool supports")
+    if ver < FLEET_VERSION:
+        raise MergeError(f"{path}: fleet.db version {ver} was made by an older ingero-merge; "
+                         "merge its bundles into a new file instead of extending it")
 
 
 class _Fleet:
@@ -366,6 +370,7 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
 def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, integrity,
            min_wait_ns, min_latency_ns, pending) -> None:
     con = fl.con
+    fl.min_latency_ns = min_latency_ns
     known_sha = {r[0] for r in con.execute("SELECT sha256 FROM bundles")}
     max_old_bundle = con.execute("SELECT COALESCE(MAX(bundle_id), 0) FROM bundles").fetchone()[0]
     old_params = {r[0]: (r[1], r[2]) for r in
@@ -1211,9 +1216,10 @@ def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
     data_cols = [c.name for c in bt.columns if c.name != "id"]
     sel = {}
     for c in data_cols:
-        sel[c] = f"e.{c}"
+        sel[c] = column_or_null(bundle, table, c)
     for c in times:
-        sel[c] = _aligned(f"e.{c}")
+        if sel[c] != "NULL":
+            sel[c] = _aligned(f"e.{c}")
     joins = ""
     if "stack_id" in data_cols:
         sel["stack_id"] = "sm.fleet_id"
@@ -1267,12 +1273,21 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
 
     # The sample: from each new bundle's sync points (helper threads' scratch files) and
     # from the rows of earlier merges (st.sp).
+    # One row per collective row of a sampled seq: its entry and/or the completion it
+    # observed (tight or not), op as its index in SORTED_OPS.
     con.execute("DROP TABLE IF EXISTS temp.sample_sp")
     con.execute("CREATE TEMP TABLE sample_sp (id INTEGER PRIMARY KEY, node_id INTEGER, "
-                "comm_id_hash TEXT, seq INTEGER, mono_ns INTEGER)")
-    con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) SELECT "
-                "node_id, comm_id_hash, seq, mono_ns FROM st.sp WHERE seq % ? = 0", (every,))
-    insert = "INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) VALUES (?, ?, ?, ?)"
+                "comm_id_hash TEXT, seq INTEGER, mono_ns INTEGER, entry_ns INTEGER, "
+                "tight INTEGER, op INTEGER)")
+    cols = "(node_id, comm_id_hash, seq, mono_ns, entry_ns, tight, op)"
+    op_index = "CASE op " + " ".join(f"WHEN '{o}' THEN {k}" for k, o in
+                                     enumerate(SORTED_OPS)) + " END"
+    # rows of earlier merges (SQL path): their observations and their entries
+    con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT node_id, comm_id_hash, seq, "
+                "mono_ns, NULL, tight, NULL FROM st.sp WHERE seq % ? = 0", (every,))
+    con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT node_id, comm_id_hash, seq, "
+                f"NULL, mono_ns, 0, {op_index} FROM st.ent WHERE seq % ? = 0", (every,))
+    insert = f"INSERT INTO temp.sample_sp {cols} VALUES (?, ?, ?, ?, ?, ?, ?)"
     runs = [(path, nid) for path, nid, _ in fl.old_runs] + \
         [(path, item["node_id"]) for item in pending for path in item["bundle"].run_paths]
     if runs:
@@ -1282,9 +1297,15 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
     for item in pending:
         if item["bundle"].sync_path is not None:
             with attached(con, item["bundle"].sync_path, "s"):
-                con.execute("INSERT INTO temp.sample_sp (node_id, comm_id_hash, seq, mono_ns) "
-                            "SELECT ?, comm_id_hash, seq, mono_ns FROM s.sp WHERE seq % ? = 0",
+                con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT ?, comm_id_hash, seq, "
+                            "mono_ns, NULL, tight, NULL FROM s.sp WHERE seq % ? = 0",
                             (item["node_id"], every))
+            with attached(con, item["bundle"].db_path, "b"):
+                con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT ?, e.comm_id_hash, "
+                            f"e.seq, NULL, e.timestamp_ns, 0, {op_index.replace('op', 'e.op', 1)} "
+                            "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
+                            f"typeof(e.seq) = 'integer' AND e.seq % ? = 0 AND "
+                            f"{_valid_predicate('nccl_events')}", (item["node_id"], every))
 
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
@@ -1312,21 +1333,29 @@ def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
             "json_extract(manifest, '$.capture.end_utc_ns'), capture_end_mono_ns FROM bundles"):
         nodes[nid].manifest_pairs += [(su, sm), (eu, em)]
 
+    full_ops = {k for k, o in enumerate(SORTED_OPS) if o in FULL_DEPENDENCY_OPS}
+
     def groups():
+        """Per sampled collective, per node: the latest entry, the earliest observed
+        completion and the earliest tight one (raw monotonic)."""
         cur = con.cursor()
-        key, obs = None, []
-        for sid, comm, seq, nid, mono in cur.execute(
-                "SELECT id, comm_id_hash, seq, node_id, mono_ns FROM temp.sample_sp "
-                "ORDER BY comm_id_hash, seq, id"):
+        key, obs, full = None, [], True
+        for comm, seq, nid, ent, obs_any, obs_tight, op_lo, op_hi in cur.execute(
+                "SELECT comm_id_hash, seq, node_id, MAX(entry_ns), MIN(mono_ns), "
+                "MIN(CASE WHEN tight THEN mono_ns END), MIN(op), MAX(op) "
+                "FROM temp.sample_sp GROUP BY comm_id_hash, seq, node_id "
+                "ORDER BY comm_id_hash, seq, node_id"):
             if (comm, seq) != key:
                 if obs:
-                    yield key, obs
-                key, obs = (comm, seq), []
-            obs.append((sid, nid, mono))
+                    yield key, full, obs
+                key, obs, full = (comm, seq), [], True
+            if op_lo is not None and (op_lo != op_hi or op_lo not in full_ops):
+                full = False
+            obs.append((nid, ent, obs_any, obs_tight))
         if obs:
-            yield key, obs
+            yield key, full, obs
 
-    params = align.align_fleet(nodes, groups)
+    params = align.align_fleet(nodes, groups, fl.min_latency_ns)
     names = dict(con.execute("SELECT node_id, name FROM nodes"))
     for a in params.values():
         if a.exceeds_claim:
@@ -1338,6 +1367,21 @@ def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
         if a.method == "manifest":
             msg = f"node {names[a.node_id]}: no usable clock samples; times rest on the manifest only"
             fl.log("warning", "no_clock_samples", msg, node_id=a.node_id)
+            res.warnings.append(msg)
+        if a.rate_clamped:
+            msg = (f"node {names[a.node_id]}: the collectives suggested a clock rate beyond "
+                   f"{align.DRIFT_BOUND_PPM:.0f} ppm, which no crystal has; bounded to "
+                   f"{a.drift_ppm:+.0f} ppm (the sync observations may be biased)")
+            fl.log("warning", "rate_clamped", msg, node_id=a.node_id)
+            res.warnings.append(msg)
+        if a.causal_moved_ns:
+            room = ("unbounded" if a.relative_uncertainty_ns is None
+                    else f"{a.relative_uncertainty_ns / 1e6:.3f} ms")
+            msg = (f"node {names[a.node_id]}: its clock line contradicted the order of "
+                   f"collective entries and completions; moved by up to "
+                   f"{a.causal_moved_ns / 1e6:.3f} ms to the nearest consistent line (a "
+                   f"choice within the feasible band; relative uncertainty {room})")
+            fl.log("warning", "clock_causal_move", msg, node_id=a.node_id)
             res.warnings.append(msg)
     return params
 
@@ -1380,17 +1424,17 @@ def _collectives(con, every: int) -> None:
     con.execute("""
         INSERT INTO collectives (comm_id_hash, seq, op, op_mismatch, nranks, ranks_seen,
             bytes, first_entry_ns, last_entry_ns, entry_spread_ns, last_rank, last_node_id,
-            completion_ns, completion_observations, completion_spread_ns)
+            completion_ns, completion_observations, completion_tight, completion_spread_ns)
         SELECT g.comm_id_hash, g.seq, g.op, g.mismatch, g.nranks, g.ranks_seen, g.bytes,
                g.first_entry, g.last_entry, g.last_entry - g.first_entry, g.last_rank,
-               g.last_node, c.completion_ns, COALESCE(c.n, 0), c.spread
+               g.last_node, c.completion_ns, COALESCE(c.n, 0), COALESCE(c.tight, 0), c.spread
         FROM st.coll_agg g LEFT JOIN cp.completion c USING (comm_id_hash, seq)
         ORDER BY g.comm_id_hash, g.seq""")
     # fleet.db keeps the sync points of the alignment's sample (all are in st.sp).
     con.execute("DELETE FROM sync_points")
     con.execute("INSERT INTO sync_points (node_id, bundle_id, comm_id_hash, seq, pid, tid, "
-                "mono_ns, wait_ns, used) SELECT node_id, bundle_id, comm_id_hash, seq, pid, "
-                "tid, mono_ns, wait_ns, used FROM st.sp WHERE seq % ? = 0 "
+                "mono_ns, wait_ns, used, tight) SELECT node_id, bundle_id, comm_id_hash, seq, "
+                "pid, tid, mono_ns, wait_ns, used, tight FROM st.sp WHERE seq % ? = 0 "
                 "ORDER BY comm_id_hash, seq, node_id, bundle_id, pid, tid, mono_ns, id", (every,))
 
 
@@ -1400,13 +1444,15 @@ def _write_alignment(con, params) -> None:
         "INSERT INTO clock_alignment (node_id, method, offset_ns, slope, drift_ppm, "
         "uncertainty_ns, relative_uncertainty_ns, component, sync_points, sync_points_used, "
         "residual_ns, violations_before, violations_after, clock_samples, steps, "
-        "claimed_error_ns, max_correction_ns, exceeds_claim, segments) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "claimed_error_ns, max_correction_ns, exceeds_claim, segments, causal_early_ns, "
+        "causal_late_ns, causal_moved_ns, rate_clamped) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [(a.node_id, a.method, a.offset_ns, a.slope, a.drift_ppm, a.uncertainty_ns,
           a.relative_uncertainty_ns, a.component, a.sync_points, a.sync_points_used,
           a.residual_ns, a.violations_before, a.violations_after, a.clock_samples, a.steps,
           a.claimed_error_ns, a.max_correction_ns, int(a.exceeds_claim),
-          json.dumps(a.segments)) for a in params.values()])
+          json.dumps(a.segments), a.causal_early_ns, a.causal_late_ns, a.causal_moved_ns,
+          int(a.rate_clamped)) for a in params.values()])
 
 
 def _update_nodes(con) -> None:

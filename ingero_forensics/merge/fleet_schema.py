@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from ..bundle.schema import TABLES as BUNDLE_TABLES
 from ..bundle.schema import Column, C
 
-FLEET_VERSION = 1
+#: 2: clock_alignment causal bounds, collectives.completion_tight, sync_points.tight,
+#: cuda_events queued work (bundle format 1.1). A version-1 fleet.db is not extended: merge
+#: its bundles again.
+FLEET_VERSION = 2
 #: PRAGMA application_id of a fleet database: ASCII "INGM".
 FLEET_APPLICATION_ID = 0x494E474D
 
@@ -197,10 +200,13 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
     FleetTable("clock_alignment", "Per node: how its CLOCK_MONOTONIC maps to fleet time. "
                "aligned = offset_ns + mono + round(mono * slope). See docs/merge.md.", (
         C("node_id", "INTEGER", False, "", "The node (primary key)."),
-        C("method", "TEXT", False, "", "collectives: clock samples plus cross-node "
-          "collective completions; clock_samples: the node's own clock samples only; "
-          "manifest: only the capture start/end pairs of the manifests (no error bound).",
-          ("collectives", "clock_samples", "manifest")),
+        C("method", "TEXT", False, "", "collectives: clock samples plus cross-node tight "
+          "completion observations; clock_samples: the node's own clock samples only "
+          "(consistent with the causal bounds); causal: its line broke the causal bounds "
+          "(an entry after an observed completion) and was moved to the nearest "
+          "consistent line, a choice within the feasible band; manifest: only the "
+          "capture start/end pairs of the manifests (no error bound).",
+          ("collectives", "clock_samples", "causal", "manifest")),
         C("offset_ns", "INTEGER", False, ALIGNED_UNIT, "Fleet time of mono = 0."),
         C("slope", "REAL", False, "", "Rate correction: aligned advances 1 + slope ns per "
           "monotonic ns."),
@@ -211,7 +217,10 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "node's capture: the common-mode bound the honest clock claims allow plus the "
           "node's relative uncertainty; NULL when nothing bounds it (method manifest)."),
         C("relative_uncertainty_ns", "INTEGER", True, "ns", "Bound on the node's error "
-          "relative to the other nodes of its component (method collectives), else NULL."),
+          "relative to the other nodes: for method collectives, from the spread of its "
+          "tight completion residuals; otherwise the room the causal bounds leave it "
+          "(the larger of causal_early_ns and causal_late_ns); NULL when nothing bounds "
+          "it on one side."),
         C("component", "INTEGER", True, "", "Nodes with the same component are linked by "
           "shared collectives (the smallest node_id of the component); NULL when alone."),
         C("sync_points", "INTEGER", False, "", "Observed completions of this node "
@@ -238,6 +247,15 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("segments", "TEXT", False, "", "JSON array of the piecewise segments of "
           "CLOCK_REALTIME - CLOCK_MONOTONIC between steps: {mono_start_ns, mono_end_ns, "
           "samples, offset_ns (median realtime - mono), claimed_error_ns}."),
+        C("causal_early_ns", "INTEGER", True, "ns", "How much earlier the node's line "
+          "could be (at either end of its capture, the others fixed) and still have every "
+          "entry into a full-dependency collective before every observed completion; "
+          "NULL: nothing bounds it that way."),
+        C("causal_late_ns", "INTEGER", True, "ns", "The same, later."),
+        C("causal_moved_ns", "INTEGER", False, "ns", "How far the causal bounds moved the "
+          "line (0: it satisfied them)."),
+        C("rate_clamped", "INTEGER", False, "", "1 when the fitted rate exceeded the "
+          "drift bound (fleet_info alignment drift_bound_ppm) and was clamped to it."),
     ), constraints=("PRIMARY KEY (node_id)",)),
     FleetTable("sync_points", "Observed completions in the alignment's sample: per waiting "
                "synchronization, the last collective the same thread enqueued before it, for "
@@ -256,8 +274,11 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "aligned time: clock_alignment.offset_ns + mono_ns + round(mono_ns * slope) of "
           "the node)."),
         C("wait_ns", "INTEGER", False, "ns", "Duration of the synchronization."),
-        C("used", "INTEGER", False, "", "1 if it agrees with the collective's completion "
-          "within 50 us (and another observation exists)."),
+        C("used", "INTEGER", False, "", "1 if it is tight and agrees with the collective's "
+          "completion within 50 us (and another tight observation exists)."),
+        C("tight", "INTEGER", False, "", "1 if nothing substantial was queued between the "
+          "collective and this synchronization (cuda_events.queued_ops), so its end "
+          "stands for the completion; 0: it only bounds the completion from above."),
     ), indexes=(("comm_id_hash", "seq"),)),
     FleetTable("collectives", "One row per collective (comm_id_hash, seq) over all ranks: "
                "entries, the last rank in, and the observed completion.", (
@@ -277,12 +298,17 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "long the earliest rank waited for the last one to arrive."),
         C("last_rank", "INTEGER", True, "", "Rank of the last entry (the straggler)."),
         C("last_node_id", "INTEGER", False, "", "Node of the last entry."),
-        C("completion_ns", "INTEGER", True, ALIGNED_UNIT, "Mean of the aligned observed "
-          "completions (sync_points) of this collective without the lowest and highest "
-          "when there are 3 or more; NULL if none was observed."),
-        C("completion_observations", "INTEGER", False, "", "Number of observed completions."),
-        C("completion_spread_ns", "INTEGER", True, "ns", "Max - min of the aligned observed "
-          "completions."),
+        C("completion_ns", "INTEGER", True, ALIGNED_UNIT, "Mean of the aligned tight "
+          "observed completions (sync_points.tight) of this collective without the "
+          "lowest and highest when there are 3 or more; without a tight one, the "
+          "earliest observation (an upper bound: work queued after the collective "
+          "delayed it); NULL if none was observed."),
+        C("completion_observations", "INTEGER", False, "", "Number of observations "
+          "completion_ns comes from (the tight ones, or all when none is tight)."),
+        C("completion_tight", "INTEGER", False, "", "Number of tight observations (0: "
+          "completion_ns is an upper bound)."),
+        C("completion_spread_ns", "INTEGER", True, "ns", "Max - min of those aligned "
+          "observations."),
     ), indexes=(("first_entry_ns",), ("last_node_id",)),
        constraints=("UNIQUE (comm_id_hash, seq)",)),
     FleetTable("merge_log", "What the merge did: inputs skipped and why, rows skipped, "

@@ -1,8 +1,16 @@
 """Sync points of one bundle: observed completions of collectives (docs/merge.md).
 
 Per waiting synchronization (a sync API that lasted at least ``min_wait_ns``), the event
-just before it in its thread's order, if that event is a collective: the sync's end is
-an observation of that collective's completion.
+just before it in its thread's order (collectives and synchronizations only), if that
+event is a collective: the sync's end is an observation of that collective's completion.
+It is certainly no earlier than the completion, which is what the alignment's causal
+bounds use. It is *tight* (the completion itself, give or take the wake-up) only when
+the thread queued no stream work between the collective and the sync, or at most
+TIGHT_MAX_OPS operations (``loss.item()``'s copy) all enqueued within TIGHT_LAG_NS of the
+collective's return (``cuda_events.queued_ops``, ``queue_gap_ns``): kernels launched
+after the collective, the optimizer's after the last gradient bucket in PyTorch, make
+the sync end when they end, late on a rank whose CPU is starved. Only tight
+observations estimate offsets; bundles that do not record queued work have none.
 
 This runs in the merge's helper threads, on a connection of their own, so it must be
 SQL only: apsw releases the GIL while a statement runs, and Python per row would both
@@ -25,28 +33,54 @@ from ..db import harden
 #: Synchronizations whose end observes completion of the collectives enqueued before.
 SYNC_APIS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
              "cuEventSynchronize")
+#: A sync observation stays tight with at most this many operations queued after the
+#: collective (a runtime copy and the driver call it makes count two) ...
+TIGHT_MAX_OPS = 2
+#: ... all enqueued within this long after the collective's host call returned. Such
+#: work then reached the GPU before the collective completed (a rank that arrives last
+#: still waits for the transfer), so the sync ends after the completion by that work's
+#: GPU time (microseconds for a small copy) plus the wake-up.
+TIGHT_LAG_NS = 50_000
 
 _OPS = ", ".join(f"'{o}'" for o in NCCL_OPS)
 _APIS = ", ".join(f"'{a}'" for a in SYNC_APIS)
 
-#: A bundle's collectives and synchronizations in thread order: (pid, tid, t, d, comm,
-#: seq), comm NULL for a synchronization. is_sync orders a collective before a sync at
-#: the same instant (enqueue first); the source id makes the order total.
-EVENTS_SQL = f"""
-    SELECT pid, tid, t, d, comm, seq FROM (
+def queued_columns(has_columns: bool, alias: str = "") -> str:
+    """SQL for a synchronization's (queued_ops, queue_gap_ns), NULLs where the source
+    predates them (bundle format 1.0)."""
+    if not has_columns:
+        return "NULL, NULL"
+    return f"{alias}queued_ops, {alias}queue_gap_ns"
+
+
+def events_sql(has_queued: bool) -> str:
+    """A bundle's collectives and synchronizations in thread order: (pid, tid, t, d, comm,
+    seq, queued, gap), comm NULL for a synchronization. is_sync orders a collective
+    before a sync at the same instant (enqueue first); the source id makes the order
+    total."""
+    return f"""
+    SELECT pid, tid, t, d, comm, seq, q, g FROM (
         SELECT pid, tid, timestamp_ns AS t, duration_ns AS d, 0 AS is_sync,
-               comm_id_hash AS comm, seq, id
+               comm_id_hash AS comm, seq, NULL AS q, NULL AS g, id
           FROM b.nccl_events
          WHERE typeof(comm_id_hash) = 'text' AND typeof(seq) = 'integer' AND op IN ({_OPS})
            AND typeof(timestamp_ns) = 'integer' AND typeof(duration_ns) = 'integer'
            AND typeof(pid) = 'integer' AND typeof(tid) = 'integer'
         UNION ALL
-        SELECT pid, tid, timestamp_ns, duration_ns, 1, NULL, NULL, id
+        SELECT pid, tid, timestamp_ns, duration_ns, 1, NULL, NULL, {queued_columns(has_queued)},
+               id
           FROM b.cuda_events
          WHERE api IN ({_APIS}) AND typeof(timestamp_ns) = 'integer'
            AND typeof(duration_ns) = 'integer' AND typeof(pid) = 'integer'
            AND typeof(tid) = 'integer')
     ORDER BY pid, tid, t, is_sync, id"""
+
+
+#: SQL: whether sync s observes collective c (the event before it) tightly, with binds
+#: :maxops and :lag; as the C path (merge/_fastcoll.c) decides it.
+TIGHT_SQL = ("(CASE WHEN typeof(s.q) <> 'integer' THEN 0 WHEN s.q = 0 THEN 1 "
+             "WHEN s.q > 0 AND s.q <= :maxops AND typeof(s.g) = 'integer' "
+             "AND (s.t - s.g) - (c.t + c.d) <= :lag THEN 1 ELSE 0 END)")
 
 
 def file_uri(db_path, query: str) -> str:
@@ -71,11 +105,17 @@ def attached(con, path, name: str):
         con.execute(f"DETACH DATABASE {name}")
 
 
+def image_has_queued(con, schema: str = "b") -> bool:
+    """Whether the attached image's cuda_events records queued work (format 1.1)."""
+    cols = {r[1] for r in con.execute(f"PRAGMA {schema}.table_xinfo(cuda_events)")}
+    return {"queued_ops", "queue_gap_ns"} <= cols
+
+
 def extract_sync_points(image, out_path, min_wait_ns: int) -> int:
     """Write the sync points of the verified bundle image ``image`` into a new SQLite
-    file ``out_path`` (table ``sp``: comm_id_hash, seq, pid, tid, mono_ns, wait_ns).
-    Returns the number of distinct collectives observed. Raises apsw.Error on an
-    unreadable image."""
+    file ``out_path`` (table ``sp``: comm_id_hash, seq, pid, tid, mono_ns, wait_ns,
+    tight). Returns the number of distinct collectives observed. Raises apsw.Error on
+    an unreadable image."""
     con = apsw.Connection(str(out_path), flags=apsw.SQLITE_OPEN_READWRITE |
                           apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
     try:
@@ -87,15 +127,17 @@ def extract_sync_points(image, out_path, min_wait_ns: int) -> int:
         con.execute("ATTACH DATABASE ? AS b", (image_uri(image),))
         con.execute("BEGIN")
         con.execute("CREATE TABLE sp (comm_id_hash TEXT, seq INTEGER, pid INTEGER, "
-                    "tid INTEGER, mono_ns INTEGER, wait_ns INTEGER)")
+                    "tid INTEGER, mono_ns INTEGER, wait_ns INTEGER, tight INTEGER)")
         con.execute("CREATE TABLE ev (rn INTEGER PRIMARY KEY, pid INTEGER, tid INTEGER, "
-                    "t INTEGER, d INTEGER, comm TEXT, seq INTEGER)")
-        con.execute(f"INSERT INTO ev (pid, tid, t, d, comm, seq) {EVENTS_SQL}")
-        con.execute("""
-            INSERT INTO sp SELECT c.comm, c.seq, s.pid, s.tid, s.t + s.d, s.d
+                    "t INTEGER, d INTEGER, comm TEXT, seq INTEGER, q INTEGER, g INTEGER)")
+        con.execute(f"INSERT INTO ev (pid, tid, t, d, comm, seq, q, g) "
+                    f"{events_sql(image_has_queued(con))}")
+        con.execute(f"""
+            INSERT INTO sp SELECT c.comm, c.seq, s.pid, s.tid, s.t + s.d, s.d, {TIGHT_SQL}
               FROM ev s JOIN ev c ON c.rn = s.rn - 1
              WHERE s.comm IS NULL AND s.d >= :min_wait AND c.comm IS NOT NULL
-               AND c.pid = s.pid AND c.tid = s.tid""", {"min_wait": min_wait_ns})
+               AND c.pid = s.pid AND c.tid = s.tid""",
+                    {"min_wait": min_wait_ns, "maxops": TIGHT_MAX_OPS, "lag": TIGHT_LAG_NS})
         con.execute("DROP TABLE ev")
         con.execute("COMMIT")
         return con.execute("SELECT COUNT(*) FROM (SELECT DISTINCT comm_id_hash, seq "
@@ -111,30 +153,32 @@ def extract_fleet_sync_points(con, min_wait_ns: int, max_bundle: int) -> None:
     con.execute("DROP TABLE IF EXISTS temp.fleet_ev")
     con.execute("CREATE TEMP TABLE fleet_ev (rn INTEGER PRIMARY KEY, node_id INTEGER, "
                 "bundle_id INTEGER, pid INTEGER, tid INTEGER, t INTEGER, d INTEGER, "
-                "comm TEXT, seq INTEGER)")
+                "comm TEXT, seq INTEGER, q INTEGER, g INTEGER)")
     con.execute(f"""
-        INSERT INTO temp.fleet_ev (node_id, bundle_id, pid, tid, t, d, comm, seq)
-        SELECT node_id, bundle_id, pid, tid, t, d, comm, seq FROM (
+        INSERT INTO temp.fleet_ev (node_id, bundle_id, pid, tid, t, d, comm, seq, q, g)
+        SELECT node_id, bundle_id, pid, tid, t, d, comm, seq, q, g FROM (
             SELECT node_id, bundle_id, pid, tid, mono_ns AS t, call_duration_ns AS d,
-                   0 AS is_sync, comm_id_hash AS comm, seq, id
+                   0 AS is_sync, comm_id_hash AS comm, seq, NULL AS q, NULL AS g, id
               FROM main.nccl_events
              WHERE bundle_id <= :maxb AND typeof(comm_id_hash) = 'text'
                AND typeof(seq) = 'integer'
                AND op IN ({_OPS}) AND typeof(pid) = 'integer' AND typeof(tid) = 'integer'
             UNION ALL
-            SELECT node_id, bundle_id, pid, tid, mono_ns, duration_ns, 1, NULL, NULL, id
+            SELECT node_id, bundle_id, pid, tid, mono_ns, duration_ns, 1, NULL, NULL,
+                   queued_ops, queue_gap_ns, id
               FROM main.cuda_events
              WHERE bundle_id <= :maxb AND api IN ({_APIS}) AND typeof(duration_ns) = 'integer'
                AND typeof(pid) = 'integer' AND typeof(tid) = 'integer')
         ORDER BY node_id, pid, tid, t, is_sync, id""", {"maxb": max_bundle})
-    con.execute("""
+    con.execute(f"""
         INSERT INTO st.sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, mono_ns, wait_ns,
-                           used)
-        SELECT s.node_id, s.bundle_id, c.comm, c.seq, s.pid, s.tid, s.t + s.d, s.d, 0
+                           used, tight)
+        SELECT s.node_id, s.bundle_id, c.comm, c.seq, s.pid, s.tid, s.t + s.d, s.d, 0,
+               {TIGHT_SQL}
           FROM temp.fleet_ev s JOIN temp.fleet_ev c ON c.rn = s.rn - 1
          WHERE s.comm IS NULL AND s.d >= :min_wait AND c.comm IS NOT NULL
            AND c.node_id = s.node_id AND c.pid = s.pid AND c.tid = s.tid""",
-                {"min_wait": min_wait_ns})
+                {"min_wait": min_wait_ns, "maxops": TIGHT_MAX_OPS, "lag": TIGHT_LAG_NS})
     con.execute("DROP TABLE temp.fleet_ev")
 
 
@@ -159,11 +203,13 @@ def _part(alias: str, p: int, k: int) -> str:
     return (f" AND (((({alias}.pid % {p}) + ({alias}.tid % {p})) % {p}) + {p}) % {p} = {k}")
 
 
-def run_sources(source: str, valid_nccl: str, p: int = 1, k: int = 0) -> tuple[str, str]:
+def run_sources(source: str, valid_nccl: str, p: int = 1, k: int = 0,
+                has_queued: bool = True) -> tuple[str, str]:
     """(collective rows SQL, synchronizations SQL) for _fastcoll.runs(): ``image`` reads
     the ATTACHed bundle image ``b``, ``fleet`` the rows earlier merges put in fleet.db
     for one node (binds ?1 node_id, ?2 the last old bundle_id). The C code applies the
-    rest of EVENTS_SQL's filter (known op, integer pid, tid and times) itself."""
+    rest of events_sql()'s filter (known op, integer pid, tid and times) itself.
+    ``has_queued``: the source records queued work (cuda_events.queued_ops)."""
     if source == "image":
         t, d, tab, cuda, ent, where, bundle = ("timestamp_ns", "duration_ns", "b.nccl_events",
                                                "b.cuda_events", valid_nccl, "", "0")
@@ -175,7 +221,8 @@ def run_sources(source: str, valid_nccl: str, p: int = 1, k: int = 0) -> tuple[s
             f"e.bytes, e.nranks, ({ent}), {bundle} FROM {tab} e "
             "WHERE typeof(e.comm_id_hash) = 'text' AND typeof(e.seq) = 'integer'"
             f"{where}{_part('e', p, k)} ORDER BY e.id")
-    sync = (f"SELECT s.pid, s.tid, s.{t}, s.duration_ns FROM {cuda} s "
+    sync = (f"SELECT s.pid, s.tid, s.{t}, s.duration_ns, {queued_columns(has_queued, 's.')} "
+            f"FROM {cuda} s "
             f"WHERE s.api IN ({_APIS}) AND typeof(s.{t}) = 'integer' "
             "AND typeof(s.duration_ns) = 'integer' AND typeof(s.pid) = 'integer' "
             f"AND typeof(s.tid) = 'integer'{where.replace('e.', 's.')}{_part('s', p, k)} "
@@ -184,7 +231,8 @@ def run_sources(source: str, valid_nccl: str, p: int = 1, k: int = 0) -> tuple[s
 
 
 def write_runs(fastcoll, con, source: str, valid_nccl: str, rows: int, out_base,
-               min_wait_ns: int, binds: tuple = ()) -> tuple[list[Path], int]:
+               min_wait_ns: int, binds: tuple = (),
+               has_queued: bool = True) -> tuple[list[Path], int]:
     """Run files for one source (see run_sources), as many partitions as ``rows`` (the
     collective and CUDA rows it may read) needs. Returns (paths, distinct collectives
     observed). Raises apsw.Error or RuntimeError on an unreadable source."""
@@ -194,9 +242,10 @@ def write_runs(fastcoll, con, source: str, valid_nccl: str, rows: int, out_base,
         for k in range(parts):
             path = Path(f"{out_base}.run{k}")
             paths.append(path)
-            coll, sync = run_sources(source, valid_nccl, parts, k)
+            coll, sync = run_sources(source, valid_nccl, parts, k, has_queued)
             _, distinct = fastcoll.runs(con.sqlite3_pointer(), coll, sync, tuple(binds),
-                                        SORTED_OPS, min_wait_ns, str(path))
+                                        SORTED_OPS, min_wait_ns, TIGHT_MAX_OPS, TIGHT_LAG_NS,
+                                        str(path))
         if parts > 1:       # a collective seen by several threads is counted once
             distinct = fastcoll.distinct([(str(p), 0, -1, 0, 0.0, 0) for p in paths])
     except BaseException:
@@ -217,6 +266,7 @@ def image_runs(fastcoll, image, out_base, valid_nccl: str, rows: int,
     try:
         harden(con)
         con.execute("ATTACH DATABASE ? AS b", (image_uri(image),))
-        return write_runs(fastcoll, con, "image", valid_nccl, rows, out_base, min_wait_ns)
+        return write_runs(fastcoll, con, "image", valid_nccl, rows, out_base, min_wait_ns,
+                          has_queued=image_has_queued(con))
     finally:
         con.close()

@@ -95,7 +95,8 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                 continue  # no sync after this one: the next sync pins the next collective
             per_node_rows[ni]["cuda_events"].append(
                 (tr.mono(sync_start), tr.mono(sync_end) - tr.mono(sync_start),
-                 "cudaStreamSynchronize", "runtime", 7, None, None, None, 0, 0, pid, tid, None))
+                 "cudaStreamSynchronize", "runtime", 7, None, None, None, 0, 0, pid, tid, None,
+                 0, None))
             if retransmits and rng.random() < 0.05:
                 rt = entry + rng.randint(0, 1_000_000)
                 per_node_rows[ni]["tcp_events"].append(
@@ -130,7 +131,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                 if table == "nccl_events" and sid is not None:
                     sel = [row[:-1] + (sid,) for row in sel]
                 if table == "cuda_events" and sync_sid is not None:
-                    sel = [row[:-1] + (sync_sid,) for row in sel]
+                    sel = [row[:12] + (sync_sid,) + row[13:] for row in sel]
                 w.add_many(table, sel)
             for r in range(ranks_per_node):
                 rank = ni * ranks_per_node + r

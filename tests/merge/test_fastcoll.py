@@ -39,7 +39,12 @@ def tricky_bundle(tmp_path):
         pid, tid = 20 + seq % 3, 30 + seq % 5
         w.add("nccl_events", nccl(t, seq, pid, tid, comm="bb00bb00bb00bb00"))
         if seq % 4:
-            w.add("cuda_events", cuda(t + 10, 20_000 + seq, pid, tid))
+            # queued work of every kind: none, not recorded, a copy right after the
+            # collective, too many ops, ops enqueued too long after it (a negative gap
+            # from a broken writer), two ops
+            queued, gap = [(0, None), (None, None), (1, 5), (9, 3), (2, -70_000),
+                           (2, 0)][seq % 6]
+            w.add("cuda_events", cuda(t + 10, 20_000 + seq, pid, tid, queued=queued, gap=gap))
     return w.seal(tmp_path, capture_end=(1_700_000_000_100_000_000, 100_000_000))
 
 
@@ -52,6 +57,9 @@ def test_runs_observe_what_the_sql_rule_observes(tmp_path, fc, monkeypatch, run_
         rows = b.manifest["tables"]["nccl_events"] + b.manifest["tables"]["cuda_events"]
         paths, n_c = syncpoints.image_runs(fc, b.db_path, tmp_path / "r", _valid_predicate(
             "nccl_events"), rows, MIN_WAIT)
+        entries = sorted(b.con.execute(
+            "SELECT comm_id_hash, seq, timestamp_ns FROM nccl_events e WHERE seq % 7 = 0 AND "
+            f"typeof(comm_id_hash) = 'text' AND {_valid_predicate('nccl_events')}"))
     finally:
         b.close()
     expect = sorted((c, s, m) for c, s, _, _, m, _ in extracted(tmp_path / "s.db"))
@@ -63,18 +71,29 @@ def test_runs_observe_what_the_sql_rule_observes(tmp_path, fc, monkeypatch, run_
     # every k-th seq only
     assert sorted(r for p in paths for r in fc.sample(str(p), 7)) == \
         [r for r in expect if r[1] % 7 == 0]
-    # the same observations inserted by sample_into, each bound with the node given
+    # sample_into: every collective row of a sampled seq, each bound with the node given:
+    # the same observations (tight as the SQL rule says), and the entries of the rows
+    # nccl_events gets
     con = apsw.Connection(":memory:")
-    con.execute("CREATE TABLE s (node_id, comm_id_hash, seq, mono_ns)")
-    insert = "INSERT INTO s VALUES (?, ?, ?, ?)"
+    con.execute("CREATE TABLE s (node_id, comm_id_hash, seq, mono_ns, entry_ns, tight, op)")
+    insert = "INSERT INTO s VALUES (?, ?, ?, ?, ?, ?, ?)"
     n = sum(fc.sample_into(con.sqlite3_pointer(), str(p), 7, insert, 42) for p in paths)
-    rows = con.execute("SELECT node_id, comm_id_hash, seq, mono_ns FROM s").fetchall()
-    assert n == len(rows) == len([r for r in expect if r[1] % 7 == 0]) > 0
+    rows = con.execute("SELECT node_id, comm_id_hash, seq, mono_ns, entry_ns, tight, op "
+                       "FROM s").fetchall()
+    assert n == len(rows) > 0
     assert {r[0] for r in rows} == {42}
-    assert sorted(r[1:] for r in rows) == [r for r in expect if r[1] % 7 == 0]
+    assert sorted(r[1:4] for r in rows if r[3] is not None) == \
+        [r for r in expect if r[1] % 7 == 0]
+    sql_tight = sorted((c, s, m, t) for c, s, m, t in apsw.Connection(
+        str(tmp_path / "s.db")).execute("SELECT comm_id_hash, seq, mono_ns, tight FROM sp "
+                                        "WHERE seq % 7 = 0"))
+    assert sorted((r[1], r[2], r[3], r[5]) for r in rows if r[3] is not None) == sql_tight
+    assert {t for *_, t in sql_tight} == {0, 1}     # the bundle has both kinds
+    assert sorted((r[1], r[2], r[4]) for r in rows if r[4] is not None) == entries
+    assert {syncpoints.SORTED_OPS[r[6]] for r in rows if r[4] is not None} == {"ALL_REDUCE"}
     with pytest.raises(RuntimeError, match="no such table"):
         fc.sample_into(con.sqlite3_pointer(), str(paths[0]), 7, "INSERT INTO nope VALUES "
-                       "(?, ?, ?, ?)", 1)
+                       "(?, ?, ?, ?, ?, ?, ?)", 1)
 
 
 def dump(db):
@@ -181,8 +200,10 @@ def odd_fleet(tmp_path):
                 w.add("nccl_events", tuple(row[:1]) + (6_000,) + tuple(row[2:]))
             if node and seq % 6 == 0:      # another rank, same instant: the lower row id wins
                 w.add("nccl_events", tuple(row[:3]) + (5,) + tuple(row[4:]))
+            # some syncs after queued kernels: they only bound the completion
             w.add("cuda_events", cuda(row[0] + 10, 300_000 + rng.randint(-100_000, 100_000),
-                                      100 + node, 100 + node))
+                                      100 + node, 100 + node,
+                                      queued=8 if seq % 4 == 0 else 0))
         paths.append(w.seal(tmp_path, capture_end=(1_700_000_000_500_000_000, 500_000_000)))
     return paths
 
@@ -192,8 +213,10 @@ def test_odd_values_give_the_same_fleet(tmp_path, fc):
     merge_bundles(paths, tmp_path / "c.db")
     merge_bundles(paths, tmp_path / "sql.db", accel=False)
     a, b = dump(tmp_path / "c.db"), dump(tmp_path / "sql.db")
-    used = [r[-1] for r in a["sync_points"]]
+    used = [r[-2] for r in a["sync_points"]]
+    tight = [r[-1] for r in a["sync_points"]]
     assert 0 < sum(used) < len(used)                   # both kinds of observation
+    assert 0 < sum(tight) < len(tight)                 # tight and bounding ones
     coll = apsw.Connection(str(tmp_path / "c.db"))
     kinds = coll.execute(
         "SELECT SUM(ranks_seen < (SELECT COUNT(*) FROM nccl_events e WHERE "

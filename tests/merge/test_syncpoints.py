@@ -59,8 +59,8 @@ def nccl(t, seq, pid, tid, comm="aa00aa00aa00aa00"):
             4096, 0, 0, pid, tid, None)
 
 
-def cuda(t, d, pid, tid, api="cudaStreamSynchronize"):
-    return (t, d, api, "runtime", 7, None, None, None, 0, 0, pid, tid, None)
+def cuda(t, d, pid, tid, api="cudaStreamSynchronize", queued=0, gap=None):
+    return (t, d, api, "runtime", 7, None, None, None, 0, 0, pid, tid, None, queued, gap)
 
 
 def test_tricky_orders_match_the_rule(tmp_path):
