@@ -37,6 +37,8 @@ FWD_HOST_NS = 14 * MS        # host launches the forward kernels
 FWD_GPU_NS = 42 * MS         # GPU forward time (the host waits for it in a sync)
 BWD_NS = 86 * MS             # backward; gradient buckets become ready along it
 OPT_NS = 11 * MS             # optimizer step (host launch of fused kernels)
+OPT_GPU_NS = 4 * MS          # GPU time of the optimizer kernels
+OPT_TAIL_NS = 300 * US       # GPU time of the last optimizer kernels after their launch
 STEP_GAP_NS = 70 * US        # python between steps
 #: DDP gradient buckets: bytes (bf16 grads, 1 MiB first bucket as DDP does) and the
 #: fraction of the backward pass at which each becomes ready.
@@ -221,7 +223,8 @@ def rank_fault(plan: FaultPlan, node: int, local_rank: int) -> str:
 class RankStep:
     """True times of one rank in one step (float ns relative to T0)."""
     __slots__ = ("step", "start", "data_wait", "h2d", "h2d_dur", "fwd", "fsync",
-                 "fsync_end", "bwd", "entries", "nccl_durs", "bsync", "bsync_end", "opt",
+                 "fsync_end", "bwd", "bwd_end", "entries", "nccl_durs", "bsync", "bsync_end",
+                 "opt", "opt_end",
                  "loss_entry", "loss_dur", "d2h", "d2h_dur", "lsync", "lsync_end",
                  "stalls", "faulty")
 
@@ -313,21 +316,30 @@ class RankTimeline:
             extra = 0.0
             st.entries = [b0 + work * f for f in BUCKET_READY]
         st.nccl_durs = [9 * US + 36 * US * rnd() * rnd() for _ in BUCKET_READY]
-        st.bsync = b0 + work + extra + 80 * US + 320 * US * rnd() * rnd()
+        st.bwd_end = b0 + work + extra
         st.stalls = stalls
         self._cur = st
         return st
 
     def phase_optimizer(self, buckets_done: float) -> float:
-        """After the gradient sync; returns the loss all-reduce entry time."""
+        """The optimizer's kernels are launched right after the last gradient bucket is
+        enqueued, then the gradient sync waits for them (PyTorch: the sync is
+        ``loss.item()`` or the next step's first host read): on the GPU they run once
+        the buckets are reduced, so the sync ends when the later of the two is done,
+        late on a rank whose host launched them late. Returns the loss all-reduce entry
+        time."""
         rnd, st = self.r.random, self._cur
-        st.bsync_end = max(st.bsync, buckets_done) + self._wake(rnd)
-        st.opt = o0 = st.bsync_end + 20 * US + 70 * US * rnd() * rnd()
+        st.opt = o0 = st.bwd_end + 20 * US + 70 * US * rnd() * rnd()
         slow = self.plan.gpu_slowdown if st.faulty == "gpu" else 1.0
         work = OPT_NS * (1.0 + 0.06 * (rnd() + rnd() + rnd() - 1.5)) * slow
         extra = self._stalls(st.faulty, 2, o0, work, st.stalls, None) \
             if (st.faulty or rnd() < 0.015) else 0.0
-        st.loss_entry = o0 + work + extra
+        st.opt_end = o0 + work + extra
+        st.bsync = st.opt_end + 20 * US + 80 * US * rnd() * rnd()
+        gpu_done = max(buckets_done + OPT_GPU_NS * slow * (1.0 + 0.04 * (rnd() - 0.5)),
+                       st.opt_end + OPT_TAIL_NS * slow)
+        st.bsync_end = max(st.bsync, gpu_done) + self._wake(rnd)
+        st.loss_entry = st.bsync_end + 25 * US + 95 * US * rnd() * rnd()
         st.loss_dur = 9 * US + 31 * US * rnd() * rnd()
         return st.loss_entry
 
@@ -368,7 +380,9 @@ class RankTimeline:
         """
         r = self.r
         picks = []
-        if r.random() < 0.015:  # a kworker or ksoftirqd takes the CPU briefly: benign
+        # A kworker or ksoftirqd takes the CPU briefly: benign. A healthy phase gets here
+        # in 1.5 % of cases (the caller's draw), and then it is such a hiccup.
+        if not faulty or r.random() < 0.015:
             picks.append((r.random(), RUNQ_BENIGN, tri(r, 1.0, 1.3, 2.6) * MS))
         spec = self._FAULT_STALLS.get(faulty)
         if spec:

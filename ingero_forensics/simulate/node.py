@@ -223,10 +223,11 @@ class NodeGenerator:
         cuda = rows["cuda_events"]
         stream = self.streams[lr]
 
-        def call(t0, t1, api, strm, nbytes, kind, kernel, sk):
+        def call(t0, t1, api, strm, nbytes, kind, kernel, sk, queued=None, last_queued=None):
             a = int(m0 + t0 * k)
+            gap = None if not queued else a - int(m0 + last_queued * k)
             cuda.append((a, int(m0 + t1 * k) - a, api, "runtime", strm, nbytes, kind, kernel,
-                         lr, 0, pid, pid, stack[sk]))
+                         lr, 0, pid, pid, stack[sk], queued, gap))
 
         call(st.h2d, st.h2d + st.h2d_dur, "cudaMemcpyAsync", stream, 50_331_648, "HtoD",
              None, "h2d")
@@ -235,13 +236,16 @@ class NodeGenerator:
         lt = st.fwd + r.random() * (st.fsync - st.fwd) * 0.8
         call(lt, lt + (2.5 + 6.5 * r.random() * r.random()) * US, "cudaLaunchKernel", stream, None, None,
              catalog.KERNELS[sk], sk)
+        # What each sync queued since the previous collective or sync (bundle 1.1): the
+        # forward kernels (and the sampled launch), the optimizer's after the last bucket,
+        # the loss value's copy
         call(st.fsync, st.fsync_end, "cudaEventSynchronize", None, None, None, None,
-             "fwd_sync")
+             "fwd_sync", LAUNCHES[0] + 1, st.fsync - 40 * US)
         call(st.bsync, st.bsync_end, "cudaStreamSynchronize", stream, None, None, None,
-             "bwd_sync")
+             "bwd_sync", LAUNCHES[2], st.opt_end)
         call(st.d2h, st.d2h + st.d2h_dur, "cudaMemcpyAsync", stream, 4, "DtoH", None, "d2h")
         call(st.lsync, st.lsync_end, "cudaStreamSynchronize", stream, None, None, None,
-             "loss_sync")
+             "loss_sync", 1, st.d2h)
         # kernel launches by phase, for the cudaLaunchKernel aggregates
         launches = self._launches
         cap_m = self._cap_mono
