@@ -1,22 +1,30 @@
-"""Find the straggler and its root cause in a fleet.db.
+"""Find the stragglers and their root causes in a fleet.db.
 
-The method, in the order the report presents it:
+The method, in the order the report presents it (docs/report.md):
 
 1. Lateness. For every collective seen on two or more nodes, each node's arrival is the
-   latest entry of its ranks; its lateness is that arrival minus the median arrival of all
-   nodes. Entry times are exactly what the merge refuses to align on, so they are a fair
-   witness here.
-2. Windows. Collectives are binned in time; a node is late in a bin when its mean
-   lateness exceeds a noise floor estimated robustly from the whole fleet (MAD). The
-   straggler is the node with the largest excess lateness; its late bins, joined, are
-   the fault windows.
-3. Slow collectives without a late rank. Bins where the time from the last arrival to the
-   observed completion is far above the run's baseline point at the network; the node
-   whose job connections retransmit in those bins is named.
-4. Root cause. In the windows, each candidate cause's signals on the suspect node are
-   compared with the median of the other nodes over the same windows (a ratio, with a
-   floor per signal so noise near zero cannot win). The best cause must beat the others
-   by a clear factor; otherwise the report says it cannot tell, and shows the scores.
+   latest entry of its ranks; its lateness is that arrival minus the median arrival of
+   all nodes. The merge never estimates clocks from entry times, so lateness is a fair
+   witness, accurate to the relative alignment uncertainty it reports per node.
+2. Late cells. Collectives are binned in time; a (node, bin) cell is late when its mean
+   lateness exceeds a threshold that grows with the number of cells tested (a
+   Bonferroni bound on a robust spread of all cells, never under LATE_FLOOR_MS): the
+   false-positive rate is controlled over the whole fleet and run, not per node.
+3. Cost. The time the job waited for a node beyond the fleet's normal jitter: its
+   excess lateness (lateness minus that jitter) over the collectives in time order,
+   counting every rise and no fall. A node late by L through a whole step (every
+   bucket, then the loss) costs L, once, as the step took L longer; a stall that comes
+   back every step costs every time. A straggler is named only if it is late in at
+   least MIN_LATE_BINS cells AND its cost is at least MIN_COST_SHARE of the run:
+   isolated hiccups (a GC pause, a kworker) cost nothing worth a verdict. Every node
+   that passes is named, each with its own windows, cause and cost.
+4. Slow collectives without a late rank point at the network; the node whose own job
+   connections retransmit is named.
+5. Root cause per straggler (evidence.py): its signals in its windows against the other
+   nodes; the best cause must beat the others by a clear factor.
+6. Clock trust. A straggler whose lateness is not well above its relative alignment
+   uncertainty (clock_alignment) is still listed, but the report says that clock
+   error cannot be ruled out and never names a cause with "clear" confidence.
 
 Everything is computed from fleet.db with SQL plus small Python loops over aggregated
 rows; nothing here depends on the simulator.
@@ -24,47 +32,42 @@ rows; nothing here depends on the simulator.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 from array import array
-import math
-import random
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 from ..db import connect_readonly
 from ..errors import IngeroError
+from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
+                       Signal, alignment_rows, capture_issues, cause_series, cited_evidence,
+                       global_ranks, inventory, late_ranks, median, node_signals, quantile,
+                       slow_collectives, table_exists)
 
-CAUSES = ("cpu", "io", "memory", "network", "gpu")
-#: A cause is named when its best signal deviates this many robust spreads (or floors)
-#: from the other nodes, and by twice as much as any other cause; WEAK_SCORE names it
-#: with a warning.
-CLEAR_SCORE = 5.0
-WEAK_SCORE = 3.0
-#: Lateness values kept per node for its median and 90th percentile (a uniform sample
-#: beyond that: memory stays flat however many collectives the fleet holds).
-LATENESS_SAMPLE = 20_000
 #: Transfer times kept per time bin for its median.
 TRANSFER_SAMPLE = 5_000
 #: A node must be late in at least this many time bins to be called a straggler.
 MIN_LATE_BINS = 3
-CAUSE_TITLES = {
-    "cpu": "CPU contention",
-    "io": "block I/O",
-    "memory": "memory pressure",
-    "network": "network retransmits",
-    "gpu": "GPU slowdown",
-}
+#: ... and the others must have waited for it at least this share of the run.
+MIN_COST_SHARE = 0.01
+#: Lateness under this is never a late cell, however quiet the fleet.
+LATE_FLOOR_MS = 1.0
+#: At most this chance, over all cells of the run, that noise alone makes a late cell
+#: (the Bonferroni bound uses a Gaussian tail; heavier tails are what the cost rule is
+#: for).
+FALSE_CELL_RATE = 0.01
+#: A straggler's lateness must exceed this many times its relative alignment
+#: uncertainty (plus its peers') before the clock is ruled out as its cause.
+CLOCK_MARGIN = 3.0
+#: Lateness values above this are kept for the cost (below it nobody waited).
+COST_FLOOR_MS = 0.5
 
-
-@dataclass
-class Signal:
-    cause: str
-    name: str          # what was measured, with its unit
-    suspect: float     # value on the suspect node in the windows
-    others: float      # median over the other nodes, same windows
-    score: float       # how many times worse than the others (>= 1 means worse)
+__all__ = ["Analysis", "CAUSES", "CAUSE_TITLES", "NodeLateness", "Signal", "Straggler",
+           "Window", "analyze_fleet"]
 
 
 @dataclass
@@ -84,6 +87,28 @@ class NodeLateness:
     p90_ms: float
     last_share: float   # share of the collectives in which this node arrived last
     late_bins: int
+    cost_s: float = 0.0         # time the others waited for it beyond the jitter
+    cost_share: float = 0.0     # cost_s over the run's duration
+
+
+@dataclass
+class Straggler:
+    node: str
+    node_id: int
+    ranks: list[int]
+    late_ranks: list[int]
+    windows: list[Window]
+    lateness_ms: float          # mean lateness in its windows
+    late_bins: int
+    cost_s: float
+    cost_share: float
+    relative_uncertainty_ms: float | None
+    clock_caveat: bool          # lateness not well above the alignment uncertainty
+    cause: str | None = None
+    cause_confidence: str = "none"   # clear / weak / none
+    evidence: list[str] = field(default_factory=list)
+    signals: list[Signal] = field(default_factory=list)
+    top_offenders: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +121,7 @@ class Analysis:
     end_ns: int | None
     bin_ns: int
     noise_ms: float
+    threshold_ms: float = 0.0
     straggler: str | None = None
     straggler_node_id: int | None = None
     straggler_ranks: list[int] = field(default_factory=list)
@@ -103,9 +129,11 @@ class Analysis:
     windows: list[Window] = field(default_factory=list)
     cause: str | None = None
     cause_confidence: str | None = None   # clear / weak / none
+    clock_caveat: bool = False
     verdict: str = ""
     evidence: list[str] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
+    stragglers: list[Straggler] = field(default_factory=list)
     lateness: list[NodeLateness] = field(default_factory=list)
     slow_bins: int = 0
     timeline: list[dict] = field(default_factory=list)   # per bin: t, suspect_ms, fleet_ms, transfer_ms
@@ -118,24 +146,6 @@ class Analysis:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-class Reservoir:
-    """At most k values, a uniform sample of all added (seeded: the same input gives the
-    same sample, so reports are reproducible); every value while fewer than k came."""
-
-    def __init__(self, k: int, seed: int):
-        self.k, self.n, self.values = k, 0, array("d")   # 8 bytes a value
-        self._rng = random.Random(seed)
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        if len(self.values) < self.k:
-            self.values.append(x)
-        else:
-            j = self._rng.randrange(self.n)
-            if j < self.k:
-                self.values[j] = x
 
 
 def _groups(rows):
@@ -151,24 +161,6 @@ def _groups(rows):
         yield group
 
 
-def _q(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _median(values):
-    return _q(list(values), 0.5)
-
-
-def _table_exists(con, name: str) -> bool:
-    return con.execute("SELECT 1 FROM sqlite_schema WHERE type='table' AND name=?",
-                       (name,)).fetchone() is not None
-
-
 def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     """Analyze a merged fleet.db; raise IngeroError if it is not one."""
     path = Path(fleet_db)
@@ -177,7 +169,7 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     try:
         con = connect_readonly(path)
         for t in ("nodes", "collectives", "nccl_events", "host_samples"):
-            if not _table_exists(con, t):
+            if not table_exists(con, t):
                 raise IngeroError(f"{path}: not a fleet.db (table {t} missing); "
                                   "build one with ingero-merge")
     except IngeroError:
@@ -188,6 +180,30 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
         return _analyze(con, path, bin_s)
     finally:
         con.close()
+
+
+def late_threshold_ms(noise_ms: float, cells: int) -> float:
+    """The lateness a (node, bin) cell must exceed: a Gaussian tail bound over every
+    cell of the run at FALSE_CELL_RATE, in units of the fleet's robust spread."""
+    k = NormalDist().inv_cdf(1.0 - FALSE_CELL_RATE / max(cells, 1))
+    return max(LATE_FLOOR_MS, max(k, 4.0) * noise_ms)
+
+
+def _cost_ns(points, times, jitter_ms: float) -> float:
+    """Sum of the rises of a node's excess lateness (lateness - jitter, at least 0) over
+    the collectives in time order. ``points``: (collective time, lateness ms) of the
+    collectives where it was late by more than COST_FLOOR_MS (at most that elsewhere:
+    excess 0); ``times``: every collective's time, sorted."""
+    total, prev_x, prev_k = 0.0, 0.0, None
+    for t, late in sorted(points):
+        k = bisect.bisect_left(times, t)
+        if prev_k is None or k != prev_k + 1:
+            prev_x = 0.0          # a collective in between where it was on time
+        x = max(0.0, late - jitter_ms)
+        if x > prev_x:
+            total += x - prev_x
+        prev_x, prev_k = x, k
+    return total * 1e6
 
 
 def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
@@ -212,9 +228,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     bin_ns = int(bin_s * 1e9)
     a = Analysis(fleet=path.name, nodes=len(nodes), ranks=n_ranks, collectives=n_coll,
                  start_ns=span[0], end_ns=span[1], bin_ns=bin_ns, noise_ms=0.0)
-    a.inventory = _inventory(con)
-    a.alignment = _alignment(con, nodes)
-    a.capture_issues = _capture_issues(con, nodes)
+    a.inventory = inventory(con)
+    a.alignment = alignment_rows(con, nodes)
+    a.capture_issues = capture_issues(con, nodes)
     if first_row is None or len(nodes) < 2:
         a.verdict = ("Not enough data to compare nodes: need collectives seen on at least "
                      "two nodes." if nodes else "The fleet database holds no nodes.")
@@ -226,18 +242,21 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     bins: dict[int, dict[int, list[float]]] = defaultdict(dict)   # b -> node -> [sum, n]
     transfer: dict[int, Reservoir] = {}
     last_count: dict[int, int] = defaultdict(int)
+    costly: dict[int, list[tuple[int, float]]] = defaultdict(list)   # node -> (t, late ms)
+    times = array("q")
     for group in _groups(itertools.chain([first_row], rows)):
         if len(group) < 2:
             continue
         first, last_node, completion, last_entry = group[0][1], group[0][2], group[0][3], group[0][4]
-        med = _median([g[6] for g in group])
+        med = median([g[6] for g in group])
         b = (first - t0) // bin_ns
         cells = bins[b]
+        times.append(first)
         for g in group:
             late_ms = (g[6] - med) / 1e6
             nid = g[5]
             if nid not in per_node:
-                per_node[nid] = Reservoir(LATENESS_SAMPLE, seed=nid)
+                per_node[nid] = Reservoir(SAMPLE, seed=nid)
             per_node[nid].add(late_ms)
             acc = cells.get(nid)
             if acc is None:
@@ -245,132 +264,183 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             else:
                 acc[0] += late_ms
                 acc[1] += 1
+            if late_ms > COST_FLOOR_MS:
+                costly[nid].append((first, late_ms))
         last_count[last_node] += 1
         if completion is not None and completion >= last_entry:
             if b not in transfer:
                 transfer[b] = Reservoir(TRANSFER_SAMPLE, seed=b)
             transfer[b].add((completion - last_entry) / 1e6)
 
-    # robust noise floor over all (bin, node) means
+    # robust noise over all (bin, node) means; the threshold grows with their number
     cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k) in per.items()}
     vals = list(cell.values())
-    med_all = _median(vals)
-    mad = _median([abs(v - med_all) for v in vals]) * 1.4826
+    med_all = median(vals)
+    mad = median([abs(v - med_all) for v in vals]) * 1.4826
     a.noise_ms = round(mad, 3)
-    threshold = max(1.0, 6 * mad)
+    threshold = late_threshold_ms(mad, len(cell))
+    a.threshold_ms = round(threshold, 3)
     late_bins: dict[int, list[int]] = defaultdict(list)
-    excess: dict[int, float] = defaultdict(float)
     for (b, n), v in cell.items():
         if v > threshold:
             late_bins[n].append(b)
-            excess[n] += v - threshold
+    # cost: what the others waited for a node beyond the normal jitter
+    run_ns = max((span[1] or 0) - (span[0] or 0), 1)
+    jitter_ms = max(COST_FLOOR_MS, 3.0 * mad)
+    times = array("q", sorted(times))
+    cost = {nid: _cost_ns(pts, times, jitter_ms) for nid, pts in costly.items()}
     for nid, (name, ranks) in sorted(nodes.items(), key=lambda kv: kv[1][0]):
         res = per_node.get(nid)
         lat = res.values if res else []
+        c = cost.get(nid, 0)
         a.lateness.append(NodeLateness(
-            nid, name, ranks, res.n if res else 0, round(_median(lat), 3),
-            round(_q(lat, 0.9), 3),
-            round(last_count.get(nid, 0) / max(1, n_coll), 3), len(late_bins.get(nid, []))))
+            nid, name, ranks, res.n if res else 0, round(median(lat), 3),
+            round(quantile(lat, 0.9), 3),
+            round(last_count.get(nid, 0) / max(1, n_coll), 3), len(late_bins.get(nid, [])),
+            round(c / 1e9, 3), round(c / run_ns, 4)))
 
-    # -- 2. straggler and windows ---------------------------------------------------
+    # -- 2. stragglers: repeatedly late, and costly --------------------------------------
     n_bins = len(bins)
-    suspect = None
-    if excess:
-        cand = max(excess, key=excess.get)
-        # a straggler is late repeatedly: isolated hiccups happen on healthy nodes too
-        if len(late_bins[cand]) >= max(MIN_LATE_BINS, int(0.02 * n_bins)):
-            suspect = cand
-    # -- 3. slow collectives with nobody late: the network --------------------------
-    tr_med = {b: _median(v.values) for b, v in transfer.items() if v.n}
-    base = _median(tr_med.values()) if tr_med else 0.0
-    slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
-    a.slow_bins = len(slow)
-    network_suspect, retrans_bins = None, []
-    if suspect is None:
-        network_suspect, retrans_bins = _retransmit_suspect(con, list(nodes), t0, bin_ns)
-        if network_suspect is None and len(slow) >= max(2, int(0.02 * n_bins)):
-            counts = _per_node_in_bins(con, "SELECT node_id, timestamp_ns FROM tcp_events "
-                                       "WHERE scope = 'job' AND event = 'tcp_retransmit_skb'",
-                                       slow, t0, bin_ns)
-            if counts:
-                network_suspect = max(counts, key=counts.get)
-    if suspect is not None:
-        window_bins = sorted(late_bins[suspect])
-    else:
-        window_bins = sorted(set(slow) | set(retrans_bins))
-    a.windows = _join_bins(window_bins, t0, bin_ns, cell, suspect)
-    if suspect is not None and a.windows:
+    min_bins = max(MIN_LATE_BINS, int(0.02 * n_bins))
+    rel_unc = {r["node_id"]: r.get("relative_uncertainty_us") for r in a.alignment}
+    ranks_of = global_ranks(con)
+    for nl in sorted(a.lateness, key=lambda x: -x.cost_s):
+        if nl.late_bins < min_bins or nl.cost_share < MIN_COST_SHARE:
+            continue
+        windows = _join_bins(sorted(late_bins[nl.node_id]), t0, bin_ns, cell, nl.node_id)
         # a short blip far weaker than the fault itself is a hiccup, not a window;
         # repeated short stalls of similar size are all kept
-        peak = max(w.lateness_ms for w in a.windows)
-        a.windows = [w for w in a.windows
-                     if w.end_ns - w.start_ns >= 3 * bin_ns or w.lateness_ms >= 0.5 * peak]
+        peak = max(w.lateness_ms for w in windows)
+        windows = [w for w in windows
+                   if w.end_ns - w.start_ns >= 3 * bin_ns or w.lateness_ms >= 0.5 * peak]
+        secs = sum(w.end_ns - w.start_ns for w in windows)
+        lat = sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in windows) / max(secs, 1)
+        a.stragglers.append(Straggler(
+            node=nl.name, node_id=nl.node_id, ranks=nl.ranks,
+            late_ranks=late_ranks(con, nl.node_id,
+                                  [(w.start_ns, w.end_ns) for w in windows], ranks_of),
+            windows=windows, lateness_ms=round(lat, 3), late_bins=nl.late_bins,
+            cost_s=nl.cost_s, cost_share=nl.cost_share,
+            relative_uncertainty_ms=_pair_uncertainty_ms(nl.node_id, rel_unc),
+            clock_caveat=False))
+    for st in a.stragglers:
+        u = st.relative_uncertainty_ms
+        st.clock_caveat = u is None or st.lateness_ms <= CLOCK_MARGIN * u
 
+    # -- 3. slow collectives with nobody late: the network --------------------------
+    tr_med = {b: median(v.values) for b, v in transfer.items() if v.n}
+    base = median(tr_med.values()) if tr_med else 0.0
+    slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
+    a.slow_bins = len(slow)
+    network_suspect, net_bins = None, []
+    if not a.stragglers:
+        network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
+                                                     n_bins)
+    primary = a.stragglers[0] if a.stragglers else None
     for b in sorted(bins):
         per = bins[b]
         row = {"t_s": round(b * bin_ns / 1e9, 3),
-               "fleet_ms": round(_median([sv / k for sv, k in per.values()]), 3),
+               "fleet_ms": round(median([sv / k for sv, k in per.values()]), 3),
                "transfer_ms": round(tr_med.get(b, 0.0), 3)}
-        if suspect is not None and suspect in per:
-            row["suspect_ms"] = round(per[suspect][0] / per[suspect][1], 3)
+        if primary is not None and primary.node_id in per:
+            row["suspect_ms"] = round(per[primary.node_id][0] / per[primary.node_id][1], 3)
         a.timeline.append(row)
 
-    target = suspect if suspect is not None else network_suspect
-    if target is None:
+    if primary is None and network_suspect is None:
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
-                     f"normal jitter ({a.noise_ms:.2f} ms), and collectives are not slow "
-                     "for everyone.")
+                     f"normal jitter ({a.noise_ms:.2f} ms; late means over "
+                     f"{a.threshold_ms:.2f} ms in at least {min_bins} time bins and costing "
+                     f"the others at least {MIN_COST_SHARE:.0%} of the run), and collectives "
+                     "are not slow for everyone.")
         a.cause_confidence = "none"
-        a.slow_collectives = _slow_collectives(con)
+        a.slow_collectives = slow_collectives(con)
         return a
 
-    a.straggler_node_id = target
-    a.straggler, a.straggler_ranks = nodes[target][0], nodes[target][1]
-    windows = [(w.start_ns, w.end_ns) for w in a.windows]
-    if suspect is not None:
-        a.late_ranks = _late_ranks(con, target, windows)
+    # -- 4. root cause, per straggler ------------------------------------------------
+    if primary is None:
+        windows = _join_bins(sorted(set(net_bins)), t0, bin_ns, cell, None)
+        name, ranks = nodes[network_suspect]
+        primary = Straggler(node=name, node_id=network_suspect, ranks=ranks, late_ranks=[],
+                            windows=windows, lateness_ms=0.0, late_bins=0, cost_s=0.0,
+                            cost_share=0.0,
+                            relative_uncertainty_ms=_pair_uncertainty_ms(network_suspect,
+                                                                         rel_unc),
+                            clock_caveat=False)
+        _diagnose(con, primary, list(nodes), nodes, network=True)
+    else:
+        for st in a.stragglers:
+            _diagnose(con, st, list(nodes), nodes, network=False)
+    a.straggler_node_id, a.straggler, a.straggler_ranks = primary.node_id, primary.node, primary.ranks
+    a.late_ranks, a.windows = primary.late_ranks, primary.windows
+    a.cause, a.cause_confidence, a.clock_caveat = (primary.cause, primary.cause_confidence,
+                                                   primary.clock_caveat)
+    a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
+    a.cause_series = cause_series(con, a.cause, primary.node_id, t0, bin_ns) if a.cause else {}
+    a.slow_collectives = slow_collectives(con)
+    a.verdict = _verdict(a, network_suspect is not None)
+    return a
 
-    # -- 4. root cause ---------------------------------------------------------------
-    a.signals = _signals(con, target, list(nodes), windows)
-    scores = {c: max((s.score for s in a.signals if s.cause == c), default=0.0) for c in CAUSES}
-    if network_suspect is not None:
+
+def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
+    """The node's relative alignment uncertainty plus its peers' typical one (ms); None
+    when the node's is unknown."""
+    mine = rel_unc.get(node_id)
+    if mine is None:
+        return None
+    peers = [v for n, v in rel_unc.items() if n != node_id and v is not None]
+    return round((mine + (median(peers) if peers else 0.0)) / 1e3, 3)
+
+
+def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
+    """Score every cause on the straggler in its windows; name the best if it is clear."""
+    windows = [(w.start_ns, w.end_ns) for w in st.windows]
+    st.signals = node_signals(con, st.node_id, node_ids, windows)
+    scores = {c: max((s.score for s in st.signals if s.cause == c), default=0.0)
+              for c in CAUSES}
+    if network:
         # slow for everyone with nobody late: only the network explains that pattern
         scores["network"] = max(scores["network"], CLEAR_SCORE)
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=True)
     best, best_score = ranked[0]
     second = ranked[1][1]
     if best_score >= CLEAR_SCORE and best_score >= 2 * max(second, 1.0):
-        a.cause, a.cause_confidence = best, "clear"
+        st.cause, st.cause_confidence = best, "clear"
     elif best_score >= WEAK_SCORE:
-        a.cause, a.cause_confidence = best, "weak"
+        st.cause, st.cause_confidence = best, "weak"
     else:
-        a.cause_confidence = "none"
-    a.evidence, a.top_offenders = _evidence(con, a.cause, target, windows, nodes)
-    a.cause_series = _cause_series(con, a.cause, target, t0, bin_ns) if a.cause else {}
-    a.slow_collectives = _slow_collectives(con)
-    a.verdict = _verdict(a, suspect is not None)
-    return a
+        st.cause_confidence = "none"
+    if st.clock_caveat and st.cause_confidence == "clear":
+        st.cause_confidence = "weak"
+    st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes)
 
 
-def _retransmit_suspect(con, node_ids, t0, bin_ns) -> tuple[int | None, list[int]]:
-    """A node whose job connections retransmit far more than the others' (a persistent
-    network fault leaves no slow-vs-normal contrast in time, but it does across nodes)."""
+def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins) -> tuple[int | None, list[int]]:
+    """The node whose own job connections retransmit, when collectives are slow for
+    everyone while nobody arrives late: retransmits far above the other nodes' (a
+    persistent fault leaves no contrast in time, but it does across nodes), or the most
+    of them in the slow bins."""
     per: dict[int, set[int]] = defaultdict(set)       # bins with retransmits
     count: dict[int, int] = defaultdict(int)
+    in_slow: dict[int, int] = defaultdict(int)
+    slow_set = set(slow)
     for nid, b, n in con.execute(
             "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
             "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' GROUP BY 1, 2", (t0, bin_ns)):
         per[nid].add(b)
         count[nid] += n
+        if b in slow_set:
+            in_slow[nid] += n
     if not per:
         return None, []
     counts = {n: count.get(n, 0) for n in node_ids}
     top = max(counts, key=counts.get)
     rest = [c for n, c in counts.items() if n != top]
-    med = _median(rest) if rest else 0.0
-    spread = 1.4826 * _median([abs(c - med) for c in rest]) if rest else 0.0
+    med = median(rest) if rest else 0.0
+    spread = 1.4826 * median([abs(c - med) for c in rest]) if rest else 0.0
     if counts[top] >= 10 and (counts[top] - med) / max(spread, 3.0) >= CLEAR_SCORE:
-        return top, sorted(set(per[top]))
+        return top, sorted(set(per[top]) | slow_set)
+    if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow:
+        return max(in_slow, key=in_slow.get), sorted(slow_set)
     return None, []
 
 
@@ -388,305 +458,51 @@ def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node) -> list[Windo
     return out
 
 
-def _per_node_in_bins(con, sql, bins_, t0, bin_ns) -> dict[int, int]:
-    wanted = set(bins_)
-    out: dict[int, int] = defaultdict(int)
-    for nid, ts in con.execute(sql):
-        if (ts - t0) // bin_ns in wanted:
-            out[nid] += 1
-    return dict(out)
-
-
-def _window_clause(windows, col="timestamp_ns"):
-    if not windows:
-        return "0", []
-    parts, params = [], []
-    for s, e in windows:
-        parts.append(f"({col} >= ? AND {col} < ?)")
-        params += [s, e]
-    return "(" + " OR ".join(parts) + ")", params
-
-
-def _late_ranks(con, node_id, windows) -> list[int]:
-    """Ranks of the straggler node whose own lateness stands out within the node."""
-    where, params = _window_clause(windows, "e.timestamp_ns")
-    per_rank: dict[int, Reservoir] = {}
-    for rank, ts, first in con.execute(
-            "SELECT e.rank, e.timestamp_ns, c.first_entry_ns FROM nccl_events e "
-            "JOIN collectives c ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
-            f"WHERE e.node_id = ? AND e.rank IS NOT NULL AND {where}", [node_id] + params):
-        if rank not in per_rank:
-            per_rank[rank] = Reservoir(LATENESS_SAMPLE, seed=rank)
-        per_rank[rank].add((ts - first) / 1e6)
-    if not per_rank:
-        return []
-    med = {r: _median(v.values) for r, v in per_rank.items()}
-    top = max(med.values())
-    # late ranks: within a factor of two of the latest one (a GPU fault slows one rank,
-    # CPU or I/O contention on the host slows all of them)
-    return sorted(r for r, m in med.items() if m >= 0.5 * top)
-
-
-def _seconds(windows) -> float:
-    return sum(e - s for s, e in windows) / 1e9 or 1.0
-
-
-def _signals(con, target, node_ids, windows) -> list[Signal]:
-    """Per-cause signals on the suspect vs the other nodes over the same windows.
-
-    The score is a robust deviation: (suspect - median of others) / max(spread of others,
-    a per-signal floor). The floor is the smallest difference an operator would call
-    noticeable, so a flat fleet (spread ~ 0) cannot turn noise into a verdict.
-    """
-    secs = _seconds(windows)
-    others = [n for n in node_ids if n != target]
-    out: list[Signal] = []
-
-    def add(cause, name, per_node: dict[int, float], floor: float, inverse=False):
-        s = per_node.get(target, 0.0)
-        vals = [per_node.get(n, 0.0) for n in others]
-        med = _median(vals) if vals else 0.0
-        spread = 1.4826 * _median([abs(v - med) for v in vals]) if vals else 0.0
-        dev = (med - s) if inverse else (s - med)
-        out.append(Signal(cause, name, round(s, 3), round(med, 3),
-                          round(dev / max(spread, floor), 2)))
-
-    w, p = _window_clause(windows)
-
-    def per_node(sql, params=()):
-        return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
-
-    add("cpu", "run-queue delay of traced threads (ms per s)",
-        {k: v / 1e6 / secs for k, v in per_node(
-            f"SELECT node_id, SUM(duration_ns) FROM sched_events WHERE kind = 'runq_delay' "
-            f"AND {w} GROUP BY node_id", p).items()}, 5.0)
-    for cause, metric, floor, inverse in (
-            ("cpu", "psi.cpu.some_pct", 3.0, False),
-            ("cpu", "cpu.busy_pct", 5.0, False),
-            ("io", "psi.io.some_pct", 3.0, False),
-            ("io", "disk.await_ms", 1.0, False),
-            ("memory", "psi.memory.some_pct", 3.0, False),
-            ("memory", "vm.pgmajfault_per_s", 20.0, False),
-            ("memory", "vm.pgscan_per_s", 500.0, False),
-            ("network", "tcp.retrans_segs_per_s", 1.0, False),
-            ("gpu", "gpu.sm_clock_mhz", 50.0, True),
-            ("gpu", "gpu.temp_c", 3.0, False)):
-        agg = "MIN" if inverse else "MAX"
-        # per node: the worst device's mean over the windows (GPU: one GPU may be the culprit);
-        # CPU metrics: the whole-node row only
-        vals = per_node(
-            f"SELECT node_id, {agg}(v) FROM (SELECT node_id, device, AVG(value) v "
-            f"FROM host_samples WHERE metric = ? AND (device IS NULL OR metric NOT LIKE 'cpu.%') "
-            f"AND {w} GROUP BY node_id, device) GROUP BY node_id", [metric] + p)
-        if vals:
-            add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else ""),
-                vals, floor, inverse)
-    throttled = per_node(
-        f"SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f FROM host_samples "
-        f"WHERE metric = 'gpu.throttle_reasons' AND {w} GROUP BY node_id, device) GROUP BY node_id", p)
-    if throttled:
-        add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
-    add("io", "block I/O latency p95 (ms)", _block_p95(con, w, p), 2.0)
-    add("network", "job-connection retransmits (per s)",
-        {k: v / secs for k, v in per_node(
-            f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
-            f"AND event = 'tcp_retransmit_skb' AND {w} GROUP BY node_id", p).items()}, 0.5)
-    add("gpu", "GPU work wait of the slowest rank (ms, median event/device sync)",
-        _sync_wait(con, w, p), 2.0)
-    return out
-
-
-def _block_p95(con, w, p) -> dict[int, float]:
-    per: dict[int, Reservoir] = {}
-    for nid, d in con.execute(f"SELECT node_id, duration_ns FROM block_events WHERE {w}", p):
-        if nid not in per:
-            per[nid] = Reservoir(LATENESS_SAMPLE, seed=nid)
-        per[nid].add(d / 1e6)
-    return {n: _q(v.values, 0.95) for n, v in per.items()}
-
-
-def _sync_wait(con, w, p) -> dict[int, float]:
-    """GPU slowdown shows as one rank's waits for its own GPU work (event and device
-    synchronizations; stream synchronizations wait for collectives and are left out)
-    taking longer than its peers'."""
-    per: dict[tuple[int, int], Reservoir] = {}
-    for nid, pid, d in con.execute(
-            f"SELECT node_id, pid, duration_ns FROM cuda_events WHERE duration_ns IS NOT NULL "
-            f"AND api IN ('cudaEventSynchronize', 'cuEventSynchronize', 'cudaDeviceSynchronize', "
-            f"'cuCtxSynchronize') AND {w}", p):
-        if (nid, pid) not in per:
-            per[(nid, pid)] = Reservoir(LATENESS_SAMPLE, seed=nid * 1_000_003 + pid)
-        per[(nid, pid)].add(d / 1e6)
-    out: dict[int, float] = {}
-    for (nid, _), v in per.items():
-        out[nid] = max(out.get(nid, 0.0), _median(v.values))
-    return out
-
-
-def _evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[dict]]:
-    w, p = _window_clause(windows)
-    secs = _seconds(windows)
-    ev: list[str] = []
-    top: list[dict] = []
-    if cause == "cpu":
-        for comm, opid, n, tot in con.execute(
-                f"SELECT other_comm, other_pid, COUNT(*), SUM(duration_ns) FROM sched_events "
-                f"WHERE node_id = ? AND kind = 'runq_delay' AND {w} "
-                f"GROUP BY other_comm, other_pid ORDER BY SUM(duration_ns) DESC LIMIT 5",
-                [target] + p):
-            top.append({"task": comm or "?", "pid": opid, "spans": n, "total_ms": round(tot / 1e6, 1)})
-        if top:
-            total_s = sum(t["total_ms"] for t in top) / 1e3
-            ev.append(f"Its traced threads waited {total_s:,.1f} s in the run queue during the "
-                      f"windows (summed over threads), most of it behind {top[0]['task']} "
-                      f"(pid {top[0]['pid']}).")
-    elif cause == "io":
-        for dev, n, mx, avg in con.execute(
-                f"SELECT device, COUNT(*), MAX(duration_ns), AVG(duration_ns) FROM block_events "
-                f"WHERE node_id = ? AND {w} GROUP BY device ORDER BY MAX(duration_ns) DESC LIMIT 5",
-                [target] + p):
-            top.append({"device": dev, "requests": n, "max_ms": round(mx / 1e6, 1),
-                        "mean_ms": round(avg / 1e6, 2)})
-        if top:
-            ev.append(f"Block I/O on {top[0]['device']} took up to {top[0]['max_ms']} ms per "
-                      f"request in the windows (mean {top[0]['mean_ms']} ms).")
-    elif cause == "network":
-        for sa, da, dp, n in con.execute(
-                f"SELECT saddr, daddr, dport, COUNT(*) FROM tcp_events WHERE node_id = ? "
-                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w} "
-                f"GROUP BY saddr, daddr, dport ORDER BY COUNT(*) DESC LIMIT 5", [target] + p):
-            top.append({"from": sa, "to": da, "port": dp, "retransmits": n})
-        if top:
-            total = sum(t["retransmits"] for t in top)
-            ev.append(f"{total} TCP retransmits on the job's own connections from "
-                      f"{top[0]['from']} ({total / secs:.1f}/s in the windows), to "
-                      + ", ".join(sorted({t['to'] for t in top})) + ".")
-        bg = con.execute(f"SELECT COUNT(*) FROM tcp_events WHERE scope = 'background' AND {w}",
-                         p).fetchone()[0]
-        if bg:
-            ev.append(f"{bg} other retransmits in the windows belong to background traffic "
-                      "(not the job's connections) and are not counted.")
-    elif cause == "memory":
-        for metric, mx in con.execute(
-                f"SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
-                f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
-                f"GROUP BY metric ORDER BY metric", [target] + p):
-            top.append({"metric": metric, "peak": round(mx, 1)})
-        if top:
-            ev.append("Memory pressure on the node: " + ", ".join(
-                f"{t['metric']} peaked at {t['peak']}" for t in top) + ".")
-    elif cause == "gpu":
-        for dev, clk, temp in con.execute(
-                f"SELECT device, AVG(CASE WHEN metric = 'gpu.sm_clock_mhz' THEN value END), "
-                f"AVG(CASE WHEN metric = 'gpu.temp_c' THEN value END) FROM host_samples "
-                f"WHERE node_id = ? AND metric IN ('gpu.sm_clock_mhz', 'gpu.temp_c') AND {w} "
-                f"GROUP BY device ORDER BY 2 ASC LIMIT 3", [target] + p):
-            top.append({"gpu": dev, "sm_clock_mhz": round(clk or 0), "temp_c": round(temp or 0, 1)})
-        if top:
-            ev.append(f"GPU {top[0]['gpu']} ran at {top[0]['sm_clock_mhz']} MHz SM clock, "
-                      f"{top[0]['temp_c']} °C, in the windows.")
-    return ev, top
-
-
-def _cause_series(con, cause, target, t0, bin_ns) -> dict:
-    """The cause's main metric over time: the suspect node vs the other nodes' median."""
-    metric = {"cpu": "psi.cpu.some_pct", "io": "psi.io.some_pct",
-              "memory": "psi.memory.some_pct", "network": "tcp.retrans_segs_per_s",
-              "gpu": "gpu.sm_clock_mhz"}[cause]
-    agg = "MIN" if cause == "gpu" else "MAX"
-    per: dict[int, dict[int, float]] = defaultdict(dict)
-    for nid, b, v in con.execute(
-            f"SELECT node_id, (timestamp_ns - ?) / ?, {agg}(v) FROM (SELECT node_id, "
-            f"timestamp_ns, device, value v FROM host_samples WHERE metric = ?) "
-            f"GROUP BY node_id, (timestamp_ns - ?) / ?", [t0, bin_ns, metric, t0, bin_ns]):
-        if b is not None and b >= 0:
-            per[b][nid] = v
-    series = []
-    for b in sorted(per):
-        vals = per[b]
-        others = [v for n, v in vals.items() if n != target]
-        series.append({"t_s": round(b * bin_ns / 1e9, 3), "suspect": round(vals.get(target, 0.0), 3),
-                       "others": round(_median(others), 3) if others else 0.0})
-    return {"metric": metric, "points": series}
-
-
-def _slow_collectives(con) -> list[dict]:
-    """The seed article's question: slowest AllReduces and the retransmits in their window."""
-    out = []
-    for rank, node, ms, n in con.execute(
-            "WITH slow AS (SELECT timestamp_ns, duration_ns, rank, node_id FROM nccl_events "
-            "  WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000 "
-            "  ORDER BY duration_ns DESC LIMIT 10) "
-            "SELECT s.rank, nd.name, s.duration_ns / 1e6, "
-            "  (SELECT COUNT(*) FROM tcp_events t WHERE t.event = 'tcp_retransmit_skb' "
-            "   AND t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns) "
-            "FROM slow s JOIN nodes nd USING (node_id) ORDER BY s.duration_ns DESC"):
-        out.append({"rank": rank, "node": node, "ms": round(ms, 1), "retransmits": n})
-    return out
-
-
-def _alignment(con, nodes) -> list[dict]:
-    if not _table_exists(con, "clock_alignment"):
-        return []
-    out = []
-    for row in con.execute(
-            "SELECT node_id, method, drift_ppm, uncertainty_ns, relative_uncertainty_ns, "
-            "sync_points, violations_before, violations_after, steps, exceeds_claim "
-            "FROM clock_alignment ORDER BY node_id"):
-        nid, method, drift, unc, rel, sp, vb, va, steps, liar = row
-        out.append({"node": nodes.get(nid, ("?",))[0], "method": method,
-                    "drift_ppm": round(drift or 0.0, 2),
-                    "uncertainty_us": None if unc is None else round(unc / 1e3, 1),
-                    "relative_uncertainty_us": None if rel is None else round(rel / 1e3, 1),
-                    "sync_points": sp, "violations_before": vb, "violations_after": va,
-                    "steps": steps, "exceeds_claim": bool(liar)})
-    return out
-
-
-def _capture_issues(con, nodes) -> list[dict]:
-    """Sources that were off or lost events: the report must say what it could not see."""
-    out = []
-    for nid, source, event, n, msg in con.execute(
-            "SELECT node_id, source, event, SUM(COALESCE(count, 1)), MAX(message) FROM capture_log "
-            "WHERE event IN ('source_off', 'lost_events') OR level IN ('warning', 'error') "
-            "GROUP BY node_id, source, event ORDER BY node_id, source"):
-        out.append({"node": nodes.get(nid, ("?",))[0], "source": source, "event": event,
-                    "count": n, "message": msg})
-    return out
-
-
-def _inventory(con) -> dict:
-    inv = {}
-    for t in ("nccl_events", "cuda_events", "tcp_events", "sched_events", "block_events",
-              "host_samples", "clock_samples", "stacks"):
-        if _table_exists(con, t):
-            inv[t] = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
-    inv["bundles"] = con.execute("SELECT COUNT(*) FROM bundles").fetchone()[0] \
-        if _table_exists(con, "bundles") else 0
-    return inv
-
-
 def _windows_text(windows) -> str:
     return "1 window" if len(windows) == 1 else f"{len(windows)} windows"
 
 
-def _verdict(a: Analysis, late: bool) -> str:
-    ranks = a.late_ranks or a.straggler_ranks
-    rank_text = (f"rank {ranks[0]}" if len(ranks) == 1 else
-                 f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
-                 else "ranks " + ", ".join(map(str, ranks))) if ranks else "its ranks"
-    secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
-    if late:
-        lat = sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in a.windows) / max(secs * 1e9, 1)
-        lead = (f"{a.straggler} ({rank_text}) is the straggler: it arrived at collectives "
-                f"{lat:.1f} ms after the median node, on average, in {_windows_text(a.windows)} "
-                f"totalling {secs:.0f} s (fleet jitter {a.noise_ms:.2f} ms).")
+def _rank_text(ranks) -> str:
+    if not ranks:
+        return "its ranks"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _straggler_text(st: Straggler, noise_ms: float) -> str:
+    secs = sum(w.end_ns - w.start_ns for w in st.windows) / 1e9
+    text = (f"{st.node} ({_rank_text(st.late_ranks or st.ranks)}) is a straggler: it arrived "
+            f"at collectives {st.lateness_ms:.1f} ms after the median node, on average, in "
+            f"{_windows_text(st.windows)} totalling {secs:.0f} s (fleet jitter "
+            f"{noise_ms:.2f} ms); the other nodes waited {st.cost_s:.1f} s for it "
+            f"({st.cost_share:.1%} of the run).")
+    if st.clock_caveat:
+        u = st.relative_uncertainty_ms
+        text += (" Its lateness is not well above the clock alignment uncertainty between "
+                 "it and its peers (" + ("unbounded" if u is None else f"{u:.2f} ms") +
+                 "): clock error cannot be ruled out.")
+    if st.cause and st.cause_confidence == "clear":
+        text += f" Root cause: {CAUSE_TITLES[st.cause]}."
+    elif st.cause:
+        text += f" Most likely cause: {CAUSE_TITLES[st.cause]} (weak evidence)."
     else:
-        lead = (f"Collectives were slow for every rank in {_windows_text(a.windows)} totalling "
-                f"{secs:.0f} s while no rank arrived markedly late; {a.straggler}'s network is "
-                "the suspect.")
-    if a.cause and a.cause_confidence == "clear":
-        return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}."
-    if a.cause:
-        return f"{lead} Most likely cause: {CAUSE_TITLES[a.cause]} (weak evidence)."
-    return f"{lead} The captured signals do not single out a cause; see the scores below."
+        text += " The captured signals do not single out a cause; see the scores below."
+    return text
+
+
+def _verdict(a: Analysis, network: bool) -> str:
+    if network:
+        secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
+        lead = (f"Collectives were slow for every rank in {_windows_text(a.windows)} "
+                f"totalling {secs:.0f} s while no rank arrived markedly late; {a.straggler}'s "
+                "own job connections retransmit: its network is the suspect.")
+        if a.cause and a.cause_confidence == "clear":
+            return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}."
+        return lead
+    texts = [_straggler_text(st, a.noise_ms) for st in a.stragglers]
+    if len(texts) > 1:
+        return f"{len(texts)} stragglers. " + " ".join(texts)
+    return texts[0]

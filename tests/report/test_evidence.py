@@ -1,6 +1,6 @@
 """The bounded samples behind the report's medians and percentiles (memory stays flat)."""
 
-from ingero_forensics.report.analyze import Reservoir, _median, _q
+from ingero_forensics.report.evidence import Reservoir, median as _median, quantile as _q
 
 
 def test_exact_while_small():

@@ -32,7 +32,7 @@ def test_report_renders_in_chromium_without_scripts_or_network(fleets, tmp_path)
                          timeout=120).stdout
     text = re.sub(r"<[^>]+>", " ", dom)
     assert f"{truth['fault']['straggler']}" in text
-    assert "is the straggler" in text and "Root cause: CPU contention" in text
+    assert "is a straggler" in text and "Root cause: CPU contention" in text
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'profile2'}",
                     f"--screenshot={shot}", "--window-size=1000,1400", out.as_uri()],

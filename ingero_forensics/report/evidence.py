@@ -1,0 +1,387 @@
+"""Evidence for a verdict: per-cause signals on a suspect node against the other nodes,
+the cited facts, the cause's metric over time, and the report's context tables
+(alignment, blind spots, the seed article's slowest collectives).
+
+Every figure is computed from fleet.db with SQL over the suspect's windows; signals of
+I/O count the job's own processes only (a disk shared by several nodes' processes must
+not make every node look the same), and retransmits count against the node whose own
+job connections retransmitted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from array import array
+from collections import defaultdict
+from dataclasses import dataclass
+
+CAUSES = ("cpu", "io", "memory", "network", "gpu")
+CAUSE_TITLES = {
+    "cpu": "CPU contention",
+    "io": "block I/O",
+    "memory": "memory pressure",
+    "network": "network retransmits",
+    "gpu": "GPU slowdown",
+}
+#: A cause is named when its best signal deviates this many robust spreads (or floors)
+#: from the other nodes, and by twice as much as any other cause; WEAK_SCORE names it
+#: with a warning.
+CLEAR_SCORE = 5.0
+WEAK_SCORE = 3.0
+#: Values kept per node or rank for medians and percentiles (a uniform sample beyond
+#: that: memory stays flat however many rows the fleet holds).
+SAMPLE = 20_000
+
+
+@dataclass
+class Signal:
+    cause: str
+    name: str          # what was measured, with its unit
+    suspect: float     # value on the suspect node in the windows
+    others: float      # median over the other nodes, same windows
+    score: float       # how many times worse than the others (>= 1 means worse)
+
+
+
+class Reservoir:
+    """At most k values, a uniform sample of all added (seeded: the same input gives the
+    same sample, so reports are reproducible); every value while fewer than k came."""
+
+    def __init__(self, k: int, seed: int):
+        self.k, self.n, self.values = k, 0, array("d")   # 8 bytes a value
+        self._rng = random.Random(seed)
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        if len(self.values) < self.k:
+            self.values.append(x)
+        else:
+            j = self._rng.randrange(self.n)
+            if j < self.k:
+                self.values[j] = x
+
+
+def table_exists(con, name: str) -> bool:
+    return con.execute("SELECT 1 FROM sqlite_schema WHERE type='table' AND name=?",
+                       (name,)).fetchone() is not None
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def median(values):
+    return quantile(list(values), 0.5)
+
+
+def window_clause(windows, col="timestamp_ns"):
+    if not windows:
+        return "0", []
+    parts, params = [], []
+    for s, e in windows:
+        parts.append(f"({col} >= ? AND {col} < ?)")
+        params += [s, e]
+    return "(" + " OR ".join(parts) + ")", params
+
+
+def global_ranks(con) -> dict[tuple[int, int], int]:
+    """(node_id, pid) -> the process's global rank: its rank environment (RANK and
+    friends) when captured, else its rank in the largest communicator it belongs to
+    (the world; a split or tensor-parallel communicator's ranks are local to it)."""
+    out: dict[tuple[int, int], int] = {}
+    best: dict[tuple[int, int], int] = {}
+    for nid, pid, rank, nranks in con.execute(
+            "SELECT node_id, pid, rank, nranks FROM nccl_comm_events WHERE rank IS NOT NULL "
+            "AND nranks IS NOT NULL AND api <> 'ncclCommSplit' UNION ALL "
+            "SELECT node_id, pid, rank, MAX(nranks) FROM nccl_events WHERE rank IS NOT NULL "
+            "AND nranks IS NOT NULL GROUP BY node_id, pid, comm_id_hash"):
+        if isinstance(rank, int) and isinstance(nranks, int) and \
+                nranks > best.get((nid, pid), 0):
+            best[(nid, pid)] = nranks
+            out[(nid, pid)] = rank
+    for nid, pid, rank in con.execute("SELECT node_id, pid, rank FROM processes "
+                                      "WHERE rank IS NOT NULL"):
+        if isinstance(rank, int):
+            out[(nid, pid)] = rank
+    return out
+
+
+def late_ranks(con, node_id, windows, ranks_of) -> list[int]:
+    """Global ranks of the straggler node whose own lateness stands out within the node
+    (per process: nccl_events.rank is the rank in each call's communicator)."""
+    where, params = window_clause(windows, "e.timestamp_ns")
+    per_pid: dict[int, Reservoir] = {}
+    for pid, ts, first in con.execute(
+            "SELECT e.pid, e.timestamp_ns, c.first_entry_ns FROM nccl_events e "
+            "JOIN collectives c ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
+            f"WHERE e.node_id = ? AND {where}", [node_id] + params):
+        if pid not in per_pid:
+            per_pid[pid] = Reservoir(SAMPLE, seed=pid if isinstance(pid, int) else 0)
+        per_pid[pid].add((ts - first) / 1e6)
+    med = {p: median(v.values) for p, v in per_pid.items()
+           if ranks_of.get((node_id, p)) is not None}
+    if not med:
+        return []
+    top = max(med.values())
+    # late ranks: within a factor of two of the latest one (a GPU fault slows one rank,
+    # CPU or I/O contention on the host slows all of them)
+    return sorted(ranks_of[(node_id, p)] for p, m in med.items() if m >= 0.5 * top)
+
+
+def window_seconds(windows) -> float:
+    return sum(e - s for s, e in windows) / 1e9 or 1.0
+
+
+def node_signals(con, target, node_ids, windows) -> list[Signal]:
+    """Per-cause signals on the suspect vs the other nodes over the same windows.
+
+    The score is a robust deviation: (suspect - median of others) / max(spread of others,
+    a per-signal floor). The floor is the smallest difference an operator would call
+    noticeable, so a flat fleet (spread ~ 0) cannot turn noise into a verdict.
+    """
+    secs = window_seconds(windows)
+    others = [n for n in node_ids if n != target]
+    out: list[Signal] = []
+
+    def add(cause, name, per_node: dict[int, float], floor: float, inverse=False):
+        s = per_node.get(target, 0.0)
+        vals = [per_node.get(n, 0.0) for n in others]
+        med = median(vals) if vals else 0.0
+        spread = 1.4826 * median([abs(v - med) for v in vals]) if vals else 0.0
+        dev = (med - s) if inverse else (s - med)
+        out.append(Signal(cause, name, round(s, 3), round(med, 3),
+                          round(dev / max(spread, floor), 2)))
+
+    w, p = window_clause(windows)
+
+    def per_node(sql, params=()):
+        return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
+
+    add("cpu", "run-queue delay of traced threads (ms per s)",
+        {k: v / 1e6 / secs for k, v in per_node(
+            f"SELECT node_id, SUM(duration_ns) FROM sched_events WHERE kind = 'runq_delay' "
+            f"AND {w} GROUP BY node_id", p).items()}, 5.0)
+    for cause, metric, floor, inverse in (
+            ("cpu", "psi.cpu.some_pct", 3.0, False),
+            ("cpu", "cpu.busy_pct", 5.0, False),
+            ("io", "psi.io.some_pct", 3.0, False),
+            ("io", "disk.await_ms", 1.0, False),
+            ("memory", "psi.memory.some_pct", 3.0, False),
+            ("memory", "vm.pgmajfault_per_s", 20.0, False),
+            ("memory", "vm.pgscan_per_s", 500.0, False),
+            ("network", "tcp.retrans_segs_per_s", 1.0, False),
+            ("gpu", "gpu.sm_clock_mhz", 50.0, True),
+            ("gpu", "gpu.temp_c", 3.0, False)):
+        agg = "MIN" if inverse else "MAX"
+        # per node: the worst device's mean over the windows (GPU: one GPU may be the culprit);
+        # CPU metrics: the whole-node row only
+        vals = per_node(
+            f"SELECT node_id, {agg}(v) FROM (SELECT node_id, device, AVG(value) v "
+            f"FROM host_samples WHERE metric = ? AND (device IS NULL OR metric NOT LIKE 'cpu.%') "
+            f"AND {w} GROUP BY node_id, device) GROUP BY node_id", [metric] + p)
+        if vals:
+            add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else ""),
+                vals, floor, inverse)
+    throttled = per_node(
+        f"SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f FROM host_samples "
+        f"WHERE metric = 'gpu.throttle_reasons' AND {w} GROUP BY node_id, device) GROUP BY node_id", p)
+    if throttled:
+        add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
+    add("io", "block I/O latency p95 of the job's processes (ms)", _block_p95(con, w, p), 2.0)
+    add("network", "job-connection retransmits (per s)",
+        {k: v / secs for k, v in per_node(
+            f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
+            f"AND event = 'tcp_retransmit_skb' AND {w} GROUP BY node_id", p).items()}, 0.5)
+    add("gpu", "GPU work wait of the slowest rank (ms, median event/device sync)",
+        _sync_wait(con, w, p), 2.0)
+    return out
+
+
+def _block_p95(con, w, p) -> dict[int, float]:
+    """Per node, the p95 latency of block requests its job's processes issued (a traced
+    process or one of its threads); writeback and other tenants do not count."""
+    per: dict[int, Reservoir] = {}
+    for nid, d in con.execute(
+            f"SELECT b.node_id, b.duration_ns FROM block_events b WHERE {w.replace('timestamp_ns', 'b.timestamp_ns')} "
+            "AND (b.pid IN (SELECT pid FROM processes pr WHERE pr.node_id = b.node_id) OR "
+            "b.tid IN (SELECT tid FROM threads t WHERE t.node_id = b.node_id))", p):
+        if nid not in per:
+            per[nid] = Reservoir(SAMPLE, seed=nid)
+        per[nid].add(d / 1e6)
+    return {n: quantile(v.values, 0.95) for n, v in per.items()}
+
+
+def _sync_wait(con, w, p) -> dict[int, float]:
+    """GPU slowdown shows as one rank's waits for its own GPU work (event and device
+    synchronizations; stream synchronizations wait for collectives and are left out)
+    taking longer than its peers'."""
+    per: dict[tuple[int, int], Reservoir] = {}
+    for nid, pid, d in con.execute(
+            f"SELECT node_id, pid, duration_ns FROM cuda_events WHERE duration_ns IS NOT NULL "
+            f"AND api IN ('cudaEventSynchronize', 'cuEventSynchronize', 'cudaDeviceSynchronize', "
+            f"'cuCtxSynchronize') AND {w}", p):
+        if (nid, pid) not in per:
+            per[(nid, pid)] = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid)
+        per[(nid, pid)].add(d / 1e6)
+    out: dict[int, float] = {}
+    for (nid, _), v in per.items():
+        out[nid] = max(out.get(nid, 0.0), median(v.values))
+    return out
+
+
+def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[dict]]:
+    w, p = window_clause(windows)
+    secs = window_seconds(windows)
+    ev: list[str] = []
+    top: list[dict] = []
+    if cause == "cpu":
+        for comm, opid, n, tot in con.execute(
+                f"SELECT other_comm, other_pid, COUNT(*), SUM(duration_ns) FROM sched_events "
+                f"WHERE node_id = ? AND kind = 'runq_delay' AND {w} "
+                f"GROUP BY other_comm, other_pid ORDER BY SUM(duration_ns) DESC LIMIT 5",
+                [target] + p):
+            top.append({"task": comm or "?", "pid": opid, "spans": n, "total_ms": round(tot / 1e6, 1)})
+        if top:
+            total_s = sum(t["total_ms"] for t in top) / 1e3
+            ev.append(f"Its traced threads waited {total_s:,.1f} s in the run queue during the "
+                      f"windows (summed over threads), most of it behind {top[0]['task']} "
+                      f"(pid {top[0]['pid']}).")
+    elif cause == "io":
+        for dev, n, mx, avg in con.execute(
+                f"SELECT device, COUNT(*), MAX(duration_ns), AVG(duration_ns) FROM block_events b "
+                f"WHERE node_id = ? AND {w} AND (pid IN (SELECT pid FROM processes pr WHERE "
+                "pr.node_id = b.node_id) OR tid IN (SELECT tid FROM threads t WHERE "
+                "t.node_id = b.node_id)) GROUP BY device ORDER BY MAX(duration_ns) DESC LIMIT 5",
+                [target] + p):
+            top.append({"device": dev, "requests": n, "max_ms": round(mx / 1e6, 1),
+                        "mean_ms": round(avg / 1e6, 2)})
+        if top:
+            ev.append(f"Block I/O of the job's own processes on {top[0]['device']} took up "
+                      f"to {top[0]['max_ms']} ms per request in the windows (mean "
+                      f"{top[0]['mean_ms']} ms).")
+    elif cause == "network":
+        for sa, da, dp, n in con.execute(
+                f"SELECT saddr, daddr, dport, COUNT(*) FROM tcp_events WHERE node_id = ? "
+                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w} "
+                f"GROUP BY saddr, daddr, dport ORDER BY COUNT(*) DESC LIMIT 5", [target] + p):
+            top.append({"from": sa, "to": da, "port": dp, "retransmits": n})
+        if top:
+            total = sum(t["retransmits"] for t in top)
+            ev.append(f"{total} TCP retransmits on the job's own connections from "
+                      f"{top[0]['from']} ({total / secs:.1f}/s in the windows), to "
+                      + ", ".join(sorted({t['to'] for t in top})) + ".")
+        bg = con.execute(f"SELECT COUNT(*) FROM tcp_events WHERE scope = 'background' AND {w}",
+                         p).fetchone()[0]
+        if bg:
+            ev.append(f"{bg} other retransmits in the windows belong to background traffic "
+                      "(not the job's connections) and are not counted.")
+    elif cause == "memory":
+        for metric, mx in con.execute(
+                f"SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
+                f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
+                f"GROUP BY metric ORDER BY metric", [target] + p):
+            top.append({"metric": metric, "peak": round(mx, 1)})
+        if top:
+            ev.append("Memory pressure on the node: " + ", ".join(
+                f"{t['metric']} peaked at {t['peak']}" for t in top) + ".")
+    elif cause == "gpu":
+        for dev, clk, temp in con.execute(
+                f"SELECT device, AVG(CASE WHEN metric = 'gpu.sm_clock_mhz' THEN value END), "
+                f"AVG(CASE WHEN metric = 'gpu.temp_c' THEN value END) FROM host_samples "
+                f"WHERE node_id = ? AND metric IN ('gpu.sm_clock_mhz', 'gpu.temp_c') AND {w} "
+                f"GROUP BY device ORDER BY 2 ASC LIMIT 3", [target] + p):
+            top.append({"gpu": dev, "sm_clock_mhz": round(clk or 0), "temp_c": round(temp or 0, 1)})
+        if top:
+            ev.append(f"GPU {top[0]['gpu']} ran at {top[0]['sm_clock_mhz']} MHz SM clock, "
+                      f"{top[0]['temp_c']} °C, in the windows.")
+    return ev, top
+
+
+def cause_series(con, cause, target, t0, bin_ns) -> dict:
+    """The cause's main metric over time: the suspect node vs the other nodes' median."""
+    metric = {"cpu": "psi.cpu.some_pct", "io": "psi.io.some_pct",
+              "memory": "psi.memory.some_pct", "network": "tcp.retrans_segs_per_s",
+              "gpu": "gpu.sm_clock_mhz"}[cause]
+    agg = "MIN" if cause == "gpu" else "MAX"
+    per: dict[int, dict[int, float]] = defaultdict(dict)
+    for nid, b, v in con.execute(
+            f"SELECT node_id, (timestamp_ns - ?) / ?, {agg}(v) FROM (SELECT node_id, "
+            f"timestamp_ns, device, value v FROM host_samples WHERE metric = ?) "
+            f"GROUP BY node_id, (timestamp_ns - ?) / ?", [t0, bin_ns, metric, t0, bin_ns]):
+        if b is not None and b >= 0:
+            per[b][nid] = v
+    series = []
+    for b in sorted(per):
+        vals = per[b]
+        others = [v for n, v in vals.items() if n != target]
+        series.append({"t_s": round(b * bin_ns / 1e9, 3), "suspect": round(vals.get(target, 0.0), 3),
+                       "others": round(median(others), 3) if others else 0.0})
+    return {"metric": metric, "points": series}
+
+
+def slow_collectives(con) -> list[dict]:
+    """The seed article's question: slowest AllReduces and the retransmits of that node's
+    own job connections in their window."""
+    out = []
+    for rank, node, ms, n in con.execute(
+            "WITH slow AS (SELECT timestamp_ns, duration_ns, rank, node_id FROM nccl_events "
+            "  WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000 "
+            "  ORDER BY duration_ns DESC LIMIT 10) "
+            "SELECT s.rank, nd.name, s.duration_ns / 1e6, "
+            "  (SELECT COUNT(*) FROM tcp_events t WHERE t.event = 'tcp_retransmit_skb' "
+            "   AND t.node_id = s.node_id AND t.scope = 'job' "
+            "   AND t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns) "
+            "FROM slow s JOIN nodes nd USING (node_id) ORDER BY s.duration_ns DESC"):
+        out.append({"rank": rank, "node": node, "ms": round(ms, 1), "retransmits": n})
+    return out
+
+
+def alignment_rows(con, nodes) -> list[dict]:
+    if not table_exists(con, "clock_alignment"):
+        return []
+    out = []
+    for row in con.execute(
+            "SELECT node_id, method, drift_ppm, uncertainty_ns, relative_uncertainty_ns, "
+            "sync_points, violations_before, violations_after, steps, exceeds_claim, "
+            "causal_moved_ns, rate_clamped FROM clock_alignment ORDER BY node_id"):
+        nid, method, drift, unc, rel, sp, vb, va, steps, liar, moved, clamped = row
+        out.append({"node": nodes.get(nid, ("?",))[0], "node_id": nid, "method": method,
+                    "drift_ppm": round(drift or 0.0, 2),
+                    "uncertainty_us": None if unc is None else round(unc / 1e3, 1),
+                    "relative_uncertainty_us": None if rel is None else round(rel / 1e3, 1),
+                    "sync_points": sp, "violations_before": vb, "violations_after": va,
+                    "steps": steps, "exceeds_claim": bool(liar),
+                    "causal_moved_us": round((moved or 0) / 1e3, 1),
+                    "rate_clamped": bool(clamped)})
+    return out
+
+
+def capture_issues(con, nodes) -> list[dict]:
+    """Sources that were off or lost events: the report must say what it could not see."""
+    out = []
+    for nid, source, event, n, msg in con.execute(
+            "SELECT node_id, source, event, SUM(COALESCE(count, 1)), MAX(message) FROM capture_log "
+            "WHERE event IN ('source_off', 'lost_events') OR level IN ('warning', 'error') "
+            "GROUP BY node_id, source, event ORDER BY node_id, source"):
+        out.append({"node": nodes.get(nid, ("?",))[0], "source": source, "event": event,
+                    "count": n, "message": msg})
+    return out
+
+
+def inventory(con) -> dict:
+    inv = {}
+    for t in ("nccl_events", "cuda_events", "tcp_events", "sched_events", "block_events",
+              "host_samples", "clock_samples", "stacks"):
+        if table_exists(con, t):
+            inv[t] = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+    inv["bundles"] = con.execute("SELECT COUNT(*) FROM bundles").fetchone()[0] \
+        if table_exists(con, "bundles") else 0
+    return inv
+
+
