@@ -44,6 +44,7 @@ from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_
                            time_point_columns)
 from .stacks import canonical_stack, stack_hash
 from .causal import FULL_DEPENDENCY_OPS
+from .ranks import process_ranks
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
 from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, attached,
                          extract_fleet_sync_points, extract_sync_points, file_uri,
@@ -1457,10 +1458,7 @@ def _write_alignment(con, params) -> None:
 
 def _update_nodes(con) -> None:
     for (nid,) in con.execute("SELECT node_id FROM nodes").fetchall():
-        ranks = sorted({r for (r,) in con.execute(
-            "SELECT DISTINCT rank FROM processes WHERE node_id = ? AND rank IS NOT NULL "
-            "UNION SELECT DISTINCT rank FROM nccl_comm_events WHERE node_id = ? "
-            "AND rank IS NOT NULL", (nid, nid)) if isinstance(r, int)})
+        ranks = sorted(set(process_ranks(con, nid).values()))
         jobs = sorted({j for (j,) in con.execute(
             "SELECT DISTINCT job_id FROM processes WHERE node_id = ? AND job_id IS NOT NULL",
             (nid,)) if isinstance(j, str)})

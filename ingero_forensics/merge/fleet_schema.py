@@ -153,8 +153,10 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("boot_id", "TEXT", False, "", "host.boot_id: CLOCK_MONOTONIC is valid within it."),
         C("kernel_release", "TEXT", True, "", "host.kernel_release."),
         C("tool_version", "TEXT", True, "", "host.tool_version of the capture."),
-        C("ranks", "TEXT", False, "", "JSON array of the distinct global ranks seen in "
-          "processes (rank environment) and nccl_comm_events of this node, sorted."),
+        C("ranks", "TEXT", False, "", "JSON array of the node's global ranks, sorted: per "
+          "traced process its rank environment (processes.rank) when captured, else its "
+          "rank in the largest communicator it joined (split communicators' ranks are "
+          "local to them and never listed here)."),
         C("job_ids", "TEXT", False, "", "JSON array of the distinct job ids (processes.job_id "
           "and manifest job_ids), sorted."),
         C("bundles", "INTEGER", False, "", "Number of bundles merged for this node."),

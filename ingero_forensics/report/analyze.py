@@ -43,9 +43,10 @@ from statistics import NormalDist
 
 from ..db import connect_readonly
 from ..errors import IngeroError
+from ..merge.ranks import process_ranks
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
                        Signal, alignment_rows, capture_issues, cause_series, cited_evidence,
-                       global_ranks, inventory, late_ranks, median, node_signals, quantile,
+                       inventory, late_ranks, median, node_signals, quantile,
                        slow_collectives, table_exists)
 
 #: Transfer times kept per time bin for its median.
@@ -303,7 +304,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     n_bins = len(bins)
     min_bins = max(MIN_LATE_BINS, int(0.02 * n_bins))
     rel_unc = {r["node_id"]: r.get("relative_uncertainty_us") for r in a.alignment}
-    ranks_of = global_ranks(con)
+    ranks_of = process_ranks(con)
     for nl in sorted(a.lateness, key=lambda x: -x.cost_s):
         if nl.late_bins < min_bins or nl.cost_share < MIN_COST_SHARE:
             continue

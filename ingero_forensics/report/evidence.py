@@ -90,28 +90,6 @@ def window_clause(windows, col="timestamp_ns"):
     return "(" + " OR ".join(parts) + ")", params
 
 
-def global_ranks(con) -> dict[tuple[int, int], int]:
-    """(node_id, pid) -> the process's global rank: its rank environment (RANK and
-    friends) when captured, else its rank in the largest communicator it belongs to
-    (the world; a split or tensor-parallel communicator's ranks are local to it)."""
-    out: dict[tuple[int, int], int] = {}
-    best: dict[tuple[int, int], int] = {}
-    for nid, pid, rank, nranks in con.execute(
-            "SELECT node_id, pid, rank, nranks FROM nccl_comm_events WHERE rank IS NOT NULL "
-            "AND nranks IS NOT NULL AND api <> 'ncclCommSplit' UNION ALL "
-            "SELECT node_id, pid, rank, MAX(nranks) FROM nccl_events WHERE rank IS NOT NULL "
-            "AND nranks IS NOT NULL GROUP BY node_id, pid, comm_id_hash"):
-        if isinstance(rank, int) and isinstance(nranks, int) and \
-                nranks > best.get((nid, pid), 0):
-            best[(nid, pid)] = nranks
-            out[(nid, pid)] = rank
-    for nid, pid, rank in con.execute("SELECT node_id, pid, rank FROM processes "
-                                      "WHERE rank IS NOT NULL"):
-        if isinstance(rank, int):
-            out[(nid, pid)] = rank
-    return out
-
-
 def late_ranks(con, node_id, windows, ranks_of) -> list[int]:
     """Global ranks of the straggler node whose own lateness stands out within the node
     (per process: nccl_events.rank is the rank in each call's communicator)."""
@@ -124,14 +102,15 @@ def late_ranks(con, node_id, windows, ranks_of) -> list[int]:
         if pid not in per_pid:
             per_pid[pid] = Reservoir(SAMPLE, seed=pid if isinstance(pid, int) else 0)
         per_pid[pid].add((ts - first) / 1e6)
-    med = {p: median(v.values) for p, v in per_pid.items()
-           if ranks_of.get((node_id, p)) is not None}
-    if not med:
+    # the mean, not the median: a rank late at one collective in ten is late
+    mean = {p: sum(v.values) / len(v.values) for p, v in per_pid.items()
+            if v.values and ranks_of.get((node_id, p)) is not None}
+    if not mean:
         return []
-    top = max(med.values())
+    top = max(mean.values())
     # late ranks: within a factor of two of the latest one (a GPU fault slows one rank,
     # CPU or I/O contention on the host slows all of them)
-    return sorted(ranks_of[(node_id, p)] for p, m in med.items() if m >= 0.5 * top)
+    return sorted(ranks_of[(node_id, p)] for p, m in mean.items() if m >= 0.5 * top)
 
 
 def window_seconds(windows) -> float:

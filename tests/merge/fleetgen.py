@@ -50,7 +50,13 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                max_offset_ms=50.0, max_drift_ppm=50.0, ntp_step=True, liar=None,
                seed=1, straggler_rank=None, retransmits=True, segments=1,
                host_of=None, stacks=True, comm="00c0ffee00c0ffee",
-               name_prefix="node") -> Fleet:
+               name_prefix="node", queued=0, claims=True) -> Fleet:
+    """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
+    arrives 60 ms late at every 10th collective. queued: what each sync records as
+    queued after the collective (0: a tight observation; 8: kernels, it only bounds the
+    completion). claims=False: clocks that say they are unsynchronized."""
+    stragglers = () if straggler_rank is None else (
+        straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +80,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
         entries = {}
         for r in range(nranks):
             late = 0
-            if straggler_rank == r and seq % 10 == 0:
+            if r in stragglers and seq % 10 == (5 * stragglers.index(r)) % 10:
                 late = 60_000_000  # 60 ms late: a slow AllReduce for everybody else
             entries[r] = t + rng.randint(0, 3_000_000) + late
         nbytes = 64 << 20
@@ -96,7 +102,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
             per_node_rows[ni]["cuda_events"].append(
                 (tr.mono(sync_start), tr.mono(sync_end) - tr.mono(sync_start),
                  "cudaStreamSynchronize", "runtime", 7, None, None, None, 0, 0, pid, tid, None,
-                 0, None))
+                 queued, 3_000 if queued else None))
             if retransmits and rng.random() < 0.05:
                 rt = entry + rng.randint(0, 1_000_000)
                 per_node_rows[ni]["tcp_events"].append(
@@ -144,8 +150,10 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                 w_ns = rng.randint(1_000, 4_000)
                 claim = 50_000 if tr.liar else abs(e) + abs(e) // 2 + 200_000
                 w.add("clock_samples", ("system", tr.mono(ts), tr.mono(ts + w_ns),
-                                        ts + w_ns // 2 + e, None, None, w_ns, 1, 0, 0.0,
-                                        claim, 20_000 if tr.liar else abs(e) + 100_000, 0, 37,
+                                        ts + w_ns // 2 + e, None, None, w_ns, int(claims), 0,
+                                        0.0, claim if claims else 16_000_000_000,
+                                        (20_000 if tr.liar else abs(e) + 100_000) if claims
+                                        else 16_000_000_000, 0, 37,
                                         None, None, None, None, None))
                 ts += 1_000_000_000
             w.add("host_samples", (tr.mono(lo), "load.avg1", None, 1.5))

@@ -1,0 +1,147 @@
+"""The verdict rules of docs/report.md on fleets whose truth is known.
+
+Simulated fleets now launch the optimizer's kernels between the last gradient bucket and
+the gradient sync (slower on a CPU-starved rank), so they no longer share the old merge's
+assumption that every sync ends at the completion of the collective before it.
+"""
+
+import json
+import statistics
+
+import apsw
+import pytest
+
+from ingero_forensics.bundle import BundleWriter
+from ingero_forensics.merge import merge_bundles
+from ingero_forensics.report import analyze_fleet
+from ingero_forensics.simulate import FleetConfig, simulate_fleet
+
+from ..merge.fleetgen import make_fleet
+
+
+def _simulate(d, **cfg):
+    simulate_fleet(d / "b", FleetConfig(**cfg))
+    merge_bundles([d / "b"], d / "fleet.db")
+    return json.loads((d / "b" / "truth.json").read_text()), d / "fleet.db"
+
+
+def _relative_errors_us(truth, db) -> dict[str, float]:
+    """Per node: median (aligned - true) of its nccl_events rows, minus the fleet's."""
+    clocks = {n["name"]: n["clock"]["true_utc_of_mono"] for n in truth["nodes"]}
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        med = {}
+        for nid, name in con.execute("SELECT node_id, name FROM nodes").fetchall():
+            c = clocks[name]
+            med[name] = statistics.median(e for (e,) in con.execute(
+                "SELECT (timestamp_ns - :boot) - mono_ns * :rate FROM nccl_events "
+                "WHERE node_id = :node", {"boot": c["boot_utc_ns"], "rate": c["rate"],
+                                           "node": nid}))
+    finally:
+        con.close()
+    common = statistics.median(med.values())
+    return {n: (m - common) / 1e3 for n, m in med.items()}
+
+
+def test_thirty_clean_fleets_name_no_straggler(tmp_path):
+    """Seeds 1-30 of a clean 8-node fleet: no straggler, no cause (four of the first 16
+    named one before the cost rule)."""
+    named = {}
+    for seed in range(1, 31):
+        truth, db = _simulate(tmp_path / str(seed), nodes=8, ranks_per_node=2, steps=150,
+                              fault="none", seed=seed)
+        a = analyze_fleet(db)
+        if a.stragglers or a.straggler:
+            named[seed] = a.verdict
+        # the rule is the cost, not luck: every node's cost is far below the bar
+        assert max(n.cost_share for n in a.lateness) < 0.01, (seed, a.lateness)
+    assert named == {}
+
+
+@pytest.mark.parametrize("fault", ["cpu", "io", "network", "gpu", "memory"])
+def test_faults_with_the_launch_phase_align_and_are_named(tmp_path, fault):
+    """With the optimizer's launches between the last bucket and the sync, the straggler's
+    clock is no longer pulled towards its late syncs: every node within 100 us of truth
+    relative to the others, and the right node and cause named clearly."""
+    truth, db = _simulate(tmp_path, nodes=6, ranks_per_node=2, steps=150, fault=fault,
+                          seed=5, straggler=3, max_offset_ms=50.0, max_drift_ppm=50.0,
+                          ntp_step=True)
+    errs = _relative_errors_us(truth, db)
+    assert max(abs(e) for e in errs.values()) <= 100, errs
+    a = analyze_fleet(db)
+    assert a.straggler == truth["fault"]["straggler"] == "node-03"
+    assert a.cause == fault and a.cause_confidence == "clear", a.verdict
+    assert not a.clock_caveat
+    if fault != "network":
+        assert [s.node for s in a.stragglers] == ["node-03"]
+        assert a.stragglers[0].cost_share >= 0.01
+
+
+def test_two_independent_stragglers_are_both_named(tmp_path):
+    """Two nodes each late now and then, at different collectives, by the same amount:
+    both are named, each with its own windows and cost."""
+    fleet = make_fleet(tmp_path / "b", nodes=5, ranks_per_node=2, seconds=20,
+                       straggler_rank=(2, 7), seed=8, retransmits=False)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    a = analyze_fleet(tmp_path / "f.db")
+    by_node = {s.node: s for s in a.stragglers}
+    assert set(by_node) == {"node-1", "node-3"}, a.verdict
+    for s in by_node.values():
+        # 60 ms late at one collective in ten (one a second): about 6 % of the run; the
+        # lateness is the windows' mean over all their collectives
+        assert s.windows and 0.04 <= s.cost_share <= 0.08 and 10 <= s.lateness_ms <= 60
+    assert by_node["node-1"].late_ranks == [2] and by_node["node-3"].late_ranks == [7]
+    assert a.verdict.startswith("2 stragglers.")
+
+
+def test_lateness_within_clock_uncertainty_is_not_clear(tmp_path):
+    """No tight completion observation (every sync behind queued kernels) and clocks
+    that claim nothing: the straggler is listed, but the report cannot rule out that its
+    lateness is clock error, so no cause is 'clear'."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=2, seconds=20,
+                       straggler_rank=(3,), seed=9, retransmits=False, queued=8,
+                       claims=False)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    a = analyze_fleet(tmp_path / "f.db")
+    assert a.straggler == "node-1"
+    assert a.clock_caveat and a.cause_confidence != "clear"
+    assert "clock error cannot be ruled out" in a.verdict
+    (row,) = [r for r in a.alignment if r["node"] == "node-1"]
+    assert row["method"] != "collectives"
+
+
+def test_global_ranks_not_communicator_local_ones(tmp_path):
+    """A node with a node-local split communicator (tensor parallel) beside the world:
+    nodes.ranks and the straggler's ranks are global ranks 12-15, never the split's
+    local 0-3, also when the processes carry no rank environment."""
+    paths = []
+    for node in range(2):
+        w = BundleWriter(tmp_path / f"n{node}.spool", node=f"tp-{node}",
+                         host={"hostname": f"h{node}", "boot_id": f"b{node}",
+                               "kernel_release": "6.1"},
+                         capture_start=(1_700_000_000_000_000_000, 1_000_000))
+        for local in range(4):
+            pid = 100 + local
+            grank = node * 4 + local + 8          # global ranks 8-11 and 12-15 of 16
+            w.add("processes", (pid, 1, "python3", "/usr/bin/python3", "[]", None, None,
+                                None, None, None, None, "{}", 1_000_000, 9_000_000_000, None))
+            w.add("nccl_comm_events", (2_000_000, 50_000, "ncclCommInitRank",
+                                       "aaaaaaaaaaaaaaaa", None, None, None, grank, 16, 0x10,
+                                       0, pid, pid))
+            w.add("nccl_comm_events", (3_000_000, 50_000, "ncclCommSplit", f"{node:016x}",
+                                       "aaaaaaaaaaaaaaaa", node, local, local, 4, 0x20, 0,
+                                       pid, pid))
+            for seq in range(1, 4):
+                w.add("nccl_events", (4_000_000 + seq * 1_000_000, 20_000, "ALL_REDUCE", local,
+                                      4, f"{node:016x}", seq, 1, "float32", "sum", None, 7, 4,
+                                      0, 0, pid, pid, None))
+        w.add("clock_samples", ("system", 1_000_000, 1_001_000, 1_700_000_000_000_000_500,
+                                None, None, 1000, 1, 0, 0.0, 5_000_000, 100_000, 0, 37, None,
+                                None, None, None, None))
+        paths.append(w.seal(tmp_path, capture_end=(1_700_000_009_000_000_000, 9_000_000_000)))
+    merge_bundles(paths, tmp_path / "f.db")
+    con = apsw.Connection(str(tmp_path / "f.db"))
+    ranks = dict(con.execute("SELECT name, ranks FROM nodes"))
+    con.close()
+    assert json.loads(ranks["tp-0"]) == [8, 9, 10, 11]
+    assert json.loads(ranks["tp-1"]) == [12, 13, 14, 15]
