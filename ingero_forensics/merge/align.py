@@ -529,16 +529,22 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
     system = CausalSystem(rows, min_latency_ns)
     rate = {nid: max(0.0, DRIFT_BOUND_PPM * 1e3 - abs(a.slope) * 1e9)
             for nid, a in result.items()}
-    info = system.enforce(set(system.span), rate)
+    # lines tied by tight observations first, then the clock-sample ones
+    trust = {nid: 0 if a.method == "collectives" else 1 for nid, a in result.items()}
+    info = system.enforce(trust, rate)
     for nid, b in info.items():
         a = result[nid]
         ca, cb = system.corr.get(nid, (0.0, 0.0))
         if ca or cb:
+            # sub-microsecond settling is rounding, not a broken clock
             # aligned_new(m) = aligned(m) + ca + cb * (aligned(m) - ref) / 1e9
             a.offset_ns += round(ca + cb * (a.offset_ns - ref) / 1e9)
             a.slope = (1.0 + a.slope) * (1.0 + cb / 1e9) - 1.0
             a.causal_moved_ns = round(b.moved_ns)
-            a.method = "causal"
+            if b.moved_ns >= 1000:
+                a.method = "causal"
+            else:
+                a.causal_moved_ns = 0
             a.drift_ppm = ((1.0 / (1.0 + a.slope)) - 1.0) * 1e6
             samples = nodes[nid].samples
             if samples:
@@ -552,6 +558,10 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
                 a.relative_uncertainty_ns = None
             else:
                 a.relative_uncertainty_ns = math.ceil(max(b.early_ns, b.late_ns))
+            if a.method == "clock_samples" and a.uncertainty_ns is not None:
+                # honest claims bound it too: two clocks within u of UTC are within 2u
+                a.relative_uncertainty_ns = min(a.relative_uncertainty_ns or math.inf,
+                                                2 * a.uncertainty_ns)
             if a.method == "causal" and a.uncertainty_ns is not None:
                 a.uncertainty_ns = None if a.relative_uncertainty_ns is None else \
                     a.uncertainty_ns + a.relative_uncertainty_ns + a.causal_moved_ns

@@ -15,8 +15,9 @@ constraint of this form cannot consume it: a late node only loosens its own boun
 
 ``enforce`` moves a node's line only when it breaks a constraint, and only as far as
 needed (the closest line, in its values at both ends of the capture, that satisfies
-every constraint and the rate bound), one node at a time, the worst first, until none
-is broken. ``extent`` then tells, per node, how far its line could still move earlier
+every constraint and the rate bound): nodes are placed one at a time against those
+already placed, the most trusted first, so a few broken clocks move towards the good
+ones and never the other way. ``extent`` then tells, per node, how far its line could still move earlier
 or later with every other node fixed: where nothing tighter (tight completion
 observations, honest clock claims) pins the node, that is its relative uncertainty.
 
@@ -37,6 +38,9 @@ BINS = 64
 UNBOUNDED_NS = 1e12
 #: Violations below this (ns) are rounding, not a broken constraint.
 TOLERANCE_NS = 500.0
+#: A moved line keeps this far (ns) inside its bounds: the line is applied per event,
+#: not per collective, and rounded to whole nanoseconds.
+MARGIN_NS = 1000.0
 
 
 @dataclass
@@ -76,13 +80,18 @@ class CausalSystem:
         a, b = self.corr.get(nid, (0.0, 0.0))
         return a + b * tau
 
-    def constraints(self) -> dict[int, list[tuple[float, float, float]]]:
-        """Per node: (tau, lo, hi) bounds on its extra shift at tau (binned, tightest)."""
+    def constraints(self, among=None, only=None, bins: int = BINS,
+                    ) -> dict[int, list[tuple[float, float, float]]]:
+        """Per node: (tau, lo, hi) bounds on its extra shift at tau (binned, tightest),
+        against the nodes ``among`` (default: all), for the nodes ``only`` (default:
+        all)."""
         per: dict[int, dict[int, list[float]]] = {}
         for r, tau in zip(self.rows, self.tau):
             # the two earliest observations and the two latest entries, with their nodes
             s1 = s2 = e1 = e2 = None
             for nid, e, s in r:
+                if among is not None and nid not in among:
+                    continue
                 sh = self._shift(nid, tau)
                 if s is not None:
                     v = s + sh
@@ -97,6 +106,8 @@ class CausalSystem:
                     elif e2 is None or v > e2[0]:
                         e2 = (v, nid)
             for nid, e, s in r:
+                if only is not None and nid not in only:
+                    continue
                 sh = self._shift(nid, tau)
                 hi = lo = None
                 if e is not None:
@@ -110,7 +121,7 @@ class CausalSystem:
                 if hi is None and lo is None:
                     continue
                 t0, t1 = self.span[nid]
-                k = min(int((tau - t0) / (t1 - t0) * BINS), BINS - 1) if t1 > t0 else 0
+                k = min(int((tau - t0) / (t1 - t0) * bins), bins - 1) if t1 > t0 else 0
                 cell = per.setdefault(nid, {}).setdefault(k, [tau, -math.inf, math.inf, tau])
                 if lo is not None and lo > cell[1]:
                     cell[1] = lo
@@ -132,41 +143,22 @@ class CausalSystem:
             out[nid] = cons
         return out
 
-    def enforce(self, movable, rate_bound: dict[int, float], rounds: int | None = None,
+    def enforce(self, order_hint: dict[int, int], rate_bound: dict[int, float]
                 ) -> dict[int, NodeBounds]:
-        """Move broken nodes (among ``movable``) minimally until no constraint is broken;
-        rate_bound[node]: the largest |b| (ns/s) its correction may reach."""
+        """Make every line satisfy the constraints, moving as little as needed.
+
+        Nothing moves when nothing is broken. Otherwise the nodes are placed one at a
+        time, each against the nodes placed before it only (a set consistent with
+        itself): first those ``order_hint`` ranks first (lower = more trusted, e.g. lines
+        tied by tight observations), then always the one the placed set contradicts
+        least; a node whose line breaks a constraint of the placed set moves to the
+        nearest line that satisfies them all and its rate bound. A few broken clocks
+        among good ones therefore move; the good ones do not follow them."""
         info = {nid: NodeBounds() for nid in self.span}
-        stuck: set[int] = set()
-        for _ in range(rounds if rounds is not None else 2 * len(self.span) + 2):
-            cons = self.constraints()
-            worst, wv = None, TOLERANCE_NS
-            for nid, cs in cons.items():
-                if nid not in movable or nid in stuck:
-                    continue
-                v = _violation(cs, self.corr.get(nid, (0.0, 0.0)))
-                if v > wv:
-                    worst, wv = nid, v
-            if worst is None:
-                break
-            a0, b0 = self.corr.get(worst, (0.0, 0.0))
-            t0, t1 = self.span[worst]
-            poly = _polygon(cons[worst], t0, t1, a0, b0, rate_bound.get(worst, math.inf))
-            if not poly:
-                info[worst].infeasible = True
-                stuck.add(worst)
-                continue
-            pa, pb = _project(poly, a0 + b0 * t0, a0 + b0 * t1)
-            if t1 > t0:
-                b = (pb - pa) / (t1 - t0)
-                a = pa - b * t0
-            else:
-                a, b = pa, b0
-            nb = info[worst]
-            nb.violation_ns = max(nb.violation_ns, wv)
-            nb.moved_ns = max(nb.moved_ns, abs(a - a0 + (b - b0) * t0),
-                              abs(a - a0 + (b - b0) * t1))
-            self.corr[worst] = (a, b)
+        cons = self.constraints()
+        broken = {nid: _violation(cs) for nid, cs in cons.items()}
+        if max(broken.values(), default=0.0) > TOLERANCE_NS:
+            self._place(order_hint, rate_bound, info)
         cons = self.constraints()
         for nid in self.span:
             a0, b0 = self.corr.get(nid, (0.0, 0.0))
@@ -185,9 +177,54 @@ class CausalSystem:
             info[nid].late_ns = None if late >= UNBOUNDED_NS / 2 else max(late, 0.0)
         return info
 
+    def _place(self, order_hint, rate_bound, info) -> None:
+        todo = set(self.span)
+        first = min(todo, key=lambda n: (order_hint.get(n, 1), n))
+        placed = {first}
+        todo.discard(first)
+        while todo:
+            best_rank = min(order_hint.get(n, 1) for n in todo)
+            cands = [n for n in todo if order_hint.get(n, 1) == best_rank]
+            cons = self.constraints(among=placed, only=set(cands))
+            nid = min(cands, key=lambda n: (_violation(cons.get(n, [])), n))
+            cs = cons.get(nid, [])
+            v = _violation(cs)
+            if v > 0:
+                a0, b0 = self.corr.get(nid, (0.0, 0.0))
+                t0, t1 = self.span[nid]
+                poly = _polygon(cs, t0, t1, a0, b0, rate_bound.get(nid, math.inf))
+                if not poly:
+                    info[nid].infeasible = True
+                else:
+                    pa, pb = _project(poly, a0 + b0 * t0, a0 + b0 * t1)
+                    if t1 > t0:
+                        b = (pb - pa) / (t1 - t0)
+                        a = pa - b * t0
+                    else:
+                        a, b = pa, b0
+                    self.corr[nid] = (a, b)
+                    # the binned polygon holds at each bin's tightest points; a tilted
+                    # line may still graze a point between them: settle the offset on
+                    # every point
+                    every = self.constraints(among=placed, only={nid},
+                                             bins=len(self.rows)).get(nid, [])
+                    up = max((lo for _, lo, _ in every), default=-math.inf)
+                    down = min((hi for _, _, hi in every), default=math.inf)
+                    room = max(0.0, min(MARGIN_NS, (down - up) / 2))
+                    if up > -room and up <= down:
+                        a += up + room
+                    elif down < room and up <= down:
+                        a += down - room
+                    self.corr[nid] = (a, b)
+                    info[nid].violation_ns = v
+                    info[nid].moved_ns = max(abs(a - a0 + (b - b0) * t0),
+                                             abs(a - a0 + (b - b0) * t1))
+            placed.add(nid)
+            todo.discard(nid)
 
-def _violation(cons, corr) -> float:
-    a, b = corr
+
+def _violation(cons) -> float:
+    """The worst broken bound: 0 must lie within every [lo, hi] of extra shift."""
     worst = 0.0
     for tau, lo, hi in cons:
         # bounds are on the extra shift beyond the current correction: 0 must fit

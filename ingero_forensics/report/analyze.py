@@ -100,6 +100,7 @@ class Straggler:
     late_ranks: list[int]
     windows: list[Window]
     lateness_ms: float          # mean lateness in its windows
+    peak_ms: float              # its typical lateness at the latest collective of a late bin
     late_bins: int
     cost_s: float
     cost_share: float
@@ -131,6 +132,9 @@ class Analysis:
     cause: str | None = None
     cause_confidence: str | None = None   # clear / weak / none
     clock_caveat: bool = False
+    #: no straggler could be established because the nodes' clocks are only known to
+    #: within more than the lateness worth reporting
+    clock_limited: bool = False
     verdict: str = ""
     evidence: list[str] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
@@ -261,10 +265,11 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             per_node[nid].add(late_ms)
             acc = cells.get(nid)
             if acc is None:
-                cells[nid] = [late_ms, 1]
+                cells[nid] = [late_ms, 1, late_ms]
             else:
                 acc[0] += late_ms
                 acc[1] += 1
+                acc[2] = max(acc[2], late_ms)
             if late_ms > COST_FLOOR_MS:
                 costly[nid].append((first, late_ms))
         last_count[last_node] += 1
@@ -274,7 +279,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             transfer[b].add((completion - last_entry) / 1e6)
 
     # robust noise over all (bin, node) means; the threshold grows with their number
-    cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k) in per.items()}
+    cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k, _) in per.items()}
     vals = list(cell.values())
     med_all = median(vals)
     mad = median([abs(v - med_all) for v in vals]) * 1.4826
@@ -321,12 +326,13 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             late_ranks=late_ranks(con, nl.node_id,
                                   [(w.start_ns, w.end_ns) for w in windows], ranks_of),
             windows=windows, lateness_ms=round(lat, 3), late_bins=nl.late_bins,
+            peak_ms=round(median([bins[b][nl.node_id][2] for b in late_bins[nl.node_id]]), 3),
             cost_s=nl.cost_s, cost_share=nl.cost_share,
             relative_uncertainty_ms=_pair_uncertainty_ms(nl.node_id, rel_unc),
             clock_caveat=False))
     for st in a.stragglers:
         u = st.relative_uncertainty_ms
-        st.clock_caveat = u is None or st.lateness_ms <= CLOCK_MARGIN * u
+        st.clock_caveat = u is None or st.peak_ms <= CLOCK_MARGIN * u
 
     # -- 3. slow collectives with nobody late: the network --------------------------
     tr_med = {b: median(v.values) for b, v in transfer.items() if v.n}
@@ -341,13 +347,29 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     for b in sorted(bins):
         per = bins[b]
         row = {"t_s": round(b * bin_ns / 1e9, 3),
-               "fleet_ms": round(median([sv / k for sv, k in per.values()]), 3),
+               "fleet_ms": round(median([sv / k for sv, k, _ in per.values()]), 3),
                "transfer_ms": round(tr_med.get(b, 0.0), 3)}
         if primary is not None and primary.node_id in per:
             row["suspect_ms"] = round(per[primary.node_id][0] / per[primary.node_id][1], 3)
         a.timeline.append(row)
 
     if primary is None and network_suspect is None:
+        unc = sorted(v for v in rel_unc.values() if v is not None)
+        worst = None if len(unc) < len(rel_unc) else (unc[-1] / 1e3 if unc else 0.0)
+        # a clock error this large could hide (or fake) lateness of the fleet's own
+        # jitter: "no straggler" would claim more than the alignment knows
+        if worst is None or worst > max(LATE_FLOOR_MS, a.noise_ms):
+            a.clock_limited = True
+            a.cause_confidence = "none"
+            a.verdict = (
+                "Cannot tell whether a node is a straggler: the clocks could only be "
+                "aligned to within " + ("an unbounded error" if worst is None else
+                                       f"{worst:.2f} ms") + " of each other (no sync "
+                "observed a collective's completion tightly, and the clocks' own claims do "
+                f"not bound them), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
+                "lateness table shows what each node's clock says; see the clock section.")
+            a.slow_collectives = slow_collectives(con)
+            return a
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
                      f"{a.threshold_ms:.2f} ms in at least {min_bins} time bins and costing "
@@ -362,7 +384,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         windows = _join_bins(sorted(set(net_bins)), t0, bin_ns, cell, None)
         name, ranks = nodes[network_suspect]
         primary = Straggler(node=name, node_id=network_suspect, ranks=ranks, late_ranks=[],
-                            windows=windows, lateness_ms=0.0, late_bins=0, cost_s=0.0,
+                            windows=windows, lateness_ms=0.0, peak_ms=0.0, late_bins=0,
+                            cost_s=0.0,
                             cost_share=0.0,
                             relative_uncertainty_ms=_pair_uncertainty_ms(network_suspect,
                                                                          rel_unc),

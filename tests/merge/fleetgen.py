@@ -50,9 +50,10 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                max_offset_ms=50.0, max_drift_ppm=50.0, ntp_step=True, liar=None,
                seed=1, straggler_rank=None, retransmits=True, segments=1,
                host_of=None, stacks=True, comm="00c0ffee00c0ffee",
-               name_prefix="node", queued=0, claims=True) -> Fleet:
+               name_prefix="node", queued=0, claims=True, straggler_every=10,
+               straggler_late_ns=60_000_000) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
-    arrives 60 ms late at every 10th collective. queued: what each sync records as
+    arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
     completion). claims=False: clocks that say they are unsynchronized."""
     stragglers = () if straggler_rank is None else (
@@ -80,8 +81,9 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
         entries = {}
         for r in range(nranks):
             late = 0
-            if r in stragglers and seq % 10 == (5 * stragglers.index(r)) % 10:
-                late = 60_000_000  # 60 ms late: a slow AllReduce for everybody else
+            if r in stragglers and seq % straggler_every == \
+                    (5 * stragglers.index(r)) % straggler_every:
+                late = straggler_late_ns  # a slow AllReduce for everybody else
             entries[r] = t + rng.randint(0, 3_000_000) + late
         nbytes = 64 << 20
         completion = max(entries.values()) + 1_500_000 + rng.randint(0, 20_000)

@@ -1,0 +1,95 @@
+"""Causal bounds (merge/causal.py): entries before observed completions, never equalities."""
+
+import apsw
+import pytest
+
+from ingero_forensics.merge import merge_bundles
+from ingero_forensics.merge.causal import CausalSystem
+
+from .fleetgen import T_JOB, make_fleet
+from .test_align import alignment
+
+
+def _rows(shift_ns=0.0, drift_ns_per_s=0.0, n=200):
+    """Three nodes, one collective every 100 ms: entries within 1 ms, every node observes
+    the completion 2 ms after the last entry. Node 2's clock reads shift + drift * t
+    ahead of the truth."""
+    rows = []
+    for k in range(n):
+        t = k * 100e6
+        entries = {0: t, 1: t + 0.4e6, 2: t + 0.8e6}
+        done = t + 0.8e6 + 2e6
+        err = shift_ns + drift_ns_per_s * t / 1e9
+        rows.append([(nid, e + (err if nid == 2 else 0.0), done + 5e3 + (err if nid == 2 else 0.0))
+                     for nid, e in entries.items()])
+    return rows
+
+
+def test_consistent_clocks_are_left_alone():
+    system = CausalSystem(_rows(), 1000)
+    info = system.enforce({}, {0: 2e5, 1: 2e5, 2: 2e5})
+    assert system.corr == {}
+    assert all(b.moved_ns == 0 for b in info.values())
+    # node 2 enters last, 2 ms before anyone observes: it could be up to ~2 ms later;
+    # it observes 2.4 ms after node 1's entry: it could be up to that much earlier
+    assert 2.0e6 <= info[2].late_ns <= 2.1e6
+    assert 2.4e6 <= info[2].early_ns <= 2.5e6
+
+
+@pytest.mark.parametrize("shift, drift", [(30e6, 0.0), (-30e6, 0.0), (20e6, 40_000.0)])
+def test_broken_line_moved_minimally_into_the_bounds(shift, drift):
+    system = CausalSystem(_rows(shift, drift), 1000)
+    info = system.enforce({}, {0: 2e5, 1: 2e5, 2: 2e5})
+    # after: nothing broken, anywhere
+    for r, tau in zip(system.rows, system.tau):
+        shifted = [(nid, e + system._shift(nid, tau), s + system._shift(nid, tau))
+                   for nid, e, s in r]
+        last_entry = max(e for _, e, _ in shifted)
+        assert min(s for _, _, s in shifted) >= last_entry + 1000 - 1000
+    # only the broken node moved, and it ended within the feasible band around the truth
+    assert set(system.corr) == {2}
+    a, b = system.corr[2]
+    for t in (0.0, 19.9):
+        residual = (shift + drift * t) + a + b * t      # its remaining error at t
+        assert -2.9e6 <= residual <= 2.1e6
+    assert info[2].moved_ns > 15e6 and info[2].violation_ns > 15e6
+
+
+def test_contradictory_constraints_are_reported_not_forced():
+    # node 1 observes completions before node 0 even entered, whatever its line
+    rows = [[(0, k * 1e8 + 5e6, k * 1e8 + 6e6), (1, k * 1e8, k * 1e8 + 1e6 + (k % 2) * 9e6)]
+            for k in range(50)]
+    rows += [[(0, 1e9 + k * 1e8, 1e9 + k * 1e8 + 1e6), (1, 1e9 + k * 1e8 + 5e6,
+                                                          1e9 + k * 1e8 + 6e6)]
+             for k in range(50)]
+    system = CausalSystem(rows, 1000)
+    info = system.enforce({}, {0: 0.0, 1: 0.0})
+    assert any(b.infeasible for b in info.values())
+
+
+def test_wrong_unsynchronized_clocks_without_tight_observations(tmp_path):
+    """Every sync behind queued kernels (no tight observation) and clocks +-50 ms off that
+    claim nothing: the causal bounds alone move the broken lines; every node's true
+    error relative to the others stays within the relative uncertainty it reports."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=2, seconds=20,
+                       max_offset_ms=50, max_drift_ppm=20, ntp_step=False, seed=12,
+                       queued=8, claims=False, retransmits=False)
+    res = merge_bundles(fleet.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    assert {a["method"] for a in al.values()} <= {"clock_samples", "causal"}
+    assert any(a["method"] == "causal" and a["causal_moved_ns"] > 1_000_000 for a in al.values())
+    assert any("contradicted the order" in w for w in res.warnings)
+    errs = {}
+    for nid, a in al.items():
+        tr = fleet.nodes[nid - 1]
+        errs[nid] = [a["offset_ns"] + tr.mono(t) + round(tr.mono(t) * a["slope"]) - t
+                     for t in (T_JOB + 2 * 10**9, T_JOB + 18 * 10**9)]
+    common = sorted(e for v in errs.values() for e in v)[len(errs)]
+    for nid, a in al.items():
+        assert a["violations_after"] == 0
+        for e in errs[nid]:
+            assert abs(e - common) <= a["relative_uncertainty_ns"] + \
+                min(x["relative_uncertainty_ns"] for x in al.values()), (nid, e - common, a)
+    con = apsw.Connection(str(tmp_path / "f.db"))
+    assert con.execute("SELECT SUM(completion_tight) FROM collectives").fetchone()[0] == 0
+    con.close()
