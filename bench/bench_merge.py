@@ -102,7 +102,7 @@ def make_bundle(out_dir: Path, node: int, events: int) -> Path:
         con.execute(f"""WITH RECURSIVE c(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM c
                         WHERE i < {n['cuda_events'] - 1})
             INSERT INTO cuda_events (timestamp_ns, duration_ns, api, layer, stream, bytes,
-                memcpy_kind, kernel, device, return_code, pid, tid, stack_id)
+                memcpy_kind, kernel, device, return_code, pid, tid, stack_id, queued_ops)
             SELECT CASE WHEN i < {n['nccl_events']}
                         THEN :m0 + i * :step + (i * 7 + :node * 13) % 3000 + 20000
                         ELSE :m0 + (i - {n['nccl_events']}) * :step + 60000 END,
@@ -112,7 +112,8 @@ def make_bundle(out_dir: Path, node: int, events: int) -> Path:
                         ELSE 'cudaMemcpyAsync' END, 'runtime', 7,
                    CASE WHEN i < {n['nccl_events']} THEN NULL ELSE 65536 END,
                    CASE WHEN i < {n['nccl_events']} THEN NULL ELSE 'HtoD' END, NULL, 0, 0,
-                   1000 + :node, 1000 + :node, 2 FROM c""", p)
+                   1000 + :node, 1000 + :node, 2,
+                   CASE WHEN i < {n['nccl_events']} THEN 0 END FROM c""", p)
         con.execute(f"""WITH RECURSIVE c(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM c
                         WHERE i < {n['sched_events'] - 1})
             INSERT INTO sched_events (timestamp_ns, duration_ns, kind, pid, tid, comm, cpu,
