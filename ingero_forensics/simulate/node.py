@@ -284,15 +284,26 @@ class NodeGenerator:
         step_len = st.lsync_end - st.start
         for wi in (2, 3):
             _, tid, wcomm = threads[wi]
-            t = st.start + r.uniform(0.35, 0.6) * step_len
-            dur = step_len * r.uniform(0.25, 0.45)
-            ts = int(m0 + t * k)
-            out.append((ts, int(m0 + (t + dur) * k) - ts, "off_cpu", pid, tid, wcomm,
+            sleep = st.start + r.uniform(0.35, 0.6) * step_len
+            # within this step: the next step's spans must not start inside it
+            sleep_end = min(sleep + step_len * r.uniform(0.25, 0.45),
+                            st.start + 0.98 * step_len)
+            ts = int(m0 + sleep * k)
+            out.append((ts, int(m0 + sleep_end * k) - ts, "off_cpu", pid, tid, wcomm,
                         int(r.random() * NCPUS), "S", None, None, None))
             if faulty == "cpu":
-                for _ in range(r.randrange(1, 4)):
-                    t = st.start + r.random() * step_len
+                # waits for a CPU happen while the worker is runnable: one after another,
+                # never while it sleeps (a real scheduler cannot produce overlaps)
+                free = st.start
+                for t in sorted(st.start + r.random() * step_len
+                                for _ in range(r.randrange(1, 4))):
                     d = tri(r, 1, 3, 9) * MS
+                    t = max(t, free)
+                    if t < sleep_end and t + d > sleep:
+                        t = sleep_end
+                    if t + d > st.start + step_len:
+                        break
+                    free = t + d + 20 * US
                     ts = int(m0 + t * k)
                     cname, cpid = self.plan.competitor
                     out.append((ts, int(m0 + (t + d) * k) - ts, "runq_delay", pid, tid,
