@@ -196,9 +196,12 @@ int nccl_return_all(struct pt_regs *ctx) {
     return 0;
 }
 
+/* Every probe honours the target filter (--pid/--comm): lifecycle calls of other
+ * processes would otherwise give this node their ranks. */
 static __always_inline struct call *comm_entry(u8 api) {
-    u32 tid = bpf_get_current_pid_tgid();
-    struct call *c = begin(tid);
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32)) return 0;
+    struct call *c = begin((u32)id);
     if (!c) return 0;
     c->kind = 1; c->op = api;
     return c;
@@ -284,13 +287,17 @@ int on_destroy(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommDestroy
 int on_abort(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommAbort__); }
 
 int on_group_start(struct pt_regs *ctx) {
-    u32 tid = bpf_get_current_pid_tgid(), one = 1;
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32)) return 0;
+    u32 tid = id, one = 1;
     u32 *d = group_depth.lookup(&tid);
     if (d) (*d)++; else group_depth.update(&tid, &one);
     return 0;
 }
 int on_group_end(struct pt_regs *ctx) {
-    u32 tid = bpf_get_current_pid_tgid();
+    u64 id = bpf_get_current_pid_tgid();
+    if (!is_target(id >> 32)) return 0;
+    u32 tid = id;
     u32 *d = group_depth.lookup(&tid);
     if (d && *d > 1) (*d)--; else if (d) group_depth.delete(&tid);
     return 0;

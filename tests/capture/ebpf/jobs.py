@@ -17,8 +17,8 @@ def free_port() -> int:
 
 def make_ids(path) -> tuple[bytes, bytes]:
     """Two ncclUniqueIds for the shim: same rendezvous port and first 120 bytes, the
-    last 8 bytes differ."""
-    first = struct.pack("<H", free_port()) + os.urandom(126)
+    last 8 bytes differ. Address bytes 2-5 are zero: rank 0 listens on loopback."""
+    first = struct.pack("<H", free_port()) + bytes(4) + os.urandom(122)
     second = first[:120] + bytes(b ^ 0xFF for b in first[120:])
     with open(path, "wb") as f:
         f.write(first + second)

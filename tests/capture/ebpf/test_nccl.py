@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import textwrap
+import time
 from collections import Counter, defaultdict
 
 import pytest
@@ -213,3 +214,30 @@ def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path):
         ("SEND", 99, "int64", None, 5, 0x78, out["send"], None)]
     assert out["ar"] != 0   # really failed after entry (no GPU, NULL comm)
     assert any(lib in m for _l, _s, ev, m, _c in sink.logs if ev == "attached")
+
+
+def test_every_probe_honours_the_pid_filter(ebpf_ok, tmp_path, fixtures):
+    """Only two of four ranks are targets: the communicator lifecycle (init, split,
+    destroy) of the other two must not show up either, or every node of a fleet would
+    claim every rank."""
+    make_ids(tmp_path / "ids")
+    job = Job(lambda r: [str(fixtures.rank_job), "full", str(r), str(NRANKS),
+                         str(tmp_path / "ids"), "2"], NRANKS)
+    traced = job.pids[:2]
+    opts = options(lib_paths=[str(fixtures.libnccl)])
+    try:
+        with Running(NcclSource(opts), StaticTargets(traced), opts) as run:
+            results = job.go()
+            wait_for(lambda: len(run.sink.dicts("nccl_comm_events")) >= 2 * 6)
+            time.sleep(0.3)   # rows of the untraced ranks, were any emitted, arrive too
+        job.finish()
+    finally:
+        job.kill()
+    assert results == [{"allreduce": 10, "child": 2, "second": 8}] * NRANKS
+    comm = run.sink.dicts("nccl_comm_events")
+    colls = run.sink.dicts("nccl_events")
+    assert {r["pid"] for r in comm} == {r["pid"] for r in colls} == set(traced)
+    inits = sorted((r["pid"], r["rank"]) for r in comm if r["api"] == "ncclCommInitRank")
+    assert inits == sorted(zip(traced, (0, 1)))
+    # per traced rank: init, init-config, split, two destroys (child, second) + world's
+    assert Counter(r["pid"] for r in comm) == {pid: 6 for pid in traced}

@@ -1,0 +1,82 @@
+"""Benchmark the capture on the real-kernel multi-node rig (tests/rig; needs root, BCC,
+kernel headers, iproute2: scripts/setup-ebpf.sh).
+
+Four network-namespace nodes of two ranks each run the PyTorch-like training loop
+(tests/fixtures/train_job.c: TCP ring all-reduce through the NCCL shim, a cudart shim
+whose kernels take real time). Rounds alternate a run without captures and a run with one
+ingero-capture per node (all eBPF sources, restricted to the node's ranks), so slow
+drifts of a shared machine hit both alike.
+
+Prints, per scenario: the job's median step time without and with the captures (the
+capture overhead), and per node the rows captured and the lost events (capture_log
+lost_events), which should be 0.
+
+Usage: python bench/bench_rig.py [--steps N] [--rounds N] [--scenario none|cpu|io|network]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ingero_forensics.bundle.reader import open_bundle  # noqa: E402
+from tests.rig.rig import Rig  # noqa: E402
+
+
+def node_figures(run) -> dict[str, dict]:
+    out = {}
+    for node, bundles in sorted(run.bundles.items()):
+        rows = lost = 0
+        for path in bundles:
+            with open_bundle(path) as b:
+                rows += sum(n for t, n in b.manifest["tables"].items()
+                            if t not in ("capture_log", "stacks", "host_samples"))
+                lost += b.con.execute("SELECT COALESCE(SUM(count), 0) FROM capture_log "
+                                      "WHERE event = 'lost_events'").fetchone()[0]
+        out[node] = {"event_rows": rows, "lost_events": lost}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--scenario", default="none")
+    args = ap.parse_args()
+    steps = {"off": [], "on": []}
+    nodes: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-rig-") as tmp, \
+            Rig(Path(tmp), nodes=args.nodes, ranks_per_node=args.ranks_per_node) as rig:
+        for rnd in range(args.rounds):
+            for mode in ("off", "on"):
+                run = rig.run_scenario(args.scenario, steps=args.steps, captures=mode == "on")
+                med = run.median_step_ms()
+                steps[mode].append(med)
+                print(f"round {rnd + 1} captures {mode:<3}: median step {med:.2f} ms "
+                      f"({run.seconds} s; captures on in {run.capture_start_s} s, "
+                      f"stopped in {run.capture_stop_s} s)", flush=True)
+                if mode == "on":
+                    nodes.append(node_figures(run))
+    off, on = statistics.median(steps["off"]), statistics.median(steps["on"])
+    result = {
+        "scenario": args.scenario, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
+        "steps": args.steps, "rounds": args.rounds,
+        "median_step_ms_without_capture": round(off, 2),
+        "median_step_ms_with_capture": round(on, 2),
+        "capture_overhead_pct": round(100 * (on - off) / off, 1),
+        "per_round_ms": steps, "per_node": nodes,
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Fixtures of the real-kernel rig: one set of namespaces for the whole module, each
+scenario run (captured, merged and reported) once, on first use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ..capture.ebpf.conftest import ebpf_skip_reason
+from .rig import Rig, RunResult, missing_tools
+
+#: steps per scenario: about 6 s of job at 30-40 ms a step (twice that under tbf)
+STEPS = 150
+
+
+@dataclass
+class Outcome:
+    run: RunResult
+    fleet_db: Path
+    report: dict
+
+
+def merge_and_report(bundle_paths, out: Path) -> tuple[Path, dict]:
+    """ingero-merge (full integrity check) then ingero-report --json, as a user would."""
+    out.mkdir(parents=True, exist_ok=True)
+    fleet = out / "fleet.db"
+    subprocess.run(["ingero-merge", *map(str, bundle_paths), "-o", str(fleet),
+                    "--integrity", "full", "--strict", "-q"], check=True)
+    rep = subprocess.run(["ingero-report", str(fleet), "-o", str(out / "report.html"),
+                          "--json", "-q"], check=True, capture_output=True, text=True)
+    return fleet, json.loads(rep.stdout)
+
+
+class Runs:
+    def __init__(self, rig: Rig):
+        self.rig = rig
+        self._done: dict[str, Outcome] = {}
+
+    def get(self, scenario: str) -> Outcome:
+        if scenario not in self._done:
+            run = self.rig.run_scenario(scenario, steps=STEPS)
+            out = self.rig.workdir / f"merged-{scenario}"
+            fleet, report = merge_and_report(run.all_bundles(), out)
+            self._done[scenario] = Outcome(run, fleet, report)
+        return self._done[scenario]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    reason = ebpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if os.geteuid() != 0:
+        pytest.skip("the rig needs root (network namespaces, tc)")
+    if missing_tools():
+        pytest.skip(f"the rig needs {', '.join(missing_tools())} (apt install iproute2 util-linux)")
+    with Rig(tmp_path_factory.mktemp("rig")) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def runs(rig):
+    return Runs(rig)

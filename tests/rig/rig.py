@@ -1,0 +1,415 @@
+"""A real-kernel multi-node rig on one machine: network namespaces as nodes.
+
+Every node is a network namespace of our own (``ingero-rig-<pid>-<k>``) joined by a veth
+pair to a bridge that lives in a namespace of its own (``ingero-rig-<pid>-br``), so no
+address, route or packet of the rig ever touches the root namespace. Each node runs one
+or two ranks of tests/fixtures/train_job.c (TCP ring all-reduce through the NCCL shim)
+and one ``ingero-capture`` restricted to that node's ranks, with its own ``--node`` and
+bundle directory. All namespaces share one kernel, hence one CLOCK_MONOTONIC: the true
+clock skew between the nodes is 0, which makes every alignment checkable.
+
+Processes enter a namespace with ``nsenter --net=/run/netns/NAME``, never ``ip netns
+exec``: the latter remounts /sys, which hides tracefs from the capture.
+
+Order of a run: ranks start and stop at "ready"; the captures start and report
+"sources on" (their uprobes are attached); the fault is switched on; "go" releases the
+ranks, which only then create their communicator. After the job's JSON lines, the ranks
+are kept alive a moment for stack symbolization, then released; SIGTERM makes every
+capture seal its bundle. Whatever happens, ``Rig.close`` (also registered with atexit)
+kills what the rig started and deletes its namespaces, which takes their veths, the
+bridge and any qdisc with them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..fixtures.build import Fixtures, build_fixtures
+
+PREFIX = "ingero-rig-"
+SUBNET = "10.213.0"          # /24, only inside the rig's own namespaces
+ROOT_PORT = 29500
+SCENARIOS = ("none", "cpu", "io", "network")
+CAUSE = {"cpu": "cpu", "io": "io", "network": "network"}
+#: The CPU hog: a competing job of HOG_PROCS busy processes (one process group, in the
+#: ranks' session: the scheduler's autogroups would otherwise give it only its own share),
+#: all on the straggler's CPU, so its ranks' host threads get about 1 / (HOG_PROCS + 1).
+HOG_PROCS = 4
+HOG = f"import os\nfor _ in range({HOG_PROCS} - 1):\n    if os.fork() == 0: break\nwhile True: pass"
+#: tbf on the straggler's side of its link: a rate well under what the ring moves per
+#: step, a burst of two packets and a 1 ms queue, so packets are dropped and TCP
+#: retransmits (a 100 ms queue would only delay them).
+TBF = ("rate", "300mbit", "burst", "3000", "latency", "1ms")
+
+
+class RigError(RuntimeError):
+    pass
+
+
+def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if check and p.returncode:
+        raise RigError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def missing_tools() -> list[str]:
+    return [t for t in ("ip", "tc", "nsenter", "taskset") if shutil.which(t) is None]
+
+
+def capture_cmd() -> list[str]:
+    exe = shutil.which("ingero-capture")
+    return [exe] if exe else [sys.executable, "-m", "ingero_forensics.capture"]
+
+
+@dataclass(frozen=True)
+class Truth:
+    """What the rig did: the straggler node (None on the clean run), its global ranks
+    and the cause, in the report's vocabulary (cpu, io, network)."""
+    scenario: str
+    node: str | None
+    ranks: tuple[int, ...]
+    cause: str | None
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    truth: Truth
+    bundle_dirs: dict[str, Path]              # node name -> its capture's --bundle
+    bundles: dict[str, list[Path]]            # node name -> sealed bundles
+    results: dict[int, dict]                  # global rank -> the job's JSON line
+    node_of_rank: dict[int, str]
+    pids: dict[str, list[int]]                # node name -> its ranks' pids
+    retransmits: dict[str, int]               # node name -> TCP RetransSegs during the job
+    capture_stderr: dict[str, str]
+    seconds: float                            # the whole run, set-up to sealed bundles
+    capture_start_s: float = 0.0              # captures started until all sources on
+    capture_stop_s: float = 0.0               # SIGTERM until every capture exited
+
+    @property
+    def step_ns(self) -> dict[int, list[int]]:
+        return {r: res["step_ns"] for r, res in self.results.items()}
+
+    def median_step_ms(self, ranks=None) -> float:
+        vals = sorted(v for r, res in self.results.items() if ranks is None or r in ranks
+                      for v in res["step_ns"])
+        return vals[len(vals) // 2] / 1e6 if vals else 0.0
+
+    def all_bundles(self) -> list[Path]:
+        return [b for bs in self.bundles.values() for b in bs]
+
+
+@dataclass
+class Node:
+    index: int
+    name: str          # the capture's --node
+    netns: str
+    veth: str          # the node's end, inside its namespace
+    peer: str          # the bridge's end, in the bridge namespace
+    addr: str
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def nsenter(self) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.netns}", "--"]
+
+
+class Rig:
+    """Namespaces, veths and a bridge for ``nodes`` nodes of ``ranks_per_node`` ranks.
+
+    ``straggler`` is the index of the node that scenarios other than "none" degrade.
+    """
+
+    def __init__(self, workdir: Path, nodes: int = 4, ranks_per_node: int = 1,
+                 straggler: int = 2, fixtures: Fixtures | None = None):
+        if not 1 < nodes < 200 or not 0 <= straggler < nodes:
+            raise ValueError("need 2..199 nodes and a straggler among them")
+        self.workdir = Path(workdir)
+        self.fixtures = fixtures or build_fixtures()
+        self.ranks_per_node = ranks_per_node
+        self.straggler = straggler
+        tag = f"{PREFIX}{os.getpid()}"
+        short = f"ir{os.getpid() % 100000}"
+        self.bridge_ns = f"{tag}-br"
+        self.nodes = [Node(k, f"rig-node-{k}", f"{tag}-{k}", f"{short}n{k}", f"{short}b{k}",
+                           f"{SUBNET}.{k + 1}") for k in range(nodes)]
+        for n in self.nodes:
+            n.ranks = [n.index * ranks_per_node + i for i in range(ranks_per_node)]
+        self._procs: list[subprocess.Popen] = []
+        self._made: list[str] = []
+        self._closed = False
+        self._runs = 0
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- set-up and tear-down ---------------------------------------------------------
+    def _build(self) -> None:
+        remove_stale_namespaces()
+        run("ip", "netns", "add", self.bridge_ns)
+        self._made.append(self.bridge_ns)
+        br = ["ip", "-n", self.bridge_ns]
+        run(*br, "link", "add", "br0", "type", "bridge")
+        run(*br, "link", "set", "br0", "up")
+        for n in self.nodes:
+            run("ip", "netns", "add", n.netns)
+            self._made.append(n.netns)
+            run("ip", "link", "add", n.veth, "netns", n.netns, "type", "veth",
+                "peer", "name", n.peer, "netns", self.bridge_ns)
+            run(*br, "link", "set", n.peer, "master", "br0")
+            run(*br, "link", "set", n.peer, "up")
+            ns = ["ip", "-n", n.netns]
+            run(*ns, "addr", "add", f"{n.addr}/24", "dev", n.veth)
+            run(*ns, "link", "set", n.veth, "up")
+            run(*ns, "link", "set", "lo", "up")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._procs:
+            stop_process(p)
+        for ns in reversed(self._made):
+            run("ip", "netns", "del", ns, check=False)
+        atexit.unregister(self.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _spawn(self, argv: list[str], **kw) -> subprocess.Popen:
+        p = subprocess.Popen(argv, **kw)
+        self._procs.append(p)
+        return p
+
+    # -- layout -----------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.ranks_per_node
+
+    def straggler_cpu(self) -> int:
+        """The CPU the straggler's ranks are pinned to in every scenario (and the hog
+        in "cpu"); the other ranks are not pinned, so the clean run stays symmetric."""
+        return sorted(os.sched_getaffinity(0))[-1]
+
+    def device_cpus(self) -> list[int]:
+        """Where the straggler's shim "GPU" threads run: the CPUs the hog leaves alone
+        (a CPU hog on a host does not slow its GPU down)."""
+        cpus = sorted(os.sched_getaffinity(0))
+        return cpus[:-1] or cpus
+
+    def truth(self, scenario: str) -> Truth:
+        if scenario == "none":
+            return Truth(scenario, None, (), None)
+        node = self.nodes[self.straggler]
+        return Truth(scenario, node.name, tuple(node.ranks), CAUSE[scenario])
+
+    # -- one scenario --------------------------------------------------------------------
+    def run_scenario(self, scenario: str, steps: int = 200, settle_s: float = 1.5,
+                     capture_args: tuple[str, ...] = (), captures: bool = True) -> RunResult:
+        """Run the job once with ``scenario``'s fault on the straggler node, each node
+        traced by its own capture (``captures=False``: no capture, for overhead figures).
+        Returns the bundles, the truth and the job's own timings."""
+        if scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
+        self._runs += 1
+        out = self.workdir / f"{self._runs:02d}-{scenario}"
+        out.mkdir(parents=True)
+        started = time.monotonic()
+        local: list[subprocess.Popen] = []   # stopped whatever happens
+        caps: dict[str, tuple[subprocess.Popen, Path]] = {}
+        fault_off = None
+        try:
+            ranks = self._start_ranks(scenario, steps, out, local)
+            t_cap = time.monotonic()
+            if captures:
+                for n in self.nodes:
+                    caps[n.name] = self._start_capture(n, [ranks[r].pid for r in n.ranks],
+                                                       out, capture_args)
+                    local.append(caps[n.name][0])
+                for cap, log in caps.values():
+                    wait_sources_on(cap, log)
+            cap_start = time.monotonic() - t_cap
+            fault_off = self._fault_on(scenario, local)
+            before = {n.name: retrans_segs(ranks[n.ranks[0]].pid) for n in self.nodes}
+            for p in ranks.values():
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            results = {}
+            for r, p in ranks.items():
+                line = p.stdout.readline()
+                if not line:
+                    raise RigError(f"rank {r} failed: {(out / f'rank-{r}.err').read_text()}")
+                results[r] = json.loads(line)
+            after = {n.name: retrans_segs(ranks[n.ranks[0]].pid) for n in self.nodes}
+            off, fault_off = fault_off, None
+            off()
+            time.sleep(settle_s)   # the captures symbolize stacks while the ranks live
+            for p in ranks.values():
+                p.stdin.close()
+            for r, p in ranks.items():
+                if p.wait(timeout=30):
+                    raise RigError(f"rank {r} exited {p.returncode}")
+            t_stop = time.monotonic()
+            stderr = self._stop_captures(caps)
+            cap_stop = time.monotonic() - t_stop
+        finally:
+            if fault_off is not None:
+                fault_off()
+            for p in local:
+                stop_process(p)
+            self._procs = [p for p in self._procs if p not in local]
+        return RunResult(
+            scenario=scenario, truth=self.truth(scenario),
+            bundle_dirs={name: out / "bundles" / name for name in caps},
+            bundles={name: sorted((out / "bundles" / name).glob("*.bundle")) for name in caps},
+            results=results, node_of_rank={r: n.name for n in self.nodes for r in n.ranks},
+            pids={n.name: [ranks[r].pid for r in n.ranks] for n in self.nodes},
+            retransmits={k: after[k] - before[k] for k in after}, capture_stderr=stderr,
+            seconds=round(time.monotonic() - started, 1), capture_start_s=round(cap_start, 1),
+            capture_stop_s=round(cap_stop, 1))
+
+    def _start_ranks(self, scenario: str, steps: int, out: Path,
+                     local: list) -> dict[int, subprocess.Popen]:
+        """Every rank, in its node's namespace, stopped at "ready"."""
+        idfile = out / "nccl-id"
+        # port in bytes 0-1, rank 0's address in bytes 2-5 (see shim_nccl.c)
+        idfile.write_bytes(struct.pack("<H", ROOT_PORT + self._runs) +
+                           bytes(int(x) for x in self.nodes[0].addr.split(".")) +
+                           os.urandom(122))
+        straggler = self.nodes[self.straggler]
+        ranks: dict[int, subprocess.Popen] = {}
+        for n in self.nodes:
+            loader = out / "loader" / n.name
+            loader.mkdir(parents=True)
+            heavy = ["heavy"] if scenario == "io" and n is straggler else []
+            for lr, r in enumerate(n.ranks):
+                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world_size),
+                           LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(self.ranks_per_node),
+                           NODE_RANK=str(n.index))
+                pin = []
+                if n is straggler:
+                    # the host threads on the hog's CPU, the "GPU" threads off it
+                    pin = ["taskset", "-c", str(self.straggler_cpu())]
+                    env["INGERO_SHIM_DEVICE_CPUS"] = ",".join(map(str, self.device_cpus()))
+                argv = [*n.nsenter, *pin, str(self.fixtures.train_job), str(r),
+                        str(self.world_size), str(idfile), str(steps), str(loader), *heavy]
+                with open(out / f"rank-{r}.err", "w") as err:
+                    ranks[r] = self._spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=err, text=True, env=env)
+                local.append(ranks[r])
+        for r, p in ranks.items():
+            line = p.stdout.readline().strip()
+            if line != "ready":
+                raise RigError(f"rank {r} did not start: {line!r} "
+                               f"{(out / f'rank-{r}.err').read_text()}")
+        return ranks
+
+    def _fault_on(self, scenario: str, local: list):
+        """Switch the scenario's fault on; return the function that switches it off."""
+        straggler = self.nodes[self.straggler]
+        if scenario == "cpu":
+            hog = self._spawn(["taskset", "-c", str(self.straggler_cpu()), sys.executable,
+                               "-c", HOG], process_group=0)
+            local.append(hog)
+            return lambda: stop_process(hog)
+        if scenario == "network":
+            tc = ["tc", "-n", straggler.netns, "qdisc"]
+            run(*tc, "add", "dev", straggler.veth, "root", "tbf", *TBF)
+            return lambda: run(*tc, "del", "dev", straggler.veth, "root", check=False)
+        return lambda: None   # none; io is the straggler's loader mode (heavy)
+
+    def _stop_captures(self, caps) -> dict[str, str]:
+        """SIGTERM: each capture seals its bundle. Returns their stderr logs."""
+        for cap, _log in caps.values():
+            cap.send_signal(signal.SIGTERM)
+        stderr = {}
+        for name, (cap, log) in caps.items():
+            rc = cap.wait(timeout=120)
+            stderr[name] = log.read_text()
+            if rc:
+                raise RigError(f"capture of {name} exited {rc}: {stderr[name][-2000:]}")
+        return stderr
+
+    def _start_capture(self, n: Node, pids: list[int], out: Path,
+                       extra: tuple[str, ...]) -> tuple[subprocess.Popen, Path]:
+        log = out / f"capture-{n.name}.log"
+        argv = [*n.nsenter, *capture_cmd(), "--bundle", str(out / "bundles" / n.name),
+                "--node", n.name, "--lib", str(self.fixtures.libnccl),
+                "--lib", str(self.fixtures.libcudart), *extra]
+        for pid in pids:
+            argv += ["--pid", str(pid)]
+        with open(log, "w") as err:
+            return self._spawn(argv, stdout=subprocess.DEVNULL, stderr=err), log
+
+
+def wait_sources_on(cap: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    """Wait for the capture's "sources on:" line: by then its sources have started and
+    its uprobes sit on the libraries the ranks have mapped. Every eBPF source must be on."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = log.read_text()
+        m = re.search(r"sources on: (.*)", text)
+        if m:
+            on = {s.strip() for s in m.group(1).split(",")}
+            missing = {"nccl", "cuda", "tcp", "sched", "block"} - on
+            if missing:
+                raise RigError(f"capture sources off: {sorted(missing)}\n{text[-3000:]}")
+            return
+        if cap.poll() is not None:
+            raise RigError(f"capture exited {cap.returncode} before its sources were on:\n"
+                           f"{text[-3000:]}")
+        time.sleep(0.1)
+    raise RigError(f"capture not ready after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def retrans_segs(pid: int) -> int:
+    """TCP RetransSegs of the network namespace the process lives in."""
+    with open(f"/proc/{pid}/net/snmp") as f:
+        lines = [ln.split() for ln in f if ln.startswith("Tcp:")]
+    return int(lines[1][lines[0].index("RetransSegs")])
+
+
+def stop_process(p: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL; the whole process group at once when p leads one of its
+    own (the hog and its forked children)."""
+    try:
+        if p.poll() is None and os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if p.poll() is not None:
+            return
+        try:
+            p.send_signal(sig)
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def remove_stale_namespaces() -> None:
+    """Delete rig namespaces left by a rig process that no longer exists (a killed test
+    run); those of live rigs are left alone."""
+    listing = run("ip", "netns", "list", check=False).stdout
+    for line in listing.splitlines():
+        m = re.match(rf"({re.escape(PREFIX)}(\d+)-\S+)", line)
+        if m and not os.path.exists(f"/proc/{m.group(2)}"):
+            run("ip", "netns", "del", m.group(1), check=False)

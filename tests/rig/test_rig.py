@@ -1,0 +1,160 @@
+"""The real-kernel multi-node rig (issue 16): four network-namespace nodes, a TCP ring
+all-reduce, one ingero-capture per node, real faults, then ingero-merge and
+ingero-report as a user would run them.
+
+All nodes share one CLOCK_MONOTONIC, so the truth is known twice over: the rig knows
+which node it degraded and how, and every aligned timestamp can be checked against the
+shared clock. The rig's own checks (test_rig_*) come first: a scenario that failed to
+degrade its straggler would make the report's verdict meaningless either way.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ingero_forensics.bundle.reader import open_bundle
+
+from . import measure, verdict
+from .conftest import merge_and_report
+from .rig import SCENARIOS
+from .skew import mono_columns, skew_node
+
+pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
+
+MAX_ALIGNMENT_ERROR_US = 100.0
+#: (role, clock offset in ns) of the skewed variants; both drift 50 ppm
+SKEWS = (("straggler", 37_000_000), ("bystander", -23_000_000))
+
+
+def show(scenario, outcome) -> str:
+    """Everything a failure message needs: the report's verdict and the rig's truth."""
+    run = outcome.run
+    return json.dumps({
+        "scenario": scenario, "truth": run.truth.__dict__,
+        "report": verdict.summary(outcome.report),
+        "true_lateness_ms": measure.true_lateness(outcome.fleet_db),
+        "retransmits": run.retransmits,
+        "median_step_ms": round(run.median_step_ms(), 2), "seconds": run.seconds,
+        "capture_start_s": run.capture_start_s, "capture_stop_s": run.capture_stop_s,
+    }, indent=1, default=str)
+
+
+# -- the rig itself -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rig_job_ran_and_was_captured(runs, scenario):
+    o = runs.get(scenario)
+    print(show(scenario, o))
+    world = len(o.run.results)
+    assert world == 4
+    # the ring all-reduce really summed every rank's loss (1 + rank)
+    assert {r["loss"] for r in o.run.results.values()} == {sum(range(1, world + 1))}
+    assert len({r["steps"] for r in o.run.results.values()}) == 1
+    assert sorted(o.run.bundles) == [f"rig-node-{k}" for k in range(4)]
+    assert all(len(b) == 1 for b in o.run.bundles.values()), o.run.bundles
+
+
+@pytest.mark.parametrize("scenario", ("cpu", "io"))
+def test_rig_straggler_really_arrives_late(runs, scenario):
+    """On the shared clock, the degraded node reaches the collectives late and nobody
+    else does."""
+    o = runs.get(scenario)
+    late = measure.true_lateness(o.fleet_db)
+    straggler = late.pop(o.run.truth.node)
+    assert straggler >= 3.0 and straggler >= 3 * max(abs(v) for v in late.values()), \
+        show(scenario, o)
+
+
+def test_rig_clean_run_has_no_late_node(runs):
+    o = runs.get("none")
+    late = measure.true_lateness(o.fleet_db)
+    assert max(abs(v) for v in late.values()) < 1.5, show("none", o)
+
+
+def test_rig_network_fault_retransmits(runs):
+    """tbf drops the straggler's packets: its own connections retransmit (real TCP
+    retransmits, counted by its namespace's kernel), and the whole job slows down."""
+    o = runs.get("network")
+    retrans = dict(o.run.retransmits)
+    mine = retrans.pop(o.run.truth.node)
+    assert mine >= 1000 and mine >= 20 * max(max(retrans.values()), 1), retrans
+    assert o.run.median_step_ms() >= 1.3 * runs.get("none").run.median_step_ms()
+
+
+# -- the verdict ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_report_names_the_straggler_and_cause(runs, scenario):
+    o = runs.get(scenario)
+    named = verdict.stragglers(o.report)
+    truth = o.run.truth
+    if truth.node is None:
+        assert named == [], show(scenario, o)
+        return
+    assert [s.node for s in named] == [truth.node], show(scenario, o)
+    assert named[0].cause == truth.cause, show(scenario, o)
+    if scenario in ("cpu", "io"):   # one rank per node: the node's rank is the late one
+        assert set(named[0].ranks) == set(truth.ranks), show(scenario, o)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_alignment_error_within_100us(runs, scenario):
+    o = runs.get(scenario)
+    errors = measure.alignment_errors(o.fleet_db)
+    print(scenario, "alignment error (us)", errors)
+    assert max(errors.values()) <= MAX_ALIGNMENT_ERROR_US, (errors, show(scenario, o))
+
+
+# -- a node whose clock is off and drifting ---------------------------------------------------
+
+def _skewed_variant(runs, role, offset_ns, tmp_path):
+    o = runs.get("cpu")
+    others = sorted(n for n in o.run.bundles if n != o.run.truth.node)
+    node = o.run.truth.node if role == "straggler" else others[0]
+    skewed, skew = skew_node(o.run.bundles[node], tmp_path / "skewed", offset_ns, ppm=50.0)
+    inputs = skewed + [b for name, bs in o.run.bundles.items() if name != node for b in bs]
+    fleet, report = merge_and_report(inputs, tmp_path / "merged")
+    true_mono = lambda name: skew.true if name == node else (lambda m: m)  # noqa: E731
+    return o, node, skew, fleet, report, true_mono
+
+
+@pytest.mark.parametrize("role,offset_ns", SKEWS)
+def test_skewed_clock_recovered(runs, role, offset_ns, tmp_path):
+    o, node, skew, fleet, report, true_mono = _skewed_variant(runs, role, offset_ns, tmp_path)
+    errors = measure.alignment_errors(fleet, true_mono)
+    print(f"skewed {node} by {offset_ns / 1e6} ms, 50 ppm: alignment error (us) {errors}; "
+          f"verdict {verdict.summary(report)}")
+    assert max(errors.values()) <= MAX_ALIGNMENT_ERROR_US, (errors, verdict.summary(report))
+    named = verdict.stragglers(report)
+    assert [(s.node, s.cause) for s in named] == [(o.run.truth.node, "cpu")], \
+        verdict.summary(report)
+
+
+def test_skew_moves_every_clock_reading_consistently(runs, tmp_path):
+    """The skew tool itself: every CLOCK_MONOTONIC value maps back to the original, and
+    realtime - mono of each clock sample moves by exactly the skew at that instant."""
+    o = runs.get("cpu")
+    node = o.run.truth.node
+    (skewed,), skew = skew_node(o.run.bundles[node], tmp_path, 5_000_000, ppm=50.0)
+    with open_bundle(o.run.bundles[node][0], integrity="full") as a, \
+            open_bundle(skewed, integrity="full") as b:
+        for table, cols in mono_columns().items():
+            for col in cols:
+                sql = f"SELECT {col} FROM {table} ORDER BY rowid"
+                orig = [r[0] for r in a.con.execute(sql)]
+                new = [r[0] for r in b.con.execute(sql)]
+                assert len(orig) == len(new)
+                assert all(n is None if v is None else abs(skew.true(n) - v) <= 1
+                           for v, n in zip(orig, new)), (table, col)
+        sql = ("SELECT mono_before_ns, mono_after_ns, realtime_ns FROM clock_samples "
+               "ORDER BY rowid")
+        for (b0, a0, r0), (b1, a1, r1) in zip(a.con.execute(sql), b.con.execute(sql)):
+            shift = skew.skewed((b0 + a0) // 2) - (b0 + a0) // 2
+            assert abs((r1 - r0) - shift) <= 1
+        assert b.manifest["capture"]["start_mono_ns"] == \
+            skew.skewed(a.manifest["capture"]["start_mono_ns"])
+        drift = (skew.skewed(a.manifest["capture"]["end_mono_ns"])
+                 - a.manifest["capture"]["end_mono_ns"]) - 5_000_000
+        assert drift > 0   # 50 ppm over the run: the skew really drifts

@@ -1,0 +1,43 @@
+"""The one place the rig tests read the report's verdict (``ingero-report --json``).
+
+Today the analysis names at most one straggler (``straggler``, ``straggler_ranks``,
+``late_ranks``, ``cause``, ``cause_confidence``); a list ``stragglers`` of
+{node, ranks, cause, confidence, ...} is coming. Both shapes are read here, the list
+first, so the tests do not change when the report does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Straggler:
+    node: str
+    ranks: tuple[int, ...]      # global ranks the report names for this straggler
+    cause: str | None           # cpu, io, memory, network, gpu, or None (cannot tell)
+    confidence: str | None      # clear, weak, none
+
+
+def stragglers(report: dict) -> list[Straggler]:
+    listed = report.get("stragglers")
+    if listed is not None:
+        return [Straggler(s["node"], tuple(s.get("ranks") or ()), s.get("cause"),
+                          s.get("confidence", s.get("cause_confidence"))) for s in listed]
+    if not report.get("straggler"):
+        return []
+    ranks = report.get("late_ranks") or report.get("straggler_ranks") or ()
+    return [Straggler(report["straggler"], tuple(ranks), report.get("cause"),
+                      report.get("cause_confidence"))]
+
+
+def summary(report: dict) -> dict:
+    """The verdict fields worth printing when an assertion fails."""
+    keys = ("stragglers", "straggler", "straggler_ranks", "late_ranks", "cause",
+            "cause_confidence", "verdict", "noise_ms")
+    out = {k: report[k] for k in keys if k in report}
+    out["lateness_ms"] = {n.get("name"): n.get("median_ms") for n in report.get("lateness", [])}
+    out["alignment"] = [{k: a.get(k) for k in ("node", "method", "drift_ppm",
+                                                "relative_uncertainty_us")}
+                        for a in report.get("alignment", [])]
+    return out
