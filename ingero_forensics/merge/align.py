@@ -33,6 +33,7 @@ Pure Python on purpose: the systems are 2 x nodes in size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ class NodeInput:
     samples: list[ClockSample] = field(default_factory=list)
     #: (utc_ns, mono_ns) capture start/end pairs of the manifests: the last resort
     manifest_pairs: list[tuple[int, int]] = field(default_factory=list)
+    #: nodes with the same clock key read one CLOCK_MONOTONIC (one kernel: the same
+    #: boot_id, e.g. containers or network namespaces of one host) and get one line
+    clock_key: object = None
 
 
 @dataclass
@@ -331,7 +335,47 @@ Groups = Callable[[], Iterable[tuple[object, bool, list[tuple[int, int | None, i
 def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
                 min_latency_ns: int = MIN_LATENCY_NS) -> dict[int, NodeAlignment]:
     """Align every node. ``groups()`` yields one tuple per sampled collective (see
-    Groups), freshly each call (it is streamed several times)."""
+    Groups), freshly each call (it is streamed several times).
+
+    Nodes that share a clock (NodeInput.clock_key: one kernel, one CLOCK_MONOTONIC) are
+    aligned as one clock: their samples pooled, their observations one clock's (the
+    latest entry, the earliest observations), and each gets that clock's line. Their
+    relative offset is exactly 0, which no estimate from collectives could match."""
+    rep_of: dict[int, int] = {}
+    first: dict[object, int] = {}
+    for nid in sorted(nodes):
+        key = nodes[nid].clock_key
+        rep_of[nid] = nid if key is None else first.setdefault(key, nid)
+    if all(r == n for n, r in rep_of.items()):
+        return _align_clocks(nodes, groups, min_latency_ns)
+    clocks = {r: NodeInput(r) for r in set(rep_of.values())}
+    for nid, ni in nodes.items():
+        clocks[rep_of[nid]].samples.extend(ni.samples)
+        clocks[rep_of[nid]].manifest_pairs.extend(ni.manifest_pairs)
+
+    def clock_groups():
+        for key, full, obs in groups():
+            per: dict[int, list] = {}
+            for nid, e, sv, t in obs:
+                c = per.setdefault(rep_of[nid], [None, None, None])
+                if e is not None and (c[0] is None or e > c[0]):
+                    c[0] = e
+                for k, v in ((1, sv), (2, t)):
+                    if v is not None and (c[k] is None or v < c[k]):
+                        c[k] = v
+            yield key, full, [(r, *v) for r, v in sorted(per.items())]
+
+    per_clock = _align_clocks(clocks, clock_groups, min_latency_ns)
+    out = {}
+    for nid in nodes:
+        a = per_clock[rep_of[nid]]
+        out[nid] = dataclasses.replace(a, node_id=nid, segments=list(a.segments))
+    return out
+
+
+def _align_clocks(nodes: dict[int, NodeInput], groups: Groups,
+                  min_latency_ns: int) -> dict[int, NodeAlignment]:
+    """align_fleet for distinct clocks (one node each)."""
     # Step 1 ------------------------------------------------------------------------
     pre: dict[int, int] = {}
     seg_info: dict[int, tuple[list[dict], int]] = {}
@@ -418,9 +462,13 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
         return u + x + y * u / 1e9
 
     node_res: dict[int, array] = {nid: array("d") for nid in nodes}
+    span: dict[int, list[float]] = {}          # first and last tight observation, s
     for _key, _full, obs in groups():
         mem = [(nid, rel_time(nid, t)) for nid, _e, _s, t in obs
                if t is not None and comp_of.get(nid) is not None]
+        for nid, t in mem:
+            sp = span.setdefault(nid, [t / 1e9, t / 1e9])
+            sp[0], sp[1] = min(sp[0], t / 1e9), max(sp[1], t / 1e9)
         comps_here = {comp_of[n] for n, _ in mem}
         for c in comps_here:
             vals = [(n, t) for n, t in mem if comp_of[n] == c]
@@ -451,6 +499,8 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
                 rel_unc[nid] = None
             else:
                 rel_unc[nid] = 1000.0 + 3.0 * (s or 0.0) / math.sqrt(used) + 3.0 * (s or 0.0)
+        if comp is not None:
+            _keep_consistent_priors(members, rel, rel_unc, span)
         common, bound, liars = _common_mode(members, nodes, pre, rel, t_ref, rel_unc)
         for nid in members:
             x, y = rel[nid]
@@ -483,6 +533,30 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
     _clamp_rates(result)
     _apply_causal(result, nodes, groups, min_latency_ns)
     return result
+
+
+def _keep_consistent_priors(members, rel, rel_unc, span) -> None:
+    """The clock-sample line stays where the tight observations do not contradict it.
+
+    The fit's corrections (rel: x ns, y ns/s, in an arbitrary common gauge) are
+    re-gauged on their median, so one broken clock cannot shift the others; a node whose
+    clock-sample line lies within its fit's uncertainty band at both ends of its data
+    keeps that line (correction 0 in this gauge): nothing in the collectives says it is
+    wrong, and its clock samples may be better than the observations (same-host
+    clocks, PTP). A node outside its band is proven wrong and takes the fit. The common
+    mode (step 3) then moves every line of the component alike."""
+    mids = {n: rel[n][0] + rel[n][1] * (span[n][0] + span[n][1]) / 2
+            for n in members if n in span}
+    if len(mids) < 2:
+        return
+    g = -median(mids.values())
+    for n in mids:
+        x, y = rel[n]
+        hw = rel_unc.get(n)
+        if hw is None:
+            continue
+        if all(abs(x + g + y * t) <= hw for t in span[n]):
+            rel[n] = (-g, 0.0)
 
 
 def _clamp_rates(result: dict[int, NodeAlignment]) -> None:

@@ -1311,7 +1311,8 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
     con = fl.con
-    nodes = {nid: align.NodeInput(nid) for (nid,) in con.execute("SELECT node_id FROM nodes")}
+    nodes = {nid: align.NodeInput(nid, clock_key=boot) for nid, boot in
+             con.execute("SELECT node_id, boot_id FROM nodes")}
     for row in con.execute(
             "SELECT node_id, source, mono_before_ns, mono_after_ns, realtime_ns, "
             "synchronized, adj_maxerror_ns, adj_esterror_ns, ref_offset_ns, root_delay_ns, "

@@ -51,11 +51,12 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                seed=1, straggler_rank=None, retransmits=True, segments=1,
                host_of=None, stacks=True, comm="00c0ffee00c0ffee",
                name_prefix="node", queued=0, claims=True, straggler_every=10,
-               straggler_late_ns=60_000_000) -> Fleet:
+               straggler_late_ns=60_000_000, one_host=False) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
-    completion). claims=False: clocks that say they are unsynchronized."""
+    completion). claims=False: clocks that say they are unsynchronized. one_host: every
+    node is a namespace of one kernel (one clock, one boot_id)."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -69,6 +70,8 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
             drift=rng.uniform(-max_drift_ppm, max_drift_ppm) * 1e-6,
             offset_ns=int(rng.uniform(-max_offset_ms, max_offset_ms) * 1e6),
             step_utc_ns=step, residual_ns=int(rng.uniform(-1, 1) * 1e6), liar=(liar == i)))
+    if one_host:
+        truths = [NodeTruth(**{**truths[0].__dict__, "name": t.name}) for t in truths]
     nranks = nodes * ranks_per_node
     end = T_JOB + int(seconds * 1e9)
     per_node_rows: list[dict[str, list]] = [
@@ -116,7 +119,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
         for k in range(segments):
             lo, hi = seg_bounds[k], seg_bounds[k + 1]
             host = {"hostname": (host_of or {}).get(ni, f"host-{ni}"),
-                    "boot_id": f"{ni:08d}-0000-4000-8000-{seed:012d}",
+                    "boot_id": f"{0 if one_host else ni:08d}-0000-4000-8000-{seed:012d}",
                     "kernel_release": "6.1.0-test"}
             spool = out_dir / f".{tr.name}-{k}.spool"
             w = BundleWriter(spool, node=tr.name, host=host,

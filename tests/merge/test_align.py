@@ -159,3 +159,18 @@ def test_error_bound():
     assert error_bound(cons, 0.0, 20.0, 1e6) == pytest.approx(30.0)
     # contradictory claims
     assert error_bound([(0.0, -1.0, 1.0), (0.0, 5.0, 6.0)], 0.0, 1.0, 1.0) is None
+
+
+def test_nodes_of_one_kernel_share_one_line(tmp_path):
+    """Network-namespace or container "nodes" of one host read one CLOCK_MONOTONIC (one
+    boot_id): they get one line, so their relative error is exactly 0, even with no
+    tight observation and a straggler whose late entries no estimate may absorb."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, seconds=10, seed=7, one_host=True,
+                       queued=8, straggler_rank=3, straggler_every=1,
+                       straggler_late_ns=5_000_000)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    assert len({(a["offset_ns"], a["slope"]) for a in al.values()}) == 1
+    assert {a["violations_after"] for a in al.values()} == {0}
+    for nid, errs in errors_at_true_times(fleet, al, 10).items():
+        assert max(abs(errs[0]), abs(errs[-1])) <= al[nid]["uncertainty_ns"]

@@ -1,9 +1,8 @@
 """The one place the rig tests read the report's verdict (``ingero-report --json``).
 
-Today the analysis names at most one straggler (``straggler``, ``straggler_ranks``,
-``late_ranks``, ``cause``, ``cause_confidence``); a list ``stragglers`` of
-{node, ranks, cause, confidence, ...} is coming. Both shapes are read here, the list
-first, so the tests do not change when the report does.
+The analysis lists every straggler in ``stragglers`` ({node, ranks, late_ranks, cause,
+cause_confidence, ...}); a network suspect, which arrives on time, is only in the
+top-level fields (``straggler``, ``late_ranks``, ``cause``, ``cause_confidence``).
 """
 
 from __future__ import annotations
@@ -21,9 +20,11 @@ class Straggler:
 
 def stragglers(report: dict) -> list[Straggler]:
     listed = report.get("stragglers")
-    if listed is not None:
-        return [Straggler(s["node"], tuple(s.get("ranks") or ()), s.get("cause"),
-                          s.get("confidence", s.get("cause_confidence"))) for s in listed]
+    if listed:
+        return [Straggler(s["node"], tuple(s.get("late_ranks") or s.get("ranks") or ()),
+                          s.get("cause"), s.get("confidence", s.get("cause_confidence")))
+                for s in listed]
+    # a network suspect (collectives slow for everyone, nobody late) is not in the list
     if not report.get("straggler"):
         return []
     ranks = report.get("late_ranks") or report.get("straggler_ranks") or ()
