@@ -4,7 +4,8 @@ A real oscillator that runs fast moves CLOCK_MONOTONIC and CLOCK_REALTIME togeth
 time service corrects it: the rig's clock samples already say unsynchronized), so every
 CLOCK_MONOTONIC time point of every table, the clock samples' brackets, and the realtime,
 boottime and TAI readings move by the same amount at each instant, and realtime - mono
-stays what the kernel had. The mapping is
+stays what the kernel had. The node also gets its own boot_id: a clock of its own is a
+machine of its own (the merge aligns nodes of one boot as one clock). The mapping is
 
     skewed(m) = m + offset_ns + (m - anchor_ns) * ppm / 1e6
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +101,11 @@ def skew_bundle(src, out_dir, skew: SkewMap) -> Path:
                 cap[f"{side}_mono_ns"] = skew.skewed(mono)
                 cap[f"{side}_utc_ns"] += cap[f"{side}_mono_ns"] - mono
             con.execute("UPDATE meta SET value = ? WHERE key = 'capture'", (json.dumps(cap),))
+            # another clock is another machine: another boot (the merge aligns the
+            # nodes of one boot as one clock)
+            host = dict(meta["host"])
+            host["boot_id"] = str(uuid.uuid5(uuid.NAMESPACE_OID, f"{host['boot_id']}/{skew}"))
+            con.execute("UPDATE meta SET value = ? WHERE key = 'host'", (json.dumps(host),))
     finally:
         con.close()
     return seal_spool(spool, out_dir)
