@@ -213,6 +213,43 @@ def list_tables(db: OpenedDatabase) -> list[TableInfo]:
     return out
 
 
+# ------------------------------------------------------------------------- input
+
+def read_sql(path) -> str:
+    """The SQL text of a file (``-`` is stdin), as ``ingero-query -f FILE`` reads it."""
+    import sys
+
+    if str(path) == "-":
+        data = sys.stdin.buffer.read()
+        where = "stdin"
+    else:
+        where = str(path)
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise IngeroError(f"{where}: no such file") from None
+        except IsADirectoryError:
+            raise IngeroError(f"{where}: is a directory, not an SQL file") from None
+        except OSError as e:
+            raise IngeroError(f"{where}: cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise IngeroError(f"{where}: SQL is not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise IngeroError(f"{where}: no SQL in it")
+    return text
+
+
+def starts_with_sql_comment(arg: str) -> bool:
+    """True for a command-line word that is SQL opening with a comment, not an option.
+
+    ``-- find slow ...`` (two dashes then a space, tab or newline) can be no option name;
+    a lone ``--`` stays the end-of-options marker.
+    """
+    return len(arg) > 2 and arg.startswith("--") and arg[2].isspace()
+
+
 # ------------------------------------------------------------------------- output
 
 FORMATS = ("table", "csv", "json")
