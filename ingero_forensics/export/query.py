@@ -53,17 +53,22 @@ class OpenedDatabase:
     node: str | None = None
 
 
-def detect_kind(path: Path) -> str:
-    """'bundle' or 'sqlite' from the first bytes; IngeroError for anything else."""
+def _read(path, size: int, expected: str) -> bytes:
+    """The first size bytes of path (-1: all); one-line IngeroError when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            head = f.read(16)
+            return f.read(size)
     except FileNotFoundError:
         raise IngeroError(f"{path}: no such file") from None
     except IsADirectoryError:
-        raise IngeroError(f"{path}: is a directory, not a fleet.db or bundle") from None
+        raise IngeroError(f"{path}: is a directory, not {expected}") from None
     except OSError as e:
         raise IngeroError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def detect_kind(path: Path) -> str:
+    """'bundle' or 'sqlite' from the first bytes; IngeroError for anything else."""
+    head = _read(path, 16, "a fleet.db or bundle")
     if head == SQLITE_MAGIC:
         return "sqlite"
     if len(head) >= 4 and struct.unpack("<I", head[:4])[0] == SKIPPABLE_MAGIC:
@@ -224,14 +229,7 @@ def read_sql(path) -> str:
         where = "stdin"
     else:
         where = str(path)
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise IngeroError(f"{where}: no such file") from None
-        except IsADirectoryError:
-            raise IngeroError(f"{where}: is a directory, not an SQL file") from None
-        except OSError as e:
-            raise IngeroError(f"{where}: cannot read: {e.strerror or e}") from None
+        data = _read(path, -1, "an SQL file")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
