@@ -63,6 +63,12 @@ def _size(ctx, param, value):
               show_default=True, help="zstd level used when sealing.")
 @click.option("--check", is_flag=True,
               help="Print which sources would work here and why not, then exit.")
+@click.option("--cmdline", "cmdline", type=click.Choice(["full", "masked", "none"]),
+              default="masked", show_default=True,
+              help="How traced processes' command lines are written: masked (values of "
+                   "secret-looking options such as --api-key, --password, --token and of "
+                   "NAME=value words with such names, URL passwords and well-known token "
+                   "shapes become ***), full (verbatim), none (not written).")
 @click.option("--strict", is_flag=True,
               help="Fail (exit 1) when any eBPF source is off: with --check, after "
                    "printing; on a capture, at start (what was recorded is sealed). For "
@@ -74,7 +80,7 @@ def _size(ctx, param, value):
 @handle_errors
 def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, segment_size,
          max_disk, clock_interval, host_interval, no_ebpf, lib_paths, tcp_probe,
-         tcp_probe_interval, compression_level, check, strict, as_json, quiet):
+         tcp_probe_interval, compression_level, cmdline, check, strict, as_json, quiet):
     """Record this node's training processes into sealed bundles, with no network.
 
     Runs as root on every GPU node. Writes <node>+<UTC start>Z+<index>.bundle files
@@ -104,7 +110,7 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
         options=CaptureOptions(lib_paths=list(lib_paths), tcp_probe=tcp_probe,
                                tcp_probe_interval_ms=tcp_probe_interval),
         output="quiet" if quiet else ("tty" if is_tty() else "plain"),
-        compression_level=compression_level, strict=strict)
+        compression_level=compression_level, strict=strict, cmdline=cmdline)
     if check:
         statuses = check_sources(config)
         if as_json:

@@ -61,6 +61,8 @@ class CaptureConfig:
     env: dict | None = None                 # environment for INGERO_NODE (default os.environ)
     #: extra sources (tests, plugins) started like the built-in ones
     extra_sources: tuple[Source, ...] = ()
+    #: --cmdline: how processes.cmdline is written (full, masked or none; procs.mask_cmdline)
+    cmdline: str = "masked"
     #: --strict: stop at once (sealing what was recorded) when an eBPF source is off
     strict: bool = False
 
@@ -286,7 +288,7 @@ class _Loop:
         self.index = index
         self.summary = summary
         cfg = run.cfg
-        self.targets = TargetSet(cfg.pids, cfg.comms)
+        self.targets = TargetSet(cfg.pids, cfg.comms, cmdline=cfg.cmdline)
         self.clock = ClockSource(cfg.clock_interval)
         self.sources: list[Source] = []
         self.sealer = Sealer(bundle_dir, cfg.compression_level)
