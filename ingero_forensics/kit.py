@@ -8,7 +8,9 @@ connected machine and writes one archive, ``ingero-kit-<version>-cp311-<platform
   target (CPython version and platform), fetched with ``pip download --only-binary``;
 * ``ingero-capture.pyz``: the capture as one file for the same target (below);
 * ``install.sh``: the node installer: checks the checksums, the Python version and the
-  C library, creates a virtual environment and runs ``pip install --no-index``;
+  C library, creates a virtual environment and runs ``pip install --no-index``; it puts
+  the node's launchers (``ingero-job-capture.sh``, ``ingero-capture.service``, from
+  scripts/) in ``PREFIX/share/``;
 * ``kit.json`` (target, wheels, minimum glibc), ``README.txt`` and ``SHA256SUMS``.
 
 The project wheel carries the optional C accelerators (merge and export speed-ups,
@@ -47,6 +49,8 @@ from . import __version__
 from .errors import IngeroError
 
 KIT_FORMAT = 1
+#: Files of scripts/ that the kit carries and install.sh puts in PREFIX/share/.
+NODE_FILES = ("ingero-job-capture.sh", "ingero-capture.service")
 #: What ingero-capture imports beyond the standard library (with this package).
 CAPTURE_DEPS = ("apsw", "zstandard", "click", "orjson")
 #: glibc of the manylinux tags that name none in their own spelling.
@@ -204,6 +208,8 @@ def build_kit(out_dir, *, python: str | None = None, platform: str | None = None
             "platform": target.platform, "abi": target.abi, "min_glibc": min_glibc,
             "accelerators": is_native, "wheels": names, "pyz": pyz_name,
             "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+        for extra in NODE_FILES:       # the node's launchers, from the source tree
+            shutil.copy(src / "scripts" / extra, kit / extra)
         (kit / "install.sh").write_text(INSTALL_SH)
         (kit / "install.sh").chmod(0o755)
         (kit / "README.txt").write_text(README_TXT.format(
@@ -406,6 +412,9 @@ EOF
 "$PY" -m venv "$PREFIX"
 "$PREFIX/bin/python" -m pip install --quiet --no-index --no-cache-dir \
     --find-links "$KIT/wheels" ingero-forensics
+mkdir -p "$PREFIX/share"
+cp ingero-job-capture.sh ingero-capture.service "$PREFIX/share/"
+chmod 755 "$PREFIX/share/ingero-job-capture.sh"
 echo "ingero-forensics installed in $PREFIX (no network used)."
 echo "Next: $PREFIX/bin/ingero-capture --check --strict"
 '''

@@ -103,6 +103,9 @@ def test_kit_installs_with_no_index_and_captures(kit, tmp_path):
                        text=True, env=clean_env(PYTHON=node_python()), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "no network used" in r.stdout
+    assert os.access(prefix / "share" / "ingero-job-capture.sh", os.X_OK)
+    assert (prefix / "share" / "ingero-capture.service").read_text() == \
+        (ROOT / "scripts" / "ingero-capture.service").read_text()
     py = prefix / "bin" / "python"
     where = subprocess.run([str(py), "-c", "import ingero_forensics, apsw, sys; "
                             "print(ingero_forensics.__file__); print(apsw.__file__); "

@@ -18,7 +18,8 @@ def _split(values) -> tuple[str, ...]:
 @click.command(name="ingero-export", epilog=EXIT_CODES_HELP)
 @click.argument("fleet_db", type=click.Path(dir_okay=False))
 @click.option("--chrome-trace", "chrome_trace", is_flag=True, required=True,
-              help="Write Chrome Trace Event Format JSON (Perfetto, chrome://tracing). "
+              help="Write Chrome Trace Event Format JSON (Perfetto, chrome://tracing; "
+                   "offline viewing without ui.perfetto.dev: docs/airgap.md). "
                    "Required: the format is named so that others can be added.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Output file; a name ending in .gz is gzip-compressed. Default: stdout.")
