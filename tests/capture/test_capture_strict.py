@@ -41,6 +41,11 @@ OS_RELEASES = {
 def _require_root_and_setpriv():
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv (util-linux) to run a capture as another user")
+    probe = subprocess.run([*NOBODY, sys.executable, "-c", "import ingero_forensics"],
+                           capture_output=True, text=True, env=capture_env(), cwd="/")
+    if probe.returncode != 0:
+        pytest.skip("the unprivileged user cannot read this checkout or its interpreter "
+                    f"({probe.stderr.strip().splitlines()[-1:]})")
 
 
 @pytest.fixture
