@@ -220,3 +220,50 @@ def test_kit_refuses_old_python(tmp_path):
                         "-o", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.startswith("Error: --python 3.9: ")
     assert "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------- the per-job wrapper
+
+JOB_SCRIPT = ROOT / "scripts" / "ingero-job-capture.sh"
+
+
+def _job(action, root, env):
+    return subprocess.run(["sh", str(JOB_SCRIPT), action, str(root)], capture_output=True,
+                          text=True, env=env, timeout=180, stdin=subprocess.DEVNULL)
+
+
+def test_job_wrapper_with_the_pyz(kit, tmp_path):
+    """start/stop around a job with the one-file capture: node and job from the Slurm
+    variables, a sealed bundle in ROOT/JOB, the capture's exit code from stop."""
+    _, archive = kit
+    d = extract(archive, tmp_path / "k")
+    env = clean_env(SLURM_JOB_ID="991", SLURMD_NODENAME="wrap-node", INGERO_STRICT="0",
+                    INGERO_CAPTURE_ARGS="--no-ebpf",
+                    INGERO_CAPTURE=f"{node_python()} -I -S {d / 'ingero-capture.pyz'}",
+                    INGERO_PYZ_CACHE=str(tmp_path / "cache"))
+    root = tmp_path / "var-ingero"
+    r = _job("start", root, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"capturing as wrap-node into {root / '991'} (pid ")
+    r = _job("stop", root, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"capture of wrap-node stopped (exit 0); 1 bundle(s) in {root / '991'}\n"
+    (bundle,) = (root / "991").glob("wrap-node+*.bundle")
+    from ingero_forensics.bundle import open_bundle
+    with open_bundle(bundle) as b:
+        assert b.node == "wrap-node"
+    r = _job("stop", root, {**env, "SLURM_JOB_ID": "992"})
+    assert r.returncode == 1 and "no capture started for job 992" in r.stderr
+
+
+def test_job_wrapper_start_fails_loudly(tmp_path):
+    cap = shutil.which("ingero-capture")
+    assert cap, "ingero-capture is not on PATH"
+    env = clean_env(INGERO_JOB="bad", INGERO_NODE="n", INGERO_CAPTURE=cap,
+                    INGERO_CAPTURE_ARGS="--no-ebpf")       # --strict --no-ebpf: usage error
+    r = _job("start", tmp_path, env)
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"Error: {tmp_path / 'bad'}: capture exited with 2: ")
+    r = subprocess.run(["sh", str(JOB_SCRIPT), "restart", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "usage:" in r.stderr
