@@ -191,3 +191,15 @@ def test_report_and_export_redact(sensitive_fleet, tmp_path):
                                          "--jobs", "1"])
     assert r.exit_code == 0 and _leaks(r.stdout_bytes) == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ingero-redact-")]
+
+
+def test_the_report_says_the_same_of_a_redacted_fleet(redacted, sensitive_fleet):
+    """Same verdict, windows and scores; only the node names differ (node ids)."""
+    from ingero_forensics.report import analyze_fleet
+    out, _ = redacted
+    a = json.dumps(analyze_fleet(sensitive_fleet).to_json(), sort_keys=True)
+    b = json.dumps(analyze_fleet(out).to_json(), sort_keys=True)
+    for i in range(3):
+        a = a.replace(f"rack3-gpu-{i}", f"nodeid-{i + 1}")
+    a = a.replace(sensitive_fleet.name, out.name)
+    assert a == b
