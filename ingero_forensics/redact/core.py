@@ -346,10 +346,13 @@ def _node_names(con) -> dict[str, str]:
                 names.setdefault(label, pseudo)
             if domain and "." in domain:
                 names.setdefault(domain, "domain")
-    # a pseudonym must not itself be an original name
-    if any(p in names for p in set(names.values())):
-        raise RedactError("a node name has the form of the pseudonyms (nodeid-N); "
-                          "cannot tell them apart")
+    # a pseudonym must not be another node's original name (an already redacted
+    # fleet.db maps each nodeid-N to itself, which is fine)
+    clash = sorted(n for n, p in names.items()
+                   if n != p and (n in names.values() or n.startswith(NODE_PREFIX)))
+    if clash:
+        raise RedactError(f"node name {clash[0]!r} has the form of the pseudonyms "
+                          f"({NODE_PREFIX}N) but is not that node's; cannot tell them apart")
     return names
 
 
@@ -398,7 +401,11 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
             source.close()
         con.execute("PRAGMA journal_mode = OFF")
         con.execute("PRAGMA synchronous = OFF")
-        res = _redact(con, key or secrets.token_bytes(32))
+        try:
+            res = _redact(con, key or secrets.token_bytes(32))
+        except RedactError as e:
+            con.close()
+            raise RedactError(f"{src}: {e}") from None
         con.execute("INSERT OR REPLACE INTO fleet_info (key, value) VALUES ('redacted', ?)",
                     (json.dumps({"tool": f"ingero-redact {__version__}",
                                  "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}),))

@@ -203,3 +203,30 @@ def test_the_report_says_the_same_of_a_redacted_fleet(redacted, sensitive_fleet)
         a = a.replace(f"rack3-gpu-{i}", f"nodeid-{i + 1}")
     a = a.replace(sensitive_fleet.name, out.name)
     assert a == b
+
+
+def test_redacting_twice_changes_no_name(redacted, tmp_path):
+    out, _ = redacted
+    again = tmp_path / "again.db"
+    res = redact_fleet(out, again)
+    assert _leaks(_all_text(again)) == []
+    con = apsw.Connection(str(again))
+    assert [r[0] for r in con.execute("SELECT name FROM nodes ORDER BY node_id")] == [
+        "nodeid-1", "nodeid-2", "nodeid-3"]
+    assert res.nodes == 3
+
+
+def test_a_name_that_looks_like_another_nodes_pseudonym_is_refused(redacted, tmp_path):
+    import shutil
+    out, _ = redacted
+    odd = tmp_path / "odd.db"
+    shutil.copy(out, odd)
+    con = apsw.Connection(str(odd))
+    con.execute("UPDATE nodes SET hostname = 'nodeid-2' WHERE node_id = 1")
+    con.close()
+    r = CliRunner().invoke(redact_main, [str(odd), "-o", str(tmp_path / "x.db")])
+    assert r.exit_code == 1
+    assert r.stderr == (f"Error: {odd}: node name 'nodeid-2' has the form of the pseudonyms (nodeid-N) "
+                        "but is not that node's; cannot tell them apart\n")
+    assert not (tmp_path / "x.db").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
