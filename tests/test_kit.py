@@ -183,6 +183,10 @@ def test_pyz_runs_with_nothing_installed(kit, tmp_path):
     assert r.returncode == 0, r.stderr
     got = {s["name"]: s for s in json.loads(r.stdout)}
     assert got["node"]["available"] and got["clock"]["available"]
+    from tests.capture.ebpf.conftest import ebpf_skip_reason
+    if ebpf_skip_reason() is None:
+        # where eBPF runs, the bare interpreter finds the distribution's BCC too
+        assert all(got[n]["available"] for n in ("nccl", "cuda", "tcp", "sched", "block")), got
     r = _bare(py, str(pyz), "--bundle", str(tmp_path / "b"), "--node", "pyz-node",
               "--no-ebpf", "--duration", "2", "--json", cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
