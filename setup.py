@@ -7,11 +7,19 @@ ingero_forensics.merge._splice the tables its builder thread moves in by their p
 gcc, libsqlite3-dev) the install still succeeds and the tools run their Python/SQL
 paths, with the same output. None links against libsqlite3: they borrow apsw's SQLite
 at run time.
+
+INGERO_PURE=1 builds without them: a py3-none-any wheel that installs on any Python and
+platform the dependencies have wheels for (the offline kit for another target,
+ingero_forensics/kit.py; the capture needs none of them).
 """
+
+import os
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[
+PURE = os.environ.get("INGERO_PURE", "") not in ("", "0")
+
+setup(ext_modules=[] if PURE else [
     Extension(f"ingero_forensics.{pkg}.{name}", [f"ingero_forensics/{pkg}/{name}.c"],
               extra_compile_args=["-O2", "-fvisibility=hidden"], optional=True)
     for pkg, name in (("export", "_fastslices"), ("merge", "_fastcoll"),

@@ -48,7 +48,8 @@ def step_export(ctx: dict) -> list[tuple[str, Path]]:
     from .export.chrome_trace import export_chrome_trace
     trace = ctx["out"] / "trace.json.gz"
     stats = export_chrome_trace(ctx["fleet_db"], trace)
-    ctx["log"](f"exported {stats.events:,} trace events (open in ui.perfetto.dev)")
+    ctx["log"](f"exported {stats.events:,} trace events (open in Perfetto or chrome://tracing; "
+               "offline: docs/airgap.md)")
     return [("Perfetto trace", trace)]
 
 

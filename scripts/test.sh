@@ -8,7 +8,7 @@ SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 apt_pkgs=(python3 python3-venv python3-pip python3-dev gcc make libc6-dev libsqlite3-dev
           bpfcc-tools python3-bpfcc linux-headers-amd64
-          zstd sqlite3 strace iproute2 util-linux procps chromium)
+          zstd sqlite3 strace iproute2 util-linux procps chromium rsync)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -1,6 +1,7 @@
 """Every subpackage ships in the wheel, and so do the report templates."""
 
 import json
+import os
 import re
 import shutil
 import tomllib
@@ -31,9 +32,11 @@ def test_installed_wheel_runs_the_pipeline(tmp_path):
     """A plain wheel install (no source tree on sys.path) simulates, merges and reports."""
     import subprocess
     import sys
+    # A wheelhouse of the project and every dependency, built here: the install below
+    # reads nothing else (the air-gap install, docs/airgap.md).
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "-w", str(wheels), str(ROOT)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(wheels), str(ROOT)],
+                   check=True, capture_output=True)
     (wheel,) = wheels.glob("ingero_forensics-*.whl")
     import zipfile
     names = zipfile.ZipFile(wheel).namelist()
@@ -46,18 +49,25 @@ def test_installed_wheel_runs_the_pipeline(tmp_path):
         assert has or not can_build, f"the wheel lacks ingero_forensics/{mod}"
         built = built and has
     venv = tmp_path / "venv"
-    # system site-packages: the dependencies already installed for this interpreter
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    # No system site-packages: only what the wheelhouse holds can be imported.
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
-                   check=True, capture_output=True)
+    assert subprocess.run([str(py), "-c", "import sys; print(sys.prefix != sys.base_prefix and "
+                           "not any('site-packages' in p and not p.startswith(sys.prefix) "
+                           "for p in sys.path))"], check=True, capture_output=True,
+                          text=True).stdout.strip() == "True"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull   # no index or find-links from a pip.conf either
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", "--find-links",
+                    str(wheels), "ingero-forensics"], check=True, capture_output=True, env=env)
     work = tmp_path / "work"   # not the source tree: imports must come from the wheel
     work.mkdir()
     run = lambda *a: subprocess.run([str(venv / "bin" / a[0]), *a[1:]], cwd=work,  # noqa: E731
                                     check=True, capture_output=True, text=True)
-    where = subprocess.run([str(py), "-c", "import ingero_forensics, sys; print(ingero_forensics.__file__)"],
-                           cwd=work, check=True, capture_output=True, text=True).stdout
-    assert str(venv) in where
+    where = subprocess.run([str(py), "-c", "import ingero_forensics, apsw, zstandard; "
+                            "print(ingero_forensics.__file__, apsw.__file__, zstandard.__file__)"],
+                           cwd=work, check=True, capture_output=True, text=True).stdout.split()
+    assert len(where) == 3 and all(w.startswith(str(venv)) for w in where), where
     run("ingero-simulate", "-o", "b", "--nodes", "3", "--ranks-per-node", "2", "--steps", "40",
         "--fault", "cpu", "--seed", "5")
     merged = json.loads(run("ingero-merge", "b", "-o", "fleet.db", "--json").stdout)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..cliutil import EXIT_ERROR, echo_json, handle_errors, is_tty, parse_size, version_option
-from .runner import CaptureConfig, check_sources, run_capture
+from .runner import CaptureConfig, check_sources, run_capture, strict_failures
 from .source import CaptureOptions
 from .status import Reporter
 
@@ -20,7 +20,8 @@ def _size(ctx, param, value):
 @click.command(name="ingero-capture", context_settings={"help_option_names": ["-h", "--help"]},
                epilog="Exit codes: 0 success (including stop by SIGTERM/SIGINT); 1 error "
                       "(bad configuration, directory in use, file system full: sealed "
-                      "segments are kept); 2 usage error.")
+                      "segments are kept; with --strict, an eBPF source off); 2 usage "
+                      "error.")
 @click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path),
               default="/var/ingero", show_default=True,
               help="Directory for sealed segments (and its .spool/ for the live one).")
@@ -62,6 +63,16 @@ def _size(ctx, param, value):
               show_default=True, help="zstd level used when sealing.")
 @click.option("--check", is_flag=True,
               help="Print which sources would work here and why not, then exit.")
+@click.option("--cmdline", "cmdline", type=click.Choice(["full", "masked", "none"]),
+              default="masked", show_default=True,
+              help="How traced processes' command lines are written: masked (values of "
+                   "secret-looking options such as --api-key, --password, --token and of "
+                   "NAME=value words with such names, URL passwords and well-known token "
+                   "shapes become ***), full (verbatim), none (not written).")
+@click.option("--strict", is_flag=True,
+              help="Fail (exit 1) when any eBPF source is off: with --check, after "
+                   "printing; on a capture, at start (what was recorded is sealed). For "
+                   "fleet roll-outs that must not go on with clock and host samples only.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the run summary (or --check result) as JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
@@ -69,7 +80,7 @@ def _size(ctx, param, value):
 @handle_errors
 def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, segment_size,
          max_disk, clock_interval, host_interval, no_ebpf, lib_paths, tcp_probe,
-         tcp_probe_interval, compression_level, check, as_json, quiet):
+         tcp_probe_interval, compression_level, cmdline, check, strict, as_json, quiet):
     """Record this node's training processes into sealed bundles, with no network.
 
     Runs as root on every GPU node. Writes <node>+<UTC start>Z+<index>.bundle files
@@ -84,10 +95,13 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
       ingero-capture --bundle /var/ingero --max-disk 20G --segment-seconds 120
       ingero-capture --bundle /var/ingero --tcp-probe --tcp-probe-interval 250
       ingero-capture --check
+      ingero-capture --check --strict        # exit 1 unless every eBPF source can run
     """
     if (click.get_current_context().get_parameter_source("tcp_probe_interval")
             is click.core.ParameterSource.COMMANDLINE and not tcp_probe):
         raise click.UsageError("--tcp-probe-interval needs --tcp-probe")
+    if strict and no_ebpf:
+        raise click.UsageError("--strict requires the eBPF sources: drop --no-ebpf")
     config = CaptureConfig(
         bundle_dir=bundle_dir, node=node, config_file=config_file, pids=pids, comms=comms,
         duration=duration, segment_seconds=segment_seconds, segment_size=segment_size,
@@ -96,7 +110,7 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
         options=CaptureOptions(lib_paths=list(lib_paths), tcp_probe=tcp_probe,
                                tcp_probe_interval_ms=tcp_probe_interval),
         output="quiet" if quiet else ("tty" if is_tty() else "plain"),
-        compression_level=compression_level)
+        compression_level=compression_level, strict=strict, cmdline=cmdline)
     if check:
         statuses = check_sources(config)
         if as_json:
@@ -108,12 +122,21 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
                     line += f" (fix: {s.fix})"
                 click.echo(line)
         node_ok = statuses[0].available
-        sys.exit(0 if node_ok else EXIT_ERROR)
+        failed = strict_failures(statuses) if strict else []
+        for s in failed:
+            if s.name != "node":
+                click.echo(f"Error: {s.name} source off: {s.reason} (--strict)", err=True)
+        sys.exit(0 if node_ok and not failed else EXIT_ERROR)
     summary = run_capture(config, reporter=Reporter(config.output))
     if as_json:
         echo_json(summary.as_dict())
     elif not quiet:
         click.echo(f"{len(summary.segments)} segment(s) sealed in {summary.bundle_dir}", err=True)
+    if strict and summary.ebpf_off():
+        off = ", ".join(f"{k} ({v})" for k, v in summary.ebpf_off().items())
+        click.echo(f"Error: {summary.bundle_dir}: capture stopped at start (--strict): eBPF "
+                   f"source(s) off: {off}", err=True)
+        sys.exit(EXIT_ERROR)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import struct
 import subprocess
 import time
 
+from .distro import packages
 from .source import CaptureContext, RowSink, Source, SourceStatus
 
 MONO, REAL = time.CLOCK_MONOTONIC, time.CLOCK_REALTIME
@@ -249,7 +250,7 @@ class ClockSource(Source):
         out = []
         if not self.chronyc:
             out.append(SourceStatus("clock.chrony", False, "chronyc not installed",
-                                    "install chrony (apt-get install chrony) and run chronyd"))
+                                    f"{packages().chrony} and run chronyd"))
         elif not os.path.exists(self.chrony_socket):
             out.append(SourceStatus("clock.chrony", False,
                                     f"chronyd socket {self.chrony_socket} not found",

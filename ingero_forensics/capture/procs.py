@@ -4,12 +4,17 @@ The environment of a training process holds secrets (cloud keys, tokens). Rank f
 are read from /proc/PID/environ through an allow-list: the file is parsed in small
 chunks and every pair whose name is not on the list is dropped as soon as it is
 split off, so nothing else is kept, logged or written anywhere.
+
+Command lines carry secrets too (``--api-key=sk-...``, ``HF_TOKEN=... python ...``,
+``https://user:password@host/``). They are masked before they are written
+(``mask_cmdline``; ``--cmdline full|masked|none``, default masked).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -95,6 +100,90 @@ def rank_fields(env: dict[str, str]) -> dict:
         "node_rank": _int(env, "GROUP_RANK", "NODE_RANK", "SLURM_NODEID"),
         "job_id": job or None,
     }
+
+
+# ------------------------------------------------------------------ command lines
+
+CMDLINE_MODES = ("full", "masked", "none")
+MASK = "***"
+#: A word of an option or variable name (split at - _ . and case changes) that makes its
+#: value a secret; a word that ends with one of SECRET_SUFFIXES does too (apikey, hftoken).
+SECRET_WORDS = frozenset({
+    "key", "apikey", "token", "secret", "secrets", "password", "passwd", "pass", "pwd",
+    "credential", "credentials", "creds", "auth", "authorization", "cookie", "passphrase",
+    "signature", "sas", "bearer", "privatekey",
+})
+SECRET_SUFFIXES = ("key", "token", "secret", "password", "passwd", "credential",
+                   "credentials", "passphrase")
+#: Values that are secrets whatever option carries them (well-known token shapes).
+_TOKEN_SHAPES = re.compile(
+    r"(?:sk-[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+    r"|hf_[A-Za-z0-9]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|xox[abprs]-[A-Za-z0-9-]{10,}"
+    r"|glpat-[A-Za-z0-9_-]{16,}|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})")
+_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):[^/\s@]*@")
+_HEADER = re.compile(r"(?i)^((?:proxy-)?authorization|x-api-key|api-key|x-auth-token|"
+                     r"cookie)\s*:\s*\S.*$")
+_ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+
+
+def _words(name: str) -> list[str]:
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", name)
+    return [w for w in re.split(r"[-_.\s]+", spaced.lower()) if w]
+
+
+def is_secret_name(name: str) -> bool:
+    """True for an option or variable name whose value should not be kept."""
+    return any(w in SECRET_WORDS or w.endswith(SECRET_SUFFIXES) for w in _words(name))
+
+
+def _mask_text(arg: str) -> str:
+    arg = _URL_USERINFO.sub(lambda m: f"{m.group(1)}:{MASK}@", arg)
+    m = _HEADER.match(arg)
+    if m:
+        arg = f"{m.group(1)}: {MASK}"
+    return _TOKEN_SHAPES.sub(MASK, arg)
+
+
+def mask_cmdline(argv: list[str] | None, mode: str = "masked") -> list[str] | None:
+    """The command line as it may be written: whole ("full"), masked, or None ("none").
+
+    Masked: the value of an option whose name looks secret (``--api-key=V``,
+    ``--api-key V``, ``-password V``) and of a ``NAME=V`` word (``HF_TOKEN=V``) becomes
+    ``***``; so do the password of a URL (``https://u:***@host``), an Authorization or
+    API-key header's value and well-known token shapes anywhere (``sk-...``, ``ghp_...``,
+    ``hf_...``, AWS access key ids, Slack and GitLab tokens, JWTs). Everything else,
+    including the program and its paths, is kept (``ingero-redact`` reduces paths later).
+    """
+    if mode not in CMDLINE_MODES:
+        raise ValueError(f"cmdline mode must be one of {', '.join(CMDLINE_MODES)}, not {mode!r}")
+    if argv is None or mode == "none":
+        return None
+    if mode == "full":
+        return list(argv)
+    out: list[str] = []
+    mask_next = False
+    for arg in argv:
+        if mask_next and not arg.startswith("-"):
+            out.append(MASK)
+            mask_next = False
+            continue
+        mask_next = False
+        if arg.startswith("-") and len(arg) > 1 and arg != "--":
+            name, eq, _ = arg.lstrip("-").partition("=")
+            if is_secret_name(name):
+                if eq:
+                    out.append(f"{arg.partition('=')[0]}={MASK}")
+                else:
+                    out.append(arg)
+                    mask_next = True
+                continue
+        else:
+            m = _ENV_ASSIGN.match(arg)
+            if m and is_secret_name(m.group(1)):
+                out.append(f"{m.group(1)}={MASK}")
+                continue
+        out.append(_mask_text(arg))
+    return out
 
 
 # ------------------------------------------------------------------ /proc readers
@@ -211,7 +300,10 @@ class TargetSet:
     #: libnccl later, e.g. on `import torch`)
     RECHECK_S = 5.0
 
-    def __init__(self, pids=(), comms=(), *, proc: str = "/proc", exclude=()):
+    def __init__(self, pids=(), comms=(), *, proc: str = "/proc", exclude=(),
+                 cmdline: str = "masked"):
+        mask_cmdline(None, cmdline)   # a bad mode fails here, not at the first process
+        self.cmdline_mode = cmdline
         self.explicit_pids = set(pids)
         self.comms = set(comms)
         self.auto = not self.explicit_pids and not self.comms
@@ -294,7 +386,9 @@ class TargetSet:
         if old is not None:  # pid reused: keep the exited process's record
             self.retired.append(old)
         return ProcessInfo(pid=pid, start_boottime_ns=start, comm=read_comm(pid, self.proc),
-                           exe=read_exe(pid, self.proc), cmdline=read_cmdline(pid, self.proc),
+                           exe=read_exe(pid, self.proc),
+                           cmdline=mask_cmdline(read_cmdline(pid, self.proc),
+                                                self.cmdline_mode),
                            env=read_rank_env(pid, self.proc) or {},
                            first_seen_ns=now_ns, last_seen_ns=now_ns)
 

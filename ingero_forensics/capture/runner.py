@@ -20,6 +20,7 @@ import apsw
 from ..bundle.writer import BundleWriter, now_pair
 from ..errors import DiskFullError, IngeroError
 from .clock import ClockSource
+from .distro import packages
 from .host import HostSource
 from .identity import ConfigError, host_facts, resolve_node_name
 from .procs import TargetSet
@@ -30,9 +31,14 @@ from .status import Reporter, status_text
 
 POLL_S = 0.05
 TICK_S = 1.0
-EBPF_FIX = ("run as root on a kernel with BPF and tracefs, with BCC "
-            "(apt-get install python3-bpfcc) and kernel headers "
-            "(apt-get install linux-headers-$(uname -r))")
+#: Names under which eBPF sources report (the sources' own, and "ebpf" when none load).
+EBPF_NAMES = frozenset({"ebpf", "nccl", "cuda", "tcp", "sched", "block"})
+
+
+def ebpf_fix() -> str:
+    pk = packages()
+    return (f"run as root on a kernel with BPF and tracefs, with BCC ({pk.bcc}) and "
+            f"kernel headers ({pk.headers})")
 
 
 @dataclass
@@ -55,6 +61,10 @@ class CaptureConfig:
     env: dict | None = None                 # environment for INGERO_NODE (default os.environ)
     #: extra sources (tests, plugins) started like the built-in ones
     extra_sources: tuple[Source, ...] = ()
+    #: --cmdline: how processes.cmdline is written (full, masked or none; procs.mask_cmdline)
+    cmdline: str = "masked"
+    #: --strict: stop at once (sealing what was recorded) when an eBPF source is off
+    strict: bool = False
 
 
 @dataclass
@@ -75,6 +85,15 @@ class CaptureSummary:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def ebpf_off(self) -> dict[str, str]:
+        """The eBPF sources that are off, with the reason (``--strict`` fails on these)."""
+        return {k: v for k, v in self.sources_off.items() if k in EBPF_NAMES}
+
+
+def strict_failures(statuses: list[SourceStatus]) -> list[SourceStatus]:
+    """What ``--check --strict`` fails on: an invalid node name or any eBPF source off."""
+    return [s for s in statuses if not s.available and (s.name == "node" or s.name in EBPF_NAMES)]
 
 
 class _Sink:
@@ -129,13 +148,13 @@ def _ebpf_sources(options: CaptureOptions) -> tuple[list[Source], SourceStatus |
         from .ebpf import ebpf_sources
     except Exception as e:  # noqa: BLE001 - ImportError, or BCC failing at import time
         return [], SourceStatus("ebpf", False, f"eBPF sources cannot be loaded "
-                                f"({type(e).__name__}: {e})", EBPF_FIX)
+                                f"({type(e).__name__}: {e})", ebpf_fix())
     try:
         return list(ebpf_sources(options)), None
     except SourceUnavailable as e:
-        return [], SourceStatus("ebpf", False, e.reason, e.fix or EBPF_FIX)
+        return [], SourceStatus("ebpf", False, e.reason, e.fix or ebpf_fix())
     except Exception as e:  # noqa: BLE001
-        return [], SourceStatus("ebpf", False, f"{type(e).__name__}: {e}", EBPF_FIX)
+        return [], SourceStatus("ebpf", False, f"{type(e).__name__}: {e}", ebpf_fix())
 
 
 def check_sources(config: CaptureConfig) -> list[SourceStatus]:
@@ -239,6 +258,9 @@ def _capture(run: _Run, node: str, bundle_dir: Path, spool_dir: Path,
         rep.message("info", "capture", f"capturing as node {node} into {bundle_dir}")
         loop = _Loop(run, node, host, bundle_dir, spool_dir, index, summary)
         loop.start_sources()
+        if cfg.strict and summary.ebpf_off():
+            run.stop_reason = "strict"
+            run.stop_flag.set()
         try:
             loop.main(t_start)
         except DiskFullError as e:
@@ -266,7 +288,7 @@ class _Loop:
         self.index = index
         self.summary = summary
         cfg = run.cfg
-        self.targets = TargetSet(cfg.pids, cfg.comms)
+        self.targets = TargetSet(cfg.pids, cfg.comms, cmdline=cfg.cmdline)
         self.clock = ClockSource(cfg.clock_interval)
         self.sources: list[Source] = []
         self.sealer = Sealer(bundle_dir, cfg.compression_level)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, human_bytes, version_option
+from ..redact import redacted_input
 from .chrome_trace import KINDS, ExportOptions, export_chrome_trace, parse_ranks
 
 
@@ -15,7 +18,8 @@ def _split(values) -> tuple[str, ...]:
 @click.command(name="ingero-export", epilog=EXIT_CODES_HELP)
 @click.argument("fleet_db", type=click.Path(dir_okay=False))
 @click.option("--chrome-trace", "chrome_trace", is_flag=True, required=True,
-              help="Write Chrome Trace Event Format JSON (Perfetto, chrome://tracing). "
+              help="Write Chrome Trace Event Format JSON (Perfetto, chrome://tracing; "
+                   "offline viewing without ui.perfetto.dev: docs/airgap.md). "
                    "Required: the format is named so that others can be added.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Output file; a name ending in .gz is gzip-compressed. Default: stdout.")
@@ -49,10 +53,14 @@ def _split(values) -> tuple[str, ...]:
                    "accelerated: whether the C loops wrote it) on stdout. Without -o "
                    "stdout holds the trace and no summary is printed.")
 @click.option("-q", "--quiet", is_flag=True, help="No summary line.")
+@click.option("--redact", is_flag=True,
+              help="Export a redacted copy of FLEET_DB (as ingero-redact writes it), made "
+                   "in a temporary directory next to the output (the system's for stdout) "
+                   "and removed after. --nodes then takes the node ids (nodeid-N).")
 @version_option("ingero-export")
 @handle_errors
 def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_events,
-         no_findings, jobs, json_, quiet):
+         no_findings, jobs, json_, quiet, redact):
     """Write the merged fleet FLEET_DB as a Chrome Trace Event Format timeline.
 
     One process per node (named like "node-05 (ranks 40-47)"), one track per traced
@@ -100,7 +108,9 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,
                          kinds=kind_set, max_events=max_events, findings=not no_findings,
                          jobs=jobs)
-    stats = export_chrome_trace(fleet_db, output, opts)
+    where = Path(output).resolve().parent if output else None
+    with redacted_input(fleet_db, redact, where) as source:
+        stats = export_chrome_trace(source, output, opts)
     if output is None:
         return  # stdout holds the trace; nothing else goes there
     if json_:

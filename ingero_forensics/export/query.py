@@ -53,17 +53,22 @@ class OpenedDatabase:
     node: str | None = None
 
 
-def detect_kind(path: Path) -> str:
-    """'bundle' or 'sqlite' from the first bytes; IngeroError for anything else."""
+def _read(path, size: int, expected: str) -> bytes:
+    """The first size bytes of path (-1: all); one-line IngeroError when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            head = f.read(16)
+            return f.read(size)
     except FileNotFoundError:
         raise IngeroError(f"{path}: no such file") from None
     except IsADirectoryError:
-        raise IngeroError(f"{path}: is a directory, not a fleet.db or bundle") from None
+        raise IngeroError(f"{path}: is a directory, not {expected}") from None
     except OSError as e:
         raise IngeroError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def detect_kind(path: Path) -> str:
+    """'bundle' or 'sqlite' from the first bytes; IngeroError for anything else."""
+    head = _read(path, 16, "a fleet.db or bundle")
     if head == SQLITE_MAGIC:
         return "sqlite"
     if len(head) >= 4 and struct.unpack("<I", head[:4])[0] == SKIPPABLE_MAGIC:
@@ -211,6 +216,36 @@ def list_tables(db: OpenedDatabase) -> list[TableInfo]:
         cols = [r[1] for r in db.con.execute("SELECT * FROM pragma_table_info(?)", (name,))]
         out.append(TableInfo(name, n, docs.get(name, "(not in the ingero catalogue)"), cols))
     return out
+
+
+# ------------------------------------------------------------------------- input
+
+def read_sql(path) -> str:
+    """The SQL text of a file (``-`` is stdin), as ``ingero-query -f FILE`` reads it."""
+    import sys
+
+    if str(path) == "-":
+        data = sys.stdin.buffer.read()
+        where = "stdin"
+    else:
+        where = str(path)
+        data = _read(path, -1, "an SQL file")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise IngeroError(f"{where}: SQL is not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise IngeroError(f"{where}: no SQL in it")
+    return text
+
+
+def starts_with_sql_comment(arg: str) -> bool:
+    """True for a command-line word that is SQL opening with a comment, not an option.
+
+    ``-- find slow ...`` (two dashes then a space, tab or newline) can be no option name;
+    a lone ``--`` stays the end-of-options marker.
+    """
+    return len(arg) > 2 and arg.startswith("--") and arg[2].isspace()
 
 
 # ------------------------------------------------------------------------- output

@@ -8,13 +8,32 @@ import click
 import orjson
 
 from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
-from .query import FORMATS, list_tables, open_database, run_query, write_rows
+from .query import (FORMATS, list_tables, open_database, read_sql, run_query,
+                    starts_with_sql_comment, write_rows)
 
 
-@click.command(name="ingero-query", epilog=EXIT_CODES_HELP)
+class _SqlCommand(click.Command):
+    """Takes a word that opens with an SQL comment (``-- find slow ...``) as the SQL.
+
+    click would parse it as an unknown option; it is moved behind ``--`` instead, so it
+    stays the last positional argument while options after it still work.
+    """
+
+    def parse_args(self, ctx, args):
+        if "--" not in args:
+            sql = [a for a in args if starts_with_sql_comment(a)]
+            if sql:
+                args = [a for a in args if not starts_with_sql_comment(a)] + ["--", *sql]
+        return super().parse_args(ctx, args)
+
+
+@click.command(name="ingero-query", cls=_SqlCommand, epilog=EXIT_CODES_HELP,
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("database", type=click.Path(dir_okay=False))
 @click.argument("sql", required=False)
-@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default="table",
+@click.option("-f", "--file", "sql_file", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Read the SQL from this file ('-' for stdin) instead of the argument.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table",
               show_default=True, help="Output format.")
 @click.option("--json", "json_", is_flag=True, help="Same as --format json (for scripts).")
 @click.option("-p", "--param", "params", nargs=2, multiple=True, metavar="NAME VALUE",
@@ -24,8 +43,12 @@ from .query import FORMATS, list_tables, open_database, run_query, write_rows
 @click.option("-q", "--quiet", is_flag=True, help="No row count on stderr.")
 @version_option("ingero-query")
 @handle_errors
-def main(database, sql, fmt, json_, params, schema, quiet):
+def main(database, sql, sql_file, fmt, json_, params, schema, quiet):
     """Run one read-only SQL statement on DATABASE: a fleet.db or a .bundle.
+
+    The SQL is the SQL argument (it may begin with an SQL comment: "-- find slow ..."),
+    or the file given with -f, or, when neither is given and stdin is not a terminal,
+    stdin, as sqlite3 reads it.
 
     Table names are the same in bundles and fleet.db. A bundle is verified and opened
     read-only (its database is decompressed to a private temporary file). A statement
@@ -40,13 +63,24 @@ def main(database, sql, fmt, json_, params, schema, quiet):
       ingero-query fleet.db "SELECT node_id, op, COUNT(*) FROM nccl_events GROUP BY 1, 2"
       ingero-query node-05+20250101T000000Z+000000.bundle \\
           "SELECT * FROM capture_log WHERE level = :lvl" -p lvl warning --format csv
+      ingero-query fleet.db -f query.sql
+      ingero-query fleet.db < query.sql
     """
     if json_:
         fmt = "json"
-    if schema and sql:
+    if sql and sql_file:
+        raise click.UsageError("give the SQL either as an argument or with -f, not both")
+    if schema and (sql or sql_file):
         raise click.UsageError("give either SQL or --schema, not both")
     if not schema and not sql:
-        raise click.UsageError("missing SQL (or --schema)")
+        if sql_file:
+            sql = read_sql(sql_file)
+        elif not sys.stdin.isatty():
+            sql = sys.stdin.read()
+            if not sql.strip():
+                raise click.UsageError("missing SQL (or --schema): none given and stdin is empty")
+        else:
+            raise click.UsageError("missing SQL (or --schema)")
     out = sys.stdout.buffer
     with open_database(database) as db:
         if schema:

@@ -8,6 +8,7 @@ import click
 
 from .. import cliutil
 from .core import expand_inputs, list_bundles, merge_bundles
+from .verify import verify_bundles
 
 HELP = f"""Merge node bundles into one queryable fleet.db.
 
@@ -21,6 +22,11 @@ error or Ctrl-C leaves the previous fleet.db as it was.
 A corrupt, truncated or foreign input is skipped with a one-line reason and the rest is
 merged (exit code 3); --strict aborts instead and writes nothing.
 
+--verify checks every bundle as the merge would (container, manifest, sha256, SQLite
+image, schema, row counts) without merging and prints one line per bundle: node, host,
+capture window, size, rows and OK or the reason. Exit code 0 when every bundle is good,
+1 when any is not (each also named on stderr).
+
 {cliutil.EXIT_CODES_HELP}
 
 \b
@@ -28,6 +34,7 @@ Example:
   ingero-merge node*.bundle -o fleet.db
   ingero-merge bundles/ -o fleet.db --json > summary.json
   ingero-merge --list bundles/
+  ingero-merge --verify bundles/
 """
 
 
@@ -37,6 +44,9 @@ Example:
               help="fleet.db to create or extend (required unless --list).")
 @click.option("--list", "list_", is_flag=True,
               help="Print each bundle's manifest (no decompression) and exit.")
+@click.option("--verify", is_flag=True,
+              help="Check every bundle fully (--integrity quick unless given) without "
+                   "merging; exit 1 if any is bad.")
 @click.option("--strict", is_flag=True, help="Abort on the first unusable input, writing nothing.")
 @click.option("--integrity", type=click.Choice(["quick", "full", "none"]), default="none",
               show_default=True,
@@ -51,7 +61,14 @@ Example:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @cliutil.version_option("ingero-merge")
 @cliutil.handle_errors
-def main(bundles, output, list_, strict, integrity, tmpdir, as_json, quiet):
+def main(bundles, output, list_, verify, strict, integrity, tmpdir, as_json, quiet):
+    if verify:
+        if list_ or output:
+            raise click.UsageError("--verify writes nothing: give it neither -o nor --list")
+        if (click.get_current_context().get_parameter_source("integrity")
+                is not click.core.ParameterSource.COMMANDLINE):
+            integrity = "quick"
+        _verify(bundles, integrity, tmpdir, as_json, quiet)
     if list_:
         items = list_bundles(bundles)
         if as_json:
@@ -78,6 +95,44 @@ def main(bundles, output, list_, strict, integrity, tmpdir, as_json, quiet):
             click.echo(f"Warning: {w}", err=True)
         click.echo(format_summary(res))
     sys.exit(cliutil.EXIT_PARTIAL if res.skipped else cliutil.EXIT_OK)
+
+
+def _verify(bundles, integrity, tmpdir, as_json, quiet):
+    n_inputs = len(expand_inputs(bundles))
+    with cliutil.progress(n_inputs, "Verifying", enabled=not quiet) as update:
+        checks = verify_bundles(bundles, tmpdir=tmpdir, integrity=integrity, progress=update)
+    if as_json:
+        cliutil.echo_json([c.to_dict() for c in checks])
+    elif not quiet:
+        click.echo(format_verify_table(checks))
+    bad = [c for c in checks if not c.ok]
+    for c in bad:
+        click.echo(f"Error: {c.input}: {c.reason}", err=True)
+    sys.exit(cliutil.EXIT_ERROR if bad else cliutil.EXIT_OK)
+
+
+def _utc(ns: int) -> str:
+    import time
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns // 1_000_000_000))
+
+
+def format_verify_table(checks) -> str:
+    """One line per bundle: node, host, window, size, rows, OK or the reason."""
+    head = ("bundle", "node", "host", "window (UTC)", "size", "rows", "status")
+    rows = []
+    for c in checks:
+        window = ("-" if c.start_utc_ns is None else
+                  f"{_utc(c.start_utc_ns)} +{(c.end_utc_ns - c.start_utc_ns) / 1e9:.0f}s")
+        rows.append((c.input, c.node or "-", c.host or "-", window,
+                     "-" if c.size is None else cliutil.human_bytes(c.size),
+                     "-" if c.rows is None else str(c.rows),
+                     "OK" if c.ok else f"BAD: {c.reason}"))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
+    lines = ["  ".join(v.ljust(w) if i != 5 else v.rjust(w) for i, (v, w) in
+                       enumerate(zip(r, widths))) + "  " + r[-1] for r in [head, *rows]]
+    good = sum(c.ok for c in checks)
+    lines.append(f"{good} of {len(checks)} bundle(s) OK")
+    return "\n".join(lines)
 
 
 def _list_line(it) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
+from ..redact import redacted_input
 from . import build_report
 
 
@@ -16,9 +19,13 @@ from . import build_report
               help="Time bin for lateness, seconds (default: about 1/100 of the run, 0.25-10 s).")
 @click.option("--json", "as_json", is_flag=True, help="Also print the analysis as JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+@click.option("--redact", is_flag=True,
+              help="Report on a redacted copy of FLEET_DB (as ingero-redact writes it: node "
+                   "ids for host names, address pseudonyms, base names, no user names), "
+                   "made in a temporary directory next to the output and removed after.")
 @version_option("ingero-report")
 @handle_errors
-def main(fleet_db, output, bin_s, as_json, quiet):
+def main(fleet_db, output, bin_s, as_json, quiet, redact):
     """Name the straggler of a merged fleet and its root cause, in one static HTML file.
 
     The report compares when each node arrives at collectives, finds the windows where
@@ -32,7 +39,8 @@ def main(fleet_db, output, bin_s, as_json, quiet):
         ingero-merge node*.bundle -o fleet.db
         ingero-report fleet.db -o report.html
     """
-    analysis = build_report(fleet_db, output, bin_s=bin_s)
+    with redacted_input(fleet_db, redact, Path(output).resolve().parent) as source:
+        analysis = build_report(source, output, bin_s=bin_s)
     if as_json:
         echo_json(analysis.to_json())
     elif not quiet:

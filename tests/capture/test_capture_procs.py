@@ -168,3 +168,92 @@ def test_explicit_pids_never_pull_in_other_rank_processes():
         for q in (a, rank):
             q.kill()
             q.wait()
+
+
+# --------------------------------------------------------- command lines (issue 21)
+
+API_KEY = "sk-" + "live" + "A1b2C3d4E5f6G7h8I9j0"    # built at run time, as SECRET
+PASSWORD = "pw-" + "Tr0ub4dor"
+HF = "hf" + "_" + "QwErTyUiOpAsDfGhJkLzXcVbNm"
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["train.py", "--api-key=V1", "--lr", "0.1"], ["train.py", "--api-key=***", "--lr", "0.1"]),
+    (["train.py", "--password", "V2", "--epochs", "3"],
+     ["train.py", "--password", "***", "--epochs", "3"]),
+    (["x", "--db_passwd=V", "--wandbApiKey", "V", "-secret", "V", "--auth", "V"],
+     ["x", "--db_passwd=***", "--wandbApiKey", "***", "-secret", "***", "--auth", "***"]),
+    (["x", "--client-credentials", "V", "--hftoken", "V", "--access_token=V"],
+     ["x", "--client-credentials", "***", "--hftoken", "***", "--access_token=***"]),
+    (["env", "HF_TOKEN=V", "AWS_SECRET_ACCESS_KEY=V", "WORLD_SIZE=8", "python"],
+     ["env", "HF_TOKEN=***", "AWS_SECRET_ACCESS_KEY=***", "WORLD_SIZE=8", "python"]),
+    (["git", "clone", "https://alice:V@git.example.org/r.git"],
+     ["git", "clone", "https://alice:***@git.example.org/r.git"]),
+    (["curl", "-H", "Authorization: Bearer V"], ["curl", "-H", "Authorization: ***"]),
+    (["x", "--token", "--verbose"], ["x", "--token", "--verbose"]),   # a flag: nothing to mask
+    # not secrets: counts and names that merely contain the letters
+    (["x", "--max-tokens", "4096", "--tokenizer", "gpt2", "--keep-last", "3"],
+     ["x", "--max-tokens", "4096", "--tokenizer", "gpt2", "--keep-last", "3"]),
+])
+def test_mask_cmdline(argv, want):
+    from ingero_forensics.capture.procs import mask_cmdline
+    assert mask_cmdline(argv) == want
+    assert mask_cmdline(argv, "full") == argv and mask_cmdline(argv, "none") is None
+
+
+def test_token_shapes_are_masked_wherever_they_are():
+    from ingero_forensics.capture.procs import mask_cmdline
+    akid = "AKIA" + "IOSFODNN7EXAMPLE"
+    got = mask_cmdline(["run", API_KEY, f"--extra={HF}", f"key:{akid}", "plain"])
+    assert got == ["run", "***", "--extra=***", "key:***", "plain"]
+
+
+def test_bad_cmdline_mode_is_refused():
+    with pytest.raises(ValueError, match="full, masked, none"):
+        TargetSet(cmdline="partly")
+
+
+def _secret_argv_process():
+    code = "import time; time.sleep(60)"
+    return subprocess.Popen([sys.executable, "-c", code, f"--api-key={API_KEY}", "--password",
+                             PASSWORD, f"HF_TOKEN={HF}", "--data", "/home/alice/private/ds"],
+                            env={"PATH": os.environ["PATH"], "RANK": "0"})
+
+
+def _capture_cmdline(tmp_path, open_all, *mode):
+    target = _secret_argv_process()
+    out = tmp_path / ("b-" + (mode[-1] if mode else "default"))
+    try:
+        wait_for(lambda: PASSWORD in open(f"/proc/{target.pid}/cmdline").read(),
+                 what="cmdline readable")
+        r = run_capture("--bundle", out, "--node", "n1", "--no-ebpf", "--pid", target.pid,
+                        "--duration", "1", *mode)
+        assert r.returncode == 0, r.stderr
+    finally:
+        target.kill()
+        target.wait()
+    [path] = bundles(out)
+    raw = path.read_bytes()
+    image = zstandard.ZstdDecompressor().decompressobj().decompress(
+        raw[8 + int.from_bytes(raw[4:8], "little"):])
+    [b] = open_all(out)
+    [(cmdline,)] = rows(b, "SELECT cmdline FROM processes WHERE pid = ?", target.pid)
+    return raw + image, cmdline
+
+
+def test_capture_masks_cmdline_by_default(tmp_path, open_all):
+    blob, cmdline = _capture_cmdline(tmp_path, open_all)
+    for secret in (API_KEY, PASSWORD, HF):
+        assert secret.encode() not in blob
+    assert json.loads(cmdline)[1:] == ["-c", "import time; time.sleep(60)", "--api-key=***",
+                                       "--password", "***", "HF_TOKEN=***", "--data",
+                                       "/home/alice/private/ds"]
+
+
+def test_capture_cmdline_full_and_none(tmp_path, open_all):
+    blob, cmdline = _capture_cmdline(tmp_path, open_all, "--cmdline", "full")
+    assert f"--api-key={API_KEY}" in json.loads(cmdline) and PASSWORD.encode() in blob
+    blob, cmdline = _capture_cmdline(tmp_path, open_all, "--cmdline", "none")
+    assert cmdline is None
+    for secret in (API_KEY, PASSWORD, HF, "/home/alice/private/ds"):
+        assert secret.encode() not in blob

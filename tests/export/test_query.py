@@ -1,5 +1,6 @@
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -28,7 +29,7 @@ def test_json_rows_match_fleet(fleet):
 
 def test_csv_and_table(fleet):
     path, truth = fleet
-    r = run(path, "SELECT name, ranks FROM nodes ORDER BY name", "-f", "csv")
+    r = run(path, "SELECT name, ranks FROM nodes ORDER BY name", "--format", "csv")
     assert r.exit_code == 0
     lines = r.stdout.splitlines()
     assert lines[0] == "name,ranks"
@@ -43,7 +44,7 @@ def test_params_and_empty_result_keeps_header(fleet):
     r = run(path, "SELECT op, seq FROM nccl_events WHERE seq = :s AND rank = 0", "-p", "s", "2",
             "--json")
     assert json.loads(r.stdout) == [{"op": "ALL_REDUCE", "seq": 2}]
-    r = run(path, "SELECT op, seq FROM nccl_events WHERE seq = -1", "-f", "csv")
+    r = run(path, "SELECT op, seq FROM nccl_events WHERE seq = -1", "--format", "csv")
     assert r.stdout == "op,seq\n"
 
 
@@ -159,3 +160,95 @@ def test_help_and_version():
     assert r.exit_code == 0 and "Example:" in r.stdout and "Exit codes" in r.stdout
     r = run("--version")
     assert r.exit_code == 0 and r.stdout.startswith("ingero-query ")
+
+
+# ------------------------------------------------ the article's query, verbatim (issue 21)
+
+ARTICLE_SQL = (Path(__file__).parent / "article_query.sql").read_text()
+
+
+@pytest.fixture(scope="module")
+def slow_fleet(tmp_path_factory):
+    """A fleet.db where two ALL_REDUCE calls are slower than the query's 50 ms."""
+    import apsw
+    from .fleetgen import build_fleet
+    path = tmp_path_factory.mktemp("slow") / "fleet.db"
+    build_fleet(path)
+    con = apsw.Connection(str(path))
+    con.execute("UPDATE nccl_events SET duration_ns = 120000000 WHERE rank = 3 AND seq = 1")
+    con.execute("UPDATE nccl_events SET duration_ns = 80000000 WHERE rank = 0 AND seq = 2")
+    expected = [list(r) for r in con.execute(ARTICLE_SQL)]
+    con.close()
+    assert len(expected) == 2 and all(r[2] > 0 for r in expected)
+    return path, expected
+
+
+def _rows(stdout):
+    return [[r["rank"], r["ms"], r["retransmits_in_window"]] for r in json.loads(stdout)]
+
+
+def test_article_query_starts_with_a_comment():
+    assert ARTICLE_SQL.startswith("-- find slow ncclAllReduce calls")
+
+
+def test_article_query_as_argument(slow_fleet):
+    path, expected = slow_fleet
+    r = run(path, ARTICLE_SQL, "--json")
+    assert r.exit_code == 0, r.output
+    assert _rows(r.stdout) == expected
+    # options before the SQL too, and the table format
+    r = run("--format", "csv", path, ARTICLE_SQL)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0] == "rank,ms,retransmits_in_window"
+    assert len(r.stdout.splitlines()) == 3
+
+
+def test_article_query_from_file_and_stdin(slow_fleet, tmp_path):
+    path, expected = slow_fleet
+    f = tmp_path / "query.sql"
+    f.write_text(ARTICLE_SQL)
+    r = run(path, "-f", f, "--json")
+    assert r.exit_code == 0, r.output
+    assert _rows(r.stdout) == expected
+    r = CliRunner().invoke(main, [str(path), "--json"], input=ARTICLE_SQL)
+    assert r.exit_code == 0, r.output
+    assert _rows(r.stdout) == expected
+    r = CliRunner().invoke(main, [str(path), "--json", "-f", "-"], input=ARTICLE_SQL)
+    assert r.exit_code == 0, r.output
+    assert _rows(r.stdout) == expected
+
+
+def test_article_query_through_the_console_script(slow_fleet, tmp_path):
+    """The shell forms of the issue: "$(cat query.sql)", -f query.sql and < query.sql."""
+    import shutil
+    import subprocess
+    exe = shutil.which("ingero-query")
+    assert exe, "ingero-query is not on PATH"
+    path, expected = slow_fleet
+    f = tmp_path / "query.sql"
+    f.write_text(ARTICLE_SQL)
+    for cmd, stdin in ((f'"{exe}" "{path}" "$(cat "{f}")" --json', None),
+                       (f'"{exe}" "{path}" -f "{f}" --json', None),
+                       (f'"{exe}" "{path}" --json < "{f}"', None)):
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, stdin=stdin)
+        assert p.returncode == 0, (cmd, p.stderr)
+        assert _rows(p.stdout) == expected, cmd
+
+
+def test_sql_sources_conflict_and_bad_file(fleet, tmp_path):
+    path, _ = fleet
+    f = tmp_path / "q.sql"
+    f.write_text("SELECT 1")
+    r = run(path, "SELECT 1", "-f", f)
+    assert r.exit_code == 2 and "not both" in r.stderr
+    r = run(path, "-f", tmp_path / "missing.sql")
+    assert r.exit_code == 1 and r.stderr == f"Error: {tmp_path / 'missing.sql'}: no such file\n"
+    empty = tmp_path / "empty.sql"
+    empty.write_text("  \n")
+    r = run(path, "-f", empty)
+    assert r.exit_code == 1 and r.stderr == f"Error: {empty}: no SQL in it\n"
+    r = CliRunner().invoke(main, [str(path)], input="  \n")
+    assert r.exit_code == 2 and "stdin is empty" in r.stderr
+    # a lone "--" still ends the options as usual
+    r = run(path, "--json", "--", "-- a comment\nSELECT 7 AS x")
+    assert r.exit_code == 0 and json.loads(r.stdout) == [{"x": 7}]

@@ -1,39 +1,115 @@
 """Importing BCC and checking that this machine can load BPF programs.
 
-Debian ships BCC's Python module in /usr/lib/python3/dist-packages (python3-bpfcc),
-which a virtualenv or pyenv interpreter does not see. We append that directory at the
-END of sys.path, so nothing installed in the environment is shadowed. The PyPI package
-called ``bcc`` is unrelated to BCC; it is detected and refused.
+BCC's Python module comes with the distribution, for the distribution's own Python, in a
+directory that a virtualenv, pyenv or zipapp interpreter does not see:
+
+* Debian, Ubuntu: /usr/lib/python3/dist-packages/bcc (python3-bpfcc);
+* RHEL, Rocky, Alma, Oracle, CentOS Stream, Fedora, SUSE:
+  /usr/lib/python3.X/site-packages/bcc or /usr/lib64/... (python3-bcc);
+* a BCC built from source: /usr/local/lib/python3.X/{dist,site}-packages/bcc;
+* anywhere else: the directory holding ``bcc/`` in $INGERO_BCC_PATH.
+
+The module is pure Python over libbcc.so (ctypes), so one made for the system's Python
+3.X loads in another Python 3. It is loaded from its directory as the package ``bcc``
+alone: that directory is not added to sys.path, so none of the other system packages
+beside it can shadow or leak into the environment. The PyPI package called ``bcc`` is
+unrelated to BCC; it is detected and refused. Fix messages name the packages of the
+node's distribution family (capture/distro.py).
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
+import importlib.util
 import os
 import sys
 
+from ..distro import packages
 from ..source import SourceUnavailable
 
-DEBIAN_DIST = "/usr/lib/python3/dist-packages"
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+#: Where distributions install BCC's Python package, relative to the root; globs are
+#: expanded with this interpreter's own version first, then the newest.
+BCC_DIRS = (
+    "usr/lib/python3/dist-packages",                       # Debian, Ubuntu
+    "usr/lib/python3.*/site-packages",                     # RHEL family, Fedora, SUSE
+    "usr/lib64/python3.*/site-packages",
+    "usr/local/lib/python3.*/dist-packages",               # built from source
+    "usr/local/lib/python3.*/site-packages",
+    "usr/lib/python3.*/dist-packages",
+)
 
 
-def import_bcc():
+def _version_key(path: str) -> tuple:
+    """This interpreter's python3.X first, then newer versions before older ones."""
+    own = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    part = next((p for p in path.split(os.sep) if p.startswith("python3")), "")
+    try:
+        minor = int(part.split(".", 1)[1])
+    except (IndexError, ValueError):
+        minor = -1
+    return (part != own, -minor)
+
+
+def bcc_search_dirs(root: str = "/", env: dict | None = None) -> list[str]:
+    """Directories that hold a ``bcc`` package, in the order they are tried."""
+    env = os.environ if env is None else env
+    out = []
+    extra = env.get("INGERO_BCC_PATH")
+    if extra:
+        out += [d for d in extra.split(os.pathsep) if d]
+    for pattern in BCC_DIRS:
+        found = glob.glob(os.path.join(root, pattern))
+        out += sorted(found, key=_version_key)
+    seen, dirs = set(), []
+    for d in out:
+        if d not in seen and os.path.isfile(os.path.join(d, "bcc", "__init__.py")):
+            seen.add(d)
+            dirs.append(d)
+    return dirs
+
+
+def _load_from(directory: str):
+    """Import the package bcc from directory without adding it to sys.path."""
+    init = os.path.join(directory, "bcc", "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        "bcc", init, submodule_search_locations=[os.path.dirname(init)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bcc"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        for name in [n for n in sys.modules if n == "bcc" or n.startswith("bcc.")]:
+            del sys.modules[name]
+        raise
+    return module
+
+
+def import_bcc(root: str = "/", env: dict | None = None):
     """Return BCC's ``bcc`` module or raise SourceUnavailable saying how to get it."""
+    fix = packages(os.path.join(root, "etc/os-release")).bcc
     try:
         bcc = importlib.import_module("bcc")
     except ImportError:
-        if DEBIAN_DIST not in sys.path and os.path.isdir(DEBIAN_DIST):
-            sys.path.append(DEBIAN_DIST)
-        try:
-            bcc = importlib.import_module("bcc")
-        except ImportError as e:
-            raise SourceUnavailable(f"BCC's Python module is not installed ({e})",
-                                    "apt install python3-bpfcc bpfcc-tools") from None
+        bcc = None
+        errors = []
+        for d in bcc_search_dirs(root, env):
+            try:
+                bcc = _load_from(d)
+                break
+            except Exception as e:  # noqa: BLE001 - a broken install: try the next one
+                errors.append(f"{d}: {type(e).__name__}: {e}")
+        if bcc is None:
+            why = ("; ".join(errors) if errors else
+                   "not in this Python's path nor in the distribution's directories")
+            raise SourceUnavailable(f"BCC's Python module is not installed ({why})",
+                                    f"{fix} (or set INGERO_BCC_PATH to the directory "
+                                    "holding bcc/)") from None
     if not hasattr(bcc, "BPF"):
         raise SourceUnavailable(f"the 'bcc' module at {getattr(bcc, '__file__', '?')} is not "
                                 "BCC (PyPI's unrelated 'bcc' package?)",
-                                "pip uninstall bcc; apt install python3-bpfcc")
+                                f"pip uninstall bcc; {fix}")
     return bcc
 
 
@@ -56,8 +132,8 @@ def environment_problem() -> tuple[str, str] | None:
     build = f"/lib/modules/{release}/build/include"
     if not os.path.isdir(build) and not os.path.exists("/sys/kernel/kheaders.tar.xz"):
         return (f"no kernel headers for {release} (BCC compiles its programs at start)",
-                f"apt install linux-headers-{release}; without such a package, "
-                "scripts/setup-ebpf.sh links the distribution's generic headers")
+                f"{packages().headers.replace('$(uname -r)', release)}; without such "
+                "a package, scripts/setup-ebpf.sh links the distribution's generic headers")
     return None
 
 

@@ -1,0 +1,512 @@
+"""A redacted copy of fleet.db: what may leave an air-gapped site (docs/airgap.md).
+
+``redact_fleet(src, dest)`` writes a copy of a fleet.db in which
+
+* host names and node names become node ids (``nodeid-3``: the node_id of the node that
+  first carries the name), wherever they appear: nodes, manifests, meta, file names,
+  log messages, command lines;
+* IP addresses (IPv4, IPv6, IPv4-mapped, and chrony's hex reference ids) become stable
+  pseudonyms, the same for one address throughout one output and prefix-preserving
+  octet by octet (IPv6: group by group), so addresses that share a subnet still share
+  it. The pseudonyms come from a random key drawn for each output, never equal an
+  original address and never contain one; loopback and unspecified addresses are kept;
+* command lines (processes.cmdline), executables, stack frames' modules and files, and
+  every path in any text are reduced to base names; URLs to scheme, host pseudonym and
+  base name;
+* user names (from home directories /home/NAME, /Users/NAME, /scratch/NAME, URL user
+  info and user@host words) are removed: a path that ends in one becomes ``~`` and any
+  other occurrence ``user``.
+
+The copy is built in a temporary file next to dest, every TEXT column of every table is
+rewritten (enum columns and hashes excepted), then ``VACUUM INTO`` writes dest fresh, so
+no page of the original content survives in free space; fleet_info gets a ``redacted``
+row. The source is only read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import apsw
+
+from .. import __version__
+from ..db import connect_readonly
+from ..errors import IngeroError
+
+#: Columns holding hashes or fixed vocabularies: never sensitive, not scanned (a user
+#: name that is also a word must not rewrite a metric or API name the report reads).
+SKIP_COLUMNS = frozenset({"comm_id_hash", "parent_hash", "hash", "sha256", "segment_id",
+                          "hist_log2"})
+SKIP_TABLE_COLUMNS = frozenset({("host_samples", "metric"), ("event_stats", "name"),
+                                ("cuda_events", "api")})
+NODE_PREFIX = "nodeid-"
+HOME_DIRS = ("home", "Users", "scratch", "u", "homes")
+USER_WORD = "user"
+
+_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.]*\d)")
+_IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|"
+                   r"\d{1,3}(?:\.\d{1,3}){3})?(?![\w:])")
+_URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*)://([^/\s\"'<>]*)([^\s\"'<>]*)")
+_PATH = re.compile(r"(?<![\w.\-/~])(?:~|\.{1,2})?/(?!/)[^\s\"'`,;()<>\[\]{}|*]*")
+_HOME = re.compile(r"/(?:" + "|".join(HOME_DIRS) + r")/([A-Za-z0-9._-]+)")
+_USER_AT = re.compile(r"(?<![\w.+-])([A-Za-z_][A-Za-z0-9._-]{0,31})@([A-Za-z0-9][\w.-]*)")
+_HEX_IPV4 = re.compile(r"^[0-9A-F]{8}$")
+
+
+class RedactError(IngeroError):
+    """fleet.db cannot be redacted (not a fleet.db, unreadable, output not writable)."""
+
+
+# ------------------------------------------------------------------ IP pseudonyms
+
+class IpPseudonyms:
+    """Prefix-preserving pseudonyms, keyed per output.
+
+    IPv4 maps octet by octet, IPv6 16-bit group by group: the pseudonym of a prefix
+    depends only on that prefix, so two addresses sharing their first k octets (groups)
+    share the first k of their pseudonyms, and different children of one prefix get
+    different pseudonyms. The first octet (group) is drawn outside the originals' first
+    octets, and a full pseudonym that would contain an original address as text is
+    skipped, so no original can be read back from a pseudonym.
+    """
+
+    def __init__(self, key: bytes, originals: set[str]):
+        self.key = key
+        self.originals = set(originals)
+        self._tree: dict[tuple, int] = {}      # (version, original prefix) -> new part
+        self._used: dict[tuple, set] = {}      # (version, new prefix) -> parts taken
+        self._done: dict[str, str] = {}
+        addrs = [a for a in (_parse_ip(o) for o in originals) if a is not None]
+        self._first = {4: {a.packed[0] for a in addrs if a.version == 4},
+                       6: {int.from_bytes(a.packed[:2], "big") for a in addrs if a.version == 6}}
+
+    def _candidates(self, version: int, prefix: tuple, size: int):
+        """Candidate values for one part, in an order fixed by the key and the prefix."""
+        seed = hmac.new(self.key, repr((version, prefix)).encode(), hashlib.sha256).digest()
+        start = int.from_bytes(seed[:4], "big") % size
+        step = (int.from_bytes(seed[4:8], "big") % (size - 1)) | 1   # odd: visits all
+        for i in range(size):
+            yield (start + i * step) % size
+
+    def _part(self, version, orig_prefix, new_prefix, value, level, size, leaf_ok):
+        key = (version, orig_prefix + (value,))
+        if key in self._tree:
+            return self._tree[key]
+        used = self._used.setdefault((version, new_prefix), set())
+        for cand in self._candidates(version, orig_prefix + (value,), size):
+            if cand in used:
+                continue
+            if level == 0 and not _first_ok(version, cand, self._first[version]):
+                continue
+            if leaf_ok is not None and not leaf_ok(new_prefix + (cand,)):
+                continue
+            used.add(cand)
+            self._tree[key] = cand
+            return cand
+        raise RedactError("no free pseudonym left for an address prefix")
+
+    def _map(self, version, parts, size, render):
+        orig, new = (), ()
+        for level, value in enumerate(parts):
+            last = level == len(parts) - 1
+            leaf_ok = (lambda p: not any(o in render(p) for o in self.originals)) if last else None
+            new = new + (self._part(version, orig, new, value, level, size, leaf_ok),)
+            orig = orig + (value,)
+        return render(new)
+
+    def pseudonym(self, text: str) -> str:
+        """The pseudonym of an address given as text (kept when not an address)."""
+        if text in self._done:
+            return self._done[text]
+        addr = _parse_ip(text)
+        if addr is None or addr.is_loopback or addr.is_unspecified:
+            out = text
+        elif addr.version == 6 and addr.ipv4_mapped is not None:
+            out = "::ffff:" + self.pseudonym(str(addr.ipv4_mapped))
+        elif addr.version == 4:
+            out = self._map(4, tuple(addr.packed), 256, lambda p: ".".join(map(str, p)))
+        else:
+            groups = tuple(int.from_bytes(addr.packed[i:i + 2], "big") for i in range(0, 16, 2))
+            out = self._map(6, groups, 65536, lambda p: str(ipaddress.IPv6Address(
+                b"".join(g.to_bytes(2, "big") for g in p + (0,) * (8 - len(p))))))
+        self._done[text] = out
+        return out
+
+
+def _first_ok(version: int, value: int, originals: set[int]) -> bool:
+    if value in originals:
+        return False
+    if version == 4:
+        # not 0/8, loopback, multicast or reserved, and not ending in an original's
+        # first octet as text (110 would contain 10)
+        return (0 < value < 224 and value != 127 and
+                not any(str(value).endswith(str(o)) for o in originals))
+    return value not in (0, 0xFFFF) and not any(f"{value:x}".endswith(f"{o:x}")
+                                                for o in originals)
+
+
+def _parse_ip(text: str):
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------ the redactor
+
+@dataclass
+class Redactor:
+    """Text rewriting once the sensitive names, addresses and users are known."""
+
+    names: dict[str, str]                 # host or node name -> node pseudonym
+    users: set[str]
+    ips: IpPseudonyms
+    _names_re: re.Pattern | None = field(default=None, init=False)
+    _users_re: re.Pattern | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        if self.names:
+            alts = "|".join(re.escape(n) for n in sorted(self.names, key=len, reverse=True))
+            self._names_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])")
+        if self.users:
+            alts = "|".join(re.escape(u) for u in sorted(self.users, key=len, reverse=True))
+            self._users_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])")
+
+    def host(self, host: str) -> str:
+        """A host part (name or address) -> its pseudonym, or 'host' when unknown."""
+        if _parse_ip(host.strip("[]")) is not None:
+            return self.ips.pseudonym(host.strip("[]"))
+        return self.names.get(host) or self.names.get(host.split(".", 1)[0]) or "host"
+
+    def basename(self, path: str) -> str:
+        trimmed = path.rstrip("/")
+        if not trimmed:
+            return path
+        base = trimmed.rsplit("/", 1)[-1]
+        if base in self.users or (trimmed.startswith("~") and "/" not in trimmed):
+            return "~"
+        return base
+
+    def _url(self, m: re.Match) -> str:
+        scheme, authority, rest = m.group(1), m.group(2), m.group(3)
+        hostport = authority.rsplit("@", 1)[-1]
+        if hostport.startswith("["):
+            host, _, port = hostport[1:].partition("]")
+            port = port.lstrip(":")
+        else:
+            host, _, port = hostport.partition(":")
+            if _parse_ip(hostport) is not None:      # a bare IPv6 address
+                host, port = hostport, ""
+        new_host = self.host(host) if host else ""
+        out = f"{scheme}://{new_host}" + (f":{port}" if port.isdigit() else "")
+        base = self.basename(rest) if rest.strip("/") else ""
+        return out + (f"/{base}" if base else "")
+
+    def known_host(self, host: str) -> bool:
+        return host in self.names or _parse_ip(host) is not None
+
+    def _user_at(self, m: re.Match) -> str:
+        user, host = m.group(1), m.group(2)
+        if user in self.users or self.known_host(host):
+            return f"{USER_WORD}@{self.host(host)}"
+        return m.group(0)
+
+    def text(self, s: str) -> str:
+        """Free text: URLs, user@host, paths, addresses, names and users rewritten."""
+        if not s:
+            return s
+        s = _URL.sub(self._url, s)
+        s = _USER_AT.sub(self._user_at, s)
+        s = _PATH.sub(lambda m: self.basename(m.group(0)), s)
+        s = _IPV4.sub(lambda m: self.ips.pseudonym(m.group(0)), s)
+        s = _IPV6.sub(lambda m: self.ips.pseudonym(m.group(0))
+                      if _parse_ip(m.group(0)) is not None else m.group(0), s)
+        if self._names_re is not None:
+            s = self._names_re.sub(lambda m: self.names[m.group(0)], s)
+        if self._users_re is not None:
+            s = self._users_re.sub(USER_WORD, s)
+        return s
+
+    def word(self, arg: str) -> str:
+        """One command-line word: as text, then anything left with a slash to its base
+        name (an option keeps its --name= part)."""
+        arg = self.text(arg)
+        if "/" not in arg:
+            return arg
+        m = re.match(r"^(-{1,2}[\w.-]+=)(.*)$", arg, re.S)
+        if m:
+            return m.group(1) + self.basename(m.group(2))
+        return self.basename(arg)
+
+    def _json_list(self, value: str, item, **dump) -> str:
+        """A JSON array rewritten item by item; anything else as free text."""
+        try:
+            items = json.loads(value)
+        except ValueError:
+            return self.text(value)
+        if not isinstance(items, list):
+            return self.text(value)
+        return json.dumps([item(x) for x in items], **dump)
+
+    def cmdline(self, value: str) -> str:
+        return self._json_list(value, lambda a: self.word(a) if isinstance(a, str) else a)
+
+    def _frame(self, f):
+        if not isinstance(f, dict):
+            return f
+        return {k: (self.basename(self.text(v)) if k in ("module", "file", "py_file")
+                    else self.text(v)) if isinstance(v, str) else v for k, v in f.items()}
+
+    def frames(self, value: str) -> str:
+        return self._json_list(value, self._frame, separators=(",", ":"))
+
+    def chrony_ref(self, value: str) -> str:
+        """chrony's reference id: 8 hex digits that are an IPv4 address (or a name)."""
+        if value and _HEX_IPV4.match(value):
+            addr = str(ipaddress.IPv4Address(int(value, 16)))
+            new = self.ips.pseudonym(addr)
+            return f"{int(ipaddress.IPv4Address(new)):08X}"
+        return self.text(value)
+
+
+# ------------------------------------------------------------------ collecting
+
+def _text_columns(con) -> list[tuple[str, str]]:
+    """(table, column) of every TEXT column worth scanning, in schema order."""
+    from ..merge.fleet_schema import FLEET_TABLES_BY_NAME  # noqa: PLC0415
+    out = []
+    tables = [r[0] for r in con.execute(
+        "SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
+        "ORDER BY name")]
+    for t in tables:
+        known = FLEET_TABLES_BY_NAME.get(t)
+        enums = {c.name for c in known.columns if c.values} if known else set()
+        for row in con.execute("SELECT name, type FROM pragma_table_info(?)", (t,)):
+            name, typ = row
+            if ((typ or "").upper() == "TEXT" and name not in SKIP_COLUMNS
+                    and name not in enums and (t, name) not in SKIP_TABLE_COLUMNS):
+                out.append((t, name))
+    return out
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _distinct(con, table, column, where="") -> list[str]:
+    return [r[0] for r in con.execute(
+        f"SELECT DISTINCT {_q(column)} FROM {_q(table)} WHERE typeof({_q(column)}) = 'text'"
+        + (f" AND {where}" if where else ""))]
+
+
+def _collect(values, users: set, ips: set, hosts: set) -> None:
+    for v in values:
+        for m in _HOME.finditer(v):
+            users.add(m.group(1))
+        for m in _URL.finditer(v):
+            auth = m.group(2)
+            if "@" in auth:
+                users.add(auth.rsplit("@", 1)[0].split(":", 1)[0])
+        for m in _USER_AT.finditer(v):      # ssh/scp/rsync targets: user@known-host
+            if m.group(2) in hosts or _parse_ip(m.group(2)) is not None:
+                users.add(m.group(1))
+        for m in _IPV4.finditer(v):
+            if _parse_ip(m.group(0)) is not None:
+                ips.add(m.group(0))
+        for m in _IPV6.finditer(v):
+            if _parse_ip(m.group(0)) is not None:
+                ips.add(m.group(0))
+
+
+def _node_names(con) -> dict[str, str]:
+    """Every node name, claimed name and host name (and a host's first label and
+    domain) -> the pseudonym of the first node (by node_id) that carries it."""
+    names: dict[str, str] = {}
+    rows = list(con.execute("SELECT node_id, name, claimed_name, hostname FROM nodes "
+                            "ORDER BY node_id"))
+    for node_id, *strings in rows:
+        pseudo = f"{NODE_PREFIX}{node_id}"
+        for s in strings:
+            if not s:
+                continue
+            names.setdefault(s, pseudo)
+            label, _, domain = s.partition(".")
+            if len(label) >= 3:
+                names.setdefault(label, pseudo)
+            if domain and "." in domain:
+                names.setdefault(domain, "domain")
+    # a pseudonym must not be another node's original name (an already redacted
+    # fleet.db maps each nodeid-N to itself, which is fine)
+    clash = sorted(n for n, p in names.items()
+                   if n != p and (n in names.values() or n.startswith(NODE_PREFIX)))
+    if clash:
+        raise RedactError(f"node name {clash[0]!r} has the form of the pseudonyms "
+                          f"({NODE_PREFIX}N) but is not that node's; cannot tell them apart")
+    return names
+
+
+# ------------------------------------------------------------------ the copy
+
+@dataclass
+class RedactResult:
+    output: str
+    nodes: int
+    addresses: int
+    users: int
+    columns_rewritten: dict[str, int]      # "table.column" -> distinct values changed
+    elapsed_s: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
+    """Write a redacted copy of the fleet.db src to dest (replaced atomically)."""
+    from ..merge.fleet_schema import FLEET_APPLICATION_ID  # noqa: PLC0415
+    t0 = time.monotonic()
+    src, dest = Path(src), Path(dest)
+    if not src.is_file():
+        raise RedactError(f"{src}: no such file")
+    if dest.exists() and os.path.samefile(src, dest):
+        raise RedactError(f"{dest}: the output would replace the input; choose another -o")
+    try:
+        source = connect_readonly(src)
+        app = source.execute("PRAGMA application_id").fetchone()[0]
+    except apsw.Error as e:
+        raise RedactError(f"{src}: not a SQLite fleet.db ({e})") from None
+    if app != FLEET_APPLICATION_ID:
+        source.close()
+        raise RedactError(f"{src}: not a fleet.db (application_id {app:#x})")
+    work = dest.with_name(f".{dest.name}.{os.getpid()}.redacting")
+    tmp_out = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        try:
+            con = apsw.Connection(str(work))
+            with con.backup("main", source, "main") as b:
+                b.step()
+        except apsw.Error as e:
+            raise RedactError(f"{dest}: cannot write the working copy ({e})") from None
+        finally:
+            source.close()
+        con.execute("PRAGMA journal_mode = OFF")
+        con.execute("PRAGMA synchronous = OFF")
+        try:
+            res = _redact(con, key or secrets.token_bytes(32))
+        except RedactError as e:
+            con.close()
+            raise RedactError(f"{src}: {e}") from None
+        con.execute("INSERT OR REPLACE INTO fleet_info (key, value) VALUES ('redacted', ?)",
+                    (json.dumps({"tool": f"ingero-redact {__version__}",
+                                 "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}),))
+        tmp_out.unlink(missing_ok=True)
+        try:
+            con.execute("VACUUM INTO ?", (str(tmp_out),))
+        except apsw.FullError:
+            raise RedactError(f"{dest}: file system full") from None
+        con.close()
+        with open(tmp_out, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_out, dest)
+    except BaseException:
+        tmp_out.unlink(missing_ok=True)
+        raise
+    finally:
+        for p in (work, Path(f"{work}-journal")):
+            p.unlink(missing_ok=True)
+    res.output = str(dest)
+    res.elapsed_s = round(time.monotonic() - t0, 3)
+    return res
+
+
+def _redact(con, key: bytes) -> RedactResult:
+    names = _node_names(con)
+    columns = _text_columns(con)
+    users, ips = set(), set()
+    distinct = {}
+    for t, c in columns:
+        distinct[(t, c)] = _distinct(con, t, c)
+        _collect(distinct[(t, c)], users, ips, set(names))
+    users -= {"root", USER_WORD}
+    if _has(con, "tcp_events"):
+        for col in ("saddr", "daddr"):
+            ips.update(v for v in _distinct(con, "tcp_events", col) if _parse_ip(v))
+    chrony = []
+    if _has(con, "clock_samples"):
+        chrony = _distinct(con, "clock_samples", "device", "source = 'chrony'")
+        ips.update(str(ipaddress.IPv4Address(int(v, 16))) for v in chrony
+                   if _HEX_IPV4.match(v))
+    r = Redactor(names, users, IpPseudonyms(key, ips))
+    changed: dict[str, int] = {}
+
+    special = {("processes", "cmdline"): r.cmdline, ("stacks", "frames"): r.frames,
+               ("processes", "exe"): lambda v: r.basename(r.text(v))}
+    with con:
+        # nodes first, by id: the names are what every other rewrite refers to
+        for node_id, in list(con.execute("SELECT node_id FROM nodes")):
+            con.execute("UPDATE nodes SET name = ? WHERE node_id = ?",
+                        (f"{NODE_PREFIX}{node_id}", node_id))
+        for t, c in columns:
+            if t == "nodes" and c == "name":
+                continue
+            fn = special.get((t, c), r.text)
+            mapping = {v: fn(v) for v in distinct[(t, c)]}
+            n = _apply(con, t, c, {k: v for k, v in mapping.items() if k != v})
+            if n:
+                changed[f"{t}.{c}"] = n
+        if chrony:
+            n = _apply(con, "clock_samples", "device",
+                       {v: r.chrony_ref(v) for v in chrony if r.chrony_ref(v) != v},
+                       "source = 'chrony'")
+            if n:
+                changed["clock_samples.device"] = changed.get("clock_samples.device", 0) + n
+    return RedactResult(output="", nodes=len(set(names.values()) - {"domain"}),
+                        addresses=len(ips), users=len(users), columns_rewritten=changed,
+                        elapsed_s=0.0)
+
+
+def _has(con, table: str) -> bool:
+    return con.execute("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = ?",
+                       (table,)).fetchone() is not None
+
+
+def _apply(con, table: str, column: str, mapping: dict, where: str = "") -> int:
+    """Replace the values of one column by a mapping, in one pass over the table."""
+    if not mapping:
+        return 0
+    con.execute("CREATE TEMP TABLE IF NOT EXISTS redact_map (old TEXT PRIMARY KEY, new TEXT)")
+    con.execute("DELETE FROM temp.redact_map")
+    con.executemany("INSERT INTO temp.redact_map VALUES (?, ?)", mapping.items())
+    t, c = _q(table), _q(column)
+    con.execute(f"UPDATE {t} SET {c} = (SELECT new FROM temp.redact_map WHERE old = {t}.{c}) "
+                f"WHERE {c} IN (SELECT old FROM temp.redact_map)" +
+                (f" AND {where}" if where else ""))
+    return len(mapping)
+
+
+@contextlib.contextmanager
+def redacted_input(src, enabled: bool = True, directory=None):
+    """``--redact`` on ingero-report and ingero-export: yield the path of a redacted copy
+    of src (``redacted-fleet.db`` in a private temporary directory inside directory, or
+    the system's), removed afterwards; with enabled False, src itself."""
+    if not enabled:
+        yield src
+        return
+    with tempfile.TemporaryDirectory(prefix=".ingero-redact-", dir=directory) as d:
+        out = Path(d) / "redacted-fleet.db"
+        redact_fleet(src, out)
+        yield out
+
+
+__all__ = ["IpPseudonyms", "RedactError", "RedactResult", "Redactor", "redact_fleet",
+           "redacted_input"]

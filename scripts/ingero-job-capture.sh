@@ -1,0 +1,66 @@
+#!/bin/sh
+# Start or stop ingero-capture for one job on this node (docs/airgap.md). Run as root:
+# from a Slurm prolog and epilog, through srun, or before and after torchrun.
+#
+#   ingero-job-capture.sh start BUNDLE_ROOT     # returns once every source has started
+#   ingero-job-capture.sh stop  BUNDLE_ROOT     # SIGTERM, waits for the seal; exits with
+#                                               # the capture's own exit code
+#
+# Node name: $SLURMD_NODENAME, else $INGERO_NODE, else the short host name.
+# Job: $SLURM_JOB_ID, else $TORCHELASTIC_RUN_ID, else $INGERO_JOB, else "adhoc".
+# Bundles go to BUNDLE_ROOT/JOB/ (log: .capture.log there). The capture runs with
+# --strict (start fails when an eBPF source is off) unless INGERO_STRICT=0. Extra
+# options: $INGERO_CAPTURE_ARGS.
+# The capture command: $INGERO_CAPTURE (default: ../bin/ingero-capture beside this
+# script; for the one-file capture: INGERO_CAPTURE="python3 /opt/ingero-capture.pyz").
+set -eu
+ACTION=${1:?usage: ingero-job-capture.sh start|stop BUNDLE_ROOT}
+ROOT=${2:?usage: ingero-job-capture.sh start|stop BUNDLE_ROOT}
+HERE=$(cd "$(dirname "$0")" && pwd)
+CAPTURE=${INGERO_CAPTURE:-$HERE/../bin/ingero-capture}
+NODE=${SLURMD_NODENAME:-${INGERO_NODE:-$(hostname -s)}}
+JOB=${SLURM_JOB_ID:-${TORCHELASTIC_RUN_ID:-${INGERO_JOB:-adhoc}}}
+DIR=$ROOT/$JOB
+PIDFILE=$DIR/.capture.pid
+RCFILE=$DIR/.capture.rc
+LOG=$DIR/.capture.log
+STRICT=--strict
+[ "${INGERO_STRICT:-1}" = 0 ] && STRICT=
+
+case "$ACTION" in
+start)
+  mkdir -p "$DIR"
+  rm -f "$PIDFILE" "$RCFILE"
+  # shellcheck disable=SC2086  # INGERO_CAPTURE and INGERO_CAPTURE_ARGS are word lists
+  nohup sh -c 'cmd=$1; shift; $cmd "$@" & echo $! > "'"$PIDFILE"'"; wait $!; echo $? > "'"$RCFILE"'"' \
+    sh "$CAPTURE" --bundle "$DIR" --node "$NODE" $STRICT ${INGERO_CAPTURE_ARGS:-} \
+    >> "$LOG" 2>&1 < /dev/null &
+  i=0
+  while [ $i -lt 600 ]; do          # up to 60 s: BCC compiles every probe at start
+    if [ -f "$RCFILE" ]; then
+      echo "Error: $DIR: capture exited with $(cat "$RCFILE"): $(tail -n 1 "$LOG")" >&2
+      exit 1
+    fi
+    if grep -q "sources on:" "$LOG" 2>/dev/null; then
+      echo "capturing as $NODE into $DIR (pid $(cat "$PIDFILE"))"
+      exit 0
+    fi
+    sleep 0.1; i=$((i + 1))
+  done
+  echo "Error: $DIR: capture did not start within 60 s (see $LOG)" >&2
+  exit 1
+  ;;
+stop)
+  [ -f "$PIDFILE" ] || { echo "Error: $PIDFILE: no capture started for job $JOB" >&2; exit 1; }
+  kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
+  i=0
+  while [ ! -f "$RCFILE" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
+  [ -f "$RCFILE" ] || { echo "Error: $DIR: capture did not stop within 120 s" >&2; exit 1; }
+  rc=$(cat "$RCFILE")
+  n=$(find "$DIR" -maxdepth 1 -name "$NODE+*.bundle" | wc -l)
+  echo "capture of $NODE stopped (exit $rc); $n bundle(s) in $DIR"
+  exit "$rc"
+  ;;
+*)
+  echo "usage: ingero-job-capture.sh start|stop BUNDLE_ROOT" >&2; exit 2 ;;
+esac

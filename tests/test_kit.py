@@ -1,0 +1,275 @@
+"""The offline kit and the one-file capture (docs/airgap.md): a kit built here installs
+into a fresh virtual environment with pip --no-index (in a network namespace with no
+interfaces where that can be made) and captures; ingero-capture.pyz runs with a bare
+python3 that has no site-packages at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ingero_forensics.kit import KitError, build_kit, native_target, wheel_min_glibc
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def node_python() -> str:
+    """The 'node's python3': the system one when it is this Python's version, else the
+    interpreter this virtual environment was made from (never the venv itself)."""
+    sysp = "/usr/bin/python3"
+    if os.path.exists(sysp):
+        v = subprocess.run([sysp, "-c", "import sys; print(sys.version_info[:2])"],
+                           capture_output=True, text=True).stdout.strip()
+        if v == str(tuple(sys.version_info[:2])):
+            return sysp
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+def no_network_prefix() -> list[str]:
+    """unshare -n (a network namespace with only a down loopback) where it works."""
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        if subprocess.run(["unshare", "-n", "true"]).returncode == 0:
+            return ["unshare", "-n"]
+    return []
+
+
+def clean_env(**extra) -> dict:
+    """No pip configuration, index or find-links from this machine, no PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV", "INGERO_"))}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    env["PATH"] = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    env.update(extra)
+    return env
+
+
+def extract(archive: Path, where: Path) -> Path:
+    # the "data" filter where this Python has it (3.11.4+, and backports)
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    with tarfile.open(archive) as tar:
+        tar.extractall(where, **safe)
+    (kit,) = where.iterdir()
+    return kit
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kit")
+    res = build_kit(out)
+    return res, Path(res.archive)
+
+
+def test_kit_holds_every_dependency_and_checksums(kit, tmp_path):
+    res, archive = kit
+    assert archive.name == f"ingero-kit-0.1.0-{native_target().name}.tar.gz"
+    side = (archive.parent / f"{archive.name}.sha256").read_text().split()
+    assert side == [res.sha256, archive.name]
+    assert subprocess.run(["sha256sum", "-c", f"{archive.name}.sha256"], cwd=archive.parent,
+                          capture_output=True).returncode == 0
+    d = extract(archive, tmp_path)
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=d).returncode == 0
+    listed = {line.split("  ", 1)[1] for line in (d / "SHA256SUMS").read_text().splitlines()}
+    on_disk = {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()}
+    assert listed == on_disk - {"SHA256SUMS"}
+    info = json.loads((d / "kit.json").read_text())
+    dists = {w.split("-", 1)[0].lower() for w in info["wheels"]}
+    assert dists == {"ingero_forensics", "apsw", "zstandard", "click", "jinja2", "orjson",
+                     "markupsafe"}
+    assert info["python"] == native_target().python and info["accelerators"] is True
+    assert info["min_glibc"] == max(".".join(map(str, g)) for g in
+                                    map(wheel_min_glibc, info["wheels"]) if g)
+    assert os.access(d / "install.sh", os.X_OK) and (d / "ingero-capture.pyz").is_file()
+
+
+def test_wheel_min_glibc():
+    assert wheel_min_glibc("a-1-cp311-cp311-manylinux_2_28_x86_64.whl") == (2, 28)
+    assert wheel_min_glibc("a-1-cp311-cp311-manylinux2014_x86_64.manylinux_2_17_x86_64.whl") \
+        == (2, 17)
+    assert wheel_min_glibc("a-1-py3-none-any.whl") is None
+
+
+def test_kit_installs_with_no_index_and_captures(kit, tmp_path):
+    _, archive = kit
+    d = extract(archive, tmp_path / "carried")
+    prefix = tmp_path / "opt" / "ingero-forensics"
+    net = no_network_prefix()
+    r = subprocess.run([*net, "sh", str(d / "install.sh"), str(prefix)], capture_output=True,
+                       text=True, env=clean_env(PYTHON=node_python()), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no network used" in r.stdout
+    assert os.access(prefix / "share" / "ingero-job-capture.sh", os.X_OK)
+    assert (prefix / "share" / "ingero-capture.service").read_text() == \
+        (ROOT / "scripts" / "ingero-capture.service").read_text()
+    py = prefix / "bin" / "python"
+    where = subprocess.run([str(py), "-c", "import ingero_forensics, apsw, sys; "
+                            "print(ingero_forensics.__file__); print(apsw.__file__); "
+                            "print(sys.prefix != sys.base_prefix)"],
+                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
+    assert where[0].startswith(str(prefix)) and where[1].startswith(str(prefix))
+    assert where[2] == "True"
+    cap = str(prefix / "bin" / "ingero-capture")
+    r = subprocess.run([*net, cap, "--check", "--node", "kit-node"], capture_output=True,
+                       text=True, env=clean_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].split()[:2] == ["node", "ok"]
+    bundles = tmp_path / "bundles"
+    r = subprocess.run([*net, cap, "--bundle", str(bundles), "--node", "kit-node", "--no-ebpf",
+                        "--duration", "2", "--json"], capture_output=True, text=True,
+                       env=clean_env(), cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stop_reason"] == "duration"
+    r = subprocess.run([str(prefix / "bin" / "ingero-merge"), "--verify", str(bundles), "--json"],
+                       capture_output=True, text=True, env=clean_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert [c["node"] for c in json.loads(r.stdout)] == ["kit-node"]
+
+
+def _rewrite(d: Path, path: str, data: bytes) -> None:
+    (d / path).write_bytes(data)
+    from ingero_forensics.kit import write_sha256sums
+    write_sha256sums(d)
+
+
+def test_install_refuses_a_tampered_or_foreign_kit(kit, tmp_path):
+    _, archive = kit
+    d = extract(archive, tmp_path / "a")
+    whl = next((d / "wheels").glob("click-*.whl"))
+    whl.write_bytes(whl.read_bytes()[:-10] + b"0123456789")
+    prefix = tmp_path / "p1"
+    r = subprocess.run(["sh", str(d / "install.sh"), str(prefix)], capture_output=True,
+                       text=True, env=clean_env(PYTHON=node_python()))
+    assert r.returncode == 1 and f"Error: {d}: SHA256SUMS check failed" in r.stderr
+    assert not prefix.exists()
+    d = extract(archive, tmp_path / "b")
+    info = json.loads((d / "kit.json").read_text())
+    info["python"] = "3.99"
+    _rewrite(d, "kit.json", json.dumps(info).encode())
+    r = subprocess.run(["sh", str(d / "install.sh"), str(prefix)], capture_output=True,
+                       text=True, env=clean_env(PYTHON=node_python()))
+    assert r.returncode == 1 and "this kit is for Python 3.99" in r.stderr
+    info["python"], info["min_glibc"] = native_target().python, "9.99"
+    _rewrite(d, "kit.json", json.dumps(info).encode())
+    r = subprocess.run(["sh", str(d / "install.sh"), str(prefix)], capture_output=True,
+                       text=True, env=clean_env(PYTHON=node_python()))
+    assert r.returncode == 1 and "older than 9.99" in r.stderr
+    assert not prefix.exists()
+
+
+def _bare(py: str, *args, cwd, env=None, timeout=60):
+    """python3 -I -S: no site-packages, no user site, no PYTHON* variables."""
+    return subprocess.run([py, "-I", "-S", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env or clean_env(), timeout=timeout)
+
+
+def test_pyz_runs_with_nothing_installed(kit, tmp_path):
+    _, archive = kit
+    d = extract(archive, tmp_path / "k")
+    py = node_python()
+    for mod in ("ingero_forensics", "apsw", "zstandard", "click"):
+        r = _bare(py, "-c", f"import {mod}", cwd=tmp_path)
+        assert r.returncode == 1 and "ModuleNotFoundError" in r.stderr, mod
+    pyz = tmp_path / "ingero-capture.pyz"      # one file, copied alone to the node
+    shutil.copy(d / "ingero-capture.pyz", pyz)
+    env = clean_env(INGERO_PYZ_CACHE=str(tmp_path / "cache"))
+    r = _bare(py, str(pyz), "--check", "--node", "pyz-node", "--json", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    got = {s["name"]: s for s in json.loads(r.stdout)}
+    assert got["node"]["available"] and got["clock"]["available"]
+    from tests.capture.ebpf.conftest import ebpf_skip_reason
+    if ebpf_skip_reason() is None:
+        # where eBPF runs, the bare interpreter finds the distribution's BCC too
+        assert all(got[n]["available"] for n in ("nccl", "cuda", "tcp", "sched", "block")), got
+    r = _bare(py, str(pyz), "--bundle", str(tmp_path / "b"), "--node", "pyz-node",
+              "--no-ebpf", "--duration", "2", "--json", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["sources_on"] == ["clock", "host"] and len(summary["segments"]) == 1
+    from ingero_forensics.bundle import open_bundle
+    with open_bundle(summary["segments"][0]) as b:
+        assert b.node == "pyz-node"
+        assert b.con.execute("SELECT COUNT(*) FROM clock_samples").fetchone()[0] >= 2
+    # extracted once, then reused; --version names the program
+    (cache,) = (tmp_path / "cache").iterdir()
+    assert (cache / ".complete").is_file()
+    r = _bare(py, str(pyz), "--version", cwd=tmp_path, env=env)
+    assert r.stdout == "ingero-capture 0.1.0\n"
+    assert list((tmp_path / "cache").iterdir()) == [cache]
+
+
+def test_kit_for_another_platform_tag_is_pure(tmp_path):
+    """A target other than this interpreter's own (here: the manylinux tag instead of
+    linux_x86_64) gets a py3-none-any project wheel and still installs and runs."""
+    import platform
+    if platform.machine() != "x86_64":
+        pytest.skip("the cross-target case is written for x86_64 builders")
+    res = build_kit(tmp_path / "out", platform="manylinux_2_28_x86_64", pyz=True)
+    assert res.pure and any(w.startswith("ingero_forensics-0.1.0-py3-none-any")
+                            for w in res.wheels)
+    d = extract(Path(res.archive), tmp_path / "k")
+    r = _bare(node_python(), str(d / "ingero-capture.pyz"), "--check", "--node", "x",
+              cwd=tmp_path, env=clean_env(INGERO_PYZ_CACHE=str(tmp_path / "c")))
+    assert r.returncode == 0, r.stderr
+
+
+def test_kit_refuses_old_python(tmp_path):
+    with pytest.raises(KitError, match="needs Python 3.10 or newer"):
+        build_kit(tmp_path, python="3.9")
+    r = subprocess.run([sys.executable, "-m", "ingero_forensics.kit_cli", "--python", "3.9",
+                        "-o", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("Error: --python 3.9: ")
+    assert "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------- the per-job wrapper
+
+JOB_SCRIPT = ROOT / "scripts" / "ingero-job-capture.sh"
+
+
+def _job(action, root, env):
+    return subprocess.run(["sh", str(JOB_SCRIPT), action, str(root)], capture_output=True,
+                          text=True, env=env, timeout=180, stdin=subprocess.DEVNULL)
+
+
+def test_job_wrapper_with_the_pyz(kit, tmp_path):
+    """start/stop around a job with the one-file capture: node and job from the Slurm
+    variables, a sealed bundle in ROOT/JOB, the capture's exit code from stop."""
+    _, archive = kit
+    d = extract(archive, tmp_path / "k")
+    env = clean_env(SLURM_JOB_ID="991", SLURMD_NODENAME="wrap-node", INGERO_STRICT="0",
+                    INGERO_CAPTURE_ARGS="--no-ebpf",
+                    INGERO_CAPTURE=f"{node_python()} -I -S {d / 'ingero-capture.pyz'}",
+                    INGERO_PYZ_CACHE=str(tmp_path / "cache"))
+    root = tmp_path / "var-ingero"
+    r = _job("start", root, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"capturing as wrap-node into {root / '991'} (pid ")
+    r = _job("stop", root, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"capture of wrap-node stopped (exit 0); 1 bundle(s) in {root / '991'}\n"
+    (bundle,) = (root / "991").glob("wrap-node+*.bundle")
+    from ingero_forensics.bundle import open_bundle
+    with open_bundle(bundle) as b:
+        assert b.node == "wrap-node"
+    r = _job("stop", root, {**env, "SLURM_JOB_ID": "992"})
+    assert r.returncode == 1 and "no capture started for job 992" in r.stderr
+
+
+def test_job_wrapper_start_fails_loudly(tmp_path):
+    cap = shutil.which("ingero-capture")
+    assert cap, "ingero-capture is not on PATH"
+    env = clean_env(INGERO_JOB="bad", INGERO_NODE="n", INGERO_CAPTURE=cap,
+                    INGERO_CAPTURE_ARGS="--no-ebpf")       # --strict --no-ebpf: usage error
+    r = _job("start", tmp_path, env)
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"Error: {tmp_path / 'bad'}: capture exited with 2: ")
+    r = subprocess.run(["sh", str(JOB_SCRIPT), "restart", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "usage:" in r.stderr
