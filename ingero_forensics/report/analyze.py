@@ -46,7 +46,7 @@ from ..errors import IngeroError
 from ..merge.ranks import process_ranks
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
                        Signal, alignment_rows, capture_issues, cause_series, cited_evidence,
-                       inventory, late_ranks, median, node_signals, quantile,
+                       inventory, next_step, late_ranks, median, node_signals, quantile,
                        slow_collectives, table_exists)
 
 #: Transfer times kept per time bin for its median.
@@ -111,6 +111,7 @@ class Straggler:
     evidence: list[str] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
     top_offenders: list[dict] = field(default_factory=list)
+    next_step: str = ""
 
 
 @dataclass
@@ -136,6 +137,7 @@ class Analysis:
     #: within more than the lateness worth reporting
     clock_limited: bool = False
     verdict: str = ""
+    next_step: str = ""
     evidence: list[str] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
     stragglers: list[Straggler] = field(default_factory=list)
@@ -399,6 +401,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.cause, a.cause_confidence, a.clock_caveat = (primary.cause, primary.cause_confidence,
                                                    primary.clock_caveat)
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
+    a.next_step = primary.next_step
     a.cause_series = cause_series(con, a.cause, primary.node_id, t0, bin_ns) if a.cause else {}
     a.slow_collectives = slow_collectives(con)
     a.verdict = _verdict(a, network_suspect is not None)
@@ -436,6 +439,7 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
     if st.clock_caveat and st.cause_confidence == "clear":
         st.cause_confidence = "weak"
     st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes)
+    st.next_step = next_step(st.cause, st.node, st.top_offenders)
 
 
 def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins) -> tuple[int | None, list[int]]:
@@ -514,6 +518,8 @@ def _straggler_text(st: Straggler, noise_ms: float) -> str:
         text += f" Most likely cause: {CAUSE_TITLES[st.cause]} (weak evidence)."
     else:
         text += " The captured signals do not single out a cause; see the scores below."
+    if st.cause and st.next_step:
+        text += f" Next step: {st.next_step}"
     return text
 
 
@@ -524,7 +530,7 @@ def _verdict(a: Analysis, network: bool) -> str:
                 f"totalling {secs:.0f} s while no rank arrived markedly late; {a.straggler}'s "
                 "own job connections retransmit: its network is the suspect.")
         if a.cause and a.cause_confidence == "clear":
-            return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}."
+            return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
         return lead
     texts = [_straggler_text(st, a.noise_ms) for st in a.stragglers]
     if len(texts) > 1:

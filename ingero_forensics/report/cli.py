@@ -8,16 +8,25 @@ import click
 
 from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
 from ..redact import redacted_input
-from . import build_report
+from . import analyze_fleet, write_report
+from .render import write_text
+from .text import render_text
 
 
 @click.command(epilog=EXIT_CODES_HELP)
 @click.argument("fleet_db", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", "output", default="report.html", show_default=True,
-              type=click.Path(dir_okay=False), help="HTML file to write (replaced atomically).")
+@click.option("-o", "--output", "output", default=None,
+              type=click.Path(dir_okay=False),
+              help="File to write, replaced atomically [default: report.html; with --json "
+                   "or a text format and no -o, nothing is written but stdout].")
+@click.option("--format", "fmt", type=click.Choice(["html", "text", "markdown"]),
+              default="html", show_default=True,
+              help="html: the page with charts; text or markdown: the verdict, cost, "
+                   "next steps and the per-node table, for an email body or a ticket.")
 @click.option("--bin", "bin_s", type=click.FloatRange(min=0.01), default=None,
               help="Time bin for lateness, seconds (default: about 1/100 of the run, 0.25-10 s).")
-@click.option("--json", "as_json", is_flag=True, help="Also print the analysis as JSON on stdout.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the analysis as JSON on stdout (only JSON: no file unless -o).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.option("--redact", is_flag=True,
               help="Report on a redacted copy of FLEET_DB (as ingero-redact writes it: node "
@@ -25,7 +34,7 @@ from . import build_report
                    "made in a temporary directory next to the output and removed after.")
 @version_option("ingero-report")
 @handle_errors
-def main(fleet_db, output, bin_s, as_json, quiet, redact):
+def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt):
     """Name the straggler of a merged fleet and its root cause, in one static HTML file.
 
     The report compares when each node arrives at collectives, finds the windows where
@@ -39,12 +48,24 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact):
         ingero-merge node*.bundle -o fleet.db
         ingero-report fleet.db -o report.html
     """
-    with redacted_input(fleet_db, redact, Path(output).resolve().parent) as source:
-        analysis = build_report(source, output, bin_s=bin_s)
+    if output is None and fmt == "html" and not as_json:
+        output = "report.html"
+    where = Path(output).resolve().parent if output else Path.cwd()
+    with redacted_input(fleet_db, redact, where) as source:
+        analysis = analyze_fleet(source, bin_s=bin_s)
+    if fmt == "html" and output:
+        write_report(analysis, output)
+    elif fmt != "html":
+        text = render_text(analysis, markdown=fmt == "markdown")
+        if output:
+            write_text(text, output)
+        elif not as_json:
+            click.echo(text)
     if as_json:
         echo_json(analysis.to_json())
-    elif not quiet:
-        click.echo(analysis.verdict)
+    elif not quiet and output:
+        if fmt == "html":
+            click.echo(analysis.verdict)
         click.echo(f"Report written to {output}")
 
 

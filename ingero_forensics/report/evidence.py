@@ -282,6 +282,39 @@ def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[
     return ev, top
 
 
+def next_step(cause, node: str, top: list[dict]) -> str:
+    """What to do about it, from the evidence found (never a generic tip)."""
+    if cause == "cpu" and top:
+        t = top[0]
+        return (f"On {node}, {t['task']} (pid {t['pid']}) kept the job's threads waiting "
+                f"for a CPU {t['total_ms'] / 1e3:,.1f} s in the windows (summed over "
+                "threads): move it off the node or "
+                "confine it (cpuset or cgroup cpu.max) away from the training processes' "
+                "CPUs.")
+    if cause == "io" and top:
+        t = top[0]
+        return (f"On {node}, requests of the job's processes on {t['device']} took up to "
+                f"{t['max_ms']} ms: check what else uses {t['device']} in the windows "
+                "(ingero-query on block_events) and move the data loader's files to a disk "
+                "or cache of their own.")
+    if cause == "network" and top:
+        t = top[0]
+        return (f"Retransmits from {t['from']} to {t['to']} (port {t['port']}): check "
+                f"{node}'s NIC, cable and switch port (ethtool -S errors and drops) and "
+                "the path to that peer.")
+    if cause == "gpu" and top:
+        t = top[0]
+        return (f"GPU {t['gpu']} on {node} ran at {t['sm_clock_mhz']} MHz, "
+                f"{t['temp_c']} °C: read its throttle reasons (nvidia-smi -q -d "
+                "PERFORMANCE) and check its cooling and power cap.")
+    if cause == "memory" and top:
+        return (f"Memory pressure on {node} (" + ", ".join(
+            f"{t['metric']} up to {t['peak']}" for t in top) + "): find what grew (other "
+            "tenants, page cache of the loader) and leave the job its memory.")
+    return (f"Open the windows of {node} in the trace (ingero-export) and compare its "
+            "threads with a healthy node's.")
+
+
 def cause_series(con, cause, target, t0, bin_ns) -> dict:
     """The cause's main metric over time: the suspect node vs the other nodes' median."""
     metric = {"cpu": "psi.cpu.some_pct", "io": "psi.io.some_pct",
@@ -341,15 +374,33 @@ def alignment_rows(con, nodes) -> list[dict]:
     return out
 
 
+#: A source turned off this close to the end of its bundle's capture was stopped with
+#: the capture (SIGTERM, --duration): not a blind spot.
+SHUTDOWN_NS = 2_000_000_000
+
+
 def capture_issues(con, nodes) -> list[dict]:
-    """Sources that were off or lost events: the report must say what it could not see."""
+    """What the capture could not see: sources that were off for a reason, lost events,
+    warnings and errors; a source stopped with the capture at its end is no gap. A node
+    whose bundles carry no capture_log at all says nothing either way: it is listed as
+    unknown, never as complete."""
     out = []
     for nid, source, event, n, msg in con.execute(
-            "SELECT node_id, source, event, SUM(COALESCE(count, 1)), MAX(message) FROM capture_log "
-            "WHERE event IN ('source_off', 'lost_events') OR level IN ('warning', 'error') "
-            "GROUP BY node_id, source, event ORDER BY node_id, source"):
+            "SELECT l.node_id, l.source, l.event, SUM(COALESCE(l.count, 1)), MAX(l.message) "
+            "FROM capture_log l JOIN bundles b USING (bundle_id) "
+            "WHERE (l.event IN ('source_off', 'lost_events') OR l.level IN ('warning', "
+            "'error')) AND NOT (l.level IN ('debug', 'info') AND l.event = 'source_off' "
+            "AND l.mono_ns >= b.capture_end_mono_ns - ?) "
+            "GROUP BY l.node_id, l.source, l.event ORDER BY l.node_id, l.source",
+            (SHUTDOWN_NS,)):
         out.append({"node": nodes.get(nid, ("?",))[0], "source": source, "event": event,
                     "count": n, "message": msg})
+    logged = {nid for (nid,) in con.execute("SELECT DISTINCT node_id FROM capture_log")}
+    for nid, (name, _) in sorted(nodes.items(), key=lambda kv: kv[1][0]):
+        if nid not in logged:
+            out.append({"node": name, "source": "capture", "event": "unknown", "count": None,
+                        "message": "its bundles record no capture log: which sources ran "
+                                   "and whether events were lost is unknown"})
     return out
 
 

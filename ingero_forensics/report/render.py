@@ -151,11 +151,15 @@ def render_html(a: Analysis) -> str:
 
 def write_report(a: Analysis, out_path) -> Path:
     """Write the HTML atomically (temp file + rename)."""
+    return write_text(render_html(a), out_path)
+
+
+def write_text(text: str, out_path) -> Path:
+    """Write a report file atomically (temp file + rename)."""
     out = Path(out_path)
-    html = render_html(a)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(html, encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)

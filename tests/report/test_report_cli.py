@@ -79,3 +79,21 @@ def test_existing_report_untouched_on_error(tmp_path):
     assert r.exit_code == 1
     assert out.read_text() == "previous report"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.db", "r.html"]  # no temp left
+
+
+def test_json_writes_only_json_and_text_fits_an_email(fleets, tmp_path, monkeypatch):
+    db, truth = fleets("cpu")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, [str(db), "--json"], catch_exceptions=False)
+    assert r.exit_code == 0
+    assert json.loads(r.output)["straggler"] == truth["fault"]["straggler"]
+    assert list(tmp_path.iterdir()) == []          # no report.html behind the user's back
+    r = CliRunner().invoke(main, [str(db), "--format", "text"], catch_exceptions=False)
+    assert r.exit_code == 0 and list(tmp_path.iterdir()) == []
+    text = r.output
+    assert truth["fault"]["straggler"] in text and "Root cause: CPU contention" in text
+    assert "Next step:" in text and "others waited" in text
+    assert max(len(line) for line in text.splitlines()[6:]) < 120   # tables, not a page
+    r = CliRunner().invoke(main, [str(db), "--format", "markdown", "-o", "r.md"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and (tmp_path / "r.md").read_text().startswith("# Straggler report")

@@ -160,3 +160,28 @@ def test_global_ranks_not_communicator_local_ones(tmp_path):
     con.close()
     assert json.loads(ranks["tp-0"]) == [8, 9, 10, 11]
     assert json.loads(ranks["tp-1"]) == [12, 13, 14, 15]
+
+
+def test_blind_spots_are_real_gaps_only(tmp_path):
+    """A normal stop (every source turned off at the end of the capture) is no gap; a
+    source turned off in the middle and lost events are; a node whose bundles carry no
+    capture log is 'unknown', never 'every source was on'."""
+    truth, db = _simulate(tmp_path / "sim", nodes=3, ranks_per_node=1, steps=40,
+                          fault="none", seed=4)
+    assert analyze_fleet(db).capture_issues == []
+    fleet = make_fleet(tmp_path / "gen", nodes=2, seconds=5, seed=2)   # no capture_log
+    merge_bundles(fleet.paths, tmp_path / "gen.db")
+    issues = analyze_fleet(tmp_path / "gen.db").capture_issues
+    assert [(i["node"], i["event"]) for i in issues] == [("node-0", "unknown"),
+                                                        ("node-1", "unknown")]
+    con = apsw.Connection(str(db))
+    con.execute("UPDATE capture_log SET mono_ns = mono_ns - 5000000000, "
+                "level = 'warning', message = 'tcp source stopped after an error' "
+                "WHERE rowid = (SELECT MIN(rowid) FROM capture_log WHERE event = 'source_off')")
+    con.execute("INSERT INTO capture_log (node_id, bundle_id, timestamp_ns, mono_ns, level, "
+                "source, event, message, count) SELECT node_id, bundle_id, timestamp_ns, "
+                "mono_ns, 'warning', 'cuda', 'lost_events', 'cuda lost 7 events', 7 "
+                "FROM capture_log LIMIT 1")
+    con.close()
+    issues = analyze_fleet(db).capture_issues
+    assert {(i["event"], i["count"]) for i in issues} == {("source_off", 1), ("lost_events", 7)}

@@ -1,0 +1,67 @@
+"""The report as plain text or Markdown: an email body or a ticket.
+
+The verdict (with cost, cause and next step), every straggler, the per-node table and
+the clock and capture caveats; the HTML page has the charts and the evidence tables.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from .analyze import CAUSE_TITLES, Analysis, _rank_text
+
+
+def _table(rows: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        return out + ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def render_text(a: Analysis, *, markdown: bool = False) -> str:
+    h = (lambda t: f"## {t}") if markdown else (lambda t: f"{t}\n{'-' * len(t)}")
+    # plain text is read in a mail client: paragraphs wrapped; Markdown wraps itself
+    para = (lambda t, lead="": lead + t) if markdown else \
+        (lambda t, lead="": textwrap.fill(t, 96, initial_indent=lead,
+                                          subsequent_indent=" " * len(lead)))
+    lines = [("# " if markdown else "") + f"Straggler report: {a.fleet}", "",
+             f"{a.nodes} nodes, {a.ranks} ranks, {a.collectives:,} collectives.", "",
+             para(a.verdict), ""]
+    if a.stragglers:
+        lines += [h("Stragglers"), ""]
+        rows = [["node", "ranks", "late, ms", "others waited", "cause", "clock"]]
+        for st in a.stragglers:
+            cause = CAUSE_TITLES[st.cause] if st.cause else "cannot tell"
+            if st.cause and st.cause_confidence != "clear":
+                cause += " (weak)"
+            rows.append([st.node, _rank_text(st.late_ranks or st.ranks),
+                         f"{st.lateness_ms:.1f}", f"{st.cost_s:.1f} s ({st.cost_share:.1%})",
+                         cause, "cannot rule out clock error" if st.clock_caveat else "ok"])
+        lines += _table(rows, markdown) + [""]
+        for st in a.stragglers:
+            if st.next_step:
+                lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
+        lines.append("")
+    lines += [h("Every node"), ""]
+    rows = [["node", "median late, ms", "p90, ms", "late bins", "others waited, s"]]
+    for nl in a.lateness:
+        rows.append([nl.name, f"{nl.median_ms:.2f}", f"{nl.p90_ms:.2f}", str(nl.late_bins),
+                     f"{nl.cost_s:.2f}"])
+    lines += _table(rows, markdown) + [""]
+    warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
+            or r["causal_moved_us"]]
+    if warn or a.capture_issues:
+        lines += [h("Caveats"), ""]
+        for r in warn:
+            lines.append(f"- clock of {r['node']}: method {r['method']}, relative "
+                         f"uncertainty {r['relative_uncertainty_us']} us"
+                         + (", time service claims wrong" if r["exceeds_claim"] else "")
+                         + (", rate clamped" if r["rate_clamped"] else "")
+                         + (f", moved {r['causal_moved_us']:,.0f} us by causal bounds"
+                            if r["causal_moved_us"] else ""))
+        for c in a.capture_issues:
+            lines.append(para(f"{c['node']}: {c['source']} {c['event']}: {c['message']}",
+                              "- "))
+        lines.append("")
+    return "\n".join(lines)
