@@ -62,7 +62,7 @@ def build_fleet(path, *, nodes=2, ranks_per_node=2, steps=5, straggler=3, seed=7
                           "sync_points": steps, "sync_points_used": steps,
                           "violations_before": 0, "violations_after": 0,
                           "clock_samples": 10, "steps": 0, "exceeds_claim": 0,
-                          "segments": "[]"})
+                          "segments": "[]", "causal_moved_ns": 0, "rate_clamped": 0})
             for lr, r in enumerate(ranks):
                 pid = 1000 + lr
                 procs.append({"node_id": nid, "bundle_id": nid, "pid": pid, "comm": "python",
@@ -102,6 +102,7 @@ def build_fleet(path, *, nodes=2, ranks_per_node=2, steps=5, straggler=3, seed=7
                           "last_rank": last_rank,
                           "last_node_id": last_rank // ranks_per_node + 1,
                           "completion_ns": completion, "completion_observations": nranks,
+                          "completion_tight": nranks,
                           "completion_spread_ns": 1000})
             truth["windows"] += 1
             truth["flows"] += nranks - 1
