@@ -185,3 +185,22 @@ def test_blind_spots_are_real_gaps_only(tmp_path):
     con.close()
     issues = analyze_fleet(db).capture_issues
     assert {(i["event"], i["count"]) for i in issues} == {("source_off", 1), ("lost_events", 7)}
+
+
+def test_documented_per_node_seed_query_runs(fleets):
+    """docs/fleet-db.md's per-node version of the seed query, run as documented: each
+    slow AllReduce counts only its own node's job retransmits."""
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "fleet-db.md").read_text()
+    sql = [b for b in re.findall(r"```sql\n(.*?)```", doc, re.S) if "own_retransmits" in b]
+    assert len(sql) == 1
+    db, truth = fleets("network")
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    rows = con.execute(sql[0]).fetchall()
+    nodes_with_retransmits = {n for (n,) in con.execute(
+        "SELECT DISTINCT nd.name FROM tcp_events t JOIN nodes nd USING (node_id) "
+        "WHERE t.scope = 'job'")}
+    con.close()
+    assert rows and all(r[3] == 0 or r[1] in nodes_with_retransmits for r in rows)
+    assert any(r[1] == truth["fault"]["straggler"] and r[3] > 0 for r in rows)
