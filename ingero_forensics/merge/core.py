@@ -560,7 +560,8 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                           "sample_step": fl.sample_every,
                           "sync_apis": list(SYNC_APIS),
                           "step_threshold_ns": align.STEP_THRESHOLD_NS,
-                          "drift_bound_ppm": align.DRIFT_BOUND_PPM}}
+                          "drift_bound_ppm": align.DRIFT_BOUND_PPM,
+                          "tight_max_ops": TIGHT_MAX_OPS, "tight_lag_ns": TIGHT_LAG_NS}}
     con.execute("INSERT OR IGNORE INTO fleet_info VALUES ('created_utc', ?)",
                 (json.dumps(_utc_iso()),))
     con.executemany("INSERT OR REPLACE INTO fleet_info VALUES (?, ?)",
