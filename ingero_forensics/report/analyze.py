@@ -44,6 +44,7 @@ from statistics import NormalDist
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..merge.ranks import process_ranks
+from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
                        Signal, alignment_rows, capture_issues, cause_series, cited_evidence,
                        inventory, next_step, late_ranks, median, node_signals, quantile,
@@ -150,6 +151,8 @@ class Analysis:
     alignment: list[dict] = field(default_factory=list)
     capture_issues: list[dict] = field(default_factory=list)
     inventory: dict = field(default_factory=dict)
+    #: figure -> the statements that computed it, runnable as they are ({"sql", "rows"})
+    sql: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -183,10 +186,13 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
         raise
     except Exception as e:  # apsw.NotADBError and friends
         raise IngeroError(f"{path}: not a SQLite fleet.db ({e})") from None
+    rec = Recorder(con)
     try:
-        return _analyze(con, path, bin_s)
+        a = _analyze(rec, path, bin_s)
     finally:
         con.close()
+    a.sql = rec.figures
+    return a
 
 
 def late_threshold_ms(noise_ms: float, cells: int) -> float:
@@ -217,16 +223,19 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     nodes = {nid: (name, json.loads(ranks or "[]"))
              for nid, name, ranks in con.execute("SELECT node_id, name, ranks FROM nodes")}
     # Streamed (one collective's rows at a time): memory stays flat whatever the fleet.
-    rows = con.cursor().execute(
+    with con.figure("lateness"):
+        rows = con.cursor().execute(
         "SELECT c.collective_id, c.first_entry_ns, c.last_node_id, c.completion_ns, "
         "       c.last_entry_ns, e.node_id, MAX(e.timestamp_ns) "
         "FROM collectives c JOIN nccl_events e "
         "  ON e.comm_id_hash = c.comm_id_hash AND e.seq = c.seq "
         "WHERE c.ranks_seen >= 2 "
         "GROUP BY c.collective_id, e.node_id ORDER BY c.collective_id")
-    first_row = next(rows, None)
-    span = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) FROM collectives").fetchone()
-    n_coll = con.execute("SELECT COUNT(*) FROM collectives").fetchone()[0]
+        first_row = next(rows, None)
+    with con.figure("span"):
+        span = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns), COUNT(*) "
+                           "FROM collectives").fetchone()
+    n_coll = span[2]
     n_ranks = len({r for _, rk in nodes.values() for r in rk})
     if bin_s is None:
         # about 100 bins over the run, between 0.25 s and 10 s each
@@ -235,9 +244,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     bin_ns = int(bin_s * 1e9)
     a = Analysis(fleet=path.name, nodes=len(nodes), ranks=n_ranks, collectives=n_coll,
                  start_ns=span[0], end_ns=span[1], bin_ns=bin_ns, noise_ms=0.0)
-    a.inventory = inventory(con)
-    a.alignment = alignment_rows(con, nodes)
-    a.capture_issues = capture_issues(con, nodes)
+    with con.figure("inventory"):
+        a.inventory = inventory(con)
+    with con.figure("alignment"):
+        a.alignment = alignment_rows(con, nodes)
+    with con.figure("capture_issues"):
+        a.capture_issues = capture_issues(con, nodes)
     if first_row is None or len(nodes) < 2:
         a.verdict = ("Not enough data to compare nodes: need collectives seen on at least "
                      "two nodes." if nodes else "The fleet database holds no nodes.")
@@ -325,8 +337,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         lat = sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in windows) / max(secs, 1)
         a.stragglers.append(Straggler(
             node=nl.name, node_id=nl.node_id, ranks=nl.ranks,
-            late_ranks=late_ranks(con, nl.node_id,
-                                  [(w.start_ns, w.end_ns) for w in windows], ranks_of),
+            late_ranks=_late_ranks(con, nl.node_id, windows, ranks_of),
             windows=windows, lateness_ms=round(lat, 3), late_bins=nl.late_bins,
             peak_ms=round(median([bins[b][nl.node_id][2] for b in late_bins[nl.node_id]]), 3),
             cost_s=nl.cost_s, cost_share=nl.cost_share,
@@ -343,8 +354,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.slow_bins = len(slow)
     network_suspect, net_bins = None, []
     if not a.stragglers:
-        network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
-                                                     n_bins)
+        with con.figure("network_suspect"):
+            network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
+                                                         n_bins)
     primary = a.stragglers[0] if a.stragglers else None
     for b in sorted(bins):
         per = bins[b]
@@ -370,7 +382,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 "observed a collective's completion tightly, and the clocks' own claims do "
                 f"not bound them), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
                 "lateness table shows what each node's clock says; see the clock section.")
-            a.slow_collectives = slow_collectives(con)
+            with con.figure("slow_collectives"):
+                a.slow_collectives = slow_collectives(con)
             return a
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
@@ -378,7 +391,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                      f"the others at least {MIN_COST_SHARE:.0%} of the run), and collectives "
                      "are not slow for everyone.")
         a.cause_confidence = "none"
-        a.slow_collectives = slow_collectives(con)
+        with con.figure("slow_collectives"):
+            a.slow_collectives = slow_collectives(con)
         return a
 
     # -- 4. root cause, per straggler ------------------------------------------------
@@ -402,10 +416,17 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                                                    primary.clock_caveat)
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
     a.next_step = primary.next_step
-    a.cause_series = cause_series(con, a.cause, primary.node_id, t0, bin_ns) if a.cause else {}
-    a.slow_collectives = slow_collectives(con)
+    with con.figure("cause_series"):
+        a.cause_series = cause_series(con, a.cause, primary.node_id, t0, bin_ns) if a.cause else {}
+    with con.figure("slow_collectives"):
+        a.slow_collectives = slow_collectives(con)
     a.verdict = _verdict(a, network_suspect is not None)
     return a
+
+
+def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
+    with con.figure(f"late_ranks:{node_id}"):
+        return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
 
 
 def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
@@ -421,7 +442,8 @@ def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
 def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
     """Score every cause on the straggler in its windows; name the best if it is clear."""
     windows = [(w.start_ns, w.end_ns) for w in st.windows]
-    st.signals = node_signals(con, st.node_id, node_ids, windows)
+    with con.figure(f"signals:{st.node_id}"):
+        st.signals = node_signals(con, st.node_id, node_ids, windows)
     scores = {c: max((s.score for s in st.signals if s.cause == c), default=0.0)
               for c in CAUSES}
     if network:
@@ -438,7 +460,8 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
         st.cause_confidence = "none"
     if st.clock_caveat and st.cause_confidence == "clear":
         st.cause_confidence = "weak"
-    st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes)
+    with con.figure(f"evidence:{st.node_id}"):
+        st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes)
     st.next_step = next_step(st.cause, st.node, st.top_offenders)
 
 

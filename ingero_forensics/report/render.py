@@ -116,6 +116,26 @@ def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: st
     return Markup("".join(parts))
 
 
+def sql_details(a: Analysis, *keys: str, what: str = "") -> Markup:
+    """The statements that computed a figure, in a <details> block (no script needed):
+    each runnable as it is with ingero-query or sqlite3 on the fleet.db, with the rows it
+    returned when the report ran."""
+    entries = [e for k in keys for e in a.sql.get(k, [])]
+    if not entries:
+        return Markup("")
+    n = len(entries)
+    parts = [f'<details class="sql"><summary>SQL{(" " + escape(what)) if what else ""} '
+             f'({n} statement{"s" if n != 1 else ""})</summary>'
+             f'<p class="muted">Each runs as it is: <code>ingero-query {escape(a.fleet)} '
+             f'-f query.sql</code> or <code>sqlite3 {escape(a.fleet)} &lt; query.sql</code>.</p>']
+    for e in entries:
+        rows = e["rows"]
+        parts.append(f'<pre>-- {rows:,} row{"s" if rows != 1 else ""} when the report ran\n'
+                     f'{escape(e["sql"])}</pre>')
+    parts.append("</details>")
+    return Markup("".join(parts))
+
+
 def render_html(a: Analysis) -> str:
     t0 = a.start_ns or 0
     windows_s = [((w.start_ns - t0) / 1e9, (w.end_ns - t0) / 1e9) for w in a.windows]
@@ -142,7 +162,7 @@ def render_html(a: Analysis) -> str:
                     "length": f"{(w.end_ns - w.start_ns) / 1e9:.1f} s",
                     "lateness": w.lateness_ms} for w in a.windows]
     tpl = environment().get_template("report.html")
-    return tpl.render(a=a, window_rows=window_rows, cause_title=CAUSE_TITLES.get(a.cause or "", ""),
+    return tpl.render(a=a, sql=lambda *keys, what="": sql_details(a, *keys, what=what), window_rows=window_rows, cause_title=CAUSE_TITLES.get(a.cause or "", ""),
                       cause_titles=CAUSE_TITLES, lateness_chart=lateness_chart,
                       timeline_chart=timeline_chart, transfer_chart=transfer_chart,
                       cause_chart=cause_chart, t0=t0, version=__version__,
