@@ -44,11 +44,12 @@ from statistics import NormalDist
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..merge.ranks import process_ranks
+from .hangs import find_hangs, hang_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
                        Signal, alignment_rows, capture_issues, cause_series, cited_evidence,
                        inventory, next_step, late_ranks, median, node_signals, quantile,
-                       slow_collectives, table_exists)
+                       slow_collectives, table_exists, utc)
 
 #: Transfer times kept per time bin for its median.
 TRANSFER_SAMPLE = 5_000
@@ -151,6 +152,8 @@ class Analysis:
     alignment: list[dict] = field(default_factory=list)
     capture_issues: list[dict] = field(default_factory=list)
     inventory: dict = field(default_factory=dict)
+    #: ranks that never entered a collective their communicator's peers entered (hangs.py)
+    hangs: list[dict] = field(default_factory=list)
     #: figure -> the statements that computed it, runnable as they are ({"sql", "rows"})
     sql: dict = field(default_factory=dict)
 
@@ -189,8 +192,12 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     rec = Recorder(con)
     try:
         a = _analyze(rec, path, bin_s)
+        with rec.figure("hangs"):
+            a.hangs = find_hangs(rec, process_ranks(con))
     finally:
         con.close()
+    if a.hangs:
+        a.verdict = hang_text(a.hangs, utc) + " " + a.verdict
     a.sql = rec.figures
     return a
 

@@ -10,6 +10,7 @@ job connections retransmitted.
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
 import random
 from array import array
@@ -60,6 +61,14 @@ class Reservoir:
             j = self._rng.randrange(self.n)
             if j < self.k:
                 self.values[j] = x
+
+
+def utc(ns) -> str:
+    """A fleet time (ns since the epoch) as UTC to the millisecond; '-' for None."""
+    if ns is None:
+        return "-"
+    t = _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d} UTC"
 
 
 def table_exists(con, name: str) -> bool:
@@ -395,12 +404,11 @@ def capture_issues(con, nodes) -> list[dict]:
             (SHUTDOWN_NS,)):
         out.append({"node": nodes.get(nid, ("?",))[0], "source": source, "event": event,
                     "count": n, "message": msg})
-    logged = {nid for (nid,) in con.execute("SELECT DISTINCT node_id FROM capture_log")}
-    for nid, (name, _) in sorted(nodes.items(), key=lambda kv: kv[1][0]):
-        if nid not in logged:
-            out.append({"node": name, "source": "capture", "event": "unknown", "count": None,
-                        "message": "its bundles record no capture log: which sources ran "
-                                   "and whether events were lost is unknown"})
+    for (name,) in con.execute("SELECT name FROM nodes WHERE node_id NOT IN "
+                               "(SELECT node_id FROM capture_log) ORDER BY name"):
+        out.append({"node": name, "source": "capture", "event": "unknown", "count": None,
+                    "message": "its bundles record no capture log: which sources ran "
+                               "and whether events were lost is unknown"})
     return out
 
 

@@ -16,6 +16,7 @@ from markupsafe import Markup, escape
 
 from .. import __version__
 from .analyze import CAUSE_TITLES, Analysis
+from .evidence import utc
 
 _ENV: jinja2.Environment | None = None
 
@@ -46,11 +47,7 @@ def template_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "templates"
 
 
-def _utc(ns) -> str:
-    if ns is None:
-        return "-"
-    t = _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc)
-    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d} UTC"
+_utc = utc
 
 
 def _bar_chart(items: list[tuple[str, float, bool]], unit: str, width=640) -> Markup:
