@@ -44,6 +44,7 @@ from statistics import NormalDist
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..merge.ranks import process_ranks
+from .commands import next_commands
 from .hangs import find_hangs, hang_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
@@ -154,6 +155,8 @@ class Analysis:
     inventory: dict = field(default_factory=dict)
     #: ranks that never entered a collective their communicator's peers entered (hangs.py)
     hangs: list[dict] = field(default_factory=list)
+    #: next commands to look further, runnable as they are ({"what", "command"})
+    commands: list[dict] = field(default_factory=list)
     #: figure -> the statements that computed it, runnable as they are ({"sql", "rows"})
     sql: dict = field(default_factory=dict)
 
@@ -199,6 +202,7 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     if a.hangs:
         a.verdict = hang_text(a.hangs, utc) + " " + a.verdict
     a.sql = rec.figures
+    a.commands = next_commands(a)
     return a
 
 

@@ -15,7 +15,7 @@ import math
 import re
 from contextlib import contextmanager
 
-__all__ = ["Recorder", "inline", "literal", "pretty", "shell_quote"]
+__all__ = ["Recorder", "inline", "literal", "one_line", "pretty", "shell_quote"]
 
 
 def literal(v) -> str:
@@ -114,6 +114,12 @@ def pretty(sql: str) -> str:
     # "(\nSELECT" reads better as "(SELECT"
     s = re.sub(r"\(\n(SELECT)", r"(\1", s)
     return s + ";"
+
+
+def one_line(sql: str) -> str:
+    """The statement on one line (runs of whitespace outside strings made one space)."""
+    return "".join(re.sub(r"\s+", " ", t) if code else t
+                   for code, t in _segments(sql.strip())).strip()
 
 
 def shell_quote(s: str) -> str:

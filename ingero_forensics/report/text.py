@@ -43,6 +43,12 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")
+    if a.commands:
+        lines += [h("Next commands"), ""]
+        for c in a.commands:
+            lines.append(para(c["what"][0].upper() + c["what"][1:] + ":"))
+            lines += ["```", c["command"], "```"] if markdown else ["    " + c["command"]]
+        lines.append("")
     lines += [h("Every node"), ""]
     rows = [["node", "median late, ms", "p90, ms", "late bins", "others waited, s"]]
     for nl in a.lateness:
