@@ -45,6 +45,7 @@ from ..db import connect_readonly
 from ..errors import IngeroError
 from ..merge.ranks import process_ranks
 from .commands import next_commands
+from .host import host_view
 from .hangs import find_hangs, hang_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
@@ -155,6 +156,10 @@ class Analysis:
     inventory: dict = field(default_factory=dict)
     #: ranks that never entered a collective their communicator's peers entered (hangs.py)
     hangs: list[dict] = field(default_factory=list)
+    #: no node could be compared with another (one node, no NCCL): the verdict says
+    #: what is missing, and ``host`` holds what the capture shows
+    inconclusive: bool = False
+    host: list[dict] = field(default_factory=list)
     #: next commands to look further, runnable as they are ({"what", "command"})
     commands: list[dict] = field(default_factory=list)
     #: figure -> the statements that computed it, runnable as they are ({"sql", "rows"})
@@ -262,8 +267,14 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     with con.figure("capture_issues"):
         a.capture_issues = capture_issues(con, nodes)
     if first_row is None or len(nodes) < 2:
-        a.verdict = ("Not enough data to compare nodes: need collectives seen on at least "
-                     "two nodes." if nodes else "The fleet database holds no nodes.")
+        a.inconclusive = True
+        a.cause_confidence = "none"
+        if a.start_ns is None:
+            with con.figure("span"):
+                a.start_ns, a.end_ns = con.execute(
+                    "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone()
+        a.host = host_view(con)
+        a.verdict = _no_comparison_text(a, nodes)
         return a
 
     # -- 1. lateness per (collective, node) ------------------------------------------
@@ -438,6 +449,31 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
     with con.figure(f"late_ranks:{node_id}"):
         return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
+
+
+def _no_comparison_text(a: Analysis, nodes) -> str:
+    """Why no node can be compared with another, what is missing and how to get it."""
+    if not nodes:
+        return ("The fleet database holds no nodes: merge the bundles of the job's nodes "
+                "into it (ingero-merge node*.bundle -o fleet.db).")
+    what = ("What the capture shows is below: host signals, the job connections' "
+            "retransmits, where the traced processes waited.")
+    if not a.inventory.get("nccl_events"):
+        return ("Not enough data to name a straggler: no NCCL collectives were captured "
+                "(nccl_events is empty), and a straggler is found by comparing when nodes "
+                "arrive at collectives. Check that the capture found the training "
+                "processes (those that map libnccl; ingero-capture --check shows which "
+                "sources would run) and that no nccl source is listed under \"What the "
+                "capture could not see\". " + what)
+    if len(nodes) == 1:
+        name, ranks = next(iter(nodes.values()))
+        return (f"Not enough data to name a straggler: one node, {name} "
+                f"({_rank_text(ranks)}), and a straggler is a node the others wait for. "
+                "Capture every node of the job (ingero-capture on each) and merge their "
+                "bundles (ingero-merge) to compare them. " + what)
+    return ("Not enough data to name a straggler: no collective was seen on two or more "
+            "nodes (each node's ranks are in communicators of their own, or the captures "
+            "do not overlap in time). " + what)
 
 
 def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
