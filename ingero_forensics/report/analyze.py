@@ -156,6 +156,10 @@ class Analysis:
     inventory: dict = field(default_factory=dict)
     #: ranks that never entered a collective their communicator's peers entered (hangs.py)
     hangs: list[dict] = field(default_factory=list)
+    #: job ids of the traced processes (nodes.job_ids, processes.job_id)
+    job_ids: list[str] = field(default_factory=list)
+    #: the page's title (ingero-report --title); empty: the job, node count and time span
+    title: str = ""
     #: no node could be compared with another (one node, no NCCL): the verdict says
     #: what is missing, and ``host`` holds what the capture shows
     inconclusive: bool = False
@@ -200,6 +204,12 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     rec = Recorder(con)
     try:
         a = _analyze(rec, path, bin_s)
+        with rec.figure("title"):
+            a.job_ids = sorted({j for (ids,) in rec.execute("SELECT job_ids FROM nodes")
+                                for j in json.loads(ids or "[]") if j}
+                               | {j for (j,) in rec.execute(
+                                   "SELECT DISTINCT job_id FROM processes "
+                                   "WHERE job_id IS NOT NULL")})
         with rec.figure("hangs"):
             a.hangs = find_hangs(rec, process_ranks(con))
     finally:

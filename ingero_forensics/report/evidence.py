@@ -151,7 +151,7 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     def per_node(sql, params=()):
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
 
-    add("cpu", "run-queue delay of traced threads (ms per s)",
+    add("cpu", "run-queue delay of traced threads (ms per s, summed over threads)",
         {k: v / 1e6 / secs for k, v in per_node(
             f"SELECT node_id, SUM(duration_ns) FROM sched_events WHERE kind = 'runq_delay' "
             f"AND {w} GROUP BY node_id", p).items()}, 5.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 
 from .analyze import CAUSE_TITLES, Analysis, _rank_text
+from .render import report_title
 
 
 def _table(rows: list[list[str]], markdown: bool) -> list[str]:
@@ -25,7 +26,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
     para = (lambda t, lead="": lead + t) if markdown else \
         (lambda t, lead="": textwrap.fill(t, 96, initial_indent=lead,
                                           subsequent_indent=" " * len(lead)))
-    lines = [("# " if markdown else "") + f"Straggler report: {a.fleet}", "",
+    lines = [("# " if markdown else "") + f"Straggler report: {report_title(a)}", "",
              f"{a.nodes} nodes, {a.ranks} ranks, {a.collectives:,} collectives.", "",
              para(a.verdict), ""]
     if a.stragglers:
