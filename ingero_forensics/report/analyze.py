@@ -215,7 +215,10 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     finally:
         con.close()
     if a.hangs:
-        a.verdict = hang_text(a.hangs, utc) + " " + a.verdict
+        rest = a.verdict
+        if rest.startswith("No straggler"):      # before the hang, that is
+            rest = "Until then, no straggler" + rest[len("No straggler"):]
+        a.verdict = hang_text(a.hangs, utc) + " " + rest
     a.sql = rec.figures
     a.commands = next_commands(a)
     return a

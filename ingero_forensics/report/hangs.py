@@ -46,12 +46,14 @@ def find_hangs(con, ranks_of: dict) -> list[dict]:
     global rank (merge.ranks.process_ranks)."""
     starts = con.execute(
         "SELECT c.comm_id_hash, c.seq, c.op, c.nranks, c.ranks_seen, c.first_entry_ns, "
-        "(SELECT MAX(x.seq) FROM collectives x WHERE x.comm_id_hash = c.comm_id_hash) "
+        "(SELECT MAX(x.seq) FROM collectives x WHERE x.comm_id_hash = c.comm_id_hash), "
+        "(SELECT MAX(x.last_entry_ns) FROM collectives x "
+        "WHERE x.comm_id_hash = c.comm_id_hash), (SELECT MAX(last_utc_ns) FROM nodes) "
         "FROM collectives c JOIN collectives p ON p.comm_id_hash = c.comm_id_hash "
         "AND p.seq = c.seq - 1 WHERE c.nranks IS NOT NULL AND c.ranks_seen < c.nranks "
         "AND p.ranks_seen >= p.nranks ORDER BY c.first_entry_ns").fetchall()
     out: list[dict] = []
-    for comm, seq, op, nranks, seen, first, max_seq in starts:
+    for comm, seq, op, nranks, seen, first, max_seq, last_entry, capture_end in starts:
         for nid, node, pid, rank, last_ts, last_op in con.execute(
                 "SELECT p.node_id, nd.name, p.pid, p.rank, p.timestamp_ns, p.op "
                 "FROM nccl_events p JOIN nodes nd USING (node_id) "
@@ -65,6 +67,7 @@ def find_hangs(con, ranks_of: dict) -> list[dict]:
                         "comm_id_hash": comm, "nranks": nranks, "missed_seq": seq,
                         "missed_op": op, "peers_entered": seen,
                         "peers_entered_ns": first, "peers_last_seq": max_seq,
+                        "quiet_s": round(max(0, (capture_end or 0) - last_entry) / 1e9, 1),
                         "last_seq": seq - 1, "last_op": last_op, "last_ns": last_ts,
                         "last_calls": [], "in_flight": 0, "off_cpu": None, "stack": []})
     for h in out[:MAX_DETAILED]:
@@ -114,7 +117,8 @@ def hang_text(hangs: list[dict], utc) -> str:
     text = (f"The job hung: {who} never entered {h['missed_op']} seq {h['missed_seq']} of "
             f"communicator {h['comm_id_hash']}, which {h['peers_entered']} of its "
             f"{h['nranks']} ranks entered from {utc(h['peers_entered_ns'])} (they went on to "
-            f"seq {h['peers_last_seq']}). Its last collective was {h['last_op']} seq "
+            f"seq {h['peers_last_seq']}, then no collective of it started for "
+            f"{h['quiet_s']:,.1f} s until the capture stopped). Its last collective was {h['last_op']} seq "
             f"{h['last_seq']} at {utc(h['last_ns'])}")
     if h["last_calls"]:
         c = h["last_calls"][0]

@@ -60,12 +60,14 @@ def test_the_rank_that_stopped_is_named(hung_fleet):
     assert (h["last_seq"], h["missed_seq"], h["peers_last_seq"]) == (STOP_SEQ, STOP_SEQ + 1,
                                                                     PEERS_TO)
     assert h["peers_entered"] == 7 and h["nranks"] == 8
+    assert 4.0 < h["quiet_s"] < 7.0      # the capture ran 10 s, the peers stopped near 4.5 s
     assert h["last_calls"][0]["api"] == "cudaStreamSynchronize"
     assert h["last_calls"][0]["in_flight"] and h["in_flight"] == 1
     assert h["stack"] and "cudaStreamSynchronize" in h["stack"][0]
     assert a.verdict.startswith(f"The job hung: rank {STOP_RANK} (node-2, pid 1005) never "
                                 f"entered ALL_REDUCE seq {STOP_SEQ + 1}")
     assert "still in flight when the capture stopped" in a.verdict
+    assert "Until then, no straggler" in a.verdict and "No straggler" not in a.verdict
     page = render_html(a)
     assert "Hang: ranks that stopped" in page and 'class="verdict hang"' in page
     check_page_sql(hung_fleet, page, min_blocks=5)
