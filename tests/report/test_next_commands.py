@@ -8,6 +8,8 @@ import shlex
 import shutil
 import subprocess
 
+import pytest
+
 from ingero_forensics.report import analyze_fleet
 
 from .test_hangs import STOP_RANK, hung_fleet  # noqa: F401 (a fixture)
@@ -37,14 +39,16 @@ def run_commands(db, tmp_path):
     return a
 
 
-def test_straggler_commands_run(fleets, tmp_path):
-    db, truth = fleets("cpu")
+@pytest.mark.parametrize("fault", ["cpu", "network"])
+def test_straggler_commands_run(fleets, tmp_path, fault):
+    db, truth = fleets(fault)
     a = run_commands(db, tmp_path)
     straggler = truth["fault"]["straggler"]
     export = a.commands[0]["command"]
     assert export.startswith("ingero-export fleet.db --chrome-trace --from ")
     assert f"--nodes {straggler}," in export
-    assert any("sched_events" in c["command"] for c in a.commands)
+    table = {"cpu": "sched_events", "network": "tcp_events"}[fault]
+    assert any(table in c["command"] for c in a.commands)
 
 
 def test_hang_commands_run(hung_fleet, tmp_path):  # noqa: F811

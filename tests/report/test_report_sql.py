@@ -74,11 +74,14 @@ def check_page_sql(db, page, min_blocks):
     return blocks
 
 
-def test_every_figure_has_runnable_sql(fleets):
-    db, truth = fleets("cpu")
+@pytest.mark.parametrize("fault, min_blocks", [("cpu", 9), ("network", 9), ("none", 4)])
+def test_every_figure_has_runnable_sql(fleets, fault, min_blocks):
+    db, truth = fleets(fault)
     a = analyze_fleet(db)
     page = render_html(a)
-    blocks = check_page_sql(db, page, min_blocks=9)
+    blocks = check_page_sql(db, page, min_blocks=min_blocks)
+    if fault != "cpu":
+        return
     # under the stragglers' table, the windows, the cause chart, the evidence, every
     # signal, the lateness table, the transfer chart, the seed query, clocks, inventory
     text = "\n".join(s for b in blocks for _, s in b)
