@@ -1,9 +1,10 @@
 """Hangs and desyncs: ranks of a communicator that never entered a collective their peers
 entered, and what each was doing instead.
 
-A collective (comm_id_hash, seq) seen on fewer ranks than the communicator's size, right
-after one seen on all of them, is where a rank stopped: the ranks seen at seq N-1 and
-never again at N or later are named, with their last collective, their last CUDA calls
+A collective (comm_id_hash, seq) seen on fewer ranks than the communicator's size and
+than the collective before it is where a rank stopped: the ranks seen at seq N-1 and
+never again at N or later are named (a rank that misses N but comes back lost events,
+it did not stop), with their last collective, their last CUDA calls
 (those without a return were still in flight when the capture stopped), where they were
 off CPU, and the stacks of those calls, in the spirit of PyTorch's Flight Recorder
 analysis by sequence id, from the eBPF data alone. A node whose capture ended before its
@@ -51,7 +52,7 @@ def find_hangs(con, ranks_of: dict) -> list[dict]:
         "WHERE x.comm_id_hash = c.comm_id_hash), (SELECT MAX(last_utc_ns) FROM nodes) "
         "FROM collectives c JOIN collectives p ON p.comm_id_hash = c.comm_id_hash "
         "AND p.seq = c.seq - 1 WHERE c.nranks IS NOT NULL AND c.ranks_seen < c.nranks "
-        "AND p.ranks_seen >= p.nranks ORDER BY c.first_entry_ns").fetchall()
+        "AND c.ranks_seen < p.ranks_seen ORDER BY c.first_entry_ns").fetchall()
     out: list[dict] = []
     for comm, seq, op, nranks, seen, first, max_seq, last_entry, capture_end in starts:
         for nid, node, pid, rank, last_ts, last_op in con.execute(

@@ -13,6 +13,9 @@ from ..merge import fleetgen
 from .test_report_sql import check_page_sql
 
 STOP_RANK, STOP_SEQ, PEERS_TO = 5, 40, 44
+#: a second rank that stops later (its peers have already lost rank 5), and one that
+#: misses a collective (lost events) but goes on: not a hang
+LATER_RANK, LATER_SEQ, LOST_RANK, LOST_SEQ = 2, 42, 7, 20
 
 
 class StoppingWriter(fleetgen.BundleWriter):
@@ -25,7 +28,9 @@ class StoppingWriter(fleetgen.BundleWriter):
         rows = list(rows)
         if table == "nccl_events":
             rows = [r for r in rows if r[6] <= PEERS_TO
-                    and not (r[3] == STOP_RANK and r[6] > STOP_SEQ)]
+                    and not (r[3] == STOP_RANK and r[6] > STOP_SEQ)
+                    and not (r[3] == LATER_RANK and r[6] > LATER_SEQ)
+                    and not (r[3] == LOST_RANK and r[6] == LOST_SEQ)]
             self._last = {}
             for r in rows:                    # pid -> (mono of its last entry, tid)
                 self._last[r[15]] = max(self._last.get(r[15], (0, 0)), (r[0] + r[1], r[16]))
@@ -54,8 +59,10 @@ def hung_fleet(tmp_path_factory):
 
 def test_the_rank_that_stopped_is_named(hung_fleet):
     a = analyze_fleet(hung_fleet)
-    assert [h["rank"] for h in a.hangs] == [STOP_RANK], a.hangs
-    (h,) = a.hangs
+    assert [h["rank"] for h in a.hangs] == [STOP_RANK, LATER_RANK], a.hangs
+    h, later = a.hangs
+    assert (later["last_seq"], later["missed_seq"], later["peers_entered"]) == (
+        LATER_SEQ, LATER_SEQ + 1, 6)
     assert h["node"] == "node-2" and h["pid"] == 1000 + STOP_RANK
     assert (h["last_seq"], h["missed_seq"], h["peers_last_seq"]) == (STOP_SEQ, STOP_SEQ + 1,
                                                                     PEERS_TO)
@@ -67,6 +74,7 @@ def test_the_rank_that_stopped_is_named(hung_fleet):
     assert a.verdict.startswith(f"The job hung: rank {STOP_RANK} (node-2, pid 1005) never "
                                 f"entered ALL_REDUCE seq {STOP_SEQ + 1}")
     assert "still in flight when the capture stopped" in a.verdict
+    assert "1 more rank(s) stopped elsewhere" in a.verdict
     assert "Until then, no straggler" in a.verdict and "No straggler" not in a.verdict
     page = render_html(a)
     assert "Hang: ranks that stopped" in page and 'class="verdict hang"' in page
