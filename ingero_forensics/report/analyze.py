@@ -158,6 +158,8 @@ class Analysis:
     hangs: list[dict] = field(default_factory=list)
     #: job ids of the traced processes (nodes.job_ids, processes.job_id)
     job_ids: list[str] = field(default_factory=list)
+    #: first and last fleet time any node's capture saw (the title's span)
+    capture_span: list = field(default_factory=list)
     #: the page's title (ingero-report --title); empty: the job, node count and time span
     title: str = ""
     #: no node could be compared with another (one node, no NCCL): the verdict says
@@ -210,6 +212,8 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
                                | {j for (j,) in rec.execute(
                                    "SELECT DISTINCT job_id FROM processes "
                                    "WHERE job_id IS NOT NULL")})
+            a.capture_span = list(rec.execute(
+                "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone())
         with rec.figure("hangs"):
             a.hangs = find_hangs(rec, process_ranks(con))
     finally:

@@ -174,12 +174,15 @@ METRIC_LABELS = {
 
 
 def _span_text(a: Analysis) -> str:
-    if a.start_ns is None or a.end_ns is None:
+    """The capture's span (every node's first to last time), else the collectives'."""
+    lo, hi = a.capture_span if len(a.capture_span) == 2 and None not in a.capture_span \
+        else (a.start_ns, a.end_ns)
+    if lo is None or hi is None:
         return "no time span"
-    start, end = _utc(a.start_ns)[:19], _utc(a.end_ns)[:19]
+    start, end = _utc(lo)[:19], _utc(hi)[:19]
     if start[:10] == end[:10]:
         end = end[11:]
-    secs = (a.end_ns - a.start_ns) / 1e9
+    secs = (hi - lo) / 1e9
     length = f"{secs:,.0f} s" if secs < 600 else f"{secs / 60:,.0f} min"
     return f"{start} to {end} UTC ({length})"
 

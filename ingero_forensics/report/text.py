@@ -29,6 +29,17 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
     lines = [("# " if markdown else "") + f"Straggler report: {report_title(a)}", "",
              f"{a.nodes} nodes, {a.ranks} ranks, {a.collectives:,} collectives.", "",
              para(a.verdict), ""]
+    if a.hangs:
+        lines += [h("Ranks that stopped"), ""]
+        rows = [["rank", "node", "pid", "last collective", "never entered", "last CUDA call"]]
+        for x in a.hangs:
+            call = x["last_calls"][0] if x["last_calls"] else None
+            rows.append([str(x["rank"]), x["node"], str(x["pid"]),
+                         f"{x['last_op']} seq {x['last_seq']}",
+                         f"{x['missed_op']} seq {x['missed_seq']}",
+                         "-" if call is None else call["api"]
+                         + (" (in flight)" if call["in_flight"] else "")])
+        lines += _table(rows, markdown) + [""]
     if a.stragglers:
         lines += [h("Stragglers"), ""]
         rows = [["node", "ranks", "late, ms", "others waited", "cause", "clock"]]
