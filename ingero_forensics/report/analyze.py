@@ -215,7 +215,7 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
             a.capture_span = list(rec.execute(
                 "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone())
         with rec.figure("hangs"):
-            a.hangs = find_hangs(rec, process_ranks(con))
+            a.hangs = find_hangs(rec, lambda: process_ranks(con))
     finally:
         con.close()
     if a.hangs:
@@ -223,7 +223,7 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
         if rest.startswith("No straggler"):      # before the hang, that is
             rest = "Until then, no straggler" + rest[len("No straggler"):]
         a.verdict = hang_text(a.hangs, utc) + " " + rest
-    a.sql = rec.figures
+    a.sql = rec.finish()
     a.commands = next_commands(a)
     return a
 

@@ -191,14 +191,19 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     return out
 
 
+#: A block request of the job: issued by a traced process or one of its threads on the
+#: same node (row values against each table once, not a subquery per request).
+JOB_BLOCK = ("((b.node_id, b.pid) IN (SELECT node_id, pid FROM processes) OR "
+             "(b.node_id, b.tid) IN (SELECT node_id, tid FROM threads))")
+
+
 def _block_p95(con, w, p) -> dict[int, float]:
     """Per node, the p95 latency of block requests its job's processes issued (a traced
     process or one of its threads); writeback and other tenants do not count."""
     per: dict[int, Reservoir] = {}
     for nid, d in con.execute(
             f"SELECT b.node_id, b.duration_ns FROM block_events b WHERE {w.replace('timestamp_ns', 'b.timestamp_ns')} "
-            "AND (b.pid IN (SELECT pid FROM processes pr WHERE pr.node_id = b.node_id) OR "
-            "b.tid IN (SELECT tid FROM threads t WHERE t.node_id = b.node_id))", p):
+            f"AND {JOB_BLOCK}", p):
         if nid not in per:
             per[nid] = Reservoir(SAMPLE, seed=nid)
         per[nid].add(d / 1e6)
@@ -243,9 +248,8 @@ def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[
     elif cause == "io":
         for dev, n, mx, avg in con.execute(
                 f"SELECT device, COUNT(*), MAX(duration_ns), AVG(duration_ns) FROM block_events b "
-                f"WHERE node_id = ? AND {w} AND (pid IN (SELECT pid FROM processes pr WHERE "
-                "pr.node_id = b.node_id) OR tid IN (SELECT tid FROM threads t WHERE "
-                "t.node_id = b.node_id)) GROUP BY device ORDER BY MAX(duration_ns) DESC LIMIT 5",
+                f"WHERE node_id = ? AND {w} AND {JOB_BLOCK} "
+                "GROUP BY device ORDER BY MAX(duration_ns) DESC LIMIT 5",
                 [target] + p):
             top.append({"device": dev, "requests": n, "max_ms": round(mx / 1e6, 1),
                         "mean_ms": round(avg / 1e6, 2)})

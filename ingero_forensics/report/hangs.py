@@ -42,9 +42,10 @@ def _frames(raw, depth=8) -> list[str]:
     return out
 
 
-def find_hangs(con, ranks_of: dict) -> list[dict]:
-    """One dict per rank that stopped, earliest first. ``ranks_of``: (node_id, pid) ->
-    global rank (merge.ranks.process_ranks)."""
+def find_hangs(con, ranks_of) -> list[dict]:
+    """One dict per rank that stopped, earliest first. ``ranks_of``: a function giving
+    (node_id, pid) -> global rank (merge.ranks.process_ranks; called only if a rank
+    stopped: it reads every nccl_events row)."""
     starts = con.execute(
         "SELECT c.comm_id_hash, c.seq, c.op, c.nranks, c.ranks_seen, c.first_entry_ns, "
         "(SELECT MAX(x.seq) FROM collectives x WHERE x.comm_id_hash = c.comm_id_hash), "
@@ -54,6 +55,7 @@ def find_hangs(con, ranks_of: dict) -> list[dict]:
         "AND p.seq = c.seq - 1 WHERE c.nranks IS NOT NULL AND c.ranks_seen < c.nranks "
         "AND c.ranks_seen < p.ranks_seen ORDER BY c.first_entry_ns").fetchall()
     out: list[dict] = []
+    global_rank: dict | None = None
     for comm, seq, op, nranks, seen, first, max_seq, last_entry, capture_end in starts:
         for nid, node, pid, rank, last_ts, last_op in con.execute(
                 "SELECT p.node_id, nd.name, p.pid, p.rank, p.timestamp_ns, p.op "
@@ -63,8 +65,10 @@ def find_hangs(con, ranks_of: dict) -> list[dict]:
                 "p.comm_id_hash AND q.seq >= ? AND q.node_id = p.node_id AND q.pid = p.pid) "
                 "GROUP BY p.node_id, p.pid ORDER BY p.rank",
                 (comm, seq - 1, first + HANG_MARGIN_NS, seq)).fetchall():
+            if global_rank is None:
+                global_rank = ranks_of()
             out.append({"node": node, "node_id": nid, "pid": pid,
-                        "rank": ranks_of.get((nid, pid), rank), "comm_rank": rank,
+                        "rank": global_rank.get((nid, pid), rank), "comm_rank": rank,
                         "comm_id_hash": comm, "nranks": nranks, "missed_seq": seq,
                         "missed_op": op, "peers_entered": seen,
                         "peers_entered_ns": first, "peers_last_seq": max_seq,

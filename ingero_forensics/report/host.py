@@ -7,6 +7,8 @@ exactly the numbers in it.
 
 from __future__ import annotations
 
+from .evidence import JOB_BLOCK
+
 #: Host metrics summarized per node (those present).
 HOST_METRICS = ("psi.cpu.some_pct", "cpu.busy_pct", "psi.io.some_pct", "disk.await_ms",
                 "psi.memory.some_pct", "vm.pgmajfault_per_s", "vm.pgscan_per_s",
@@ -69,9 +71,7 @@ VIEWS = (
      "Requests issued by a traced process or one of its threads, per device.",
      "SELECT nd.name AS node, b.device, COUNT(*) AS requests, "
      "ROUND(AVG(b.duration_ns) / 1e6, 2) AS mean_ms, ROUND(MAX(b.duration_ns) / 1e6, 1) "
-     "AS max_ms FROM block_events b JOIN nodes nd USING (node_id) WHERE b.pid IN "
-     "(SELECT pid FROM processes pr WHERE pr.node_id = b.node_id) OR b.tid IN "
-     "(SELECT tid FROM threads t WHERE t.node_id = b.node_id) "
+     "AS max_ms FROM block_events b JOIN nodes nd USING (node_id) WHERE " + JOB_BLOCK + " "
      "GROUP BY nd.name, b.device ORDER BY MAX(b.duration_ns) DESC LIMIT 10",
      [("node", "node", False), ("device", "device", False), ("requests", "requests", True),
       ("mean_ms", "mean, ms", True), ("max_ms", "max, ms", True)]),
