@@ -13,8 +13,10 @@ from .evidence import window_clause
 from .sql import inline, one_line, shell_quote
 
 #: The export covers the union of a straggler's windows when it is at most this long,
-#: else its longest window.
+#: else the first EXPORT_CUT_NS of its longest window (enough to compare; a trace of
+#: minutes is hard to open).
 MAX_EXPORT_NS = 120_000_000_000
+EXPORT_CUT_NS = 60_000_000_000
 #: Seconds of a stopped rank's trace exported before its last collective.
 HANG_LEAD_NS = 5_000_000_000
 
@@ -54,7 +56,7 @@ def next_commands(a) -> list[dict]:
     for h in a.hangs[:1]:
         peer = next((x for x in a.lateness if x.name != h["node"]), None)
         nodes = [h["node"]] + ([peer.name] if peer else [])
-        out.append({"what": f"the trace of rank {h['rank']} and a peer's node around the "
+        out.append({"what": f"Trace of rank {h['rank']}'s node and a peer's around the "
                             f"hang (from {HANG_LEAD_NS // 10**9} s before its last "
                             "collective to the end of the capture)",
                     "command": _export(a.fleet, h["last_ns"] - HANG_LEAD_NS,
@@ -62,7 +64,7 @@ def next_commands(a) -> list[dict]:
                                        nodes, f"hang-rank{h['rank']}.json.gz")})
         for e in a.sql.get("hangs", []):
             if "cuda_events" in e["sql"] and "LIMIT" in e["sql"]:
-                out.append({"what": f"the last CUDA calls of rank {h['rank']}, with their "
+                out.append({"what": f"Last CUDA calls of rank {h['rank']}, with their "
                                     "stacks", "command": _query(a.fleet, e["sql"])})
                 break
     sts = list(a.stragglers)
@@ -74,20 +76,22 @@ def next_commands(a) -> list[dict]:
         if not st.windows:
             continue
         start, end = min(w.start_ns for w in st.windows), max(w.end_ns for w in st.windows)
-        what = "its windows"
+        what = "its window" if len(st.windows) == 1 else "its windows"
         if end - start > MAX_EXPORT_NS:
             w = max(st.windows, key=lambda w: (w.end_ns - w.start_ns, -w.start_ns))
-            start, end, what = w.start_ns, w.end_ns, "its longest window"
+            start, end = w.start_ns, min(w.end_ns, w.start_ns + EXPORT_CUT_NS)
+            what = (f"the first {(end - start) / 1e9:.0f} s of "
+                    + ("its window" if len(st.windows) == 1 else "its longest window"))
         peer = _healthy_peer(a, {node})
         nodes = [node] + ([peer] if peer else [])
-        out.append({"what": f"the trace of {node} in {what}"
+        out.append({"what": f"Trace of {node} in {what}"
                             + (f", beside {peer} (a node of typical lateness)" if peer else ""),
                     "command": _export(a.fleet, start, end, nodes,
                                        f"{node}-window.json.gz")})
         w_sql, w_params = window_clause([(w.start_ns, w.end_ns) for w in st.windows],
                                         "e.timestamp_ns")
-        out.append({"what": f"{node}'s latest arrivals in {what}: rank and ms after the "
-                            "first rank entered",
+        out.append({"what": f"Latest arrivals of {node} in {what}: rank and ms after "
+                            "the first rank entered",
                     "command": _query(a.fleet, inline(
                         "SELECT c.seq, c.op, e.rank, e.pid, (e.timestamp_ns - "
                         "c.first_entry_ns) / 1e6 AS after_first_ms FROM nccl_events e JOIN "
@@ -96,6 +100,6 @@ def next_commands(a) -> list[dict]:
                         "LIMIT 20", [node_id] + w_params))})
         for e in a.sql.get(f"evidence:{node_id}", []):
             if e["rows"]:
-                out.append({"what": f"the evidence on {node} the report cites",
+                out.append({"what": f"Evidence on {node} the report cites",
                             "command": _query(a.fleet, e["sql"])})
     return out

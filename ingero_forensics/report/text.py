@@ -58,7 +58,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
     if a.commands:
         lines += [h("Next commands"), ""]
         for c in a.commands:
-            lines.append(para(c["what"][0].upper() + c["what"][1:] + ":"))
+            lines.append(para(c["what"] + ":"))
             lines += ["```", c["command"], "```"] if markdown else ["    " + c["command"]]
         lines.append("")
     lines += [h("Every node"), ""]

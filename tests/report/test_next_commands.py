@@ -55,3 +55,23 @@ def test_hang_commands_run(hung_fleet, tmp_path):  # noqa: F811
     a = run_commands(hung_fleet, tmp_path)
     assert f"hang-rank{STOP_RANK}" in a.commands[0]["command"]
     assert any("cuda_events" in c["command"] for c in a.commands)
+
+
+def test_a_long_window_exports_its_first_minute():
+    from ingero_forensics.report.analyze import Analysis, NodeLateness, Straggler, Window
+    from ingero_forensics.report.commands import next_commands
+    t0 = 1_750_000_000_000_000_000
+    w = Window(t0 + 500_000_000, t0 + 362_500_000_000, 18.0)
+    st = Straggler(node="node-37", node_id=38, ranks=[296], late_ranks=[296], windows=[w],
+                   lateness_ms=18.0, peak_ms=20.0, late_bins=90, cost_s=52.0,
+                   cost_share=0.14, relative_uncertainty_ms=0.01, clock_caveat=False)
+    a = Analysis(fleet="my fleet.db", nodes=2, ranks=2, collectives=10, start_ns=t0,
+                 end_ns=t0 + 400_000_000_000, bin_ns=4_000_000_000, noise_ms=0.2,
+                 stragglers=[st], lateness=[NodeLateness(1, "node-01", [0], 10, 0.0, 0.1,
+                                                         0.5, 0)])
+    (export, arrivals) = next_commands(a)
+    assert export["what"].startswith("Trace of node-37 in the first 60 s of its window")
+    assert export["command"] == (
+        "ingero-export 'my fleet.db' --chrome-trace --from 2025-06-15T15:06:40Z "
+        "--to 2025-06-15T15:07:41Z --nodes node-37,node-01 -o node-37-window.json.gz")
+    assert arrivals["command"].startswith("ingero-query 'my fleet.db' \"SELECT c.seq")
