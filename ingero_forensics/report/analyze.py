@@ -66,6 +66,10 @@ FALSE_CELL_RATE = 0.01
 CLOCK_MARGIN = 3.0
 #: Lateness values above this are kept for the cost (below it nobody waited).
 COST_FLOOR_MS = 0.5
+#: A node's job connections must retransmit at least this often, per collective of the
+#: run, for the network to slow collectives for everyone (a clean run has a few
+#: retransmits in all; a lossy NIC, several per collective).
+MIN_RETRANSMITS_PER_COLLECTIVE = 0.5
 
 __all__ = ["Analysis", "CAUSES", "CAUSE_TITLES", "NodeLateness", "Signal", "Straggler",
            "Window", "analyze_fleet"]
@@ -344,7 +348,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     network_suspect, net_bins = None, []
     if not a.stragglers:
         network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
-                                                     n_bins)
+                                                     n_bins, n_coll)
     primary = a.stragglers[0] if a.stragglers else None
     for b in sorted(bins):
         per = bins[b]
@@ -442,11 +446,12 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
     st.next_step = next_step(st.cause, st.node, st.top_offenders)
 
 
-def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins) -> tuple[int | None, list[int]]:
+def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins,
+                     n_coll) -> tuple[int | None, list[int]]:
     """The node whose own job connections retransmit, when collectives are slow for
     everyone while nobody arrives late: retransmits far above the other nodes' (a
-    persistent fault leaves no contrast in time, but it does across nodes), or the most
-    of them in the slow bins."""
+    persistent fault leaves no contrast in time, but it does across nodes) and often
+    enough to slow every collective, or the most of them in the slow bins."""
     per: dict[int, set[int]] = defaultdict(set)       # bins with retransmits
     count: dict[int, int] = defaultdict(int)
     in_slow: dict[int, int] = defaultdict(int)
@@ -465,9 +470,10 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins) -> tuple[int | Non
     rest = [c for n, c in counts.items() if n != top]
     med = median(rest) if rest else 0.0
     spread = 1.4826 * median([abs(c - med) for c in rest]) if rest else 0.0
-    if counts[top] >= 10 and (counts[top] - med) / max(spread, 3.0) >= CLEAR_SCORE:
+    often = max(10, MIN_RETRANSMITS_PER_COLLECTIVE * n_coll)
+    if counts[top] >= often and (counts[top] - med) / max(spread, 3.0) >= CLEAR_SCORE:
         return top, sorted(set(per[top]) | slow_set)
-    if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow:
+    if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and max(in_slow.values()) >= 10:
         return max(in_slow, key=in_slow.get), sorted(slow_set)
     return None, []
 
