@@ -370,6 +370,10 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
     for nid in nodes:
         a = per_clock[rep_of[nid]]
         out[nid] = dataclasses.replace(a, node_id=nid, segments=list(a.segments))
+        if len(per_clock) == 1:
+            # one clock for the whole fleet: relative to each other, exact
+            out[nid].relative_uncertainty_ns = 0
+            out[nid].causal_early_ns = out[nid].causal_late_ns = 0
     return out
 
 
