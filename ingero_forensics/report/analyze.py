@@ -145,6 +145,8 @@ class Analysis:
     evidence: list[str] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
     stragglers: list[Straggler] = field(default_factory=list)
+    #: late nodes put down to a lossy link elsewhere (no cause of their own)
+    victims: list[str] = field(default_factory=list)
     lateness: list[NodeLateness] = field(default_factory=list)
     slow_bins: int = 0
     timeline: list[dict] = field(default_factory=list)   # per bin: t, suspect_ms, fleet_ms, transfer_ms
@@ -345,10 +347,24 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     base = median(tr_med.values()) if tr_med else 0.0
     slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
     a.slow_bins = len(slow)
-    network_suspect, net_bins = None, []
-    if not a.stragglers:
-        network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
-                                                     n_bins, n_coll)
+    network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
+                                                 n_bins, n_coll)
+    for st in a.stragglers:
+        _diagnose(con, st, list(nodes), nodes, network=False)
+    if network_suspect is not None and a.stragglers:
+        # A lossy link delays the ranks downstream of it too: they start the next step
+        # late and look late. Late nodes with no clear cause of their own are its
+        # victims; a node with a clear cause of its own is a straggler of its own.
+        kept = []
+        for st in a.stragglers:
+            if st.node_id == network_suspect or (st.cause not in (None, "network")
+                                                 and st.cause_confidence == "clear"):
+                kept.append(st)
+            else:
+                a.victims.append(st.node)
+        a.stragglers = [st for st in kept if st.node_id != network_suspect]
+    if a.stragglers:
+        network_suspect = None
     primary = a.stragglers[0] if a.stragglers else None
     for b in sorted(bins):
         per = bins[b]
@@ -397,9 +413,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                                                                          rel_unc),
                             clock_caveat=False)
         _diagnose(con, primary, list(nodes), nodes, network=True)
-    else:
-        for st in a.stragglers:
-            _diagnose(con, st, list(nodes), nodes, network=False)
+        if a.victims:
+            primary.evidence.append(
+                ", ".join(a.victims) + (" arrived late too, with no cause of its own: "
+                                        if len(a.victims) == 1 else
+                                        " arrived late too, with no cause of their own: ")
+                + f"waiting for {primary.node}'s lossy connections.")
     a.straggler_node_id, a.straggler, a.straggler_ranks = primary.node_id, primary.node, primary.ranks
     a.late_ranks, a.windows = primary.late_ranks, primary.windows
     a.cause, a.cause_confidence, a.clock_caveat = (primary.cause, primary.cause_confidence,
@@ -532,9 +551,11 @@ def _straggler_text(st: Straggler, noise_ms: float) -> str:
 def _verdict(a: Analysis, network: bool) -> str:
     if network:
         secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
+        late = ("no rank arrived markedly late" if not a.victims else
+                ", ".join(a.victims) + " arrived late only for want of its data")
         lead = (f"Collectives were slow for every rank in {_windows_text(a.windows)} "
-                f"totalling {secs:.0f} s while no rank arrived markedly late; {a.straggler}'s "
-                "own job connections retransmit: its network is the suspect.")
+                f"totalling {secs:.0f} s while {late}; {a.straggler}'s own job connections "
+                "retransmit: its network is the suspect.")
         if a.cause and a.cause_confidence == "clear":
             return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
         return lead
