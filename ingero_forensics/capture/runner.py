@@ -344,7 +344,8 @@ class _Loop:
 
     def _off(self, name, reason, fix, level="warning") -> None:
         msg = f"{name} source off: {reason}" + (f"; fix: {fix}" if fix else "")
-        self.run.log(level, name, "source_off", msg)
+        self.run.log(level, name, "source_off", msg, echo=False)
+        self.run.rep.message(level, name, msg, always=True)
         self.summary.sources_off[name] = reason
 
     # -- main loop ------------------------------------------------------------------
