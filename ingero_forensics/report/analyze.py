@@ -45,7 +45,8 @@ from ..db import connect_readonly
 from ..errors import IngeroError
 from ..merge.ranks import process_ranks
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
-                       Signal, alignment_rows, capture_issues, cause_series, cited_evidence,
+                       Signal, alignment_rows, capture_cost, capture_issues, cause_series,
+                       cited_evidence,
                        inventory, next_step, late_ranks, median, node_signals, quantile,
                        slow_collectives, table_exists)
 
@@ -155,6 +156,7 @@ class Analysis:
     slow_collectives: list[dict] = field(default_factory=list)
     alignment: list[dict] = field(default_factory=list)
     capture_issues: list[dict] = field(default_factory=list)
+    capture_cost: dict = field(default_factory=dict)      # node -> % of one core
     inventory: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -244,6 +246,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.inventory = inventory(con)
     a.alignment = alignment_rows(con, nodes)
     a.capture_issues = capture_issues(con, nodes)
+    a.capture_cost = capture_cost(con, nodes)
     if first_row is None or len(nodes) < 2:
         a.verdict = ("Not enough data to compare nodes: need collectives seen on at least "
                      "two nodes." if nodes else "The fleet database holds no nodes.")

@@ -419,6 +419,14 @@ def capture_issues(con, nodes) -> list[dict]:
     return out
 
 
+def capture_cost(con, nodes) -> dict[str, float]:
+    """Per node, the capture's own mean CPU use (% of one core, host_samples
+    capture.cpu_pct): what tracing cost the node."""
+    return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(
+        "SELECT node_id, AVG(value) FROM host_samples WHERE metric = 'capture.cpu_pct' "
+        "GROUP BY node_id ORDER BY node_id")}
+
+
 def inventory(con) -> dict:
     inv = {}
     for t in ("nccl_events", "cuda_events", "tcp_events", "sched_events", "block_events",
