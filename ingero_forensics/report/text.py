@@ -67,6 +67,10 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         rows.append([nl.name, f"{nl.median_ms:.2f}", f"{nl.p90_ms:.2f}", str(nl.late_bins),
                      f"{nl.cost_s:.2f}"])
     lines += _table(rows, markdown) + [""]
+    if a.capture_cost:
+        lines += [para("Capture cost: " + "; ".join(f"{pct:.1f} % of one core on {node}"
+                                                     for node, pct in a.capture_cost.items())
+                       + "."), ""]
     warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
             or r["causal_moved_us"]]
     if warn or a.capture_issues:
