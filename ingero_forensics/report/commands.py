@@ -98,8 +98,9 @@ def next_commands(a) -> list[dict]:
                         "collectives c ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
                         f"WHERE e.node_id = ? AND {w_sql} ORDER BY after_first_ms DESC "
                         "LIMIT 20", [node_id] + w_params))})
-        for e in a.sql.get(f"evidence:{node_id}", []):
-            if e["rows"]:
-                out.append({"what": f"Evidence on {node} the report cites",
-                            "command": _query(a.fleet, e["sql"])})
+        cited = [e for e in a.sql.get(f"evidence:{node_id}", []) if e["rows"]]
+        for k, e in enumerate(cited, 1):
+            out.append({"what": f"Evidence on {node} the report cites"
+                                + (f" ({k} of {len(cited)})" if len(cited) > 1 else ""),
+                        "command": _query(a.fleet, e["sql"])})
     return out
