@@ -450,6 +450,9 @@ class NodeGenerator:
                 (ts, "cpu.busy_pct", None, min(100.0, busy * (0.93 + 0.14 * n()))),
                 (ts, "cpu.iowait_pct", None, iowait * (0.6 + 0.8 * n())),
                 (ts, "load.avg1", None, round(st["load1"], 2)),
+                # the capture's own CPU: 2-3.5 % of a core (no draw: the fleet's random
+                # streams stay as they were)
+                (ts, "capture.cpu_pct", None, 2.0 + 1.5 * ((ts // 100_000_000) % 7) / 7),
                 (ts, "load.runnable", None, float(max(1, int(runnable * (0.8 + 0.4 * n()))))),
                 (ts, "psi.cpu.some_pct", None, psi_cpu * (0.6 + 0.8 * n())),
                 (ts, "psi.io.some_pct", None, psi_io_s * (0.6 + 0.8 * n())),
