@@ -123,7 +123,7 @@ def check_manifest(path, m) -> dict:
     if m.get("magic") != MANIFEST_MAGIC:
         raise BundleError(path, "not an ingero bundle (manifest magic missing)")
     ver = m.get("format_version")
-    if not isinstance(ver, int) or isinstance(ver, bool) or ver < 1:
+    if not _is_int(ver) or ver < 1:
         raise BundleError(path, f"invalid format_version {ver!r}")
     if ver > FORMAT_VERSION:
         raise BundleError(path, f"bundle format version {ver} is newer than this tool "
@@ -146,7 +146,8 @@ def check_manifest(path, m) -> dict:
         raise BundleError(path, "manifest capture window ends before it starts")
     seg = m["segment"]
     if not _is_int(seg.get("index")) or seg["index"] < 0:
-        raise BundleError(path, "manifest field segment.index missing or negative")
+        raise BundleError(path, "manifest field segment.index missing, negative or not a "
+                                "64-bit integer")
     if not isinstance(seg.get("id"), str) or not seg["id"]:
         raise BundleError(path, "manifest field segment.id missing or not a string")
     db = m["database"]
@@ -167,7 +168,9 @@ def check_manifest(path, m) -> dict:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer SQLite can hold (a signed 64-bit one): a larger one in a manifest would
+    fail whichever reader stores it."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)
 
 
 def read_manifest(path) -> dict:

@@ -172,6 +172,7 @@ def _verify(path, con, manifest, integrity):
             if c.name in cols and cols[c.name] != c.type:
                 raise BundleError(path, f"column {t.name}.{c.name} is declared "
                                         f"{cols[c.name] or 'without a type'}, not {c.type}")
+    _check_text(path, con)
     meta = {}
     for k, v in con.execute("SELECT key, value FROM meta"):
         try:
@@ -195,6 +196,45 @@ def _verify(path, con, manifest, integrity):
         if n != manifest["tables"][t]:
             raise BundleError(path, f"table {t} has {n} rows but the manifest says "
                                     f"{manifest['tables'][t]}")
+
+
+def _utf8_ok(b) -> int:
+    try:
+        bytes(b).decode("utf-8")
+    except UnicodeDecodeError:
+        return 0
+    return 1
+
+
+#: A text value that is not only printable ASCII (the C-speed test; only those few go on
+#: to the UTF-8 check in Python).
+_NOT_ASCII = "[^ -~]"
+
+
+def _check_text(path, con) -> None:
+    """Every TEXT value of the format's tables is valid UTF-8: one that is not would
+    fail whichever reader meets it first (merge, export, query), so the bundle is
+    refused here, naming the table, row and column."""
+    con.create_scalar_function("ingero_utf8_ok", _utf8_ok, 1, deterministic=True)
+    for t in TABLES:
+        cols = [c.name for c in t.columns if c.type == "TEXT"]
+        if not cols:
+            continue
+        key = t.columns[0].name
+        bad = " OR ".join(f"(typeof({c}) = 'text' AND {c} GLOB '*{_NOT_ASCII}*' AND NOT "
+                          f"ingero_utf8_ok(CAST({c} AS BLOB)))" for c in cols)
+        cast = ", ".join(f"CAST({c} AS BLOB)" for c in cols)
+        try:
+            row = con.execute(f"SELECT CAST({key} AS BLOB), {cast} FROM {t.name} "
+                              f"WHERE {bad} LIMIT 1").fetchone()
+        except apsw.Error as e:
+            raise BundleError(path, f"database is corrupt ({type(e).__name__}: "
+                                    f"{' '.join(str(e).split())}; table {t.name})") from None
+        if row is not None:
+            col = next(c for c, v in zip(cols, row[1:]) if v is not None and not _utf8_ok(v))
+            where = bytes(row[0]).decode("utf-8", "backslashreplace")
+            raise BundleError(path, f"table {t.name} row {key} {where[:40]!r}: {col} is "
+                                    "not UTF-8 text")
 
 
 __all__ = ["Bundle", "absent_columns", "column_or_null", "open_bundle", "read_manifest",

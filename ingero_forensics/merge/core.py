@@ -68,6 +68,12 @@ REGION_STRIDE = 1 << 40
 #: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
 PASS1_TABLES = ("meta", "clock_samples")
 PASS3_TABLES = tuple(t for t in COPIED_TABLES if t not in PASS1_TABLES)
+#: A row whose monotonic time point lies further than this outside its bundle's capture
+#: window (manifest capture.start/end_mono_ns) is not merged: it is skipped and counted.
+WINDOW_MARGIN_NS = 600 * 1_000_000_000
+#: The same for a clock sample's realtime reading and the capture's UTC window; wider,
+#: as a node's clock may be stepped during the capture (but not into another century).
+REALTIME_MARGIN_NS = 86_400 * 1_000_000_000
 
 
 class MergeError(IngeroError):
@@ -189,6 +195,23 @@ def _valid_predicate(table: str, alias: str = "e") -> str:
             conds.append(f"(typeof({ref}) = 'integer'" +
                          (f" OR {ref} IS NULL)" if c.nullable else ")"))
     return " AND ".join(conds) or "1"
+
+
+def _in_window(bundle, table: str, alias: str = "e") -> str:
+    """SQL (`` AND ...``) keeping the rows whose time points lie in the bundle's capture
+    window plus WINDOW_MARGIN_NS (REALTIME_MARGIN_NS for realtime readings): a time at
+    int64 max or centuries away would otherwise become the fleet's start or jitter.
+    The bounds are integers from the validated manifest."""
+    cap = bundle.manifest["capture"]
+    lo, hi = cap["start_mono_ns"] - WINDOW_MARGIN_NS, cap["end_mono_ns"] + WINDOW_MARGIN_NS
+    cols = [c for c in time_point_columns(table) if column_or_null(bundle, table, c) != "NULL"]
+    conds = [(c, lo, hi) for c in cols]
+    if table == "clock_samples":
+        conds += [(c, lo, hi) for c in ("mono_before_ns", "mono_after_ns")]
+        conds.append(("realtime_ns", cap["start_utc_ns"] - REALTIME_MARGIN_NS,
+                      cap["end_utc_ns"] + REALTIME_MARGIN_NS))
+    return "".join(f" AND ({alias}.{c} IS NULL OR {alias}.{c} BETWEEN {max(a, -(1 << 63))} "
+                   f"AND {min(b, (1 << 63) - 1)})" for c, a, b in conds)
 
 
 def check_fleet(path: Path) -> None:
@@ -601,7 +624,8 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
         for t, n in item["skipped"].items():
             if n:
                 fl.log("warning", "skipped_rows", f"{n} rows of {t} not merged (unknown "
-                       "enum value, NULL in a required column or non-integer time)",
+                       "enum value, NULL in a required column, non-integer time or a "
+                       "time outside the capture window)",
                        input=item["shown"], node_id=node_id, count=n)
                 res.warnings.append(f"{item['shown']}: {n} invalid rows of {t} skipped")
         con.execute("UPDATE bundles SET rows = ?, skipped_rows = ? WHERE bundle_id = ?",
@@ -1036,7 +1060,8 @@ def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
             tables = bundle.manifest["tables"]
             rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
             bundle.run_paths, bundle.collectives_seen = image_runs(
-                fastcoll, bundle.db_path, bundle.db_path, _valid_predicate("nccl_events"),
+                fastcoll, bundle.db_path, bundle.db_path,
+                _valid_predicate("nccl_events") + _in_window(bundle, "nccl_events"),
                 rows, min_wait_ns)
             owned.extend(bundle.run_paths)
         else:
@@ -1241,7 +1266,8 @@ def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
     assert set(cols) <= set(ft.column_names), (table, set(cols) - set(ft.column_names))
     sql = (f"INSERT INTO main.{table} ({', '.join(cols)}) SELECT "
            f"{', '.join(list(sel.values()) + list(extra.values()))} "
-           f"FROM b.{table} e{joins} WHERE {_valid_predicate(table)}")
+           f"FROM b.{table} e{joins} WHERE {_valid_predicate(table)}"
+           f"{_in_window(bundle, table)}")
     binds = {"node": node_id, "bundle": bundle_id}
     if times:
         binds.update(off=p.offset_ns, slope=p.slope)

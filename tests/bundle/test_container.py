@@ -154,7 +154,7 @@ def test_every_catalogued_field_is_written(sample_bundle):
      "manifest field capture.end_mono_ns missing or not an integer"),
     (lambda m: m["capture"].update(end_mono_ns=m["capture"]["start_mono_ns"] - 1),
      "manifest capture window ends before it starts"),
-    (lambda m: m["segment"].update(index=-1), "manifest field segment.index missing or negative"),
+    (lambda m: m["segment"].update(index=-1), "manifest field segment.index missing, negative or not a 64-bit integer"),
     (lambda m: m["database"].update(size=100), "manifest field database.size missing or too small"),
     (lambda m: m["database"].update(sha256="ABC"),
      "manifest field database.sha256 missing or not 64 hex digits"),
