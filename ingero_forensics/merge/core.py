@@ -646,6 +646,8 @@ def _wait_staged(job, future) -> None:
         while not ready.wait(0.05):
             if future.done():
                 future.result()         # its error, raised here
+                if ready.is_set():      # set, and the thread ended, after the wait
+                    break
                 raise MergeError("the collectives thread ended before its results")
 
 

@@ -62,3 +62,28 @@ def test_far_realtime_samples_are_dropped_and_counted(fleet3, tmp_path):
     assert not res.skipped
     assert any(w.startswith(f"{bad}: ") and "invalid rows of clock_samples skipped" in w
                for w in res.warnings), res.warnings
+
+
+class _LateEvent:
+    """An event set by the other thread just after wait() gave up (the race of issue
+    20: the thread sets it and ends between the timeout and future.done())."""
+
+    def __init__(self):
+        self.flag = False
+
+    def wait(self, timeout):
+        was, self.flag = self.flag, True
+        return was
+
+    def is_set(self):
+        return self.flag
+
+
+def test_wait_staged_rechecks_ready_after_the_thread_ended():
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+    from ingero_forensics.merge.core import _wait_staged
+    done = Future()
+    done.set_result(None)
+    job = SimpleNamespace(completions_ready=_LateEvent(), bundles_read=_LateEvent())
+    _wait_staged(job, done)         # no "ended before its results"
