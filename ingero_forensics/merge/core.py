@@ -19,7 +19,10 @@ then the indexes, the collectives and the node facts.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import glob
+import re
 import json
 import os
 import shutil
@@ -295,6 +298,110 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     splice = _accel.load("merge._splice", "sqlite3_splice_init") \
         if accel and os.environ.get("INGERO_NO_SPLICE", "") in ("", "0") else None
     corrupt: dict[str, str] = {}
+    lock, lock_path = _lock_output(Path(out_path))
+    try:
+        return _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity,
+                               min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+    finally:
+        # removed while still held: a merge that opened it meanwhile finds, once it has
+        # the lock, that the name is no longer its file and takes the new one
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(lock)
+
+
+def _lock_output(out: Path) -> tuple[int, Path]:
+    """An exclusive lock on ``.<name>.lock`` beside the output, held for the whole merge:
+    a second merge into the same file refuses at once (two would each rename their own
+    result into place and one's bundles would be lost). Under the lock, scratch files
+    that merges killed earlier left beside the output are removed, and a -wal or hot
+    journal beside an existing output is settled (_settle_output)."""
+    if not out.parent.is_dir():
+        raise MergeError(f"{out}: directory {out.parent} does not exist")
+    path = out.with_name(f".{out.name}.lock")
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise MergeError(f"{out}: cannot write in {out.parent}: "
+                             f"{e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise MergeError(f"{out}: another ingero-merge is writing it (lock "
+                                 f"{path.name}); wait for it to finish") from None
+            raise MergeError(f"{out}: cannot lock {path.name}: {e.strerror or e}") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except OSError:
+            same = False
+        if same:
+            break
+        os.close(fd)                    # its holder removed it as we opened it: again
+    try:
+        _remove_stale_scratch(out)
+        if out.exists():
+            check_fleet(out)            # only a fleet.db is settled, nothing else touched
+            _settle_output(out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+        raise
+    return fd, path
+
+
+def _remove_stale_scratch(out: Path) -> None:
+    """Files named ``.<name>.<pid>.*`` beside the output that a merge killed before its
+    cleanup left (the temporary fleet.db, sparse and of terabyte apparent size with the
+    splice, its journal, staging and scratch databases). Only under the output's lock,
+    and only when that process is gone."""
+    pat = re.compile(re.escape(f".{out.name}.") + r"(\d+)\.[A-Za-z0-9_.-]+")
+    for f in out.parent.iterdir():
+        m = pat.fullmatch(f.name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue                    # alive (not a merge of this output: it holds no lock)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        with contextlib.suppress(OSError):
+            if f.is_file() and not f.is_symlink():
+                f.unlink()
+
+
+def _settle_output(out: Path) -> None:
+    """An existing output with a -wal (opened in WAL mode by a viewer) or a journal
+    beside it: its content is checkpointed into it and the output returned to rollback
+    mode, or the merge refuses. Never is a foreign -wal left beside the new file, where
+    SQLite would replay it onto it."""
+    side = [Path(f"{out}{s}") for s in ("-wal", "-journal")]
+    if not out.exists() or not any(p.exists() for p in side):
+        return
+    try:
+        con = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READWRITE)
+        try:
+            con.execute("PRAGMA busy_timeout = 1000")
+            mode = con.execute("PRAGMA journal_mode = DELETE").fetchone()[0]
+        finally:
+            con.close()
+    except apsw.Error as e:
+        mode = f"{type(e).__name__}: {e}"
+    left = [p.name for p in side if p.exists() and p.stat().st_size]
+    if str(mode).lower() != "delete" or left:
+        raise MergeError(f"{out}: is open in another program ({', '.join(left) or mode} "
+                         "could not be checkpointed); close it and merge again")
+    for p in side:
+        p.unlink(missing_ok=True)
+
+
+def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
+                    min_latency_ns, fastcoll, splice, corrupt) -> MergeResult:
     while True:
         try:
             return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
@@ -363,6 +470,9 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
             _splice_tables(fl)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        if os.path.exists(f"{out}-wal") and os.path.getsize(f"{out}-wal"):
+            raise MergeError(f"{out}: another program opened it in WAL mode during the "
+                             "merge; close it and merge again (nothing was written)")
         os.replace(tmp, out)
         try:
             fd = os.open(str(out.parent), os.O_RDONLY)

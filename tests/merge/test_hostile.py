@@ -87,3 +87,100 @@ def test_wait_staged_rechecks_ready_after_the_thread_ended():
     done.set_result(None)
     job = SimpleNamespace(completions_ready=_LateEvent(), bundles_read=_LateEvent())
     _wait_staged(job, done)         # no "ended before its results"
+
+
+# ------------------------------------------------------------ fleet.db is never damaged
+
+def _integrity(db):
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return con.execute("PRAGMA integrity_check").fetchall()
+    finally:
+        con.close()
+
+
+def _bundles_in(db):
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return con.execute("SELECT COUNT(*) FROM bundles").fetchone()[0]
+    finally:
+        con.close()
+
+
+def test_a_live_viewer_wal_beside_the_output_refuses(fleet3, tmp_path):
+    from ingero_forensics.merge import MergeError
+    fleet, _ = fleet3
+    out = tmp_path / "fleet.db"
+    merge_bundles(fleet.paths[:2], out)
+    viewer = apsw.Connection(str(out))
+    viewer.execute("PRAGMA journal_mode = WAL")
+    viewer.execute("INSERT INTO merge_log (merged_utc, level, event, message) "
+                   "VALUES ('x', 'info', 'viewer', 'written in WAL mode')")
+    try:
+        with pytest.raises(MergeError, match="is open in another program"):
+            merge_bundles([fleet.paths[2]], out)
+    finally:
+        viewer.close()
+    assert _integrity(out) == [("ok",)]
+
+
+def test_a_wal_left_by_a_dead_viewer_is_checkpointed_first(fleet3, tmp_path):
+    fleet, _ = fleet3
+    out = tmp_path / "fleet.db"
+    merge_bundles(fleet.paths[:2], out)
+    viewer = apsw.Connection(str(out))
+    viewer.execute("PRAGMA journal_mode = WAL")
+    viewer.execute("PRAGMA wal_autocheckpoint = 0")
+    viewer.execute("INSERT INTO merge_log (merged_utc, level, event, message) "
+                   "VALUES ('x', 'info', 'viewer', 'written in WAL mode')")
+    # the viewer dies: its -wal stays, holding the row (copied, as kill -9 leaves it)
+    import shutil
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    for suffix in ("", "-wal"):
+        shutil.copyfile(f"{out}{suffix}", dead / f"fleet.db{suffix}")
+    viewer.close()
+    out = dead / "fleet.db"
+    assert (dead / "fleet.db-wal").stat().st_size > 0
+    res = merge_bundles([fleet.paths[2]], out)
+    assert res.bundles_merged == 1
+    assert not (dead / "fleet.db-wal").exists()
+    assert _integrity(out) == [("ok",)] and _bundles_in(out) == 3
+    con = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READONLY)
+    assert con.execute("SELECT COUNT(*) FROM merge_log WHERE event = 'viewer'").fetchone()[0] == 1
+    con.close()
+
+
+def test_a_second_merge_into_the_same_output_refuses(fleet3, tmp_path):
+    import fcntl
+    import os
+    from ingero_forensics.merge import MergeError
+    fleet, _ = fleet3
+    out = tmp_path / "fleet.db"
+    fd = os.open(tmp_path / ".fleet.db.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)      # a first merge, running
+    try:
+        r = CliRunner().invoke(merge_cli, ["-q", "-o", str(out), *map(str, fleet.paths)])
+    finally:
+        os.close(fd)
+    assert r.exit_code == 1
+    assert r.output == (f"Error: {out}: another ingero-merge is writing it (lock "
+                        ".fleet.db.lock); wait for it to finish\n")
+    assert not out.exists()
+
+
+def test_scratch_files_of_a_killed_merge_are_removed(fleet3, tmp_path):
+    import subprocess
+    fleet, _ = fleet3
+    p = subprocess.Popen(["true"])
+    p.wait()                            # a pid that is gone
+    stale = [tmp_path / f".fleet.db.{p.pid}.{x}" for x in ("tmp", "tmp-journal", "staging",
+                                                           "nccl_events")]
+    for f in stale:
+        with open(f, "wb") as fh:
+            fh.truncate(1 << 40)        # sparse, a terabyte of apparent size
+    mine = tmp_path / ".fleet.db.notes"   # not a merge's: kept
+    mine.write_text("x")
+    merge_bundles(fleet.paths, tmp_path / "fleet.db")
+    assert not [f for f in stale if f.exists()]
+    assert mine.exists()
