@@ -184,3 +184,24 @@ def test_scratch_files_of_a_killed_merge_are_removed(fleet3, tmp_path):
     merge_bundles(fleet.paths, tmp_path / "fleet.db")
     assert not [f for f in stale if f.exists()]
     assert mine.exists()
+
+
+# ----------------------------------------------------------- the terminal is attack surface
+
+def test_control_characters_in_printed_names_are_escaped(fleet3, tmp_path):
+    fleet, _ = fleet3
+    evil = tmp_path / "a\x1b]0;owned\x07\x1b[1A\x1b[2K\r.bundle"
+    evil.write_bytes(b"not a bundle")
+    r = CliRunner().invoke(merge_cli, ["-q", "-o", str(tmp_path / "f.db"), str(evil),
+                                       *map(str, fleet.paths)])
+    assert r.exit_code == 3, r.output
+    assert "\x1b" not in r.output and "\x07" not in r.output and "\r" not in r.output
+    # (click drops the CSI sequences itself when stderr is no terminal; on one they
+    # are escaped as the rest)
+    assert "a\\x1b]0;owned\\x07" in r.output and "\\x0d.bundle: " in r.output
+
+
+def test_clean_keeps_text_tabs_and_newlines():
+    from ingero_forensics.cliutil import clean
+    assert clean("node-1\tOK\n\u00e9\u4e2d") == "node-1\tOK\n\u00e9\u4e2d"
+    assert clean("\x00\x1b\x7f\x9b") == "\\x00\\x1b\\x7f\\x9b"
