@@ -34,14 +34,17 @@ MAX_MANIFEST_BYTES = 1 << 20
 #: decompression (decompression-bomb guard). Override with INGERO_MAX_DB_BYTES.
 DEFAULT_MAX_DB_BYTES = 64 << 30
 BUNDLE_SUFFIX = ".bundle"
-NODE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
+#: A name never starts with "-" (its bundle file would read as an option: `-o+2025...`)
+#: nor "." (a dotfile that `*.bundle` does not match).
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}$")
+NODE_NAME_RULE = "1-63 characters of A-Z a-z 0-9 . _ -, not starting with - or ."
 _CHUNK = 1 << 20
 
 
 def validate_node_name(name: str) -> str:
     if not isinstance(name, str) or not NODE_NAME_RE.match(name):
         raise ValueError(
-            f"invalid node name {name!r}: use 1-63 characters of A-Z a-z 0-9 . _ -")
+            f"invalid node name {name!r}: use {NODE_NAME_RULE}")
     return name
 
 
@@ -71,8 +74,8 @@ MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
     ("magic", "string", True, f'Exactly "{MANIFEST_MAGIC}".'),
     ("format_version", "integer", True, f"Bundle format version, >= 1; this spec is "
      f"version {FORMAT_VERSION}. A reader refuses a version newer than it knows."),
-    ("node", "string", True, "Node name: 1-63 characters of A-Z a-z 0-9 . _ - (regex "
-     "^[A-Za-z0-9._-]{1,63}$). Unique within a fleet; the merge namespaces rows by it."),
+    ("node", "string", True, "Node name: 1-63 characters of A-Z a-z 0-9 . _ -, not "
+     "starting with - or . (regex ^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}$). Unique within a fleet; the merge namespaces rows by it."),
     ("host", "object", True, "Facts about the machine that captured."),
     ("host.hostname", "string", True, "Host name (uname -n), non-empty."),
     ("host.boot_id", "string", True, "/proc/sys/kernel/random/boot_id of the boot the "

@@ -147,7 +147,7 @@ def test_every_catalogued_field_is_written(sample_bundle):
     (lambda m: m.update(format_version=True), "invalid format_version True"),
     (lambda m: m.update(format_version=0), "invalid format_version 0"),
     (lambda m: m.update(node="bad/name"), "manifest: invalid node name 'bad/name': use 1-63 "
-                                          "characters of A-Z a-z 0-9 . _ -"),
+                                          "characters of A-Z a-z 0-9 . _ -, not starting with - or ."),
     (lambda m: m["host"].update(boot_id=""),
      "manifest field host.boot_id missing or not a non-empty string"),
     (lambda m: m["capture"].update(end_mono_ns=1.5),

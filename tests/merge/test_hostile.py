@@ -205,3 +205,21 @@ def test_clean_keeps_text_tabs_and_newlines():
     from ingero_forensics.cliutil import clean
     assert clean("node-1\tOK\n\u00e9\u4e2d") == "node-1\tOK\n\u00e9\u4e2d"
     assert clean("\x00\x1b\x7f\x9b") == "\\x00\\x1b\\x7f\\x9b"
+
+
+@pytest.mark.parametrize("node", ["-o", ".hidden"])
+def test_a_node_name_that_starts_with_dash_or_dot_is_refused(fleet3, tmp_path, node):
+    """Its file would be `-o+2025....bundle` (read as an option by the shell's
+    `*.bundle`) or a dotfile that `*.bundle` skips: such a bundle is refused by name."""
+    fleet, _ = fleet3
+    sql = f"UPDATE meta SET value = '\"{node}\"' WHERE key = 'node'"
+    bad = reseal(fleet.paths[1], tmp_path / "bad", sql, "named")
+    r = CliRunner().invoke(merge_cli, ["-q", "-o", str(tmp_path / "f.db"), str(bad),
+                                       str(fleet.paths[0])])
+    assert r.exit_code == 3
+    assert r.output == (f"Error: {bad}: manifest: invalid node name {node!r}: use 1-63 "
+                        "characters of A-Z a-z 0-9 . _ -, not starting with - or . "
+                        "(skipped)\n")
+    from ingero_forensics.bundle import bundle_filename
+    with pytest.raises(ValueError):
+        bundle_filename(node, 0, 0)
