@@ -85,8 +85,9 @@ MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
      "non-empty."),
     ("host.machine", "string", False, "uname -m, e.g. x86_64."),
     ("segment", "object", True, "Which part of a capture this bundle is."),
-    ("segment.index", "integer", True, ">= 0: 0 for the first segment of a capture, "
-     "then +1 per rotation."),
+    ("segment.index", "integer", True, ">= 0: 0 for the first segment written into a "
+     "bundle directory, then +1 per rotation; a later capture into the same directory "
+     "goes on from the highest index there."),
     ("segment.id", "string", True, "Non-empty identifier unique to this segment (the "
      "writer uses 32 lowercase hex digits of a random UUID)."),
     ("segment.recovered", "boolean", False, "true if the segment was sealed from a spool "
