@@ -13,10 +13,12 @@ docs/bundle-format.md is the specification; MANIFEST_FIELDS below is rendered in
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 
@@ -177,11 +179,29 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)
 
 
+def open_regular(path):
+    """path opened for binary reading, only if it is a regular file: a FIFO named
+    ``p.bundle`` would block the reader forever, a device read endlessly. The open does
+    not block (O_NONBLOCK) and the type is checked on the opened file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise BundleError(path, "not a regular file (a FIFO, socket or device)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_manifest(path) -> dict:
     """Read and validate a bundle's manifest without touching the compressed database."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             m, _ = _read_header(path, f)
     except OSError as e:
         raise BundleError(path, f"cannot read: {e.strerror or e}") from None
@@ -372,7 +392,7 @@ def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
     path, out_path = Path(path), Path(out_path)
     limit = max_db_bytes() if limit is None else limit
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             file_size = os.fstat(f.fileno()).st_size
             manifest, frame_start = _read_header(path, f)
             want_size = manifest["database"]["size"]
@@ -411,6 +431,7 @@ def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
 def _stream_out(path, f, out_path, want_size: int, want_sha: str) -> None:
     h = hashlib.sha256()
     got = 0
+    head = b""
     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
     try:
         with dctx.stream_reader(f, read_size=_CHUNK, read_across_frames=False) as r, \
@@ -419,6 +440,12 @@ def _stream_out(path, f, out_path, want_size: int, want_sha: str) -> None:
                 chunk = r.read(_CHUNK)
                 if not chunk:
                     break
+                if got < len(SQLITE_MAGIC):
+                    # the image must be SQLite from its first bytes: a bomb of anything
+                    # else stops here, not after writing gigabytes
+                    head = (head + chunk)[:len(SQLITE_MAGIC)]
+                    if len(head) == len(SQLITE_MAGIC) and head != SQLITE_MAGIC:
+                        raise BundleError(path, "database image is not SQLite")
                 got += len(chunk)
                 if got > want_size:
                     raise BundleError(path, "database frame is larger than declared")

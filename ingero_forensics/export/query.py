@@ -24,7 +24,7 @@ from typing import Iterator
 import apsw
 import apsw.ext
 
-from ..bundle.container import SKIPPABLE_MAGIC, SQLITE_MAGIC
+from ..bundle.container import SKIPPABLE_MAGIC, SQLITE_MAGIC, open_regular
 from ..bundle.reader import open_bundle
 from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
 from ..db import connect_readonly
@@ -54,10 +54,11 @@ class OpenedDatabase:
     node: str | None = None
 
 
-def _read(path, size: int, expected: str) -> bytes:
-    """The first size bytes of path (-1: all); one-line IngeroError when it cannot be read."""
+def _read(path, size: int, expected: str, *, regular: bool = False) -> bytes:
+    """The first size bytes of path (-1: all); one-line IngeroError when it cannot be read.
+    regular: only a regular file (a FIFO named like a database would block)."""
     try:
-        with open(path, "rb") as f:
+        with (open_regular(path) if regular else open(path, "rb")) as f:
             return f.read(size)
     except FileNotFoundError:
         raise IngeroError(f"{path}: no such file") from None
@@ -69,7 +70,7 @@ def _read(path, size: int, expected: str) -> bytes:
 
 def detect_kind(path: Path) -> str:
     """'bundle' or 'sqlite' from the first bytes; IngeroError for anything else."""
-    head = _read(path, 16, "a fleet.db or bundle")
+    head = _read(path, 16, "a fleet.db or bundle", regular=True)
     if head == SQLITE_MAGIC:
         return "sqlite"
     if len(head) >= 4 and struct.unpack("<I", head[:4])[0] == SKIPPABLE_MAGIC:

@@ -223,3 +223,58 @@ def test_a_node_name_that_starts_with_dash_or_dot_is_refused(fleet3, tmp_path, n
     from ingero_forensics.bundle import bundle_filename
     with pytest.raises(ValueError):
         bundle_filename(node, 0, 0)
+
+
+# ---------------------------------------------------------------------- smaller, all seen
+
+def test_a_fifo_named_bundle_is_refused_not_waited_on(fleet3, tmp_path):
+    import os
+    fleet, _ = fleet3
+    fifo = tmp_path / "p.bundle"
+    os.mkfifo(fifo)
+    r = CliRunner().invoke(merge_cli, ["-q", "-o", str(tmp_path / "f.db"), str(tmp_path),
+                                       str(fleet.paths[0])])
+    assert r.exit_code == 3
+    assert r.output == (f"Error: {fifo}: not a regular file (a FIFO, socket or device) "
+                        "(skipped)\n")
+
+
+def test_a_zstd_bomb_of_anything_but_sqlite_stops_at_the_first_chunk(fleet3, tmp_path):
+    """An honest bomb (declared size, checksum and sha256 all right) of zeros: refused as
+    'not SQLite' after the first decompressed chunk, before the rest reaches the disk."""
+    from ingero_forensics.bundle import container
+    from ingero_forensics.errors import BundleError
+    from ..bundle.conftest import pack, split_bundle
+    fleet, _ = fleet3
+    manifest, _ = split_bundle(fleet.paths[0])
+    size = 256 << 20
+    bomb = tmp_path / "bomb.bundle"
+    bomb.write_bytes(pack(manifest, bytes(size)))
+    assert bomb.stat().st_size < 1 << 20
+    written = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            written.append(len(b))
+            return self.f.write(b)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    def spy_open(p, mode="r", *a, **k):
+        f = real_open(p, mode, *a, **k)
+        return Spy(f) if "w" in mode else f
+    container.open = spy_open
+    try:
+        with pytest.raises(BundleError, match="database image is not SQLite"):
+            container.decompress_db(bomb, tmp_path / "out.db")
+    finally:
+        del container.open
+    assert sum(written) <= 0
