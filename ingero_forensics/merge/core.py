@@ -482,10 +482,8 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
             pass
     except BaseException as e:
         for suffix in ("", "-journal"):
-            try:
+            with contextlib.suppress(OSError):      # EROFS too: the error below matters
                 os.unlink(f"{tmp}{suffix}")
-            except FileNotFoundError:
-                pass
         # The output side failed (disk full, an unwritable directory): one line, not a
         # traceback; the previous fleet.db is untouched.
         if isinstance(e, apsw.FullError) or (isinstance(e, OSError) and e.errno == 28):

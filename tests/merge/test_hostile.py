@@ -278,3 +278,79 @@ def test_a_zstd_bomb_of_anything_but_sqlite_stops_at_the_first_chunk(fleet3, tmp
     finally:
         del container.open
     assert sum(written) <= 0
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    """A read-only file system (a mounted USB stick): a tmpfs mounted ro. CI runs as
+    root: there it must mount, not skip."""
+    import os
+    import subprocess
+    if os.geteuid() != 0:
+        assert not os.environ.get("CI"), "mounting a tmpfs needs root in CI"
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)],
+                   check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_read_only_file_system_is_one_line_for_merge_report_export(fleet3, tmp_path,
+                                                                      readonly_dir):
+    from ingero_forensics.export.cli import main as export_cli
+    from ingero_forensics.report.cli import main as report_cli
+    fleet, _ = fleet3
+    db = tmp_path / "fleet.db"
+    merge_bundles(fleet.paths, db)
+    runs = {
+        "merge": (merge_cli, ["-q", "-o", str(readonly_dir / "f.db"), *map(str, fleet.paths)]),
+        "report": (report_cli, [str(db), "-o", str(readonly_dir / "r.html")]),
+        "report-md": (report_cli, [str(db), "--format", "markdown", "-o",
+                                   str(readonly_dir / "r.md")]),
+        "export": (export_cli, [str(db), "--chrome-trace", "-o",
+                                str(readonly_dir / "t.json")]),
+    }
+    for what, (cli, args) in runs.items():
+        r = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert r.exit_code == 1, (what, r.output)
+        err = r.stderr.splitlines()
+        assert len(err) == 1 and err[0].startswith("Error: ") and "Read-only file system" \
+            in err[0], (what, r.output)
+    assert not list(readonly_dir.iterdir())
+
+
+def test_report_on_a_bundle_says_merge_first(fleet3):
+    from ingero_forensics.report.cli import main as report_cli
+    fleet, _ = fleet3
+    r = CliRunner().invoke(report_cli, [str(fleet.paths[0])], catch_exceptions=False)
+    assert r.exit_code == 1
+    assert r.stderr == (f"Error: {fleet.paths[0]}: is a bundle, not a fleet.db: merge first "
+                        "(ingero-merge BUNDLES -o fleet.db), then report on fleet.db\n")
+
+
+@pytest.mark.parametrize("module", ["capture.cli", "merge.cli", "export.cli",
+                                    "export.query_cli", "report.cli", "redact.cli",
+                                    "simulate.cli"])
+def test_dash_h_works_on_every_cli(module):
+    import importlib
+    cli = importlib.import_module(f"ingero_forensics.{module}").main
+    r = CliRunner().invoke(cli, ["-h"], catch_exceptions=False)
+    assert r.exit_code == 0 and "Usage:" in r.output
+
+
+def test_the_rank_list_is_never_cut_inside_a_number():
+    from ingero_forensics.merge.cli import ranks_text
+    assert ranks_text([16, 17, 18, 19], 10) == "16-19"
+    assert ranks_text(list(range(0, 40, 2)), 10) == "0,2,4,+17"
+    assert ranks_text([3], 10) == "3"
+    assert ranks_text([], 10) == ""
+    for ranks in ([16, 17, 18, 100, 1000, 10000], list(range(0, 999, 3)), [123456789012]):
+        t = ranks_text(ranks, 10)
+        assert len(t) <= 10
+        for item in t.split(","):
+            a = item.lstrip("+").split("-")
+            assert all(x.isdigit() for x in a)
+            if not item.startswith("+"):
+                assert all(int(x) in ranks for x in a)
