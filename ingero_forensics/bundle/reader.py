@@ -111,6 +111,10 @@ def verify_database(path, db_path, manifest: dict, *, integrity: str = "quick") 
         raise BundleError(path, f"database cannot be opened ({e})") from None
     try:
         _verify(path, con, manifest, integrity)
+    except UnicodeDecodeError as e:     # in the schema itself (sqlite_schema's SQL text)
+        con.close()
+        raise BundleError(path, f"database schema holds text that is not UTF-8 (byte "
+                                f"{e.start})") from None
     except apsw.Error as e:
         con.close()
         raise BundleError(path, f"database is corrupt ({type(e).__name__}: "
@@ -212,12 +216,13 @@ _NOT_ASCII = "[^ -~]"
 
 
 def _check_text(path, con) -> None:
-    """Every TEXT value of the format's tables is valid UTF-8: one that is not would
-    fail whichever reader meets it first (merge, export, query), so the bundle is
-    refused here, naming the table, row and column."""
+    """Every text value of the format's tables is valid UTF-8 (in any column: SQLite
+    stores text in an INTEGER column too): one that is not would fail whichever reader
+    meets it first (merge, export, query), so the bundle is refused here, naming the
+    table, row and column."""
     con.create_scalar_function("ingero_utf8_ok", _utf8_ok, 1, deterministic=True)
     for t in TABLES:
-        cols = [c.name for c in t.columns if c.type == "TEXT"]
+        cols = [c.name for c in t.columns]
         if not cols:
             continue
         key = t.columns[0].name
