@@ -181,14 +181,28 @@ def _aligned(col: str, p: str = "") -> str:
     return f"(:off{p} + {col} + CAST(ROUND({col} * :slope{p}) AS INTEGER))"
 
 
+#: The storage classes a column of each declared type may hold (SQLite stores any value
+#: in any column; the readers of fleet.db rely on these).
+_STORAGE = {"INTEGER": "'integer'", "REAL": "'real', 'integer'", "TEXT": "'text'"}
+#: Kernel and job identifiers: small non-negative integers (Linux pids stay below
+#: 2^22, ranks below a job's size); outside [0, 2^32) a row is skipped, as the readers
+#: compute with them (sort keys, track ids).
+_ID_COLUMNS = ("pid", "tid", "owner_pid", "other_pid", "other_tid", "rank", "nranks",
+               "local_rank", "world_size", "local_world_size", "node_rank", "cpu")
+
+
 def _valid_predicate(table: str, alias: str = "e") -> str:
     """Rows of an untrusted bundle that can be merged: enums known, NOT NULL columns set,
-    time points integers. The rest is skipped and counted."""
+    every value of its column's type (text or a blob in an INTEGER column would fail
+    export and query later), time points integers. The rest is skipped and counted."""
     t = BUNDLE_TABLES[table]
     conds = []
     times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
     for c in t.columns[1:] if t.columns[0].name == "id" else t.columns:
         ref = f"{alias}.{c.name}"
+        conds.append(f"typeof({ref}) IN ({_STORAGE[c.type]}, 'null')")
+        if c.name in _ID_COLUMNS:
+            conds.append(f"({ref} IS NULL OR {ref} BETWEEN 0 AND 4294967295)")
         if c.values:
             vals = ", ".join("'" + v.replace("'", "''") + "'" for v in c.values)
             conds.append(f"({ref} IN ({vals})" + (f" OR {ref} IS NULL)" if c.nullable else ")"))

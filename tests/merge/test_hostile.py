@@ -354,3 +354,33 @@ def test_the_rank_list_is_never_cut_inside_a_number():
             assert all(x.isdigit() for x in a)
             if not item.startswith("+"):
                 assert all(int(x) in ranks for x in a)
+
+
+def test_rows_of_types_the_schema_does_not_promise_are_skipped_and_counted(fleet3, tmp_path):
+    """Text or a blob in an INTEGER column, a pid beyond any kernel's, a blob in a TEXT
+    column: merged, those rows are not (counted); export and query then never raise."""
+    import json
+    from ingero_forensics.export.cli import main as export_cli
+    from ingero_forensics.export.query_cli import main as query_cli
+    fleet, _ = fleet3
+    sql = ("UPDATE nccl_events SET pid = 'abc' WHERE id = 1;"
+           "UPDATE nccl_events SET tid = x'00ff' WHERE id = 2;"
+           "UPDATE nccl_events SET pid = 9223372036854775807 WHERE id = 3;"
+           "UPDATE cuda_events SET api = x'41' WHERE id = 1;"
+           "UPDATE host_samples SET value = 'high' WHERE id = 1;")
+    bad = reseal(fleet.paths[1], tmp_path / "bad", sql, "types")
+    out = tmp_path / "fleet.db"
+    res = merge_bundles([fleet.paths[0], bad, fleet.paths[2]], out)
+    assert not res.skipped and res.bundles_merged == 3
+    con = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READONLY)
+    skipped = json.loads(con.execute("SELECT skipped_rows FROM bundles WHERE file_name = ?",
+                                     (bad.name,)).fetchone()[0])
+    con.close()
+    assert skipped["nccl_events"] == 3 and skipped["cuda_events"] == 1
+    assert skipped["host_samples"] == 1
+    r = CliRunner().invoke(export_cli, [str(out), "--chrome-trace", "-q", "-o",
+                                        str(tmp_path / "t.json")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(query_cli, [str(out), "SELECT * FROM nccl_events"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0
