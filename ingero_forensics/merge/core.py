@@ -607,11 +607,12 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         con.execute("ROLLBACK")
                     if attached:
                         con.execute("DETACH DATABASE b")
-            except (apsw.Error, ValueError) as e:
+            except (apsw.Error, ValueError, _Conflict) as e:
                 if not con.getautocommit():
                     con.execute("ROLLBACK")
                 bundle.close()
-                skip(shown, f"cannot merge ({type(e).__name__}: {e})")
+                skip(shown, str(e) if isinstance(e, _Conflict) else
+                     f"cannot merge ({type(e).__name__}: {e})")
                 progress(2)
                 continue
             known_sha.add(sha)
@@ -1259,6 +1260,7 @@ def _resolve_node(fl: _Fleet, m: dict, shown: str, res: MergeResult) -> int:
     row = con.execute("SELECT node_id FROM nodes WHERE claimed_name = ? AND hostname = ? "
                       "AND boot_id = ?", key).fetchone()
     if row:
+        _check_same_boot(con, row[0], m)
         return row[0]
     name = m["node"]
     taken = {r[0] for r in con.execute("SELECT name FROM nodes WHERE name = ? OR name LIKE ?",
@@ -1282,6 +1284,41 @@ def _resolve_node(fl: _Fleet, m: dict, shown: str, res: MergeResult) -> int:
                 (name, m["node"], h["hostname"], h["boot_id"], h.get("kernel_release"),
                  h.get("tool_version")))
     return con.last_insert_rowid()
+
+
+class _Conflict(Exception):
+    """A bundle that claims a node, host and boot already merged but cannot be another
+    segment of it: it is skipped with this reason."""
+
+
+#: Segments of one capture follow each other; their windows may touch at a rotation.
+OVERLAP_TOLERANCE_NS = 1_000_000_000
+
+
+def _check_same_boot(con, node_id: int, m: dict) -> None:
+    """A bundle of a node, host and boot already in fleet.db is one more segment of it
+    only if it is not a version of a segment merged (same segment id, other data) and
+    its capture window does not overlap one merged (one boot has one clock and one
+    capture per node: an overlap is a second capture or altered data, which merged as
+    one node made its alignment meaningless)."""
+    seg = m["segment"]["id"]
+    cap = m["capture"]
+    row = con.execute("SELECT file_name FROM bundles WHERE node_id = ? AND segment_id = ?",
+                      (node_id, seg)).fetchone()
+    if row:
+        raise _Conflict(f"segment {seg} of node {m['node']} (host {m['host']['hostname']}, "
+                        f"same boot) is already merged from {row[0]} with other data: "
+                        "altered or re-sealed; not merged")
+    row = con.execute(
+        "SELECT file_name, capture_start_mono_ns, capture_end_mono_ns FROM bundles "
+        "WHERE node_id = ? AND capture_start_mono_ns < ? AND capture_end_mono_ns > ?",
+        (node_id, cap["end_mono_ns"] - OVERLAP_TOLERANCE_NS,
+         cap["start_mono_ns"] + OVERLAP_TOLERANCE_NS)).fetchone()
+    if row:
+        raise _Conflict(f"capture window overlaps {row[0]} of node {m['node']} (host "
+                        f"{m['host']['hostname']}, same boot) by more than "
+                        f"{OVERLAP_TOLERANCE_NS // 10**9} s: a second capture or altered "
+                        "data, not another segment; not merged")
 
 
 def _insert_bundle(fl: _Fleet, bundle, node_id: int, sha: str) -> int:

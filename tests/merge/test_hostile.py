@@ -384,3 +384,37 @@ def test_rows_of_types_the_schema_does_not_promise_are_skipped_and_counted(fleet
     r = CliRunner().invoke(query_cli, [str(out), "SELECT * FROM nccl_events"],
                            catch_exceptions=False)
     assert r.exit_code == 0
+
+
+def test_same_node_host_and_boot_with_other_data_is_not_merged_into_it(fleet3, tmp_path):
+    """An altered copy of a bundle (same node, host, boot, segment and window, clock
+    readings moved by 20 s) used to merge into the node: uncertainty 54 ms -> 20 s."""
+    fleet, _ = fleet3
+    sql = "UPDATE clock_samples SET realtime_ns = realtime_ns + 20000000000"
+    bad = reseal(fleet.paths[1], tmp_path / "bad", sql, "altered")
+    good_out, out = tmp_path / "good.db", tmp_path / "fleet.db"
+    merge_bundles(fleet.paths, good_out)
+    r = CliRunner().invoke(merge_cli, ["-q", "-o", str(out), *map(str, fleet.paths),
+                                       str(bad)], catch_exceptions=False)
+    assert r.exit_code == 3
+    assert r.output.startswith(f"Error: {bad}: segment ") and r.output.endswith(
+        "with other data: altered or re-sealed; not merged (skipped)\n"), r.output
+    q = ("SELECT n.name, n.bundles, a.uncertainty_ns FROM nodes n JOIN clock_alignment a "
+         "USING (node_id) ORDER BY n.name")
+    con = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READONLY)
+    con2 = apsw.Connection(str(good_out), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        assert con.execute(q).fetchall() == con2.execute(q).fetchall()
+    finally:
+        con.close()
+        con2.close()
+
+
+def test_an_overlapping_capture_of_the_same_boot_is_not_merged_into_it(fleet3, tmp_path):
+    fleet, _ = fleet3
+    sql = ("UPDATE meta SET value = json_set(value, '$.id', 'another-capture') "
+           "WHERE key = 'segment'")
+    other = reseal(fleet.paths[1], tmp_path / "bad", sql, "second")
+    res = merge_bundles([*fleet.paths, other], tmp_path / "fleet.db")
+    assert [s["input"] for s in res.skipped] == [str(other)]
+    assert "capture window overlaps" in res.skipped[0]["reason"]
