@@ -33,14 +33,17 @@ from tests.rig.rig import Rig  # noqa: E402
 def node_figures(run) -> dict[str, dict]:
     out = {}
     for node, bundles in sorted(run.bundles.items()):
-        rows = lost = 0
+        rows, lost = 0, {}
         for path in bundles:
             with open_bundle(path) as b:
                 rows += sum(n for t, n in b.manifest["tables"].items()
                             if t not in ("capture_log", "stacks", "host_samples"))
-                lost += b.con.execute("SELECT COALESCE(SUM(count), 0) FROM capture_log "
-                                      "WHERE event = 'lost_events'").fetchone()[0]
-        out[node] = {"event_rows": rows, "lost_events": lost}
+                for source, n in b.con.execute(
+                        "SELECT source, SUM(count) FROM capture_log "
+                        "WHERE event = 'lost_events' GROUP BY source"):
+                    lost[source] = lost.get(source, 0) + n
+        out[node] = {"event_rows": rows, "lost_events": sum(lost.values()),
+                     "lost_by_source": lost}
     return out
 
 

@@ -354,22 +354,31 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
         clocks[rep_of[nid]].manifest_pairs.extend(ni.manifest_pairs)
 
     def clock_groups():
+        # per clock: the latest entry and the earliest observation (the causal bounds'
+        # extremes), and the median of its nodes' tight observations: a node alone is
+        # compared with the typical member of a group, not with its luckiest wake-up
         for key, full, obs in groups():
             per: dict[int, list] = {}
             for nid, e, sv, t in obs:
-                c = per.setdefault(rep_of[nid], [None, None, None])
+                c = per.setdefault(rep_of[nid], [None, None, []])
                 if e is not None and (c[0] is None or e > c[0]):
                     c[0] = e
-                for k, v in ((1, sv), (2, t)):
-                    if v is not None and (c[k] is None or v < c[k]):
-                        c[k] = v
-            yield key, full, [(r, *v) for r, v in sorted(per.items())]
+                if sv is not None and (c[1] is None or sv < c[1]):
+                    c[1] = sv
+                if t is not None:
+                    c[2].append(t)
+            yield key, full, [(r, e, sv, round(median(ts)) if ts else None)
+                              for r, (e, sv, ts) in sorted(per.items())]
 
     per_clock = _align_clocks(clocks, clock_groups, min_latency_ns)
     out = {}
     for nid in nodes:
         a = per_clock[rep_of[nid]]
         out[nid] = dataclasses.replace(a, node_id=nid, segments=list(a.segments))
+        if len(per_clock) == 1:
+            # one clock for the whole fleet: relative to each other, exact
+            out[nid].relative_uncertainty_ns = 0
+            out[nid].causal_early_ns = out[nid].causal_late_ns = 0
     return out
 
 

@@ -128,14 +128,18 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     others = [n for n in node_ids if n != target]
     out: list[Signal] = []
 
-    def add(cause, name, per_node: dict[int, float], floor: float, inverse=False):
+    def add(cause, name, per_node: dict[int, float], floor: float, inverse=False,
+            relative: float = 0.0):
+        """relative: the smallest noticeable difference as a share of the others'
+        median too (time per second: 90 ms/s more run-queue delay is noise where every
+        node already waits 300 ms/s)."""
         s = per_node.get(target, 0.0)
         vals = [per_node.get(n, 0.0) for n in others]
         med = median(vals) if vals else 0.0
         spread = 1.4826 * median([abs(v - med) for v in vals]) if vals else 0.0
         dev = (med - s) if inverse else (s - med)
         out.append(Signal(cause, name, round(s, 3), round(med, 3),
-                          round(dev / max(spread, floor), 2)))
+                          round(dev / max(spread, floor, relative * abs(med)), 2)))
 
     w, p = window_clause(windows)
 
@@ -145,7 +149,7 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     add("cpu", "run-queue delay of traced threads (ms per s)",
         {k: v / 1e6 / secs for k, v in per_node(
             f"SELECT node_id, SUM(duration_ns) FROM sched_events WHERE kind = 'runq_delay' "
-            f"AND {w} GROUP BY node_id", p).items()}, 5.0)
+            f"AND {w} GROUP BY node_id", p).items()}, 5.0, relative=0.1)
     for cause, metric, floor, inverse in (
             ("cpu", "psi.cpu.some_pct", 3.0, False),
             ("cpu", "cpu.busy_pct", 5.0, False),
@@ -173,6 +177,13 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     if throttled:
         add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
     add("io", "block I/O latency p95 of the job's processes (ms)", _block_p95(con, w, p), 2.0)
+    # a fast disk asked for far more (a cold shard, O_DIRECT reads, fsyncs) stalls the
+    # job without any slow request: the time its requests took, per second
+    add("io", "block I/O time of the job's processes (ms per s)",
+        {k: v / 1e6 / secs for k, v in per_node(
+            f"SELECT b.node_id, SUM(b.duration_ns) FROM block_events b WHERE "
+            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {_JOB_IO} "
+            "GROUP BY b.node_id", p).items()}, 5.0, relative=0.1)
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
@@ -182,14 +193,18 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     return out
 
 
+#: SQL: block request b was issued by one of its node's traced processes or their threads.
+_JOB_IO = ("(b.pid IN (SELECT pid FROM processes pr WHERE pr.node_id = b.node_id) OR "
+           "b.tid IN (SELECT tid FROM threads t WHERE t.node_id = b.node_id))")
+
+
 def _block_p95(con, w, p) -> dict[int, float]:
     """Per node, the p95 latency of block requests its job's processes issued (a traced
     process or one of its threads); writeback and other tenants do not count."""
     per: dict[int, Reservoir] = {}
     for nid, d in con.execute(
-            f"SELECT b.node_id, b.duration_ns FROM block_events b WHERE {w.replace('timestamp_ns', 'b.timestamp_ns')} "
-            "AND (b.pid IN (SELECT pid FROM processes pr WHERE pr.node_id = b.node_id) OR "
-            "b.tid IN (SELECT tid FROM threads t WHERE t.node_id = b.node_id))", p):
+            f"SELECT b.node_id, b.duration_ns FROM block_events b WHERE "
+            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {_JOB_IO}", p):
         if nid not in per:
             per[nid] = Reservoir(SAMPLE, seed=nid)
         per[nid].add(d / 1e6)

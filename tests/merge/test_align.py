@@ -172,5 +172,6 @@ def test_nodes_of_one_kernel_share_one_line(tmp_path):
     al = alignment(tmp_path / "f.db")
     assert len({(a["offset_ns"], a["slope"]) for a in al.values()}) == 1
     assert {a["violations_after"] for a in al.values()} == {0}
+    assert {a["relative_uncertainty_ns"] for a in al.values()} == {0}
     for nid, errs in errors_at_true_times(fleet, al, 10).items():
         assert max(abs(errs[0]), abs(errs[-1])) <= al[nid]["uncertainty_ns"]

@@ -46,7 +46,18 @@ CAUSE = {"cpu": "cpu", "io": "io", "network": "network"}
 #: ranks' session: the scheduler's autogroups would otherwise give it only its own share),
 #: all on the straggler's CPU, so its ranks' host threads get about 1 / (HOG_PROCS + 1).
 HOG_PROCS = 4
-HOG = f"import os\nfor _ in range({HOG_PROCS} - 1):\n    if os.fork() == 0: break\nwhile True: pass"
+#: Busy until stopped, or until the rig's process (argv[1]) is gone.
+HOG = f"""import os, sys
+rig = "/proc/" + sys.argv[1]
+for _ in range({HOG_PROCS} - 1):
+    if os.fork() == 0:
+        break
+while os.path.exists(rig):
+    for _ in range(1_000_000):
+        pass
+"""
+#: A capture outlives a killed test run by this much at most.
+CAPTURE_MAX_S = 900
 #: tbf on the straggler's side of its link: a rate well under what the ring moves per
 #: step, a burst of two packets and a 1 ms queue, so packets are dropped and TCP
 #: retransmits (a 100 ms queue would only delay them).
@@ -327,7 +338,7 @@ class Rig:
         straggler = self.nodes[self.straggler]
         if scenario == "cpu":
             hog = self._spawn(["taskset", "-c", str(self.straggler_cpu()), sys.executable,
-                               "-c", HOG], process_group=0)
+                               "-c", HOG, str(os.getpid())], process_group=0)
             local.append(hog)
             return lambda: stop_process(hog)
         if scenario == "network":
@@ -353,7 +364,7 @@ class Rig:
         log = out / f"capture-{n.name}.log"
         argv = [*n.nsenter, *capture_cmd(), "--bundle", str(out / "bundles" / n.name),
                 "--node", n.name, "--lib", str(self.fixtures.libnccl),
-                "--lib", str(self.fixtures.libcudart), *extra]
+                "--lib", str(self.fixtures.libcudart), "--duration", str(CAPTURE_MAX_S), *extra]
         for pid in pids:
             argv += ["--pid", str(pid)]
         with open(log, "w") as err:
