@@ -24,6 +24,7 @@ import fcntl
 import glob
 import re
 import json
+import math
 import os
 import shutil
 import threading
@@ -628,6 +629,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     _sample_sync_points(fl, pending)
     con.execute("BEGIN")
     params = _align(fl, res)
+    _check_params(params, pending)
     param_rows = [(a.node_id, a.offset_ns, a.slope, a.pre_offset_ns) for a in params.values()]
     con.execute("CREATE TEMP TABLE node_params (node_id INTEGER PRIMARY KEY, off INTEGER, "
                 "slope REAL, pre INTEGER)")
@@ -714,6 +716,25 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                     [(k, json.dumps(v)) for k, v in info.items()])
     con.execute("COMMIT")
     res.nodes = _node_summary(con)
+
+
+def _check_params(params: dict, pending: list) -> None:
+    """Every node's line fits the integers SQLite computes with: readings that give
+    one that does not (an offset beyond int64, a slope that is no number) come from a
+    bundle of that node merged now, which is skipped (the merge is redone without it)."""
+    for a in params.values():
+        values = (a.offset_ns, a.pre_offset_ns)
+        if all(v is None or -(1 << 62) < v < (1 << 62) for v in values) and \
+                math.isfinite(a.slope) and abs(a.slope) < 1:
+            continue
+        mine = [i for i in pending if i["node_id"] == a.node_id]
+        if not mine:
+            raise MergeError(f"node {a.node_id}: its alignment is outside any clock "
+                             f"(offset {a.offset_ns} ns, slope {a.slope})")
+        raise _CorruptBundle(mine[-1]["bundle"].path,
+                             f"its clock readings give node {mine[-1]['bundle'].node} a "
+                             f"line outside any clock (offset {a.offset_ns} ns, slope "
+                             f"{a.slope:g}); not merged")
 
 
 def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, future,
