@@ -148,6 +148,10 @@ def check_manifest(path, m) -> dict:
         if not _is_int(m["capture"].get(key)):
             raise BundleError(path, f"manifest field capture.{key} missing or not an integer")
     cap = m["capture"]
+    for key in ("start_mono_ns", "end_mono_ns"):
+        if not -(1 << 60) <= cap[key] <= 1 << 60:
+            raise BundleError(path, f"manifest field capture.{key} is beyond any uptime "
+                                    "(over 36 years)")
     if cap["end_mono_ns"] < cap["start_mono_ns"]:
         raise BundleError(path, "manifest capture window ends before it starts")
     seg = m["segment"]

@@ -50,7 +50,8 @@ from .stacks import canonical_stack, stack_hash
 from .causal import FULL_DEPENDENCY_OPS
 from .ranks import process_ranks
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
-from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, attached,
+from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, TIME_BOUND,
+                         attached,
                          extract_fleet_sync_points, extract_sync_points, file_uri,
                          image_runs, image_uri, write_runs)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
@@ -212,6 +213,10 @@ def _valid_predicate(table: str, alias: str = "e") -> str:
         if c.name in times or (c.name == "duration_ns" and table == "nccl_events"):
             conds.append(f"(typeof({ref}) = 'integer'" +
                          (f" OR {ref} IS NULL)" if c.nullable else ")"))
+            # within syncpoints.TIME_BOUND (a duration not negative): both collective
+            # paths count exactly these rows, and their sums fit in int64
+            lo = 0 if c.name == "duration_ns" else -TIME_BOUND
+            conds.append(f"({ref} IS NULL OR {ref} BETWEEN {lo} AND {TIME_BOUND})")
     return " AND ".join(conds) or "1"
 
 
@@ -643,7 +648,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         ref, min_latency_ns,
                         [(i["node_id"], i["bundle_id"], i["bundle"].sync_path,
                           i["bundle"].db_path) for i in pending],
-                        _valid_predicate("nccl_events"), fastcoll=fl.fastcoll,
+                        _nccl_predicates(pending), fastcoll=fl.fastcoll,
                         runs=fl.old_runs + [(p, i["node_id"], i["bundle_id"]) for i in pending
                                             for p in i["bundle"].run_paths])
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-collectives")
@@ -718,13 +723,21 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     res.nodes = _node_summary(con)
 
 
+def _nccl_predicates(pending: list):
+    """bundle_id -> the nccl_events rows of that bundle the merge copies (valid and in
+    its capture window): the collectives count the same entries on both paths."""
+    preds = {i["bundle_id"]: _valid_predicate("nccl_events") +
+             _in_window(i["bundle"], "nccl_events") for i in pending}
+    return lambda bundle_id: preds.get(bundle_id, _valid_predicate("nccl_events"))
+
+
 def _check_params(params: dict, pending: list) -> None:
     """Every node's line fits the integers SQLite computes with: readings that give
     one that does not (an offset beyond int64, a slope that is no number) come from a
     bundle of that node merged now, which is skipped (the merge is redone without it)."""
     for a in params.values():
         values = (a.offset_ns, a.pre_offset_ns)
-        if all(v is None or -(1 << 62) < v < (1 << 62) for v in values) and \
+        if all(v is None or -(1 << 61) < v < (1 << 61) for v in values) and \
                 math.isfinite(a.slope) and abs(a.slope) < 1:
             continue
         mine = [i for i in pending if i["node_id"] == a.node_id]
