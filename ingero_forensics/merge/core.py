@@ -422,14 +422,22 @@ def _settle_output(out: Path) -> None:
 
 def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
                     min_latency_ns, fastcoll, splice, corrupt) -> MergeResult:
+    notes = []
     while True:
         try:
-            return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
-                                  min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+            res = _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
+                                 min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+            res.warnings.extend(notes)
+            return res
         except _too_large(fastcoll):
             # A collective with more rows than the C path holds at once (no real job has
             # that many ranks): the SQL path, whose memory stays bounded, does it again.
             fastcoll = None
+        except _SpliceFailed as e:
+            # Never seen: the plain path (tables moved by SQLite) does it again.
+            notes.append(f"spliced pages failed quick_check ({e}); merged again without "
+                         "the splice")
+            splice = None
         except _CorruptBundle as e:
             # Nothing of this attempt was kept (the output is written only at the end):
             # again, with that bundle skipped for its reason from the start.
@@ -468,6 +476,7 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         fl.splice = splice
         fl.region_fd = None     # regions in use (the builder writes into fleet.db itself)
         fl.spliced = []         # (offset, pointer pages, [(local root, fleet root)])
+        fl.spliced_tables = []  # their names, checked after the splice (_verify_spliced)
         scratch.extend(Path(f"{fl.scratch_base}.{t}") for t in PASS3_TABLES)
         try:
             entries = [(shown, path, corrupt.get(str(path), err))
@@ -853,6 +862,7 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
                 if set(roots) == {n for n, _ in built_roots}:
                     fl.spliced.append((offset, pointers,
                                        [(r, roots[n]) for n, r in built_roots]))
+                    fl.spliced_tables.append(table)
                 else:
                     why = f"its indexes differ from fleet.db's ({sorted(roots)})"
             if why:
@@ -946,6 +956,29 @@ def _splice_tables(fl: _Fleet) -> None:
         fl.splice.splice(fd, sorted(fl.spliced), True)
     finally:
         os.close(fd)
+    _verify_spliced(fl)
+
+
+class _SpliceFailed(Exception):
+    """A spliced table failed its check: the merge is redone without the splice."""
+
+
+def _verify_spliced(fl: _Fleet) -> None:
+    """Every spliced table and its indexes pass SQLite's quick_check, scoped to them
+    (PRAGMA quick_check(TABLE)), before the rename: a page the splice got wrong never
+    reaches a user; the merge is then redone on the plain path (docs/merge.md)."""
+    if not fl.spliced_tables:
+        return
+    con = apsw.Connection(str(fl.path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        for table in fl.spliced_tables:
+            res = [r[0] for r in con.execute(f"PRAGMA quick_check({table})")]
+            if res != ["ok"]:
+                raise _SpliceFailed(f"{table}: {' '.join('; '.join(res).split())[:300]}")
+    except apsw.Error as e:
+        raise _SpliceFailed(f"{type(e).__name__}: {e}") from None
+    finally:
+        con.close()
 
 
 def _release(bundles) -> None:
