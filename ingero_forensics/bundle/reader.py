@@ -62,7 +62,9 @@ def open_bundle(path, *, tmpdir=None, limit: int | None = None,
     integrity: "quick" (PRAGMA quick_check), "full" (integrity_check) or "none".
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix="ingero-", suffix=".db", dir=tmpdir)
+    # the pid in the name: a merge killed before its cleanup leaves images that the
+    # next merge removes once that process is gone (merge/core.py _remove_stale_scratch)
+    fd, tmp = tempfile.mkstemp(prefix=f"ingero-{os.getpid()}-", suffix=".db", dir=tmpdir)
     os.close(fd)
     tmp = Path(tmp)
     con = None
@@ -222,7 +224,8 @@ def _check_text(path, con) -> None:
     table, row and column."""
     con.create_scalar_function("ingero_utf8_ok", _utf8_ok, 1, deterministic=True)
     for t in TABLES:
-        cols = [c.name for c in t.columns]
+        present = {r[1] for r in con.execute(f"PRAGMA table_info({t.name})")}
+        cols = [c.name for c in t.columns if c.name in present]   # optional ones may lack
         if not cols:
             continue
         key = t.columns[0].name

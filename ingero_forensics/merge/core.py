@@ -318,7 +318,7 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     splice = _accel.load("merge._splice", "sqlite3_splice_init") \
         if accel and os.environ.get("INGERO_NO_SPLICE", "") in ("", "0") else None
     corrupt: dict[str, str] = {}
-    lock, lock_path = _lock_output(Path(out_path))
+    lock, lock_path = _lock_output(Path(out_path), Path(tmpdir) if tmpdir else None)
     try:
         return _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity,
                                min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
@@ -330,7 +330,7 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
         os.close(lock)
 
 
-def _lock_output(out: Path) -> tuple[int, Path]:
+def _lock_output(out: Path, tmpdir: Path | None = None) -> tuple[int, Path]:
     """An exclusive lock on ``.<name>.lock`` beside the output, held for the whole merge:
     a second merge into the same file refuses at once (two would each rename their own
     result into place and one's bundles would be lost). Under the lock, scratch files
@@ -361,7 +361,7 @@ def _lock_output(out: Path) -> tuple[int, Path]:
             break
         os.close(fd)                    # its holder removed it as we opened it: again
     try:
-        _remove_stale_scratch(out)
+        _remove_stale_scratch(out, tmpdir)
         if out.exists():
             check_fleet(out)            # only a fleet.db is settled, nothing else touched
             _settle_output(out)
@@ -373,14 +373,19 @@ def _lock_output(out: Path) -> tuple[int, Path]:
     return fd, path
 
 
-def _remove_stale_scratch(out: Path) -> None:
+def _remove_stale_scratch(out: Path, tmpdir: Path | None = None) -> None:
     """Files named ``.<name>.<pid>.*`` beside the output that a merge killed before its
     cleanup left (the temporary fleet.db, sparse and of terabyte apparent size with the
-    splice, its journal, staging and scratch databases). Only under the output's lock,
-    and only when that process is gone."""
-    pat = re.compile(re.escape(f".{out.name}.") + r"(\d+)\.[A-Za-z0-9_.-]+")
-    for f in out.parent.iterdir():
-        m = pat.fullmatch(f.name)
+    splice, its journal, staging and scratch databases), and decompressed images
+    ``ingero-<pid>-*.db`` with their ``.sync`` and run files where images go (--tmpdir,
+    else beside the output). Only under the output's lock, and only when that process
+    is gone."""
+    scratch = re.compile(re.escape(f".{out.name}.") + r"(\d+)\.[A-Za-z0-9_.-]+")
+    image = re.compile(r"ingero-(\d+)-[A-Za-z0-9_]+\.db(\.[A-Za-z0-9_.-]+)?")
+    found = [(f, scratch.fullmatch(f.name)) for f in out.parent.iterdir()]
+    with contextlib.suppress(OSError):
+        found += [(f, image.fullmatch(f.name)) for f in (tmpdir or out.parent).iterdir()]
+    for f, m in found:
         if not m or int(m.group(1)) == os.getpid():
             continue
         try:

@@ -170,6 +170,7 @@ def test_a_second_merge_into_the_same_output_refuses(fleet3, tmp_path):
 
 
 def test_scratch_files_of_a_killed_merge_are_removed(fleet3, tmp_path):
+    import os
     import subprocess
     fleet, _ = fleet3
     p = subprocess.Popen(["true"])
@@ -179,11 +180,16 @@ def test_scratch_files_of_a_killed_merge_are_removed(fleet3, tmp_path):
     for f in stale:
         with open(f, "wb") as fh:
             fh.truncate(1 << 40)        # sparse, a terabyte of apparent size
+    stale += [tmp_path / f"ingero-{p.pid}-x1y2z3.db{s}" for s in ("", ".sync", ".run0")]
+    for f in stale[-3:]:
+        f.write_bytes(b"image")
     mine = tmp_path / ".fleet.db.notes"   # not a merge's: kept
     mine.write_text("x")
+    live = tmp_path / f"ingero-{os.getppid()}-a1b2c3.db"   # a live process's: kept
+    live.write_bytes(b"image")
     merge_bundles(fleet.paths, tmp_path / "fleet.db")
     assert not [f for f in stale if f.exists()]
-    assert mine.exists()
+    assert mine.exists() and live.exists()
 
 
 # ----------------------------------------------------------- the terminal is attack surface
