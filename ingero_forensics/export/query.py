@@ -240,10 +240,17 @@ def run_query(db: OpenedDatabase, sql: str, bindings=None, *,
         raise failed(e) from None
 
     def rows():
+        n = 0
         try:
-            yield from cur
+            for row in cur:
+                yield row
+                n += 1
         except apsw.Error as e:
             raise failed(e) from None
+        except UnicodeDecodeError as e:
+            raise IngeroError(f"{where}: query failed: row {n + 1} holds text that is not "
+                              f"UTF-8 (byte {e.start}); select it as CAST(column AS BLOB)"
+                              ) from None
 
     return QueryResult(columns, rows())
 
