@@ -635,6 +635,9 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                      f"cannot merge ({type(e).__name__}: {e})")
                 progress(2)
                 continue
+            except BaseException:
+                bundle.close()          # Ctrl-C here: its image is not left behind
+                raise
             known_sha.add(sha)
             fl.collectives_seen = max(fl.collectives_seen, bundle.collectives_seen)
             pending.append({"bundle": bundle, "shown": shown, "node_id": node_id,

@@ -424,3 +424,15 @@ def test_an_overlapping_capture_of_the_same_boot_is_not_merged_into_it(fleet3, t
     res = merge_bundles([*fleet.paths, other], tmp_path / "fleet.db")
     assert [s["input"] for s in res.skipped] == [str(other)]
     assert "capture window overlaps" in res.skipped[0]["reason"]
+
+
+def test_ctrl_c_in_pass_1_leaves_no_image(fleet3, tmp_path, monkeypatch):
+    from ingero_forensics.merge import core
+    fleet, _ = fleet3
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(core, "_copy_stacks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        merge_bundles(fleet.paths, tmp_path / "fleet.db", tmpdir=tmp_path)
+    assert not [p.name for p in tmp_path.iterdir()]
