@@ -3,7 +3,9 @@ mutated (file bytes, manifest fields, SQLite pages, table contents: wrong types,
 huge and negative numbers, far timestamps, deep JSON, control characters, HTML), then
 verify, merge (fresh and into an existing fleet.db), export, query and report run on the
 result. Each must end in a result or a one-line error (exit 0, 1 or 3), never a
-traceback or a hang, and the existing fleet.db must pass integrity_check afterwards.
+traceback, a hang (HANG_S) or a peak memory over MAX_RSS_KIB, and the existing fleet.db
+must pass integrity_check afterwards. A seeded loop rather than hypothesis: no new
+dependency, and a failure replays from two numbers.
 
 Short in CI: INGERO_FUZZ_CASES cases (default 24, about 30 s). The long run:
 
@@ -41,6 +43,8 @@ SEED = int(os.environ.get("INGERO_FUZZ_SEED", "20"))
 ONLY = os.environ.get("INGERO_FUZZ_ONLY")
 #: seconds one command may take on these small inputs before it counts as a hang
 HANG_S = 60
+#: peak resident memory of the test process (KiB): inputs of a few MB must not cost GBs
+MAX_RSS_KIB = 2 << 20
 
 HOSTILE_VALUES = [
     None, "", "abc", "<script>alert(1)</script>", "\x1b]0;owned\x07\x1b[2K\r",
@@ -161,7 +165,10 @@ def _run(cli, args):
 
 
 def _one_line_or_result(r, what):
+    import resource
     assert not isinstance(r.exception, Hang), f"{what}: hang (over {HANG_S} s)"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert rss < MAX_RSS_KIB, f"{what}: peak memory {rss >> 10} MiB"
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         import traceback
         tb = "".join(traceback.format_exception(r.exception))
