@@ -349,6 +349,9 @@ HOST_METRICS: tuple[tuple[str, str, str], ...] = (
     ("gpu.throttle_reasons", "bitmask", "nvmlClocksThrottleReasons bitmask (0 = none)."),
     ("gpu.pcie_rx_bytes_per_s", "bytes/s", "PCIe receive throughput."),
     ("gpu.pcie_tx_bytes_per_s", "bytes/s", "PCIe transmit throughput."),
+    ("capture.cpu_pct", "%", "CPU time of the capture process itself over the interval "
+     "(every thread, user + system), % of one CPU: what tracing cost the node, BPF "
+     "programs' in-kernel run time excluded."),
 )
 #: Keys of the objects in stacks.frames: (key, JSON type, meaning). Every key is optional
 #: in a frame; readers ignore keys they do not know.

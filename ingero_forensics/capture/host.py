@@ -162,6 +162,8 @@ class Snapshot:
     net: dict = field(default_factory=dict)
     disks: dict = field(default_factory=dict)
     gpus: dict = field(default_factory=dict)      # index -> {metric: value}
+    #: CPU time of this process (the capture itself: every thread, user + system)
+    self_cpu_ns: int | None = None
 
 
 def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
@@ -190,6 +192,9 @@ def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
     if dt_ns <= 0:
         return rows
     dt = dt_ns / 1e9
+    if cur.self_cpu_ns is not None and prev.self_cpu_ns is not None and \
+            cur.self_cpu_ns >= prev.self_cpu_ns:
+        add((t, "capture.cpu_pct", None, 100.0 * (cur.self_cpu_ns - prev.self_cpu_ns) / dt_ns))
     for cpu, (busy, iowait, total) in cur.cpus.items():
         p = prev.cpus.get(cpu)
         if p is None or total <= p[2]:
@@ -282,6 +287,7 @@ class ProcReader:
 
     def snapshot(self) -> Snapshot:
         s = Snapshot(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+        s.self_cpu_ns = time.process_time_ns()
         r = self.read
         if (raw := r("stat")) is not None:
             s.cpus, s.running = parse_stat(raw)

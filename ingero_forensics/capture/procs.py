@@ -356,6 +356,7 @@ class TargetSet:
                 gone.append(pid)
             else:
                 info.last_seen_ns = now_ns
+                self._refresh_after_exec(info)
                 self._scan_threads(info, now_ns)
         live = {p for p, i in self.known.items() if i.exit_ns is None}
         for pid in sorted(alive - live - self.exclude):
@@ -391,6 +392,18 @@ class TargetSet:
                                                 self.cmdline_mode),
                            env=read_rank_env(pid, self.proc) or {},
                            first_seen_ns=now_ns, last_seen_ns=now_ns)
+
+    def _refresh_after_exec(self, info: ProcessInfo) -> None:
+        """A launcher that execs the trainer (``sh -c 'exec python train.py'``) keeps its
+        pid and start time: the record follows the program it runs now."""
+        exe = read_exe(info.pid, self.proc)
+        if exe is not None and exe != info.exe:
+            info.exe = exe
+            info.cmdline = mask_cmdline(read_cmdline(info.pid, self.proc), self.cmdline_mode)
+            info.env = read_rank_env(info.pid, self.proc) or info.env
+        comm = read_comm(info.pid, self.proc)
+        if comm is not None:
+            info.comm = comm
 
     def _scan_threads(self, info: ProcessInfo, now_ns: int) -> None:
         for tid in list_tids(info.pid, self.proc):

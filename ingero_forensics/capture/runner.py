@@ -8,6 +8,7 @@ loses about a second) and checks rotation. Signals only set flags: SIGTERM/SIGIN
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -113,6 +114,29 @@ class _Sink:
 
     def log(self, level, source, event, message, count=None):
         self.run.log(level, source, event, message, count)
+
+
+@contextlib.contextmanager
+def idle_priority():
+    """Run the block at the lowest CPU priority (SCHED_IDLE, nice 19) on this thread, then
+    restore what it had. Where the kernel refuses, the block runs as it is."""
+    tid = threading.get_native_id()
+    try:
+        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+        nice = os.getpriority(os.PRIO_PROCESS, tid)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            os.sched_setscheduler(0, policy, param)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass
 
 
 class _Run:
@@ -319,7 +343,10 @@ class _Loop:
         self.scan_targets()
         for s in cands:
             try:
-                s.start(ctx)
+                # BCC compiles each program at start (about a CPU-second each): at the
+                # lowest priority, so a job already running barely notices
+                with idle_priority():
+                    s.start(ctx)
             except SourceUnavailable as e:
                 self._off(s.name, e.reason, e.fix)
                 continue
@@ -344,7 +371,8 @@ class _Loop:
 
     def _off(self, name, reason, fix, level="warning") -> None:
         msg = f"{name} source off: {reason}" + (f"; fix: {fix}" if fix else "")
-        self.run.log(level, name, "source_off", msg)
+        self.run.log(level, name, "source_off", msg, echo=False)
+        self.run.rep.message(level, name, msg, always=True)
         self.summary.sources_off[name] = reason
 
     # -- main loop ------------------------------------------------------------------

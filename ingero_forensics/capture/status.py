@@ -31,8 +31,10 @@ class Reporter:
         except (OSError, ValueError):
             pass  # stderr gone (closed terminal): the bundle is what matters
 
-    def message(self, level: str, source: str, text: str) -> None:
-        if self.mode == "quiet" and level != "error":
+    def message(self, level: str, source: str, text: str, always: bool = False) -> None:
+        """One line on stderr. --quiet keeps only errors, and what ``always`` marks: a
+        source that is off is never hidden (quiet hides progress, not blind spots)."""
+        if self.mode == "quiet" and level != "error" and not always:
             return
         if self._line_shown:
             self._write("\r\033[K")

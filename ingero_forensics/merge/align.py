@@ -39,6 +39,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from .causal import CausalSystem
+
 #: A jump of CLOCK_REALTIME - CLOCK_MONOTONIC larger than this between consecutive
 #: samples is an NTP step (slewing changes it by at most 500 ppm x the sample interval).
 STEP_THRESHOLD_NS = 1_000_000
@@ -589,8 +591,6 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
     """Step 4 (causal.py): move lines that break the causal constraints, minimally; record
     each node's room on both sides; nodes no tight observation pins take that room as
     their relative uncertainty."""
-    from .causal import CausalSystem
-
     ref = None
     rows = []
     for _key, full, obs in groups():

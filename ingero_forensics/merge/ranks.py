@@ -10,21 +10,30 @@ from __future__ import annotations
 
 
 def process_ranks(con, node_id: int | None = None) -> dict[tuple[int, int], int]:
-    """(node_id, pid) -> global rank, for one node or all."""
+    """(node_id, pid) -> global rank, for one node or all. The rank environment first;
+    communicator lifecycle events next; the collectives themselves (a scan of
+    nccl_events) only for processes neither names (a capture attached late)."""
     where, binds = ("AND node_id = ?", (node_id,)) if node_id is not None else ("", ())
-    best: dict[tuple[int, int], tuple[int, int]] = {}     # (node, pid) -> (nranks, rank)
-    for nid, pid, rank, nranks in con.execute(
-            "SELECT node_id, pid, rank, nranks FROM nccl_comm_events WHERE "
-            f"api <> 'ncclCommSplit' AND rank IS NOT NULL AND nranks IS NOT NULL {where} "
-            "UNION ALL SELECT node_id, pid, rank, MAX(nranks) FROM nccl_events WHERE "
-            f"rank IS NOT NULL AND nranks IS NOT NULL {where} "
-            "GROUP BY node_id, pid, comm_id_hash", binds * 2):
-        if isinstance(rank, int) and isinstance(nranks, int) and \
-                ((nid, pid) not in best or nranks > best[(nid, pid)][0]):
-            best[(nid, pid)] = (nranks, rank)
-    out = {k: rank for k, (_, rank) in best.items()}
+    out: dict[tuple[int, int], int] = {}
     for nid, pid, rank in con.execute(
             f"SELECT node_id, pid, rank FROM processes WHERE rank IS NOT NULL {where}", binds):
         if isinstance(rank, int):
             out[(nid, pid)] = rank
+    unknown = {(nid, pid) for nid, pid in con.execute(
+        f"SELECT DISTINCT node_id, pid FROM processes WHERE 1 {where}", binds)} - set(out)
+    best: dict[tuple[int, int], tuple[int, int]] = {}     # (node, pid) -> (nranks, rank)
+    sources = ["SELECT node_id, pid, rank, nranks FROM nccl_comm_events WHERE "
+               f"api <> 'ncclCommSplit' AND rank IS NOT NULL AND nranks IS NOT NULL {where}"]
+    if unknown or not out:
+        sources.append("SELECT node_id, pid, rank, MAX(nranks) FROM nccl_events WHERE "
+                       f"rank IS NOT NULL AND nranks IS NOT NULL {where} "
+                       "GROUP BY node_id, pid, comm_id_hash")
+    for sql in sources:
+        for nid, pid, rank, nranks in con.execute(sql, binds):
+            if (nid, pid) in out or not (isinstance(rank, int) and isinstance(nranks, int)):
+                continue
+            if (nid, pid) not in best or nranks > best[(nid, pid)][0]:
+                best[(nid, pid)] = (nranks, rank)
+    for k, (_, rank) in best.items():
+        out[k] = rank
     return out

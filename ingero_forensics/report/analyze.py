@@ -44,10 +44,15 @@ from statistics import NormalDist
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..merge.ranks import process_ranks
+from .commands import next_commands
+from .host import host_view
+from .hangs import find_hangs, hang_text
+from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
-                       Signal, alignment_rows, capture_issues, cause_series, cited_evidence,
+                       Signal, alignment_rows, capture_cost, capture_issues, cause_series,
+                       cited_evidence,
                        inventory, next_step, late_ranks, median, node_signals, quantile,
-                       slow_collectives, table_exists)
+                       slow_collectives, table_exists, utc)
 
 #: Transfer times kept per time bin for its median.
 TRANSFER_SAMPLE = 5_000
@@ -155,7 +160,24 @@ class Analysis:
     slow_collectives: list[dict] = field(default_factory=list)
     alignment: list[dict] = field(default_factory=list)
     capture_issues: list[dict] = field(default_factory=list)
+    capture_cost: dict = field(default_factory=dict)      # node -> % of one core
     inventory: dict = field(default_factory=dict)
+    #: ranks that never entered a collective their communicator's peers entered (hangs.py)
+    hangs: list[dict] = field(default_factory=list)
+    #: job ids of the traced processes (nodes.job_ids, processes.job_id)
+    job_ids: list[str] = field(default_factory=list)
+    #: first and last fleet time any node's capture saw (the title's span)
+    capture_span: list = field(default_factory=list)
+    #: the page's title (ingero-report --title); empty: the job, node count and time span
+    title: str = ""
+    #: no node could be compared with another (one node, no NCCL): the verdict says
+    #: what is missing, and ``host`` holds what the capture shows
+    inconclusive: bool = False
+    host: list[dict] = field(default_factory=list)
+    #: next commands to look further, runnable as they are ({"what", "command"})
+    commands: list[dict] = field(default_factory=list)
+    #: figure -> the statements that computed it, runnable as they are ({"sql", "rows"})
+    sql: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -189,10 +211,29 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
         raise
     except Exception as e:  # apsw.NotADBError and friends
         raise IngeroError(f"{path}: not a SQLite fleet.db ({e})") from None
+    rec = Recorder(con)
     try:
-        return _analyze(con, path, bin_s)
+        a = _analyze(rec, path, bin_s)
+        with rec.figure("title"):
+            a.job_ids = sorted({j for (ids,) in rec.execute("SELECT job_ids FROM nodes")
+                                for j in json.loads(ids or "[]") if j}
+                               | {j for (j,) in rec.execute(
+                                   "SELECT DISTINCT job_id FROM processes "
+                                   "WHERE job_id IS NOT NULL")})
+            a.capture_span = list(rec.execute(
+                "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone())
+        with rec.figure("hangs"):
+            a.hangs = find_hangs(rec, lambda: process_ranks(con))
     finally:
         con.close()
+    if a.hangs:
+        rest = a.verdict
+        if rest.startswith("No straggler"):      # before the hang, that is
+            rest = "Until then, no straggler" + rest[len("No straggler"):]
+        a.verdict = hang_text(a.hangs, utc) + " " + rest
+    a.sql = rec.finish()
+    a.commands = next_commands(a)
+    return a
 
 
 def late_threshold_ms(noise_ms: float, cells: int) -> float:
@@ -223,16 +264,19 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     nodes = {nid: (name, json.loads(ranks or "[]"))
              for nid, name, ranks in con.execute("SELECT node_id, name, ranks FROM nodes")}
     # Streamed (one collective's rows at a time): memory stays flat whatever the fleet.
-    rows = con.cursor().execute(
+    with con.figure("lateness"):
+        rows = con.cursor().execute(
         "SELECT c.collective_id, c.first_entry_ns, c.last_node_id, c.completion_ns, "
         "       c.last_entry_ns, e.node_id, MAX(e.timestamp_ns) "
         "FROM collectives c JOIN nccl_events e "
         "  ON e.comm_id_hash = c.comm_id_hash AND e.seq = c.seq "
         "WHERE c.ranks_seen >= 2 "
         "GROUP BY c.collective_id, e.node_id ORDER BY c.collective_id")
-    first_row = next(rows, None)
-    span = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) FROM collectives").fetchone()
-    n_coll = con.execute("SELECT COUNT(*) FROM collectives").fetchone()[0]
+        first_row = next(rows, None)
+    with con.figure("span"):
+        span = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns), COUNT(*) "
+                           "FROM collectives").fetchone()
+    n_coll = span[2]
     n_ranks = len({r for _, rk in nodes.values() for r in rk})
     if bin_s is None:
         # about 100 bins over the run, between 0.25 s and 10 s each
@@ -241,12 +285,23 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     bin_ns = int(bin_s * 1e9)
     a = Analysis(fleet=path.name, nodes=len(nodes), ranks=n_ranks, collectives=n_coll,
                  start_ns=span[0], end_ns=span[1], bin_ns=bin_ns, noise_ms=0.0)
-    a.inventory = inventory(con)
-    a.alignment = alignment_rows(con, nodes)
-    a.capture_issues = capture_issues(con, nodes)
+    with con.figure("inventory"):
+        a.inventory = inventory(con)
+    with con.figure("alignment"):
+        a.alignment = alignment_rows(con, nodes)
+    with con.figure("capture_issues"):
+        a.capture_issues = capture_issues(con, nodes)
+    with con.figure("capture_cost"):
+        a.capture_cost = capture_cost(con, nodes)
     if first_row is None or len(nodes) < 2:
-        a.verdict = ("Not enough data to compare nodes: need collectives seen on at least "
-                     "two nodes." if nodes else "The fleet database holds no nodes.")
+        a.inconclusive = True
+        a.cause_confidence = "none"
+        if a.start_ns is None:
+            with con.figure("span"):
+                a.start_ns, a.end_ns = con.execute(
+                    "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone()
+        a.host = host_view(con)
+        a.verdict = _no_comparison_text(a, nodes)
         return a
 
     # -- 1. lateness per (collective, node) ------------------------------------------
@@ -331,8 +386,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         lat = sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in windows) / max(secs, 1)
         a.stragglers.append(Straggler(
             node=nl.name, node_id=nl.node_id, ranks=nl.ranks,
-            late_ranks=late_ranks(con, nl.node_id,
-                                  [(w.start_ns, w.end_ns) for w in windows], ranks_of),
+            late_ranks=_late_ranks(con, nl.node_id, windows, ranks_of),
             windows=windows, lateness_ms=round(lat, 3), late_bins=nl.late_bins,
             peak_ms=round(median([bins[b][nl.node_id][2] for b in late_bins[nl.node_id]]), 3),
             cost_s=nl.cost_s, cost_share=nl.cost_share,
@@ -347,8 +401,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     base = median(tr_med.values()) if tr_med else 0.0
     slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
     a.slow_bins = len(slow)
-    network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
-                                                 n_bins, n_coll)
+    with con.figure("network_suspect"):
+        network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
+                                                     n_bins, n_coll)
     for st in a.stragglers:
         _diagnose(con, st, list(nodes), nodes, network=False)
     if network_suspect is not None and a.stragglers:
@@ -390,7 +445,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 "observed a collective's completion tightly, and the clocks' own claims do "
                 f"not bound them), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
                 "lateness table shows what each node's clock says; see the clock section.")
-            a.slow_collectives = slow_collectives(con)
+            with con.figure("slow_collectives"):
+                a.slow_collectives = slow_collectives(con)
             return a
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
@@ -398,7 +454,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                      f"the others at least {MIN_COST_SHARE:.0%} of the run), and collectives "
                      "are not slow for everyone.")
         a.cause_confidence = "none"
-        a.slow_collectives = slow_collectives(con)
+        with con.figure("slow_collectives"):
+            a.slow_collectives = slow_collectives(con)
         return a
 
     # -- 4. root cause, per straggler ------------------------------------------------
@@ -425,10 +482,42 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                                                    primary.clock_caveat)
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
     a.next_step = primary.next_step
-    a.cause_series = cause_series(con, a.cause, primary.node_id, t0, bin_ns) if a.cause else {}
-    a.slow_collectives = slow_collectives(con)
+    with con.figure("cause_series"):
+        a.cause_series = cause_series(con, a.cause, primary.node_id, t0, bin_ns) if a.cause else {}
+    with con.figure("slow_collectives"):
+        a.slow_collectives = slow_collectives(con)
     a.verdict = _verdict(a, network_suspect is not None)
     return a
+
+
+def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
+    with con.figure(f"late_ranks:{node_id}"):
+        return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
+
+
+def _no_comparison_text(a: Analysis, nodes) -> str:
+    """Why no node can be compared with another, what is missing and how to get it."""
+    if not nodes:
+        return ("The fleet database holds no nodes: merge the bundles of the job's nodes "
+                "into it (ingero-merge node*.bundle -o fleet.db).")
+    what = ("What the capture shows is below: host signals, the job connections' "
+            "retransmits, where the traced processes waited.")
+    if not a.inventory.get("nccl_events"):
+        return ("Not enough data to name a straggler: no NCCL collectives were captured "
+                "(nccl_events is empty), and a straggler is found by comparing when nodes "
+                "arrive at collectives. Check that the capture found the training "
+                "processes (those that map libnccl; ingero-capture --check shows which "
+                "sources would run) and that no nccl source is listed under \"What the "
+                "capture could not see\". " + what)
+    if len(nodes) == 1:
+        name, ranks = next(iter(nodes.values()))
+        return (f"Not enough data to name a straggler: one node, {name} "
+                f"({_rank_text(ranks)}), and a straggler is a node the others wait for. "
+                "Capture every node of the job (ingero-capture on each) and merge their "
+                "bundles (ingero-merge) to compare them. " + what)
+    return ("Not enough data to name a straggler: no collective was seen on two or more "
+            "nodes (each node's ranks are in communicators of their own, or the captures "
+            "do not overlap in time). " + what)
 
 
 def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
@@ -444,7 +533,8 @@ def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
 def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
     """Score every cause on the straggler in its windows; name the best if it is clear."""
     windows = [(w.start_ns, w.end_ns) for w in st.windows]
-    st.signals = node_signals(con, st.node_id, node_ids, windows)
+    with con.figure(f"signals:{st.node_id}"):
+        st.signals = node_signals(con, st.node_id, node_ids, windows)
     scores = {c: max((s.score for s in st.signals if s.cause == c), default=0.0)
               for c in CAUSES}
     if network:
@@ -461,7 +551,8 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
         st.cause_confidence = "none"
     if st.clock_caveat and st.cause_confidence == "clear":
         st.cause_confidence = "weak"
-    st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes)
+    with con.figure(f"evidence:{st.node_id}"):
+        st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes)
     st.next_step = next_step(st.cause, st.node, st.top_offenders)
 
 

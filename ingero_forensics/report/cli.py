@@ -30,6 +30,9 @@ from .text import render_text
               help="Time bin for lateness, seconds (default: about 1/100 of the run, 0.25-10 s).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the analysis as JSON on stdout (only JSON: no file unless -o).")
+@click.option("--title", default=None,
+              help="Title of the page and the text form [default: the job id, node count "
+                   "and time span].")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.option("--redact", is_flag=True,
               help="Report on a redacted copy of FLEET_DB (as ingero-redact writes it: node "
@@ -37,7 +40,7 @@ from .text import render_text
                    "made in a temporary directory next to the output and removed after.")
 @version_option("ingero-report")
 @handle_errors
-def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt):
+def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
     """Name the straggler of a merged fleet and its root cause, in one static HTML file.
 
     The report compares when each node arrives at collectives, finds the windows where
@@ -57,6 +60,8 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt):
     where = Path(output).resolve().parent if output else Path.cwd()
     with redacted_input(fleet_db, redact, where) as source:
         analysis = analyze_fleet(source, bin_s=bin_s)
+    if title:
+        analysis.title = title
     if fmt == "html" and output:
         write_report(analysis, output)
     elif fmt != "html":

@@ -10,6 +10,7 @@ job connections retransmitted.
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
 import random
 from array import array
@@ -60,6 +61,14 @@ class Reservoir:
             j = self._rng.randrange(self.n)
             if j < self.k:
                 self.values[j] = x
+
+
+def utc(ns) -> str:
+    """A fleet time (ns since the epoch) as UTC to the millisecond; '-' for None."""
+    if ns is None:
+        return "-"
+    t = _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d} UTC"
 
 
 def table_exists(con, name: str) -> bool:
@@ -146,7 +155,7 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     def per_node(sql, params=()):
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
 
-    add("cpu", "run-queue delay of traced threads (ms per s)",
+    add("cpu", "run-queue delay of traced threads (ms per s, summed over threads)",
         {k: v / 1e6 / secs for k, v in per_node(
             f"SELECT node_id, SUM(duration_ns) FROM sched_events WHERE kind = 'runq_delay' "
             f"AND {w} GROUP BY node_id", p).items()}, 5.0, relative=0.1)
@@ -193,9 +202,11 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     return out
 
 
-#: SQL: block request b was issued by one of its node's traced processes or their threads.
-_JOB_IO = ("(b.pid IN (SELECT pid FROM processes pr WHERE pr.node_id = b.node_id) OR "
-           "b.tid IN (SELECT tid FROM threads t WHERE t.node_id = b.node_id))")
+#: SQL: block request b was issued by one of its node's traced processes or their threads
+#: (row values against each table once, not a subquery per request).
+JOB_BLOCK = ("((b.node_id, b.pid) IN (SELECT node_id, pid FROM processes) OR "
+             "(b.node_id, b.tid) IN (SELECT node_id, tid FROM threads))")
+_JOB_IO = JOB_BLOCK
 
 
 def _block_p95(con, w, p) -> dict[int, float]:
@@ -204,7 +215,7 @@ def _block_p95(con, w, p) -> dict[int, float]:
     per: dict[int, Reservoir] = {}
     for nid, d in con.execute(
             f"SELECT b.node_id, b.duration_ns FROM block_events b WHERE "
-            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {_JOB_IO}", p):
+            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK}", p):
         if nid not in per:
             per[nid] = Reservoir(SAMPLE, seed=nid)
         per[nid].add(d / 1e6)
@@ -249,9 +260,8 @@ def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[
     elif cause == "io":
         for dev, n, mx, avg in con.execute(
                 f"SELECT device, COUNT(*), MAX(duration_ns), AVG(duration_ns) FROM block_events b "
-                f"WHERE node_id = ? AND {w} AND (pid IN (SELECT pid FROM processes pr WHERE "
-                "pr.node_id = b.node_id) OR tid IN (SELECT tid FROM threads t WHERE "
-                "t.node_id = b.node_id)) GROUP BY device ORDER BY MAX(duration_ns) DESC LIMIT 5",
+                f"WHERE node_id = ? AND {w} AND {JOB_BLOCK} "
+                "GROUP BY device ORDER BY MAX(duration_ns) DESC LIMIT 5",
                 [target] + p):
             top.append({"device": dev, "requests": n, "max_ms": round(mx / 1e6, 1),
                         "mean_ms": round(avg / 1e6, 2)})
@@ -410,13 +420,20 @@ def capture_issues(con, nodes) -> list[dict]:
             (SHUTDOWN_NS,)):
         out.append({"node": nodes.get(nid, ("?",))[0], "source": source, "event": event,
                     "count": n, "message": msg})
-    logged = {nid for (nid,) in con.execute("SELECT DISTINCT node_id FROM capture_log")}
-    for nid, (name, _) in sorted(nodes.items(), key=lambda kv: kv[1][0]):
-        if nid not in logged:
-            out.append({"node": name, "source": "capture", "event": "unknown", "count": None,
-                        "message": "its bundles record no capture log: which sources ran "
-                                   "and whether events were lost is unknown"})
+    for (name,) in con.execute("SELECT name FROM nodes WHERE node_id NOT IN "
+                               "(SELECT node_id FROM capture_log) ORDER BY name"):
+        out.append({"node": name, "source": "capture", "event": "unknown", "count": None,
+                    "message": "its bundles record no capture log: which sources ran "
+                               "and whether events were lost is unknown"})
     return out
+
+
+def capture_cost(con, nodes) -> dict[str, float]:
+    """Per node, the capture's own mean CPU use (% of one core, host_samples
+    capture.cpu_pct): what tracing cost the node."""
+    return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(
+        "SELECT node_id, AVG(value) FROM host_samples WHERE metric = 'capture.cpu_pct' "
+        "GROUP BY node_id ORDER BY node_id")}
 
 
 def inventory(con) -> dict:

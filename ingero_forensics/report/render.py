@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import math
 import os
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from markupsafe import Markup, escape
 from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
+from .evidence import utc
 
 _ENV: jinja2.Environment | None = None
 
@@ -32,6 +34,7 @@ def environment() -> jinja2.Environment:
             undefined=jinja2.StrictUndefined)
         _ENV.filters["utc"] = _utc
         _ENV.filters["ms"] = lambda v: "-" if v is None else f"{v:,.1f}"
+        _ENV.filters["num"] = lambda v, step=0.01: "-" if v is None else _num(v, step)
     return _ENV
 
 
@@ -48,11 +51,7 @@ def template_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "templates"
 
 
-def _utc(ns) -> str:
-    if ns is None:
-        return "-"
-    t = _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc)
-    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d} UTC"
+_utc = utc
 
 
 def _bar_chart(items: list[tuple[str, float, bool]], unit: str, width=640) -> Markup:
@@ -70,24 +69,49 @@ def _bar_chart(items: list[tuple[str, float, bool]], unit: str, width=640) -> Ma
         cls = "bar hi" if hi else "bar"
         parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{escape(label)}</text>'
                      f'<rect class="{cls}" x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 5}"/>'
-                     f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{v:,.2f} {escape(unit)}</text>')
+                     f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{_num(v, 0.01)} {escape(unit)}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))
 
 
+def _num(v: float, step: float = 1.0) -> str:
+    """A tick or value label: as many decimals as the step needs, never '-0'."""
+    dec = 0 if step >= 1 else min(3, -math.floor(math.log10(step)))
+    text = f"{v:,.{dec}f}"
+    return text[1:] if text.startswith("-") and float(text.replace(",", "")) == 0 else text
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round ticks (1, 2 or 5 times a power of ten) covering [lo, hi], about n of them."""
+    if hi <= lo:
+        hi = lo + 1.0
+    raw = (hi - lo) / max(n, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.floor(lo / step) * step
+    ticks = []
+    k = 0
+    while first + k * step < hi + step * 0.999:
+        ticks.append(round(first + k * step, 10))
+        k += 1
+    return ticks
+
+
 def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: str,
-                windows: list[tuple[float, float]] = (), width=720, height=200) -> Markup:
+                windows: list[tuple[float, float]] = (), width=720, height=200,
+                t_end: float | None = None) -> Markup:
     """Lines over time: points are dicts with 't_s' and one key per series
-    (key, label, css class); windows are shaded (start_s, end_s)."""
+    (key, label, css class); windows are shaded (start_s, end_s). Every chart of a page
+    gets the same t_end: one time axis, with round ticks; the y axis carries its unit."""
     pts = [p for p in points if any(k in p for k, _, _ in series)]
     if len(pts) < 2:
         return Markup("")
-    left, right, top, bottom = 56, 10, 10, 34
-    tmax = max(p["t_s"] for p in pts) or 1.0
+    left, right, top, bottom = 64, 10, 10, 34
+    tmax = t_end or max(p["t_s"] for p in pts) or 1.0
     vals = [p[k] for p in pts for k, _, _ in series if k in p]
-    vmin, vmax = min(0.0, min(vals)), max(vals)
-    if vmax <= vmin:
-        vmax = vmin + 1
+    yt = nice_ticks(min(0.0, min(vals)), max(vals), 4)
+    vmin, vmax = yt[0], yt[-1]
+    xt = [t for t in nice_ticks(0.0, tmax, 6) if t <= tmax * 1.0001]
     pw, ph = width - left - right, height - top - bottom
 
     def x(t):
@@ -101,16 +125,19 @@ def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: st
     for s, e in windows:
         parts.append(f'<rect class="window" x="{x(s):.1f}" y="{top}" width="{max(1.0, x(e) - x(s)):.1f}" '
                      f'height="{ph}"/>')
-    parts.append(f'<line class="axis" x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}"/>'
-                 f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}"/>')
-    for frac in (0, 0.5, 1):
-        v = vmin + (vmax - vmin) * frac
-        parts.append(f'<text x="{left - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{v:,.1f}</text>')
-    for frac in (0, 0.25, 0.5, 0.75, 1):
-        parts.append(f'<text x="{x(tmax * frac):.1f}" y="{height - 18}" text-anchor="middle">'
-                     f'{tmax * frac:,.0f} s</text>')
-    parts.append(f'<text x="{left}" y="{height - 3}">{escape(unit)}; time from the start of the data; '
-                 f'shaded: fault windows</text>')
+    ystep = yt[1] - yt[0] if len(yt) > 1 else 1.0
+    for v in yt:
+        cls = "axis" if v == 0 else "grid"
+        parts.append(f'<line class="{cls}" x1="{left}" y1="{y(v):.1f}" x2="{left + pw}" '
+                     f'y2="{y(v):.1f}"/><text x="{left - 4}" y="{y(v) + 4:.1f}" '
+                     f'text-anchor="end">{_num(v, ystep)}</text>')
+    parts.append(f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}"/>')
+    tstep = xt[1] - xt[0] if len(xt) > 1 else 1.0
+    for t in xt:
+        parts.append(f'<text x="{x(t):.1f}" y="{height - 18}" text-anchor="middle">'
+                     f'{_num(t, tstep)} s</text>')
+    parts.append(f'<text x="{left}" y="{height - 3}">y: {escape(unit)}; x: seconds from the start '
+                 f'of the data{"; shaded: fault windows" if windows else ""}</text>')
     for key, label, cls in series:
         coords = " ".join(f"{x(p['t_s']):.1f},{y(p[key]):.1f}" for p in pts if key in p)
         parts.append(f'<polyline class="{cls}" points="{coords}"><title>{escape(label)}</title></polyline>')
@@ -118,8 +145,64 @@ def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: st
     return Markup("".join(parts))
 
 
+def sql_details(a: Analysis, *keys: str, what: str = "") -> Markup:
+    """The statements that computed a figure, in a <details> block (no script needed):
+    each runnable as it is with ingero-query or sqlite3 on the fleet.db, with the rows it
+    returned when the report ran."""
+    entries = [e for k in keys for e in a.sql.get(k, [])]
+    if not entries:
+        return Markup("")
+    n = len(entries)
+    parts = [f'<details class="sql"><summary>SQL{(" " + escape(what)) if what else ""} '
+             f'({n} statement{"s" if n != 1 else ""})</summary>'
+             f'<p class="muted">Each runs as it is: <code>ingero-query {escape(a.fleet)} '
+             f'-f query.sql</code> or <code>sqlite3 {escape(a.fleet)} &lt; query.sql</code>.</p>']
+    for e in entries:
+        rows = e["rows"]
+        parts.append(f'<pre>-- {rows:,} row{"s" if rows != 1 else ""} when the report ran\n'
+                     f'{escape(e["sql"])}</pre>')
+    parts.append("</details>")
+    return Markup("".join(parts))
+
+
+#: The y axis of the cause chart: what its metric measures, in its unit.
+METRIC_LABELS = {
+    "psi.cpu.some_pct": "CPU pressure (PSI some), % of time",
+    "psi.io.some_pct": "I/O pressure (PSI some), % of time",
+    "psi.memory.some_pct": "memory pressure (PSI some), % of time",
+    "tcp.retrans_segs_per_s": "TCP segments retransmitted per s (whole node)",
+    "gpu.sm_clock_mhz": "SM clock, MHz (slowest GPU)",
+}
+
+
+def _span_text(a: Analysis) -> str:
+    """The capture's span (every node's first to last time), else the collectives'."""
+    lo, hi = a.capture_span if len(a.capture_span) == 2 and None not in a.capture_span \
+        else (a.start_ns, a.end_ns)
+    if lo is None or hi is None:
+        return "no time span"
+    start, end = _utc(lo)[:19], _utc(hi)[:19]
+    if start[:10] == end[:10]:
+        end = end[11:]
+    secs = (hi - lo) / 1e9
+    length = f"{secs:,.0f} s" if secs < 600 else f"{secs / 60:,.0f} min"
+    return f"{start} to {end} UTC ({length})"
+
+
+def report_title(a: Analysis) -> str:
+    """The job (its ids), the node count and the time span; --title replaces it."""
+    if a.title:
+        return a.title
+    jobs = a.job_ids
+    who = (f"Job {jobs[0]}" if len(jobs) == 1 else
+           f"Jobs {', '.join(jobs[:3])}{' and more' if len(jobs) > 3 else ''}" if jobs
+           else f"Fleet {a.fleet}")
+    return f"{who} · {a.nodes} node{'s' if a.nodes != 1 else ''} · {_span_text(a)}"
+
+
 def render_html(a: Analysis) -> str:
     t0 = a.start_ns or 0
+    t_end = (a.end_ns - t0) / 1e9 if a.end_ns and a.start_ns else None
     windows_s = [((w.start_ns - t0) / 1e9, (w.end_ns - t0) / 1e9) for w in a.windows]
     lateness_chart = _bar_chart(
         [(f"{nl.name}", nl.p90_ms, nl.node_id == a.straggler_node_id) for nl in a.lateness],
@@ -128,27 +211,36 @@ def render_html(a: Analysis) -> str:
     if any("suspect_ms" in p for p in a.timeline):
         timeline_series.insert(0, ("suspect_ms", a.straggler or "suspect", "line suspect"))
     timeline_chart = _line_chart(a.timeline, timeline_series, "lateness at collectives, ms",
-                                 windows_s)
-    transfer_chart = _line_chart(a.timeline, [("transfer_ms", "last arrival to completion",
-                                               "line fleet")],
-                                 "last arrival to completion, ms (median per bin)", windows_s)
+                                 windows_s, t_end=t_end)
+    transfer_chart = Markup("")
+    transfer_ms = [p["transfer_ms"] for p in a.timeline if p.get("transfer_ms")]
+    if a.slow_bins:
+        transfer_chart = _line_chart(
+            a.timeline, [("transfer_ms", "last arrival to completion", "line fleet")],
+            "last arrival to completion, ms (median per bin)", windows_s, t_end=t_end)
     cause_chart = Markup("")
     if a.cause_series.get("points"):
+        metric = a.cause_series["metric"]
+        pts = [p for p in a.cause_series["points"] if t_end is None or p["t_s"] <= t_end]
         cause_chart = _line_chart(
-            a.cause_series["points"],
-            [("suspect", a.straggler or "suspect", "line suspect"),
-             ("others", "other nodes (median)", "line fleet")],
-            a.cause_series["metric"], windows_s)
+            pts, [("suspect", a.straggler or "suspect", "line suspect"),
+                  ("others", "other nodes (median)", "line fleet")],
+            METRIC_LABELS.get(metric, metric), windows_s, t_end=t_end)
     window_rows = [{"start": _utc(w.start_ns), "end": _utc(w.end_ns),
                     "from_start": f"+{(w.start_ns - t0) / 1e9:.1f} s",
                     "length": f"{(w.end_ns - w.start_ns) / 1e9:.1f} s",
                     "lateness": w.lateness_ms} for w in a.windows]
     tpl = environment().get_template("report.html")
-    return tpl.render(a=a, window_rows=window_rows, cause_title=CAUSE_TITLES.get(a.cause or "", ""),
-                      cause_titles=CAUSE_TITLES, lateness_chart=lateness_chart,
-                      timeline_chart=timeline_chart, transfer_chart=transfer_chart,
-                      cause_chart=cause_chart, t0=t0, version=__version__,
-                      generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    return tpl.render(
+        a=a, sql=lambda *keys, what="": sql_details(a, *keys, what=what),
+        title=report_title(a), window_rows=window_rows,
+        cause_title=CAUSE_TITLES.get(a.cause or "", ""), cause_titles=CAUSE_TITLES,
+        lateness_chart=lateness_chart, timeline_chart=timeline_chart,
+        transfer_chart=transfer_chart, cause_chart=cause_chart, t0=t0,
+        transfer_median=_num(sorted(transfer_ms)[len(transfer_ms) // 2], 0.01)
+        if transfer_ms else None,
+        version=__version__,
+        generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
 def write_report(a: Analysis, out_path) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 
 from .analyze import CAUSE_TITLES, Analysis, _rank_text
+from .render import report_title
 
 
 def _table(rows: list[list[str]], markdown: bool) -> list[str]:
@@ -25,9 +26,20 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
     para = (lambda t, lead="": lead + t) if markdown else \
         (lambda t, lead="": textwrap.fill(t, 96, initial_indent=lead,
                                           subsequent_indent=" " * len(lead)))
-    lines = [("# " if markdown else "") + f"Straggler report: {a.fleet}", "",
+    lines = [("# " if markdown else "") + f"Straggler report: {report_title(a)}", "",
              f"{a.nodes} nodes, {a.ranks} ranks, {a.collectives:,} collectives.", "",
              para(a.verdict), ""]
+    if a.hangs:
+        lines += [h("Ranks that stopped"), ""]
+        rows = [["rank", "node", "pid", "last collective", "never entered", "last CUDA call"]]
+        for x in a.hangs:
+            call = x["last_calls"][0] if x["last_calls"] else None
+            rows.append([str(x["rank"]), x["node"], str(x["pid"]),
+                         f"{x['last_op']} seq {x['last_seq']}",
+                         f"{x['missed_op']} seq {x['missed_seq']}",
+                         "-" if call is None else call["api"]
+                         + (" (in flight)" if call["in_flight"] else "")])
+        lines += _table(rows, markdown) + [""]
     if a.stragglers:
         lines += [h("Stragglers"), ""]
         rows = [["node", "ranks", "late, ms", "others waited", "cause", "clock"]]
@@ -43,12 +55,22 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")
+    if a.commands:
+        lines += [h("Next commands"), ""]
+        for c in a.commands:
+            lines.append(para(c["what"] + ":"))
+            lines += ["```", c["command"], "```"] if markdown else ["    " + c["command"]]
+        lines.append("")
     lines += [h("Every node"), ""]
     rows = [["node", "median late, ms", "p90, ms", "late bins", "others waited, s"]]
     for nl in a.lateness:
         rows.append([nl.name, f"{nl.median_ms:.2f}", f"{nl.p90_ms:.2f}", str(nl.late_bins),
                      f"{nl.cost_s:.2f}"])
     lines += _table(rows, markdown) + [""]
+    if a.capture_cost:
+        lines += [para("Capture cost: " + "; ".join(f"{pct:.1f} % of one core on {node}"
+                                                     for node, pct in a.capture_cost.items())
+                       + "."), ""]
     warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
             or r["causal_moved_us"]]
     if warn or a.capture_issues:

@@ -51,9 +51,9 @@ def sample_rows(stack_a: int | None, stack_b: int | None) -> dict[str, list[tupl
         ],
         "cuda_events": [
             (T0 + 6 * ms, 35_000_000, "cudaStreamSynchronize", "runtime", 140_234_112, None,
-             None, None, 0, 0, 4242, 4250, stack_b),
+             None, None, 0, 0, 4242, 4250, stack_b, 3, 12_000),
             (T0 + 7 * ms, None, "cuMemcpyHtoDAsync_v2", "driver", 0, 8_388_608, "HtoD", None,
-             None, None, 4242, 4252, None),
+             None, None, 4242, 4252, None, None, None),
         ],
         "event_stats": [
             (T0, T0 + 1000 * ms, "cuda", "cudaLaunchKernel", 4242, 4250, stack_b, 1830,

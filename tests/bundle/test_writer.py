@@ -255,3 +255,43 @@ def test_size_grows_with_rows(tmp_path):
     assert w.size_bytes() > before + 100_000
     w.abort()
     assert read_manifest(seal_spool(tmp_path / "s.db", tmp_path))["node"] == "n1"
+
+
+def test_version_1_0_layouts_stay_readable(tmp_path):
+    """A writer of the 1.0 layout (rows without the optional columns added in 1.1, or a
+    database without those columns at all) makes bundles that open and merge, the
+    missing columns read as NULL."""
+    import apsw
+    from ingero_forensics.bundle.writer import transaction
+    from ingero_forensics.db import connect_writable
+    from ingero_forensics.merge import merge_bundles
+    w = BundleWriter(tmp_path / "a.spool", node="n0", host=HOST, capture_start=START)
+    w.add("cuda_events", (T0, 1000, "cudaStreamSynchronize", "runtime", 7, None, None, None,
+                          0, 0, 10, 10, None))                       # 13 values: 1.0
+    w.add("cuda_events", (T0 + 5, 1000, "cudaStreamSynchronize", "runtime", 7, None, None,
+                          None, 0, 0, 10, 10, None, 0, None))        # 15 values: 1.1
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out2").mkdir()
+    first = w.seal(tmp_path / "out", capture_end=END)
+    with open_bundle(first) as b:
+        assert b.absent == {}
+        assert b.con.execute("SELECT queued_ops FROM cuda_events ORDER BY id").fetchall() == \
+            [(None,), (0,)]
+    # a database that predates the columns entirely
+    spool = tmp_path / "old.db"
+    with open_bundle(first) as b:
+        spool.write_bytes(b.db_path.read_bytes())
+    con = connect_writable(spool, wal=False)
+    with transaction(con):
+        con.execute("ALTER TABLE cuda_events DROP COLUMN queue_gap_ns")
+        con.execute("ALTER TABLE cuda_events DROP COLUMN queued_ops")
+        con.execute("UPDATE meta SET value = json_set(value, '$.id', 'feedfacefeedfacefeedfacefeedface') "
+                    "WHERE key = 'segment'")
+    con.close()
+    old = seal_spool(spool, tmp_path / "out2")
+    with open_bundle(old) as b:
+        assert b.absent == {"cuda_events": frozenset({"queued_ops", "queue_gap_ns"})}
+    merge_bundles([old], tmp_path / "f.db")
+    con = apsw.Connection(str(tmp_path / "f.db"))
+    assert con.execute("SELECT COUNT(*), COUNT(queued_ops) FROM cuda_events").fetchone() == (2, 0)
+    con.close()

@@ -102,3 +102,16 @@ def test_reporter_modes():
     rep.message("warning", "x", "hidden")
     rep.message("error", "x", "shown")
     assert "hidden" not in quiet.getvalue() and "error   x: shown" in quiet.getvalue()
+
+
+def test_sources_start_at_the_lowest_priority_then_return_to_normal():
+    """The probes are compiled at SCHED_IDLE and nice 19 (a running job barely notices),
+    and the capture goes back to its own priority after."""
+    import os
+    from ingero_forensics.capture.runner import idle_priority
+    before = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    with idle_priority():
+        inside = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    after = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    assert inside == (os.SCHED_IDLE, 19)
+    assert after == before

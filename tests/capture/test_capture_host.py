@@ -210,8 +210,12 @@ def test_bundle_host_samples(tmp_path, open_all):
     metrics = {m for (m,) in rows(b, "SELECT DISTINCT metric FROM host_samples")}
     assert metrics <= METRICS
     for m in ("cpu.busy_pct", "load.avg1", "mem.total_bytes", "vm.pgmajfault_per_s",
-              "tcp.retrans_segs_per_s", "net.rx_bytes_per_s"):
+              "tcp.retrans_segs_per_s", "net.rx_bytes_per_s", "capture.cpu_pct"):
         assert m in metrics
+    # what the capture cost: its own CPU time, a share of one core, never above 2 cores
+    own = rows(b, "SELECT MIN(value), MAX(value), AVG(value) FROM host_samples "
+                  "WHERE metric = 'capture.cpu_pct'")[0]
+    assert 0 <= own[0] and own[1] <= 200 and 0 < own[2] < 100
     per_cpu = rows(b, "SELECT COUNT(DISTINCT device) FROM host_samples "
                       "WHERE metric = 'cpu.busy_pct' AND device IS NOT NULL")[0][0]
     assert per_cpu == len([ln for ln in open("/proc/stat") if ln[:3] == "cpu" and ln[3].isdigit()])
@@ -220,3 +224,10 @@ def test_bundle_host_samples(tmp_path, open_all):
     assert n_samples > 2 * n_clock  # sampled far more often than the 1 s clock
     log = rows(b, "SELECT source, event, message FROM capture_log WHERE source = 'nvml'")
     assert log and log[0][1] == "source_off" and "libnvidia-ml.so.1" in log[0][2]
+
+
+def test_capture_cost_is_the_process_cpu_time_over_the_interval():
+    a = Snapshot(1_000_000_000, self_cpu_ns=5_000_000)
+    b = Snapshot(1_100_000_000, self_cpu_ns=7_000_000)     # 2 ms of CPU in 100 ms
+    (row,) = [r for r in host_rows(a, b) if r[1] == "capture.cpu_pct"]
+    assert row == (1_100_000_000, "capture.cpu_pct", None, pytest.approx(2.0))

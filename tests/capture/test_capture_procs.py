@@ -257,3 +257,28 @@ def test_capture_cmdline_full_and_none(tmp_path, open_all):
     assert cmdline is None
     for secret in (API_KEY, PASSWORD, HF, "/home/alice/private/ds"):
         assert secret.encode() not in blob
+
+
+def test_record_follows_an_exec(tmp_path):
+    """A wrapper shell that execs the trainer keeps its pid: comm, exe, command line and
+    rank environment are those of the program it runs now, not of the shell."""
+    go = tmp_path / "go"
+    p = subprocess.Popen(["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; "
+                          f"exec {sys.executable} -c 'import time; time.sleep(30)' trainer"],
+                         env=dict(os.environ, RANK="5", WORLD_SIZE="8"))
+    try:
+        t = TargetSet(pids=[p.pid])
+        t.scan()
+        (before,) = [r for r in t.records() if r.pid == p.pid]
+        assert before.comm == "sh" and before.exe.endswith("sh")
+        go.touch()
+        wait_for(lambda: os.readlink(f"/proc/{p.pid}/exe") == os.path.realpath(sys.executable))
+        t.scan()
+        (after,) = [r for r in t.records() if r.pid == p.pid]
+        assert after is before                  # the same process record, refreshed
+        assert after.exe == os.path.realpath(sys.executable)
+        assert after.comm.startswith("python") and after.cmdline[-1] == "trainer"
+        assert after.row()[5] == 5 and after.exit_ns is None
+    finally:
+        p.kill()
+        p.wait()

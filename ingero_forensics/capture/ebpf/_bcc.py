@@ -126,8 +126,7 @@ def environment_problem() -> tuple[str, str] | None:
         return ("eBPF needs root (or CAP_BPF + CAP_PERFMON + CAP_SYS_RESOURCE)",
                 "run ingero-capture as root")
     if tracefs_dir() is None:
-        return ("tracefs is not mounted", "mount -t tracefs nodev /sys/kernel/tracing "
-                "(scripts/setup-ebpf.sh does it)")
+        return TRACEFS_HIDDEN
     release = os.uname().release
     build = f"/lib/modules/{release}/build/include"
     if not os.path.isdir(build) and not os.path.exists("/sys/kernel/kheaders.tar.xz"):
@@ -146,3 +145,23 @@ def check_environment() -> None:
 def tracepoint_exists(category: str, event: str) -> bool:
     d = tracefs_dir()
     return d is not None and os.path.isdir(os.path.join(d, "events", category, event))
+
+
+#: Why a tracepoint source sees no tracefs, and what to do: the common cause is a
+#: capture started with `ip netns exec`, which mounts a fresh /sys without tracefs.
+TRACEFS_HIDDEN = ("tracefs is not visible here (/sys/kernel/tracing has no events: "
+                  "`ip netns exec` remounts /sys without it)",
+                  "start the capture with `nsenter --net=/run/netns/NAME ingero-capture ...` "
+                  "instead of `ip netns exec`, or mount -t tracefs nodev /sys/kernel/tracing")
+
+
+def require_tracepoint(category: str, event: str) -> None:
+    """Raise SourceUnavailable with the true reason a tracepoint cannot be used: tracefs
+    not visible in this mount namespace, or the kernel has no such tracepoint."""
+    if tracefs_dir() is None:
+        raise SourceUnavailable(*TRACEFS_HIDDEN)
+    if not tracepoint_exists(category, event):
+        raise SourceUnavailable(f"tracepoint {category}:{event} does not exist in this "
+                                f"kernel ({os.uname().release}; tracefs at {tracefs_dir()})",
+                                "a kernel built with that tracepoint (4.15 or newer for "
+                                "tcp, any for sched and block)")

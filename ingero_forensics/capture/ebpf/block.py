@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import struct
 
-from ..source import CaptureContext, RowSink, SourceUnavailable
-from ._bcc import tracepoint_exists
+from ..source import CaptureContext, RowSink
+from ._bcc import require_tracepoint
 from .base import BccSource
 from .sched import cstr
 
@@ -103,8 +103,7 @@ class BlockSource(BccSource):
 
     def start(self, ctx: CaptureContext) -> None:
         for tp in ("block_rq_issue", "block_rq_complete"):
-            if not tracepoint_exists("block", tp):
-                raise SourceUnavailable(f"tracepoint block:{tp} not found in tracefs")
+            require_tracepoint("block", tp)
         super().start(ctx)
 
     def attach(self, ctx: CaptureContext) -> None:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import struct
 
 from ..source import CaptureContext, RowSink
-from ._bcc import tracepoint_exists
+from ._bcc import require_tracepoint
 from .base import BccSource
-from ..source import SourceUnavailable
 
 KINDS = ("runq_delay", "off_cpu")
 
@@ -124,8 +123,7 @@ class SchedSource(BccSource):
 
     def start(self, ctx: CaptureContext) -> None:
         for tp in ("sched_switch", "sched_wakeup", "sched_wakeup_new"):
-            if not tracepoint_exists("sched", tp):
-                raise SourceUnavailable(f"tracepoint sched:{tp} not found in tracefs")
+            require_tracepoint("sched", tp)
         super().start(ctx)
 
     def attach(self, ctx: CaptureContext) -> None:

@@ -26,7 +26,7 @@ import struct
 import time
 
 from ..source import CaptureContext, RowSink, SourceUnavailable
-from ._bcc import tracepoint_exists
+from ._bcc import require_tracepoint, tracepoint_exists
 from .base import BccSource
 
 PROGRAM = r"""
@@ -241,8 +241,7 @@ class TcpSource(BccSource):
         return text
 
     def start(self, ctx: CaptureContext) -> None:
-        if not tracepoint_exists("tcp", "tcp_retransmit_skb"):
-            raise SourceUnavailable("tracepoint tcp:tcp_retransmit_skb not found (kernel < 4.15?)")
+        require_tracepoint("tcp", "tcp_retransmit_skb")
         if self.options.tcp_probe:
             if int(self.options.tcp_probe_interval_ms) <= 0:
                 raise SourceUnavailable(f"tcp_probe interval must be > 0 ms, not "

@@ -77,3 +77,29 @@ def test_capture_cli_writes_ebpf_rows(ebpf_ok, fixtures, tmp_path):
         logs = q("SELECT source, event FROM capture_log WHERE source IN "
                  "('nccl', 'cuda', 'tcp', 'sched', 'block')")
         assert ("nccl", "attached") in logs and ("cuda", "source_off") in logs
+
+
+def test_sources_off_say_why_even_with_quiet(ebpf_ok, tmp_path):
+    """Under `ip netns exec` (a fresh /sys without tracefs) every eBPF source is off: each
+    says so on stderr with the real reason and the fix, also with --quiet, which hides
+    progress, never a blind spot; the bundle's capture_log has the same lines."""
+    ns = f"ingero-tfs-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        out = tmp_path / "b"
+        r = subprocess.run(["ip", "netns", "exec", ns, *capture_cmd(), "--bundle", str(out),
+                            "--node", "tfs", "--quiet", "--duration", "1"],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert r.returncode == 0, r.stderr
+    off = [line for line in r.stderr.splitlines() if "source off" in line]
+    assert {line.split()[2].rstrip(":") for line in off} == {"nccl", "cuda", "tcp", "sched",
+                                                             "block"}, r.stderr
+    assert all("tracefs is not visible" in line and "nsenter --net" in line for line in off)
+    assert "kernel < 4.15" not in r.stderr and "not found in tracefs" not in r.stderr
+    (bundle,) = out.glob("*.bundle")
+    with open_bundle(bundle) as b:
+        logged = b.con.execute("SELECT source FROM capture_log WHERE event = 'source_off' "
+                               "AND message LIKE '%nsenter --net%'").fetchall()
+    assert len(logged) == 5

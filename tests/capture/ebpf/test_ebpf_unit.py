@@ -94,7 +94,7 @@ def test_splitmix64_known_value():
 
 def test_record_layouts_match_the_c_structs():
     assert nccl.EVENT.size == 128
-    assert cuda.EVENT.size == 72
+    assert cuda.EVENT.size == 80
     assert sched.EVENT.size == 80
     assert block.EVENT.size == 72
     assert tcp.EVENT.size == 64

@@ -1,0 +1,139 @@
+"""Hangs and desyncs: ranks of a communicator that never entered a collective their peers
+entered, and what each was doing instead.
+
+A collective (comm_id_hash, seq) seen on fewer ranks than the communicator's size and
+than the collective before it is where a rank stopped: the ranks seen at seq N-1 and
+never again at N or later are named (a rank that misses N but comes back lost events,
+it did not stop), with their last collective, their last CUDA calls
+(those without a return were still in flight when the capture stopped), where they were
+off CPU, and the stacks of those calls, in the spirit of PyTorch's Flight Recorder
+analysis by sequence id, from the eBPF data alone. A node whose capture ended before its
+peers entered seq N (HANG_MARGIN_NS) is the capture's edge, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+
+#: A rank is only said to have stopped if its node's capture went on this long after its
+#: peers entered the collective it never entered.
+HANG_MARGIN_NS = 1_000_000_000
+#: Stopped ranks described in full (the others are counted).
+MAX_DETAILED = 8
+#: Last CUDA calls shown per stopped rank.
+LAST_CALLS = 5
+
+__all__ = ["HANG_MARGIN_NS", "find_hangs", "hang_text"]
+
+
+def _frames(raw, depth=8) -> list[str]:
+    try:
+        frames = json.loads(raw or "[]")
+    except ValueError:
+        return []
+    out = []
+    for f in frames[:depth]:
+        if f.get("symbol"):
+            out.append(f"{f['symbol']} ({f.get('module', '?').rsplit('/', 1)[-1]})")
+        elif f.get("file"):
+            out.append(f"{f['file']}:{f.get('line', '?')}")
+        else:
+            out.append(f.get("ip", "?"))
+    return out
+
+
+def find_hangs(con, ranks_of) -> list[dict]:
+    """One dict per rank that stopped, earliest first. ``ranks_of``: a function giving
+    (node_id, pid) -> global rank (merge.ranks.process_ranks; called only if a rank
+    stopped: it reads every nccl_events row)."""
+    starts = con.execute(
+        "SELECT c.comm_id_hash, c.seq, c.op, c.nranks, c.ranks_seen, c.first_entry_ns, "
+        "(SELECT MAX(x.seq) FROM collectives x WHERE x.comm_id_hash = c.comm_id_hash), "
+        "(SELECT MAX(x.last_entry_ns) FROM collectives x "
+        "WHERE x.comm_id_hash = c.comm_id_hash), (SELECT MAX(last_utc_ns) FROM nodes) "
+        "FROM collectives c JOIN collectives p ON p.comm_id_hash = c.comm_id_hash "
+        "AND p.seq = c.seq - 1 WHERE c.nranks IS NOT NULL AND c.ranks_seen < c.nranks "
+        "AND c.ranks_seen < p.ranks_seen ORDER BY c.first_entry_ns").fetchall()
+    out: list[dict] = []
+    global_rank: dict | None = None
+    for comm, seq, op, nranks, seen, first, max_seq, last_entry, capture_end in starts:
+        for nid, node, pid, rank, last_ts, last_op in con.execute(
+                "SELECT p.node_id, nd.name, p.pid, p.rank, p.timestamp_ns, p.op "
+                "FROM nccl_events p JOIN nodes nd USING (node_id) "
+                "WHERE p.comm_id_hash = ? AND p.seq = ? AND nd.last_utc_ns >= ? "
+                "AND NOT EXISTS (SELECT 1 FROM nccl_events q WHERE q.comm_id_hash = "
+                "p.comm_id_hash AND q.seq >= ? AND q.node_id = p.node_id AND q.pid = p.pid) "
+                "GROUP BY p.node_id, p.pid ORDER BY p.rank",
+                (comm, seq - 1, first + HANG_MARGIN_NS, seq)).fetchall():
+            if global_rank is None:
+                global_rank = ranks_of()
+            out.append({"node": node, "node_id": nid, "pid": pid,
+                        "rank": global_rank.get((nid, pid), rank), "comm_rank": rank,
+                        "comm_id_hash": comm, "nranks": nranks, "missed_seq": seq,
+                        "missed_op": op, "peers_entered": seen,
+                        "peers_entered_ns": first, "peers_last_seq": max_seq,
+                        "quiet_s": round(max(0, (capture_end or 0) - last_entry) / 1e9, 1),
+                        "last_seq": seq - 1, "last_op": last_op, "last_ns": last_ts,
+                        "last_calls": [], "in_flight": 0, "off_cpu": None, "stack": []})
+    for h in out[:MAX_DETAILED]:
+        _doing(con, h)
+    return out
+
+
+def _doing(con, h: dict) -> None:
+    """What the stopped rank was doing: its last CUDA calls (in flight when no return was
+    seen), its longest off-CPU span after its last collective, the stack of its last
+    call."""
+    key = (h["node_id"], h["pid"])
+    for ts, api, dur, frames in con.execute(
+            "SELECT e.timestamp_ns, e.api, e.duration_ns, s.frames FROM cuda_events e "
+            "LEFT JOIN stacks s USING (stack_id) WHERE e.node_id = ? AND e.pid = ? "
+            "ORDER BY e.timestamp_ns DESC LIMIT ?", key + (LAST_CALLS,)):
+        h["last_calls"].append({"ns": ts, "api": api,
+                                "ms": None if dur is None else round(dur / 1e6, 3),
+                                "in_flight": dur is None})
+        if not h["stack"]:
+            h["stack"] = _frames(frames)
+    h["in_flight"] = con.execute(
+        "SELECT COUNT(*) FROM cuda_events WHERE node_id = ? AND pid = ? "
+        "AND duration_ns IS NULL", key).fetchone()[0]
+    row = con.execute(
+        "SELECT comm, prev_state, timestamp_ns, duration_ns FROM sched_events "
+        "WHERE node_id = ? AND pid = ? AND kind = 'off_cpu' AND timestamp_ns >= ? "
+        "ORDER BY duration_ns DESC LIMIT 1", key + (h["last_ns"],)).fetchone()
+    if row:
+        h["off_cpu"] = {"thread": row[0], "state": row[1], "ns": row[2],
+                        "ms": round(row[3] / 1e6, 1)}
+    if not h["stack"]:
+        (frames,) = con.execute(
+            "SELECT s.frames FROM nccl_events e JOIN stacks s USING (stack_id) "
+            "WHERE e.node_id = ? AND e.pid = ? AND e.comm_id_hash = ? AND e.seq = ?",
+            key + (h["comm_id_hash"], h["last_seq"])).fetchone() or (None,)
+        h["stack"] = _frames(frames)
+
+
+def hang_text(hangs: list[dict], utc) -> str:
+    """The verdict's lead for a hang; ``utc`` formats a fleet time."""
+    h = hangs[0]
+    ranks = sorted({x["rank"] for x in hangs if x["missed_seq"] == h["missed_seq"]
+                    and x["comm_id_hash"] == h["comm_id_hash"]})
+    who = (f"rank {h['rank']} ({h['node']}, pid {h['pid']})" if len(ranks) == 1 else
+           f"ranks {', '.join(map(str, ranks))} (first: {h['node']}, pid {h['pid']})")
+    text = (f"The job hung: {who} never entered {h['missed_op']} seq {h['missed_seq']} of "
+            f"communicator {h['comm_id_hash']}, which {h['peers_entered']} of its "
+            f"{h['nranks']} ranks entered from {utc(h['peers_entered_ns'])} (they went on to "
+            f"seq {h['peers_last_seq']}, then no collective of it started for "
+            f"{h['quiet_s']:,.1f} s until the capture stopped). Its last collective was {h['last_op']} seq "
+            f"{h['last_seq']} at {utc(h['last_ns'])}")
+    if h["last_calls"]:
+        c = h["last_calls"][0]
+        text += (f"; its last CUDA call, {c['api']} at {utc(c['ns'])}, "
+                 + ("was still in flight when the capture stopped" if c["in_flight"]
+                    else f"returned after {c['ms']:,.1f} ms"))
+    if h["stack"]:
+        text += f", in {h['stack'][0]}"
+    text += "."
+    others = len(hangs) - len(ranks)
+    if others > 0:
+        text += f" {others} more rank(s) stopped elsewhere (see the hang section)."
+    return text

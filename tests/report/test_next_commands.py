@@ -1,0 +1,77 @@
+"""The next commands of the report run as they are, in the directory of the fleet.db: the
+ingero-export line writes a trace of the straggler's window (or the stopped rank's last
+seconds) on the nodes it names, and every ingero-query line returns rows."""
+
+import gzip
+import json
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from ingero_forensics.report import analyze_fleet
+
+from .test_hangs import STOP_RANK, hung_fleet  # noqa: F401 (a fixture)
+
+
+def run_commands(db, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(db, work / "fleet.db")
+    a = analyze_fleet(work / "fleet.db")
+    assert a.commands
+    for c in a.commands:
+        argv = shlex.split(c["command"])
+        r = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (c["command"], r.stderr)
+        if argv[0] == "ingero-export":
+            out = work / argv[argv.index("-o") + 1]
+            trace = json.loads(gzip.decompress(out.read_bytes()))
+            names = {e["args"]["name"] for e in trace["traceEvents"]
+                     if e.get("ph") == "M" and e.get("name") == "process_name"}
+            nodes = argv[argv.index("--nodes") + 1].split(",")
+            assert all(any(n in p for p in names) for n in nodes), names
+            assert sum(1 for e in trace["traceEvents"] if e.get("ph") == "X") > 10
+        else:
+            assert argv[0] == "ingero-query"
+            assert len(r.stdout.strip().splitlines()) >= 3, (c["command"], r.stdout)
+    return a
+
+
+@pytest.mark.parametrize("fault", ["cpu", "network"])
+def test_straggler_commands_run(fleets, tmp_path, fault):
+    db, truth = fleets(fault)
+    a = run_commands(db, tmp_path)
+    straggler = truth["fault"]["straggler"]
+    export = a.commands[0]["command"]
+    assert export.startswith("ingero-export fleet.db --chrome-trace --from ")
+    assert f"--nodes {straggler}," in export
+    table = {"cpu": "sched_events", "network": "tcp_events"}[fault]
+    assert any(table in c["command"] for c in a.commands)
+
+
+def test_hang_commands_run(hung_fleet, tmp_path):  # noqa: F811
+    a = run_commands(hung_fleet, tmp_path)
+    assert f"hang-rank{STOP_RANK}" in a.commands[0]["command"]
+    assert any("cuda_events" in c["command"] for c in a.commands)
+
+
+def test_a_long_window_exports_its_first_minute():
+    from ingero_forensics.report.analyze import Analysis, NodeLateness, Straggler, Window
+    from ingero_forensics.report.commands import next_commands
+    t0 = 1_750_000_000_000_000_000
+    w = Window(t0 + 500_000_000, t0 + 362_500_000_000, 18.0)
+    st = Straggler(node="node-37", node_id=38, ranks=[296], late_ranks=[296], windows=[w],
+                   lateness_ms=18.0, peak_ms=20.0, late_bins=90, cost_s=52.0,
+                   cost_share=0.14, relative_uncertainty_ms=0.01, clock_caveat=False)
+    a = Analysis(fleet="my fleet.db", nodes=2, ranks=2, collectives=10, start_ns=t0,
+                 end_ns=t0 + 400_000_000_000, bin_ns=4_000_000_000, noise_ms=0.2,
+                 stragglers=[st], lateness=[NodeLateness(1, "node-01", [0], 10, 0.0, 0.1,
+                                                         0.5, 0)])
+    (export, arrivals) = next_commands(a)
+    assert export["what"].startswith("Trace of node-37 in the first 60 s of its window")
+    assert export["command"] == (
+        "ingero-export 'my fleet.db' --chrome-trace --from 2025-06-15T15:06:40Z "
+        "--to 2025-06-15T15:07:41Z --nodes node-37,node-01 -o node-37-window.json.gz")
+    assert arrivals["command"].startswith("ingero-query 'my fleet.db' \"SELECT c.seq")
