@@ -193,14 +193,17 @@ _ID_COLUMNS = ("pid", "tid", "owner_pid", "other_pid", "other_tid", "rank", "nra
                "local_rank", "world_size", "local_world_size", "node_rank", "cpu")
 
 
-def _valid_predicate(table: str, alias: str = "e") -> str:
+def _valid_predicate(table: str, alias: str = "e", absent=frozenset()) -> str:
     """Rows of an untrusted bundle that can be merged: enums known, NOT NULL columns set,
     every value of its column's type (text or a blob in an INTEGER column would fail
-    export and query later), time points integers. The rest is skipped and counted."""
+    export and query later), time points integers. The rest is skipped and counted.
+    absent: optional columns the bundle lacks (format 1.0), not referred to."""
     t = BUNDLE_TABLES[table]
     conds = []
     times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
     for c in t.columns[1:] if t.columns[0].name == "id" else t.columns:
+        if c.name in absent:
+            continue
         ref = f"{alias}.{c.name}"
         conds.append(f"typeof({ref}) IN ({_STORAGE[c.type]}, 'null')")
         if c.name in _ID_COLUMNS:
@@ -218,6 +221,13 @@ def _valid_predicate(table: str, alias: str = "e") -> str:
             lo = 0 if c.name == "duration_ns" else -TIME_BOUND
             conds.append(f"({ref} IS NULL OR {ref} BETWEEN {lo} AND {TIME_BOUND})")
     return " AND ".join(conds) or "1"
+
+
+def _bundle_predicate(bundle, table: str) -> str:
+    """_valid_predicate for one bundle's table (its absent optional columns left out)
+    and _in_window: the rows of it the merge copies and the collectives count."""
+    absent = getattr(bundle, "absent", {}).get(table, frozenset())
+    return _valid_predicate(table, absent=absent) + _in_window(bundle, table)
 
 
 def _in_window(bundle, table: str, alias: str = "e") -> str:
@@ -743,8 +753,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
 def _nccl_predicates(pending: list):
     """bundle_id -> the nccl_events rows of that bundle the merge copies (valid and in
     its capture window): the collectives count the same entries on both paths."""
-    preds = {i["bundle_id"]: _valid_predicate("nccl_events") +
-             _in_window(i["bundle"], "nccl_events") for i in pending}
+    preds = {i["bundle_id"]: _bundle_predicate(i["bundle"], "nccl_events") for i in pending}
     return lambda bundle_id: preds.get(bundle_id, _valid_predicate("nccl_events"))
 
 
@@ -1261,7 +1270,7 @@ def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
             rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
             bundle.run_paths, bundle.collectives_seen = image_runs(
                 fastcoll, bundle.db_path, bundle.db_path,
-                _valid_predicate("nccl_events") + _in_window(bundle, "nccl_events"),
+                _bundle_predicate(bundle, "nccl_events"),
                 rows, min_wait_ns)
             owned.extend(bundle.run_paths)
         else:
@@ -1502,8 +1511,7 @@ def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
     assert set(cols) <= set(ft.column_names), (table, set(cols) - set(ft.column_names))
     sql = (f"INSERT INTO main.{table} ({', '.join(cols)}) SELECT "
            f"{', '.join(list(sel.values()) + list(extra.values()))} "
-           f"FROM b.{table} e{joins} WHERE {_valid_predicate(table)}"
-           f"{_in_window(bundle, table)}")
+           f"FROM b.{table} e{joins} WHERE {_bundle_predicate(bundle, table)}")
     binds = {"node": node_id, "bundle": bundle_id}
     if times:
         binds.update(off=p.offset_ns, slope=p.slope)
@@ -1569,7 +1577,8 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
                             f"e.seq, NULL, e.timestamp_ns, 0, {op_index.replace('op', 'e.op', 1)} "
                             "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
                             f"typeof(e.seq) = 'integer' AND e.seq % ? = 0 AND "
-                            f"{_valid_predicate('nccl_events')}", (item["node_id"], every))
+                            f"{_bundle_predicate(item['bundle'], 'nccl_events')}",
+                            (item["node_id"], every))
 
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
