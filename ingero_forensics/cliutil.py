@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import sys
 
 import click
@@ -35,26 +36,84 @@ def version_option(prog: str):
                                 message="%(prog)s %(version)s")
 
 
+#: C0 controls but tab and newline, DEL and the C1 controls: what a terminal acts on
+#: (ESC starts ANSI/OSC sequences that retitle it or erase lines, CR overwrites one).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: str) -> str:
+    """text with every control character a terminal would act on written as \\xNN."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class SafeStream:
+    """A text stream that escapes control characters in everything written to it
+    (node names, file names, query values come from bundles: untrusted). ``raw`` is the
+    stream itself, for the few sequences the tools write on purpose (progress bars)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def write(self, text):
+        if isinstance(text, str):
+            self.raw.write(clean(text))
+        else:
+            self.raw.write(text)
+        return len(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def raw_stream(stream):
+    """The stream under a SafeStream (for deliberate terminal control)."""
+    return getattr(stream, "raw", stream) if isinstance(stream, SafeStream) else stream
+
+
+@contextlib.contextmanager
+def safe_output():
+    """stdout and stderr as SafeStreams while a command runs."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout = SafeStream(sys.stdout) if not isinstance(sys.stdout, SafeStream) else sys.stdout
+    sys.stderr = SafeStream(sys.stderr) if not isinstance(sys.stderr, SafeStream) else sys.stderr
+    try:
+        yield
+    finally:
+        # (None: a broken pipe, its stream let go so that exit does not flush it)
+        sys.stdout = saved[0] if sys.stdout is not None else None
+        sys.stderr = saved[1]
+
+
 def handle_errors(fn):
-    """Turn library errors into one line on stderr and a documented exit code."""
+    """Turn library errors into one line on stderr and a documented exit code; every
+    character printed meanwhile that a terminal would act on is escaped (SafeStream)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except IngeroError as e:
-            click.echo(f"Error: {e}", err=True)
-            sys.exit(EXIT_ERROR)
-        except KeyboardInterrupt:
-            click.echo("Interrupted.", err=True)
-            sys.exit(EXIT_INTERRUPTED)
-        except BrokenPipeError:
-            # stdout closed by a pager or `head`: not an error of ours.
-            with contextlib.suppress(Exception):
-                sys.stdout = None
-            sys.exit(EXIT_OK)
+        with safe_output():
+            return _run(fn, args, kwargs)
 
     return wrapper
+
+
+def _run(fn, args, kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except IngeroError as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(EXIT_ERROR)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # stdout closed by a pager or `head`: not an error of ours.
+        with contextlib.suppress(Exception):
+            sys.stdout = None
+        sys.exit(EXIT_OK)
 
 
 def echo_json(obj) -> None:
@@ -75,7 +134,8 @@ def is_tty(stream=None) -> bool:
 def progress(length: int, label: str, *, enabled: bool = True):
     """A progress bar on stderr when it is a terminal; a no-op updater otherwise."""
     if enabled and is_tty():
-        with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
+        with click.progressbar(length=length, label=label,
+                               file=raw_stream(sys.stderr)) as bar:
             yield bar.update
     else:
         yield lambda n=1: None

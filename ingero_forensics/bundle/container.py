@@ -13,10 +13,12 @@ docs/bundle-format.md is the specification; MANIFEST_FIELDS below is rendered in
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 
@@ -34,14 +36,17 @@ MAX_MANIFEST_BYTES = 1 << 20
 #: decompression (decompression-bomb guard). Override with INGERO_MAX_DB_BYTES.
 DEFAULT_MAX_DB_BYTES = 64 << 30
 BUNDLE_SUFFIX = ".bundle"
-NODE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
+#: A name never starts with "-" (its bundle file would read as an option: `-o+2025...`)
+#: nor "." (a dotfile that `*.bundle` does not match).
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}$")
+NODE_NAME_RULE = "1-63 characters of A-Z a-z 0-9 . _ -, not starting with - or ."
 _CHUNK = 1 << 20
 
 
 def validate_node_name(name: str) -> str:
     if not isinstance(name, str) or not NODE_NAME_RE.match(name):
         raise ValueError(
-            f"invalid node name {name!r}: use 1-63 characters of A-Z a-z 0-9 . _ -")
+            f"invalid node name {name!r}: use {NODE_NAME_RULE}")
     return name
 
 
@@ -71,8 +76,8 @@ MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
     ("magic", "string", True, f'Exactly "{MANIFEST_MAGIC}".'),
     ("format_version", "integer", True, f"Bundle format version, >= 1; this spec is "
      f"version {FORMAT_VERSION}. A reader refuses a version newer than it knows."),
-    ("node", "string", True, "Node name: 1-63 characters of A-Z a-z 0-9 . _ - (regex "
-     "^[A-Za-z0-9._-]{1,63}$). Unique within a fleet; the merge namespaces rows by it."),
+    ("node", "string", True, "Node name: 1-63 characters of A-Z a-z 0-9 . _ -, not "
+     "starting with - or . (regex ^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}$). Unique within a fleet; the merge namespaces rows by it."),
     ("host", "object", True, "Facts about the machine that captured."),
     ("host.hostname", "string", True, "Host name (uname -n), non-empty."),
     ("host.boot_id", "string", True, "/proc/sys/kernel/random/boot_id of the boot the "
@@ -82,8 +87,9 @@ MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
      "non-empty."),
     ("host.machine", "string", False, "uname -m, e.g. x86_64."),
     ("segment", "object", True, "Which part of a capture this bundle is."),
-    ("segment.index", "integer", True, ">= 0: 0 for the first segment of a capture, "
-     "then +1 per rotation."),
+    ("segment.index", "integer", True, ">= 0: 0 for the first segment written into a "
+     "bundle directory, then +1 per rotation; a later capture into the same directory "
+     "goes on from the highest index there."),
     ("segment.id", "string", True, "Non-empty identifier unique to this segment (the "
      "writer uses 32 lowercase hex digits of a random UUID)."),
     ("segment.recovered", "boolean", False, "true if the segment was sealed from a spool "
@@ -123,7 +129,7 @@ def check_manifest(path, m) -> dict:
     if m.get("magic") != MANIFEST_MAGIC:
         raise BundleError(path, "not an ingero bundle (manifest magic missing)")
     ver = m.get("format_version")
-    if not isinstance(ver, int) or isinstance(ver, bool) or ver < 1:
+    if not _is_int(ver) or ver < 1:
         raise BundleError(path, f"invalid format_version {ver!r}")
     if ver > FORMAT_VERSION:
         raise BundleError(path, f"bundle format version {ver} is newer than this tool "
@@ -142,11 +148,16 @@ def check_manifest(path, m) -> dict:
         if not _is_int(m["capture"].get(key)):
             raise BundleError(path, f"manifest field capture.{key} missing or not an integer")
     cap = m["capture"]
+    for key in ("start_mono_ns", "end_mono_ns"):
+        if not -(1 << 60) <= cap[key] <= 1 << 60:
+            raise BundleError(path, f"manifest field capture.{key} is beyond any uptime "
+                                    "(over 36 years)")
     if cap["end_mono_ns"] < cap["start_mono_ns"]:
         raise BundleError(path, "manifest capture window ends before it starts")
     seg = m["segment"]
     if not _is_int(seg.get("index")) or seg["index"] < 0:
-        raise BundleError(path, "manifest field segment.index missing or negative")
+        raise BundleError(path, "manifest field segment.index missing, negative or not a "
+                                "64-bit integer")
     if not isinstance(seg.get("id"), str) or not seg["id"]:
         raise BundleError(path, "manifest field segment.id missing or not a string")
     db = m["database"]
@@ -167,14 +178,34 @@ def check_manifest(path, m) -> dict:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer SQLite can hold (a signed 64-bit one): a larger one in a manifest would
+    fail whichever reader stores it."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)
+
+
+def open_regular(path):
+    """path opened for binary reading, only if it is a regular file: a FIFO named
+    ``p.bundle`` would block the reader forever, a device read endlessly. The open does
+    not block (O_NONBLOCK) and the type is checked on the opened file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise BundleError(path, "not a regular file (a FIFO, socket or device)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_manifest(path) -> dict:
     """Read and validate a bundle's manifest without touching the compressed database."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             m, _ = _read_header(path, f)
     except OSError as e:
         raise BundleError(path, f"cannot read: {e.strerror or e}") from None
@@ -365,7 +396,7 @@ def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
     path, out_path = Path(path), Path(out_path)
     limit = max_db_bytes() if limit is None else limit
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             file_size = os.fstat(f.fileno()).st_size
             manifest, frame_start = _read_header(path, f)
             want_size = manifest["database"]["size"]
@@ -404,6 +435,7 @@ def decompress_db(path, out_path, *, limit: int | None = None) -> dict:
 def _stream_out(path, f, out_path, want_size: int, want_sha: str) -> None:
     h = hashlib.sha256()
     got = 0
+    head = b""
     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
     try:
         with dctx.stream_reader(f, read_size=_CHUNK, read_across_frames=False) as r, \
@@ -412,6 +444,12 @@ def _stream_out(path, f, out_path, want_size: int, want_sha: str) -> None:
                 chunk = r.read(_CHUNK)
                 if not chunk:
                     break
+                if got < len(SQLITE_MAGIC):
+                    # the image must be SQLite from its first bytes: a bomb of anything
+                    # else stops here, not after writing gigabytes
+                    head = (head + chunk)[:len(SQLITE_MAGIC)]
+                    if len(head) == len(SQLITE_MAGIC) and head != SQLITE_MAGIC:
+                        raise BundleError(path, "database image is not SQLite")
                 got += len(chunk)
                 if got > want_size:
                     raise BundleError(path, "database frame is larger than declared")

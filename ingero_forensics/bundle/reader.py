@@ -62,7 +62,9 @@ def open_bundle(path, *, tmpdir=None, limit: int | None = None,
     integrity: "quick" (PRAGMA quick_check), "full" (integrity_check) or "none".
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix="ingero-", suffix=".db", dir=tmpdir)
+    # the pid in the name: a merge killed before its cleanup leaves images that the
+    # next merge removes once that process is gone (merge/core.py _remove_stale_scratch)
+    fd, tmp = tempfile.mkstemp(prefix=f"ingero-{os.getpid()}-", suffix=".db", dir=tmpdir)
     os.close(fd)
     tmp = Path(tmp)
     con = None
@@ -111,6 +113,10 @@ def verify_database(path, db_path, manifest: dict, *, integrity: str = "quick") 
         raise BundleError(path, f"database cannot be opened ({e})") from None
     try:
         _verify(path, con, manifest, integrity)
+    except UnicodeDecodeError as e:     # the schema's SQL text, say: not screened
+        con.close()
+        raise BundleError(path, f"database holds text that is not UTF-8 where it is "
+                                f"read (byte {e.start})") from None
     except apsw.Error as e:
         con.close()
         raise BundleError(path, f"database is corrupt ({type(e).__name__}: "
@@ -172,6 +178,7 @@ def _verify(path, con, manifest, integrity):
             if c.name in cols and cols[c.name] != c.type:
                 raise BundleError(path, f"column {t.name}.{c.name} is declared "
                                         f"{cols[c.name] or 'without a type'}, not {c.type}")
+    _check_text(path, con)
     meta = {}
     for k, v in con.execute("SELECT key, value FROM meta"):
         try:
@@ -195,6 +202,54 @@ def _verify(path, con, manifest, integrity):
         if n != manifest["tables"][t]:
             raise BundleError(path, f"table {t} has {n} rows but the manifest says "
                                     f"{manifest['tables'][t]}")
+
+
+def _utf8_ok(b) -> int:
+    try:
+        bytes(b).decode("utf-8")
+    except UnicodeDecodeError:
+        return 0
+    return 1
+
+
+#: A text value that is not only printable ASCII.
+_NOT_ASCII = "[^ -~]"
+#: Tables small enough that every column is screened (in the others, text in a column
+#: that is not TEXT, or an enum column, never reaches a reader: the merge skips such a
+#: row by its type or value, merge/core.py _valid_predicate).
+_SMALL_TABLES = frozenset({"meta", "nccl_comm_events", "event_stats", "clock_samples",
+                           "processes", "threads", "stacks", "capture_log"})
+
+
+def _check_text(path, con) -> None:
+    """Every text value a reader will decode is valid UTF-8: one that is not would fail
+    whichever reader meets it first (merge, export, query), so the bundle is refused
+    here, naming the table, row and column. A value of printable ASCII only passes at
+    SQLite's speed (GLOB reads any byte from 0x80 as a character beyond '~'; length()
+    would not do: a lone lead byte counts as one character); only the others are
+    decoded. Cost: docs/merge.md."""
+    con.create_scalar_function("ingero_utf8_ok", _utf8_ok, 1, deterministic=True)
+    for t in TABLES:
+        present = {r[1] for r in con.execute(f"PRAGMA table_info({t.name})")}
+        cols = [c.name for c in t.columns if c.name in present and (
+            t.name in _SMALL_TABLES or (c.type == "TEXT" and not c.values))]
+        if not cols:
+            continue
+        key = t.columns[0].name
+        bad = " OR ".join(f"(typeof({c}) = 'text' AND {c} GLOB '*{_NOT_ASCII}*' AND NOT "
+                          f"ingero_utf8_ok(CAST({c} AS BLOB)))" for c in cols)
+        cast = ", ".join(f"CAST({c} AS BLOB)" for c in cols)
+        try:
+            row = con.execute(f"SELECT CAST({key} AS BLOB), {cast} FROM {t.name} "
+                              f"WHERE {bad} LIMIT 1").fetchone()
+        except apsw.Error as e:
+            raise BundleError(path, f"database is corrupt ({type(e).__name__}: "
+                                    f"{' '.join(str(e).split())}; table {t.name})") from None
+        if row is not None:
+            col = next(c for c, v in zip(cols, row[1:]) if v is not None and not _utf8_ok(v))
+            where = bytes(row[0]).decode("utf-8", "backslashreplace")
+            raise BundleError(path, f"table {t.name} row {key} {where[:40]!r}: {col} is "
+                                    "not UTF-8 text")
 
 
 __all__ = ["Bundle", "absent_columns", "column_or_null", "open_bundle", "read_manifest",

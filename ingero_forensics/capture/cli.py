@@ -25,7 +25,7 @@ def _size(ctx, param, value):
 @click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path),
               default="/var/ingero", show_default=True,
               help="Directory for sealed segments (and its .spool/ for the live one).")
-@click.option("--node", help="Node name (1-63 of A-Z a-z 0-9 . _ -). Default: the config "
+@click.option("--node", help="Node name (1-63 of A-Z a-z 0-9 . _ -, not starting with - or .). Default: the config "
               "file's node, else $INGERO_NODE, else the hostname.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
               help="TOML config file with a top-level node = \"...\" "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .. import __version__
-from ..bundle.container import NODE_NAME_RE
+from ..bundle.container import NODE_NAME_RE, NODE_NAME_RULE
 from ..errors import IngeroError
 
 DEFAULT_CONFIG = Path("/etc/ingero-forensics/config.toml")
@@ -89,8 +89,8 @@ def resolve_node_name(cli: str | None, config_file=None, env: Mapping[str, str] 
         if value is None or (origin != "--node" and value == ""):
             continue
         if not NODE_NAME_RE.match(value):
-            raise ConfigError(f"invalid node name {value!r} (from {origin}): use 1-63 "
-                              "characters of A-Z a-z 0-9 . _ -")
+            raise ConfigError(f"invalid node name {value!r} (from {origin}): use "
+                              f"{NODE_NAME_RULE}")
         return value, origin
     raise ConfigError("no node name: pass --node NAME")  # hostname is never absent
 

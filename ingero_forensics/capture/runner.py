@@ -228,7 +228,7 @@ def run_capture(config: CaptureConfig, *, reporter: Reporter | None = None,
     try:
         bundle_dir.mkdir(parents=True, exist_ok=True)
         spool_dir = bundle_dir / SPOOL_DIR
-        spool_dir.mkdir(exist_ok=True)
+        spool_dir.mkdir(mode=0o700, exist_ok=True)
     except OSError as e:
         raise IngeroError(f"{bundle_dir}: cannot create bundle directory: {e.strerror}") from None
     if not os.access(bundle_dir, os.W_OK):

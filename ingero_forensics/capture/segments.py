@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +51,40 @@ def sealed_bundles(bundle_dir) -> list[SealedFile]:
     return out
 
 
+def check_spool_dir(spool_dir: Path) -> None:
+    """The spool directory is a real directory that no other user may write: the
+    capture (often root) writes its pid into ``lock`` and its segments there, so a link
+    or a file planted there by another user would have root write where they chose."""
+    try:
+        st = os.lstat(spool_dir)
+    except OSError as e:
+        raise IngeroError(f"{spool_dir}: cannot use as spool directory: "
+                          f"{e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise IngeroError(f"{spool_dir}: not a directory (a symlink or a file); remove it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise IngeroError(f"{spool_dir}: writable by other users (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}); chmod go-w it")
+    if st.st_uid != os.geteuid():
+        raise IngeroError(f"{spool_dir}: owned by uid {st.st_uid}, not by this user "
+                          f"(uid {os.geteuid()})")
+
+
 def lock_directory(spool_dir: Path):
-    """Hold an exclusive lock for the life of the capture; IngeroError if one runs."""
+    """Hold an exclusive lock for the life of the capture; IngeroError if one runs.
+    The lock file is opened without following a link (O_NOFOLLOW) and must be a
+    regular file."""
+    check_spool_dir(spool_dir)
     path = spool_dir / "lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise IngeroError(f"{path}: cannot open the lock file: {e.strerror or e}"
+                          + (" (a symlink: remove it)" if os.path.islink(path) else "")
+                          ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IngeroError(f"{path}: not a regular file; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -100,7 +131,7 @@ def next_index(bundle_dir: Path, spool_dir: Path, node: str) -> int:
         m = re.match(r"^segment-(\d+)\.db", entry.name)
         if m:
             idx.append(int(m.group(1)))
-    return max(idx, default=0) + 1
+    return max(idx) + 1 if idx else 0     # docs/bundle-format.md: the first is 0
 
 
 class Sealer:

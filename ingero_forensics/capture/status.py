@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..cliutil import human_bytes
+from ..cliutil import clean, human_bytes, raw_stream
 
 MODES = ("tty", "plain", "quiet")
 
@@ -19,7 +19,8 @@ class Reporter:
         if mode not in MODES:
             raise ValueError(f"unknown output mode {mode!r}")
         self.mode = mode
-        self.stream = stream or sys.stderr
+        # its own line control (CR, erase line) goes to the terminal; the text is escaped
+        self.stream = raw_stream(stream or sys.stderr)
         self._line_shown = False
         self._last_plain = time.monotonic()
 
@@ -39,11 +40,11 @@ class Reporter:
             self._write("\r\033[K")
             self._line_shown = False
         stamp = time.strftime("%H:%M:%S")
-        self._write(f"{stamp} {level:<7} {source}: {text}\n")
+        self._write(clean(f"{stamp} {level:<7} {source}: {text}") + "\n")
 
     def status(self, text: str) -> None:
         if self.mode == "tty":
-            self._write(f"\r\033[K{text}")
+            self._write(f"\r\033[K{clean(text)}")
             self._line_shown = True
         elif self.mode == "plain":
             now = time.monotonic()

@@ -28,6 +28,7 @@ the top-level metadata.
 from __future__ import annotations
 
 import datetime as _dt
+import contextlib
 import copy
 import dataclasses
 import io
@@ -1899,10 +1900,12 @@ def _to_file(exporter: _Exporter, out_path: Path, opts: ExportOptions,
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):      # a read-only file system refuses this too
+            tmp.unlink(missing_ok=True)
         raise ExportError(f"{out_path}: cannot write: {e.strerror or e}") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
     stats.output = str(out_path)
     return stats

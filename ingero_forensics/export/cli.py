@@ -15,7 +15,8 @@ def _split(values) -> tuple[str, ...]:
     return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
 
 
-@click.command(name="ingero-export", epilog=EXIT_CODES_HELP)
+@click.command(name="ingero-export", epilog=EXIT_CODES_HELP,
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("fleet_db", type=click.Path(dir_okay=False))
 @click.option("--chrome-trace", "chrome_trace", is_flag=True, required=True,
               help="Write Chrome Trace Event Format JSON (Perfetto, chrome://tracing; "

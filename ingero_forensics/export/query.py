@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +24,7 @@ from typing import Iterator
 import apsw
 import apsw.ext
 
-from ..bundle.container import SKIPPABLE_MAGIC, SQLITE_MAGIC
+from ..bundle.container import SKIPPABLE_MAGIC, SQLITE_MAGIC, open_regular
 from ..bundle.reader import open_bundle
 from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
 from ..db import connect_readonly
@@ -53,10 +54,11 @@ class OpenedDatabase:
     node: str | None = None
 
 
-def _read(path, size: int, expected: str) -> bytes:
-    """The first size bytes of path (-1: all); one-line IngeroError when it cannot be read."""
+def _read(path, size: int, expected: str, *, regular: bool = False) -> bytes:
+    """The first size bytes of path (-1: all); one-line IngeroError when it cannot be read.
+    regular: only a regular file (a FIFO named like a database would block)."""
     try:
-        with open(path, "rb") as f:
+        with (open_regular(path) if regular else open(path, "rb")) as f:
             return f.read(size)
     except FileNotFoundError:
         raise IngeroError(f"{path}: no such file") from None
@@ -68,7 +70,7 @@ def _read(path, size: int, expected: str) -> bytes:
 
 def detect_kind(path: Path) -> str:
     """'bundle' or 'sqlite' from the first bytes; IngeroError for anything else."""
-    head = _read(path, 16, "a fleet.db or bundle")
+    head = _read(path, 16, "a fleet.db or bundle", regular=True)
     if head == SQLITE_MAGIC:
         return "sqlite"
     if len(head) >= 4 and struct.unpack("<I", head[:4])[0] == SKIPPABLE_MAGIC:
@@ -126,7 +128,12 @@ def check_readonly(con: apsw.Connection, sql: str, bindings=None, *, where: str 
     Returns the statement's column names.
     """
     try:
-        info = apsw.ext.query_info(con, sql, bindings, actions=True)
+        try:
+            info = apsw.ext.query_info(con, sql, bindings, actions=True)
+        except (TypeError, ValueError, AttributeError):
+            # apsw.ext cannot describe some actions (REINDEX's index name): the statement
+            # is judged without its action list, and the authorizer still runs with it
+            info = apsw.ext.query_info(con, sql, bindings, actions=False)
     except apsw.Error as e:
         raise IngeroError(f"{where}: query failed: {_sql_error(e)}") from None
     if not info.first_query.strip():
@@ -163,11 +170,65 @@ class QueryResult:
     rows: Iterator[tuple]
 
 
-def run_query(db: OpenedDatabase, sql: str, bindings=None) -> QueryResult:
-    """Check and start one read-only statement; rows stream from the returned iterator."""
+#: ingero-query's default --timeout (seconds): a statement that runs longer is stopped.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class QueryTimeout(IngeroError):
+    """The statement ran longer than its timeout and was stopped."""
+
+
+class QueryInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the statement (inside SQLite, where Python's handler cannot)."""
+
+
+class Deadline:
+    """Stops the connection's statement (SQLite's progress handler) once ``timeout_s``
+    have passed (None or 0: never) or once ``interrupt()`` was called (a SIGINT
+    handler calls it: SQLite's loop runs no Python code for the default handler)."""
+
+    STEPS = 10_000      # virtual machine instructions between two looks at the clock
+
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s = timeout_s or None
+        self.end = None if not timeout_s else time.monotonic() + timeout_s
+        self.interrupted = False
+        self.expired = False
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+    def __call__(self) -> int:
+        if self.interrupted:
+            return 1
+        if self.end is not None and time.monotonic() > self.end:
+            self.expired = True
+            return 1
+        return 0
+
+    def error(self, where: str) -> BaseException | None:
+        if self.interrupted:
+            return QueryInterrupted()
+        if self.expired:
+            return QueryTimeout(f"{where}: query stopped after {self.timeout_s:g} s "
+                                "(--timeout; 0 for no limit)")
+        return None
+
+
+def run_query(db: OpenedDatabase, sql: str, bindings=None, *,
+              deadline: Deadline | None = None) -> QueryResult:
+    """Check and start one read-only statement; rows stream from the returned iterator.
+    deadline: stops the statement (timeout, Ctrl-C) with QueryTimeout/QueryInterrupted."""
     where = str(db.path)
     columns = check_readonly(db.con, sql, bindings, where=where)
     db.con.authorizer = _authorizer
+    if deadline is not None:
+        db.con.set_progress_handler(deadline, Deadline.STEPS)
+
+    def failed(e):
+        stop = deadline.error(where) if deadline is not None else None
+        return stop or IngeroError(f"{where}: query failed: {_sql_error(e)}")
+
     cur = db.con.cursor()
     try:
         cur.execute(sql, bindings)
@@ -176,13 +237,20 @@ def run_query(db: OpenedDatabase, sql: str, bindings=None) -> QueryResult:
     except apsw.BindingsError as e:
         raise IngeroError(f"{where}: query parameters: {e}") from None
     except apsw.Error as e:
-        raise IngeroError(f"{where}: query failed: {_sql_error(e)}") from None
+        raise failed(e) from None
 
     def rows():
+        n = 0
         try:
-            yield from cur
+            for row in cur:
+                yield row
+                n += 1
         except apsw.Error as e:
-            raise IngeroError(f"{where}: query failed: {_sql_error(e)}") from None
+            raise failed(e) from None
+        except UnicodeDecodeError as e:
+            raise IngeroError(f"{where}: query failed: row {n + 1} holds text that is not "
+                              f"UTF-8 (byte {e.start}); select it as CAST(column AS BLOB)"
+                              ) from None
 
     return QueryResult(columns, rows())
 
@@ -251,6 +319,11 @@ def starts_with_sql_comment(arg: str) -> bool:
 # ------------------------------------------------------------------------- output
 
 FORMATS = ("table", "csv", "json")
+#: The table format sizes its columns on this many first rows (or this much text), then
+#: streams; a column is at most TABLE_MAX_WIDTH wide (longer values are not cut).
+TABLE_HEAD_ROWS = 1000
+TABLE_HEAD_BYTES = 1 << 20
+TABLE_MAX_WIDTH = 120
 
 
 def _text(v) -> str:
@@ -264,7 +337,7 @@ def _text(v) -> str:
 def write_rows(result: QueryResult, fmt: str, out) -> int:
     """Write result to the binary stream out as table, csv or json; return the row count.
 
-    csv and json stream row by row; table buffers to size its columns.
+    Every format streams row by row (table after sizing its columns on the first rows).
     """
     import csv
     import io
@@ -294,15 +367,33 @@ def write_rows(result: QueryResult, fmt: str, out) -> int:
         text.detach()
         return n
     if fmt == "table":
-        rows = [[_text(v) for v in row] for row in result.rows]
-        n = len(rows)
-        widths = [len(c) for c in result.columns]
+        # For a terminal: control characters escaped; the columns sized on the first
+        # rows (TABLE_HEAD_ROWS, or TABLE_HEAD_BYTES of text), the rest streamed.
+        from ..cliutil import clean  # noqa: PLC0415
+        rows = iter(result.rows)
+        head, size = [], 0
         for row in rows:
-            for i, v in enumerate(row):
-                widths[i] = max(widths[i], len(v))
-        lines = ["  ".join(c.ljust(w) for c, w in zip(result.columns, widths)).rstrip(),
-                 "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
-        out.write(("\n".join(lines) + "\n").encode())
+            cells = [clean(_text(v)) for v in row]
+            head.append(cells)
+            size += sum(len(c) for c in cells)
+            if len(head) >= TABLE_HEAD_ROWS or size >= TABLE_HEAD_BYTES:
+                break
+        widths = [len(c) for c in result.columns]
+        for cells in head:
+            for i, v in enumerate(cells):
+                widths[i] = min(max(widths[i], len(v)), TABLE_MAX_WIDTH)
+
+        def line(cells):
+            return ("  ".join(v.ljust(w) for v, w in zip(cells, widths)).rstrip() + "\n"
+                    ).encode("utf-8", "backslashreplace")
+        out.write(line([clean(c) for c in result.columns]))
+        out.write(line(["-" * w for w in widths]))
+        for cells in head:
+            out.write(line(cells))
+            n += 1
+        del head
+        for row in rows:
+            out.write(line([clean(_text(v)) for v in row]))
+            n += 1
         return n
     raise ValueError(f"unknown format {fmt!r}")

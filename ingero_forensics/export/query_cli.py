@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
 import orjson
 
 from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
-from .query import (FORMATS, list_tables, open_database, read_sql, run_query,
-                    starts_with_sql_comment, write_rows)
+from .query import (DEFAULT_TIMEOUT_S, FORMATS, Deadline, list_tables, open_database,
+                    read_sql, run_query, starts_with_sql_comment, write_rows)
 
 
 class _SqlCommand(click.Command):
@@ -40,10 +41,13 @@ class _SqlCommand(click.Command):
               help="Bind :NAME in the query to VALUE (repeatable); VALUE stays text.")
 @click.option("--schema", is_flag=True,
               help="List the tables with their row counts and what each holds.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT_S,
+              show_default=True,
+              help="Stop the statement after this many seconds (0: no limit).")
 @click.option("-q", "--quiet", is_flag=True, help="No row count on stderr.")
 @version_option("ingero-query")
 @handle_errors
-def main(database, sql, sql_file, fmt, json_, params, schema, quiet):
+def main(database, sql, sql_file, fmt, json_, params, schema, quiet, timeout):
     """Run one read-only SQL statement on DATABASE: a fleet.db or a .bundle.
 
     The SQL is the SQL argument (it may begin with an SQL comment: "-- find slow ..."),
@@ -94,11 +98,40 @@ def main(database, sql, sql_file, fmt, json_, params, schema, quiet):
                     click.echo(f"{t.name.ljust(width)}  {t.rows:>10}  {t.doc}")
             return
         bindings = {name: value for name, value in params} if params else None
-        result = run_query(db, sql, bindings)
-        n = write_rows(result, fmt, out)
-        out.flush()
+        deadline = Deadline(timeout)
+        with _sigint_stops(deadline):
+            result = run_query(db, sql, bindings, deadline=deadline)
+            n = write_rows(result, fmt, out)
+            out.flush()
     if fmt == "table" and not quiet:
         click.echo(f"({n} row{'s' if n != 1 else ''})", err=True)
+
+
+class _sigint_stops:
+    """While a statement runs, Ctrl-C stops it: SQLite runs no Python code between its
+    instructions, so the handler marks the deadline, whose progress handler stops the
+    statement; a second Ctrl-C raises at once."""
+
+    def __init__(self, deadline: Deadline):
+        self.deadline = deadline
+
+    def _handler(self, signum, frame):
+        if self.deadline.interrupted:
+            raise KeyboardInterrupt
+        self.deadline.interrupt()
+
+    def __enter__(self):
+        try:
+            self.old = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:          # not the main thread (an embedding): as it was
+            self.old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+        if self.deadline.interrupted and exc[0] is None:
+            raise KeyboardInterrupt
 
 
 __all__ = ["main", "orjson"]

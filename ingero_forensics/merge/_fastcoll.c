@@ -537,14 +537,20 @@ static int do_runs(sqlite3 *db, const char *coll_sql, const char *sync_sql, cons
             evs[nev++] = (Ev){recs[i].pid, recs[i].tid, recs[i].t, (int64_t)i};
     for (size_t i = 0; i < nsync; i++)
         evs[nev++] = (Ev){syncs[i].pid, syncs[i].tid, syncs[i].t, SYNC_BIT | (int64_t)i};
-    qsort(evs, nev, sizeof *evs, cmp_ev);
+    if (nev > 1)
+        qsort(evs, nev, sizeof *evs, cmp_ev);
     for (size_t i = 1; i < nev; i++) {
         if (!(evs[i].key & SYNC_BIT) || (evs[i - 1].key & SYNC_BIT))
             continue;
         const Sync *s = &syncs[evs[i].key & ~SYNC_BIT];
         Rec *c = &recs[evs[i - 1].key];
         if (s->d >= min_wait && c->pid == s->pid && c->tid == s->tid) {
-            c->obs = s->t + s->d;
+            /* checked: times come from an untrusted bundle (the SQL bounds them first,
+             * syncpoints.TIME_BOUND; this only keeps the C free of overflow) */
+            if (__builtin_add_overflow(s->t, s->d, &c->obs)) {
+                fail(e, "integer overflow", "end of a synchronization");
+                goto done;
+            }
             c->wait = s->d;
             c->flags |= F_OBS;
             /* the last queued op's entry, relative to the collective's return (in
@@ -577,14 +583,16 @@ static int do_runs(sqlite3 *db, const char *coll_sql, const char *sync_sql, cons
     }
     for (size_t i = 0; i < in.len; i++)
         order[i] = (int32_t)i;
-    qsort_r(order, in.len, sizeof *order, cmp_comm_idx, in.v);
+    if (in.len > 1)
+        qsort_r(order, in.len, sizeof *order, cmp_comm_idx, in.v);
     for (size_t i = 0; i < in.len; i++) {
         rank[order[i]] = (int32_t)i;
         sorted[i] = in.v[order[i]];
     }
     for (size_t i = 0; i < nrec; i++)
         recs[i].comm = rank[recs[i].comm];
-    qsort(recs, nrec, sizeof *recs, cmp_rec);
+    if (nrec > 1)               /* recs is NULL when there is none */
+        qsort(recs, nrec, sizeof *recs, cmp_rec);
     int64_t distinct = 0;
     for (size_t i = 0, prev = SIZE_MAX; i < nrec; i++) {
         if (!(recs[i].flags & F_OBS))
@@ -737,7 +745,14 @@ static inline int64_t aligned(const Run *r, int64_t m)
     double x = (double)m * r->slope;
     if (x > -4503599627370496.0 && x < 4503599627370496.0)
         x = (double)(int64_t)(x + (x < 0 ? -0.5 : 0.5));
-    return r->off + m + (int64_t)x;
+    /* Inputs are bounded (syncpoints.TIME_BOUND, |off| < 2^61, |slope| < 1) so none of
+     * this overflows; should it, the result saturates rather than being undefined. */
+    if (!(x > -9.2e18 && x < 9.2e18))
+        return x < 0 ? INT64_MIN : INT64_MAX;
+    int64_t out;
+    if (__builtin_add_overflow(r->off, m, &out) || __builtin_add_overflow(out, (int64_t)x, &out))
+        return m < 0 ? INT64_MIN : INT64_MAX;
+    return out;
 }
 
 static int cmp_i64(const void *pa, const void *pb)
@@ -781,7 +796,9 @@ static int agg_group(Agg *a, Merge *m, Err *e)
     for (size_t i = 0; i < n; i++) {
         if (!(rows[i].r.flags & F_OBS))
             continue;
-        int64_t v = aligned(&m->runs[rows[i].run], rows[i].r.obs) - a->ref;
+        int64_t v;
+        if (__builtin_sub_overflow(aligned(&m->runs[rows[i].run], rows[i].r.obs), a->ref, &v))
+            return fail(e, "integer overflow", "completion time");
         omin = nobs ? (v < omin ? v : omin) : v;
         omax = nobs ? (v > omax ? v : omax) : v;
         nobs++;
@@ -797,17 +814,23 @@ static int agg_group(Agg *a, Merge *m, Err *e)
         if (ntight) {
             double mean = ntight >= 3 ? (double)(sum - amin - amax) / ((double)ntight - 2.0)
                                       : (double)sum / (double)ntight;
-            completion = a->ref + (int64_t)mean;
+            if (!(mean > -9.2e18 && mean < 9.2e18) ||
+                __builtin_add_overflow(a->ref, (int64_t)mean, &completion))
+                return fail(e, "integer overflow", "completion time");
         } else {
-            completion = a->ref + omin;
+            if (__builtin_add_overflow(a->ref, omin, &completion))
+                return fail(e, "integer overflow", "completion time");
             amin = omin;
             amax = omax;
         }
+        int64_t spread;
+        if (__builtin_sub_overflow(amax, amin, &spread))
+            return fail(e, "integer overflow", "completion spread");
         sqlite3_bind_text(a->comp, 1, comm->s, (int)comm->n, SQLITE_STATIC);
         sqlite3_bind_int64(a->comp, 2, seq);
         sqlite3_bind_int64(a->comp, 3, completion);
         sqlite3_bind_int64(a->comp, 4, ntight ? ntight : nobs);
-        sqlite3_bind_int64(a->comp, 5, amax - amin);
+        sqlite3_bind_int64(a->comp, 5, spread);
         sqlite3_bind_int64(a->comp, 6, ntight);
         if (step_reset(a, a->comp, e))
             return -1;
@@ -824,7 +847,9 @@ static int agg_group(Agg *a, Merge *m, Err *e)
         const Run *r = &m->runs[rows[i].run];
         if (!(c->flags & F_ENT))
             continue;
-        int64_t at = aligned(r, c->t), pre = r->pre + c->t;
+        int64_t at = aligned(r, c->t), pre;
+        if (__builtin_add_overflow(r->pre, c->t, &pre))
+            return fail(e, "integer overflow", "entry time");
         op_min = c->op < op_min ? c->op : op_min;
         op_max = c->op > op_max ? c->op : op_max;
         if (c->flags & F_BYTES) {
@@ -853,7 +878,8 @@ static int agg_group(Agg *a, Merge *m, Err *e)
         nent++;
     }
     if (nent) {
-        qsort(a->keys, nkeys, sizeof *a->keys, cmp_i64);
+        if (nkeys > 1)
+            qsort(a->keys, nkeys, sizeof *a->keys, cmp_i64);
         int64_t distinct = 0;
         for (size_t i = 0; i < nkeys; i++)
             distinct += !i || a->keys[i] != a->keys[i - 1];
@@ -884,12 +910,14 @@ static int agg_group(Agg *a, Merge *m, Err *e)
             continue;
         int64_t at = aligned(r, c->obs);
         if (nent) {     /* Scalasca's clock condition, before and after the alignment */
-            r->before += c->obs + r->pre < last_pre + a->min_lat;
-            r->after += at < last + a->min_lat;
+            r->before += (__int128)c->obs + r->pre < (__int128)last_pre + a->min_lat;
+            r->after += (__int128)at < (__int128)last + a->min_lat;
             r->counted = 1;
         }
         if (c->seq % a->every == 0) {
-            int64_t d = at - completion;
+            int64_t d;
+            if (__builtin_sub_overflow(at, completion, &d))
+                return fail(e, "integer overflow", "observation offset");
             sqlite3_stmt *s = a->sp;
             sqlite3_bind_int64(s, 1, r->node);
             sqlite3_bind_int64(s, 2, c->bundle);

@@ -147,6 +147,27 @@ def _list_line(it) -> str:
             f"{cliutil.human_bytes(m['database']['size'])} sha256 {m['database']['sha256'][:12]}")
 
 
+def ranks_text(ranks, width: int) -> str:
+    """Ranks as runs (``0-7,16``) in at most width characters, never cut inside a
+    number: what does not fit is counted (``0,2,4,+5``)."""
+    runs = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    items = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    text = ",".join(items)
+    if len(text) <= width:
+        return text
+    for k in range(len(items) - 1, -1, -1):
+        rest = sum(b - a + 1 for a, b in runs[k:])
+        cut = ",".join(items[:k] + [f"+{rest}"])
+        if len(cut) <= width:
+            return cut
+    return f"+{len(set(ranks))}"
+
+
 def format_summary(res) -> str:
     lines = [f"{res.output}: {res.bundles_merged} bundles merged, {res.bundles_already} "
              f"already present, {len(res.skipped)} skipped; {res.events} rows in "
@@ -158,7 +179,7 @@ def format_summary(res) -> str:
                  f"{'uncert':>10} {'viol b/a':>10}")
     for n in res.nodes:
         a = n["alignment"]
-        ranks = ",".join(map(str, n["ranks"]))[:10]
+        ranks = ranks_text(n["ranks"], 10)
         unc = "-" if a["uncertainty_ns"] is None else f"{a['uncertainty_ns'] / 1e3:.0f}us"
         flag = " LIAR" if a["exceeds_claim"] else ""
         lines.append(f"{n['name'][:20]:<20} {ranks:<10} {n['bundles']:>7} "

@@ -88,7 +88,9 @@ class CollectiveJob:
         self.ref = ref
         self.min_latency_ns = min_latency_ns
         self.bundles = bundles        # (node_id, bundle_id, sync points file, image)
-        self.valid_nccl = valid_nccl  # SQL: the nccl_events rows the merge copies (alias e)
+        # SQL: the nccl_events rows the merge copies (alias e); or a function of the
+        # bundle_id giving it (each bundle's own capture window)
+        self.valid_nccl = valid_nccl
         self.fastcoll = fastcoll      # the C path, or None
         self.runs = list(runs)        # C path: (run file, node_id, bundle_id or -1)
         self._stop = bytearray(1)     # set to stop the C path between two collectives
@@ -104,6 +106,9 @@ class CollectiveJob:
             self._stop[0] = 1
             if self._con is not None:
                 self._con.interrupt()
+
+    def valid_for(self, bundle_id: int) -> str:
+        return self.valid_nccl(bundle_id) if callable(self.valid_nccl) else self.valid_nccl
 
     def run(self) -> CollectiveResults:
         con = open_scratch(self.staging_path)
@@ -171,7 +176,7 @@ class CollectiveJob:
                             f"{int_or_null('rank')}, "
                             f"timestamp_ns, op, {int_or_null('bytes')}, {int_or_null('nranks')} "
                             "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
-                            f"typeof(e.seq) = 'integer' AND {self.valid_nccl}",
+                            f"typeof(e.seq) = 'integer' AND {self.valid_for(bundle_id)}",
                             (node_id, bundle_id))
         self.bundles_read.set()
         a_ent = aligned_sql("e.mono_ns")

@@ -19,8 +19,12 @@ then the indexes, the collectives and the node facts.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import glob
+import re
 import json
+import math
 import os
 import shutil
 import threading
@@ -46,7 +50,8 @@ from .stacks import canonical_stack, stack_hash
 from .causal import FULL_DEPENDENCY_OPS
 from .ranks import process_ranks
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
-from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, attached,
+from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, TIME_BOUND,
+                         attached,
                          extract_fleet_sync_points, extract_sync_points, file_uri,
                          image_runs, image_uri, write_runs)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
@@ -68,6 +73,12 @@ REGION_STRIDE = 1 << 40
 #: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
 PASS1_TABLES = ("meta", "clock_samples")
 PASS3_TABLES = tuple(t for t in COPIED_TABLES if t not in PASS1_TABLES)
+#: A row whose monotonic time point lies further than this outside its bundle's capture
+#: window (manifest capture.start/end_mono_ns) is not merged: it is skipped and counted.
+WINDOW_MARGIN_NS = 600 * 1_000_000_000
+#: The same for a clock sample's realtime reading and the capture's UTC window; wider,
+#: as a node's clock may be stepped during the capture (but not into another century).
+REALTIME_MARGIN_NS = 86_400 * 1_000_000_000
 
 
 class MergeError(IngeroError):
@@ -172,14 +183,31 @@ def _aligned(col: str, p: str = "") -> str:
     return f"(:off{p} + {col} + CAST(ROUND({col} * :slope{p}) AS INTEGER))"
 
 
-def _valid_predicate(table: str, alias: str = "e") -> str:
+#: The storage classes a column of each declared type may hold (SQLite stores any value
+#: in any column; the readers of fleet.db rely on these).
+_STORAGE = {"INTEGER": "'integer'", "REAL": "'real', 'integer'", "TEXT": "'text'"}
+#: Kernel and job identifiers: small non-negative integers (Linux pids stay below
+#: 2^22, ranks below a job's size); outside [0, 2^32) a row is skipped, as the readers
+#: compute with them (sort keys, track ids).
+_ID_COLUMNS = ("pid", "tid", "owner_pid", "other_pid", "other_tid", "rank", "nranks",
+               "local_rank", "world_size", "local_world_size", "node_rank", "cpu")
+
+
+def _valid_predicate(table: str, alias: str = "e", absent=frozenset()) -> str:
     """Rows of an untrusted bundle that can be merged: enums known, NOT NULL columns set,
-    time points integers. The rest is skipped and counted."""
+    every value of its column's type (text or a blob in an INTEGER column would fail
+    export and query later), time points integers. The rest is skipped and counted.
+    absent: optional columns the bundle lacks (format 1.0), not referred to."""
     t = BUNDLE_TABLES[table]
     conds = []
     times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
     for c in t.columns[1:] if t.columns[0].name == "id" else t.columns:
+        if c.name in absent:
+            continue
         ref = f"{alias}.{c.name}"
+        conds.append(f"typeof({ref}) IN ({_STORAGE[c.type]}, 'null')")
+        if c.name in _ID_COLUMNS:
+            conds.append(f"({ref} IS NULL OR {ref} BETWEEN 0 AND 4294967295)")
         if c.values:
             vals = ", ".join("'" + v.replace("'", "''") + "'" for v in c.values)
             conds.append(f"({ref} IN ({vals})" + (f" OR {ref} IS NULL)" if c.nullable else ")"))
@@ -188,7 +216,35 @@ def _valid_predicate(table: str, alias: str = "e") -> str:
         if c.name in times or (c.name == "duration_ns" and table == "nccl_events"):
             conds.append(f"(typeof({ref}) = 'integer'" +
                          (f" OR {ref} IS NULL)" if c.nullable else ")"))
+            # within syncpoints.TIME_BOUND (a duration not negative): both collective
+            # paths count exactly these rows, and their sums fit in int64
+            lo = 0 if c.name == "duration_ns" else -TIME_BOUND
+            conds.append(f"({ref} IS NULL OR {ref} BETWEEN {lo} AND {TIME_BOUND})")
     return " AND ".join(conds) or "1"
+
+
+def _bundle_predicate(bundle, table: str) -> str:
+    """_valid_predicate for one bundle's table (its absent optional columns left out)
+    and _in_window: the rows of it the merge copies and the collectives count."""
+    absent = getattr(bundle, "absent", {}).get(table, frozenset())
+    return _valid_predicate(table, absent=absent) + _in_window(bundle, table)
+
+
+def _in_window(bundle, table: str, alias: str = "e") -> str:
+    """SQL (`` AND ...``) keeping the rows whose time points lie in the bundle's capture
+    window plus WINDOW_MARGIN_NS (REALTIME_MARGIN_NS for realtime readings): a time at
+    int64 max or centuries away would otherwise become the fleet's start or jitter.
+    The bounds are integers from the validated manifest."""
+    cap = bundle.manifest["capture"]
+    lo, hi = cap["start_mono_ns"] - WINDOW_MARGIN_NS, cap["end_mono_ns"] + WINDOW_MARGIN_NS
+    cols = [c for c in time_point_columns(table) if column_or_null(bundle, table, c) != "NULL"]
+    conds = [(c, lo, hi) for c in cols]
+    if table == "clock_samples":
+        conds += [(c, lo, hi) for c in ("mono_before_ns", "mono_after_ns")]
+        conds.append(("realtime_ns", cap["start_utc_ns"] - REALTIME_MARGIN_NS,
+                      cap["end_utc_ns"] + REALTIME_MARGIN_NS))
+    return "".join(f" AND ({alias}.{c} IS NULL OR {alias}.{c} BETWEEN {max(a, -(1 << 63))} "
+                   f"AND {min(b, (1 << 63) - 1)})" for c, a, b in conds)
 
 
 def check_fleet(path: Path) -> None:
@@ -272,14 +328,131 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     splice = _accel.load("merge._splice", "sqlite3_splice_init") \
         if accel and os.environ.get("INGERO_NO_SPLICE", "") in ("", "0") else None
     corrupt: dict[str, str] = {}
+    lock, lock_path = _lock_output(Path(out_path), Path(tmpdir) if tmpdir else None)
+    try:
+        return _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity,
+                               min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+    finally:
+        # removed while still held: a merge that opened it meanwhile finds, once it has
+        # the lock, that the name is no longer its file and takes the new one
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(lock)
+
+
+def _lock_output(out: Path, tmpdir: Path | None = None) -> tuple[int, Path]:
+    """An exclusive lock on ``.<name>.lock`` beside the output, held for the whole merge:
+    a second merge into the same file refuses at once (two would each rename their own
+    result into place and one's bundles would be lost). Under the lock, scratch files
+    that merges killed earlier left beside the output are removed, and a -wal or hot
+    journal beside an existing output is settled (_settle_output)."""
+    if not out.parent.is_dir():
+        raise MergeError(f"{out}: directory {out.parent} does not exist")
+    path = out.with_name(f".{out.name}.lock")
     while True:
         try:
-            return _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
-                                  min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise MergeError(f"{out}: cannot write in {out.parent}: "
+                             f"{e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise MergeError(f"{out}: another ingero-merge is writing it (lock "
+                                 f"{path.name}); wait for it to finish") from None
+            raise MergeError(f"{out}: cannot lock {path.name}: {e.strerror or e}") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except OSError:
+            same = False
+        if same:
+            break
+        os.close(fd)                    # its holder removed it as we opened it: again
+    try:
+        _remove_stale_scratch(out, tmpdir)
+        if out.exists():
+            check_fleet(out)            # only a fleet.db is settled, nothing else touched
+            _settle_output(out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+        raise
+    return fd, path
+
+
+def _remove_stale_scratch(out: Path, tmpdir: Path | None = None) -> None:
+    """Files named ``.<name>.<pid>.*`` beside the output that a merge killed before its
+    cleanup left (the temporary fleet.db, sparse and of terabyte apparent size with the
+    splice, its journal, staging and scratch databases), and decompressed images
+    ``ingero-<pid>-*.db`` with their ``.sync`` and run files where images go (--tmpdir,
+    else beside the output). Only under the output's lock, and only when that process
+    is gone."""
+    scratch = re.compile(re.escape(f".{out.name}.") + r"(\d+)\.[A-Za-z0-9_.-]+")
+    image = re.compile(r"ingero-(\d+)-[A-Za-z0-9_]+\.db(\.[A-Za-z0-9_.-]+)?")
+    found = [(f, scratch.fullmatch(f.name)) for f in out.parent.iterdir()]
+    with contextlib.suppress(OSError):
+        found += [(f, image.fullmatch(f.name)) for f in (tmpdir or out.parent).iterdir()]
+    for f, m in found:
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue                    # alive (not a merge of this output: it holds no lock)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        with contextlib.suppress(OSError):
+            if f.is_file() and not f.is_symlink():
+                f.unlink()
+
+
+def _settle_output(out: Path) -> None:
+    """An existing output with a -wal (opened in WAL mode by a viewer) or a journal
+    beside it: its content is checkpointed into it and the output returned to rollback
+    mode, or the merge refuses. Never is a foreign -wal left beside the new file, where
+    SQLite would replay it onto it."""
+    side = [Path(f"{out}{s}") for s in ("-wal", "-journal")]
+    if not out.exists() or not any(p.exists() for p in side):
+        return
+    try:
+        con = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READWRITE)
+        try:
+            con.execute("PRAGMA busy_timeout = 1000")
+            mode = con.execute("PRAGMA journal_mode = DELETE").fetchone()[0]
+        finally:
+            con.close()
+    except apsw.Error as e:
+        mode = f"{type(e).__name__}: {e}"
+    left = [p.name for p in side if p.exists() and p.stat().st_size]
+    if str(mode).lower() != "delete" or left:
+        raise MergeError(f"{out}: is open in another program ({', '.join(left) or mode} "
+                         "could not be checkpointed); close it and merge again")
+    for p in side:
+        p.unlink(missing_ok=True)
+
+
+def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
+                    min_latency_ns, fastcoll, splice, corrupt) -> MergeResult:
+    notes = []
+    while True:
+        try:
+            res = _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
+                                 min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+            res.warnings.extend(notes)
+            return res
         except _too_large(fastcoll):
             # A collective with more rows than the C path holds at once (no real job has
             # that many ranks): the SQL path, whose memory stays bounded, does it again.
             fastcoll = None
+        except _SpliceFailed as e:
+            # Never seen: the plain path (tables moved by SQLite) does it again.
+            notes.append(f"spliced pages failed quick_check ({e}); merged again without "
+                         "the splice")
+            splice = None
         except _CorruptBundle as e:
             # Nothing of this attempt was kept (the output is written only at the end):
             # again, with that bundle skipped for its reason from the start.
@@ -318,6 +491,7 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         fl.splice = splice
         fl.region_fd = None     # regions in use (the builder writes into fleet.db itself)
         fl.spliced = []         # (offset, pointer pages, [(local root, fleet root)])
+        fl.spliced_tables = []  # their names, checked after the splice (_verify_spliced)
         scratch.extend(Path(f"{fl.scratch_base}.{t}") for t in PASS3_TABLES)
         try:
             entries = [(shown, path, corrupt.get(str(path), err))
@@ -340,6 +514,9 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
             _splice_tables(fl)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        if os.path.exists(f"{out}-wal") and os.path.getsize(f"{out}-wal"):
+            raise MergeError(f"{out}: another program opened it in WAL mode during the "
+                             "merge; close it and merge again (nothing was written)")
         os.replace(tmp, out)
         try:
             fd = os.open(str(out.parent), os.O_RDONLY)
@@ -349,10 +526,8 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
             pass
     except BaseException as e:
         for suffix in ("", "-journal"):
-            try:
+            with contextlib.suppress(OSError):      # EROFS too: the error below matters
                 os.unlink(f"{tmp}{suffix}")
-            except FileNotFoundError:
-                pass
         # The output side failed (disk full, an unwritable directory): one line, not a
         # traceback; the previous fleet.db is untouched.
         if isinstance(e, apsw.FullError) or (isinstance(e, OSError) and e.errno == 28):
@@ -462,13 +637,17 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         con.execute("ROLLBACK")
                     if attached:
                         con.execute("DETACH DATABASE b")
-            except (apsw.Error, ValueError) as e:
+            except (apsw.Error, ValueError, _Conflict) as e:
                 if not con.getautocommit():
                     con.execute("ROLLBACK")
                 bundle.close()
-                skip(shown, f"cannot merge ({type(e).__name__}: {e})")
+                skip(shown, str(e) if isinstance(e, _Conflict) else
+                     f"cannot merge ({type(e).__name__}: {e})")
                 progress(2)
                 continue
+            except BaseException:
+                bundle.close()          # Ctrl-C here: its image is not left behind
+                raise
             known_sha.add(sha)
             fl.collectives_seen = max(fl.collectives_seen, bundle.collectives_seen)
             pending.append({"bundle": bundle, "shown": shown, "node_id": node_id,
@@ -482,6 +661,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     _sample_sync_points(fl, pending)
     con.execute("BEGIN")
     params = _align(fl, res)
+    _check_params(params, pending)
     param_rows = [(a.node_id, a.offset_ns, a.slope, a.pre_offset_ns) for a in params.values()]
     con.execute("CREATE TEMP TABLE node_params (node_id INTEGER PRIMARY KEY, off INTEGER, "
                 "slope REAL, pre INTEGER)")
@@ -495,7 +675,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         ref, min_latency_ns,
                         [(i["node_id"], i["bundle_id"], i["bundle"].sync_path,
                           i["bundle"].db_path) for i in pending],
-                        _valid_predicate("nccl_events"), fastcoll=fl.fastcoll,
+                        _nccl_predicates(pending), fastcoll=fl.fastcoll,
                         runs=fl.old_runs + [(p, i["node_id"], i["bundle_id"]) for i in pending
                                             for p in i["bundle"].run_paths])
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-collectives")
@@ -570,6 +750,32 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     res.nodes = _node_summary(con)
 
 
+def _nccl_predicates(pending: list):
+    """bundle_id -> the nccl_events rows of that bundle the merge copies (valid and in
+    its capture window): the collectives count the same entries on both paths."""
+    preds = {i["bundle_id"]: _bundle_predicate(i["bundle"], "nccl_events") for i in pending}
+    return lambda bundle_id: preds.get(bundle_id, _valid_predicate("nccl_events"))
+
+
+def _check_params(params: dict, pending: list) -> None:
+    """Every node's line fits the integers SQLite computes with: readings that give
+    one that does not (an offset beyond int64, a slope that is no number) come from a
+    bundle of that node merged now, which is skipped (the merge is redone without it)."""
+    for a in params.values():
+        values = (a.offset_ns, a.pre_offset_ns)
+        if all(v is None or -(1 << 61) < v < (1 << 61) for v in values) and \
+                math.isfinite(a.slope) and abs(a.slope) < 1:
+            continue
+        mine = [i for i in pending if i["node_id"] == a.node_id]
+        if not mine:
+            raise MergeError(f"node {a.node_id}: its alignment is outside any clock "
+                             f"(offset {a.offset_ns} ns, slope {a.slope})")
+        raise _CorruptBundle(mine[-1]["bundle"].path,
+                             f"its clock readings give node {mine[-1]['bundle'].node} a "
+                             f"line outside any clock (offset {a.offset_ns} ns, slope "
+                             f"{a.slope:g}); not merged")
+
+
 def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, future,
            progress, old_params, max_old_bundle, idle) -> None:
     """Copy the big tables with aligned times. nccl_events joins the completions, which
@@ -601,7 +807,8 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
         for t, n in item["skipped"].items():
             if n:
                 fl.log("warning", "skipped_rows", f"{n} rows of {t} not merged (unknown "
-                       "enum value, NULL in a required column or non-integer time)",
+                       "enum value, NULL in a required column, non-integer time or a "
+                       "time outside the capture window)",
                        input=item["shown"], node_id=node_id, count=n)
                 res.warnings.append(f"{item['shown']}: {n} invalid rows of {t} skipped")
         con.execute("UPDATE bundles SET rows = ?, skipped_rows = ? WHERE bundle_id = ?",
@@ -622,6 +829,8 @@ def _wait_staged(job, future) -> None:
         while not ready.wait(0.05):
             if future.done():
                 future.result()         # its error, raised here
+                if ready.is_set():      # set, and the thread ended, after the wait
+                    break
                 raise MergeError("the collectives thread ended before its results")
 
 
@@ -670,6 +879,7 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
                 if set(roots) == {n for n, _ in built_roots}:
                     fl.spliced.append((offset, pointers,
                                        [(r, roots[n]) for n, r in built_roots]))
+                    fl.spliced_tables.append(table)
                 else:
                     why = f"its indexes differ from fleet.db's ({sorted(roots)})"
             if why:
@@ -763,6 +973,29 @@ def _splice_tables(fl: _Fleet) -> None:
         fl.splice.splice(fd, sorted(fl.spliced), True)
     finally:
         os.close(fd)
+    _verify_spliced(fl)
+
+
+class _SpliceFailed(Exception):
+    """A spliced table failed its check: the merge is redone without the splice."""
+
+
+def _verify_spliced(fl: _Fleet) -> None:
+    """Every spliced table and its indexes pass SQLite's quick_check, scoped to them
+    (PRAGMA quick_check(TABLE)), before the rename: a page the splice got wrong never
+    reaches a user; the merge is then redone on the plain path (docs/merge.md)."""
+    if not fl.spliced_tables:
+        return
+    con = apsw.Connection(str(fl.path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        for table in fl.spliced_tables:
+            res = [r[0] for r in con.execute(f"PRAGMA quick_check({table})")]
+            if res != ["ok"]:
+                raise _SpliceFailed(f"{table}: {' '.join('; '.join(res).split())[:300]}")
+    except apsw.Error as e:
+        raise _SpliceFailed(f"{type(e).__name__}: {e}") from None
+    finally:
+        con.close()
 
 
 def _release(bundles) -> None:
@@ -1036,7 +1269,8 @@ def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
             tables = bundle.manifest["tables"]
             rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
             bundle.run_paths, bundle.collectives_seen = image_runs(
-                fastcoll, bundle.db_path, bundle.db_path, _valid_predicate("nccl_events"),
+                fastcoll, bundle.db_path, bundle.db_path,
+                _bundle_predicate(bundle, "nccl_events"),
                 rows, min_wait_ns)
             owned.extend(bundle.run_paths)
         else:
@@ -1110,6 +1344,7 @@ def _resolve_node(fl: _Fleet, m: dict, shown: str, res: MergeResult) -> int:
     row = con.execute("SELECT node_id FROM nodes WHERE claimed_name = ? AND hostname = ? "
                       "AND boot_id = ?", key).fetchone()
     if row:
+        _check_same_boot(con, row[0], m)
         return row[0]
     name = m["node"]
     taken = {r[0] for r in con.execute("SELECT name FROM nodes WHERE name = ? OR name LIKE ?",
@@ -1133,6 +1368,41 @@ def _resolve_node(fl: _Fleet, m: dict, shown: str, res: MergeResult) -> int:
                 (name, m["node"], h["hostname"], h["boot_id"], h.get("kernel_release"),
                  h.get("tool_version")))
     return con.last_insert_rowid()
+
+
+class _Conflict(Exception):
+    """A bundle that claims a node, host and boot already merged but cannot be another
+    segment of it: it is skipped with this reason."""
+
+
+#: Segments of one capture follow each other; their windows may touch at a rotation.
+OVERLAP_TOLERANCE_NS = 1_000_000_000
+
+
+def _check_same_boot(con, node_id: int, m: dict) -> None:
+    """A bundle of a node, host and boot already in fleet.db is one more segment of it
+    only if it is not a version of a segment merged (same segment id, other data) and
+    its capture window does not overlap one merged (one boot has one clock and one
+    capture per node: an overlap is a second capture or altered data, which merged as
+    one node made its alignment meaningless)."""
+    seg = m["segment"]["id"]
+    cap = m["capture"]
+    row = con.execute("SELECT file_name FROM bundles WHERE node_id = ? AND segment_id = ?",
+                      (node_id, seg)).fetchone()
+    if row:
+        raise _Conflict(f"segment {seg} of node {m['node']} (host {m['host']['hostname']}, "
+                        f"same boot) is already merged from {row[0]} with other data: "
+                        "altered or re-sealed; not merged")
+    row = con.execute(
+        "SELECT file_name, capture_start_mono_ns, capture_end_mono_ns FROM bundles "
+        "WHERE node_id = ? AND capture_start_mono_ns < ? AND capture_end_mono_ns > ?",
+        (node_id, cap["end_mono_ns"] - OVERLAP_TOLERANCE_NS,
+         cap["start_mono_ns"] + OVERLAP_TOLERANCE_NS)).fetchone()
+    if row:
+        raise _Conflict(f"capture window overlaps {row[0]} of node {m['node']} (host "
+                        f"{m['host']['hostname']}, same boot) by more than "
+                        f"{OVERLAP_TOLERANCE_NS // 10**9} s: a second capture or altered "
+                        "data, not another segment; not merged")
 
 
 def _insert_bundle(fl: _Fleet, bundle, node_id: int, sha: str) -> int:
@@ -1241,7 +1511,7 @@ def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
     assert set(cols) <= set(ft.column_names), (table, set(cols) - set(ft.column_names))
     sql = (f"INSERT INTO main.{table} ({', '.join(cols)}) SELECT "
            f"{', '.join(list(sel.values()) + list(extra.values()))} "
-           f"FROM b.{table} e{joins} WHERE {_valid_predicate(table)}")
+           f"FROM b.{table} e{joins} WHERE {_bundle_predicate(bundle, table)}")
     binds = {"node": node_id, "bundle": bundle_id}
     if times:
         binds.update(off=p.offset_ns, slope=p.slope)
@@ -1307,7 +1577,8 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
                             f"e.seq, NULL, e.timestamp_ns, 0, {op_index.replace('op', 'e.op', 1)} "
                             "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
                             f"typeof(e.seq) = 'integer' AND e.seq % ? = 0 AND "
-                            f"{_valid_predicate('nccl_events')}", (item["node_id"], every))
+                            f"{_bundle_predicate(item['bundle'], 'nccl_events')}",
+                            (item["node_id"], every))
 
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:

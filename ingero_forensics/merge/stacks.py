@@ -39,7 +39,10 @@ def canonical_frame(frame) -> dict:
 
 def canonical_stack(frames_json: str) -> str:
     """Canonical JSON text of a bundle stack's frames (raises ValueError if not JSON)."""
-    frames = json.loads(frames_json)
+    try:
+        frames = json.loads(frames_json)
+    except RecursionError:      # nested deeper than Python's parser goes: not a stack
+        raise ValueError("frames JSON is nested too deeply") from None
     if not isinstance(frames, list):
         raise ValueError("frames is not a JSON array")
     return json.dumps([canonical_frame(f) for f in frames], sort_keys=True,

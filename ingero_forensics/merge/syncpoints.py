@@ -44,6 +44,21 @@ TIGHT_LAG_NS = 50_000
 
 _OPS = ", ".join(f"'{o}'" for o in NCCL_OPS)
 _APIS = ", ".join(f"'{a}'" for a in SYNC_APIS)
+#: Times and durations the sync-point rule uses lie within +-2^61 ns and a duration is
+#: not negative: so t + d, t - gap and every aligned time (off within +-2^61,
+#: merge/core.py _check_params; |slope| < 1) fit in int64, in SQL and in
+#: merge/_fastcoll.c alike, and both paths give the same result for any bundle. A
+#: manifest's monotonic capture window lies within +-2^60 (bundle/container.py), so
+#: every row the merge's window check keeps is within this bound.
+TIME_BOUND = 1 << 61
+
+
+def bounded(t: str, d: str, g: str | None = None) -> str:
+    """SQL: the row's time t, duration d (and queue gap g) are within TIME_BOUND."""
+    sql = f" AND {t} BETWEEN -{TIME_BOUND} AND {TIME_BOUND} AND {d} BETWEEN 0 AND {TIME_BOUND}"
+    if g:
+        sql += f" AND ({g} IS NULL OR {g} BETWEEN -{TIME_BOUND} AND {TIME_BOUND})"
+    return sql
 
 def queued_columns(has_columns: bool, alias: str = "") -> str:
     """SQL for a synchronization's (queued_ops, queue_gap_ns), NULLs where the source
@@ -66,13 +81,15 @@ def events_sql(has_queued: bool) -> str:
          WHERE typeof(comm_id_hash) = 'text' AND typeof(seq) = 'integer' AND op IN ({_OPS})
            AND typeof(timestamp_ns) = 'integer' AND typeof(duration_ns) = 'integer'
            AND typeof(pid) = 'integer' AND typeof(tid) = 'integer'
+           {bounded("timestamp_ns", "duration_ns")}
         UNION ALL
         SELECT pid, tid, timestamp_ns, duration_ns, 1, NULL, NULL, {queued_columns(has_queued)},
                id
           FROM b.cuda_events
          WHERE api IN ({_APIS}) AND typeof(timestamp_ns) = 'integer'
            AND typeof(duration_ns) = 'integer' AND typeof(pid) = 'integer'
-           AND typeof(tid) = 'integer')
+           AND typeof(tid) = 'integer'
+           {bounded("timestamp_ns", "duration_ns", "queue_gap_ns" if has_queued else None)})
     ORDER BY pid, tid, t, is_sync, id"""
 
 
@@ -163,12 +180,14 @@ def extract_fleet_sync_points(con, min_wait_ns: int, max_bundle: int) -> None:
              WHERE bundle_id <= :maxb AND typeof(comm_id_hash) = 'text'
                AND typeof(seq) = 'integer'
                AND op IN ({_OPS}) AND typeof(pid) = 'integer' AND typeof(tid) = 'integer'
+               {bounded("mono_ns", "call_duration_ns")}
             UNION ALL
             SELECT node_id, bundle_id, pid, tid, mono_ns, duration_ns, 1, NULL, NULL,
                    queued_ops, queue_gap_ns, id
               FROM main.cuda_events
              WHERE bundle_id <= :maxb AND api IN ({_APIS}) AND typeof(duration_ns) = 'integer'
-               AND typeof(pid) = 'integer' AND typeof(tid) = 'integer')
+               AND typeof(pid) = 'integer' AND typeof(tid) = 'integer'
+               {bounded("mono_ns", "duration_ns", "queue_gap_ns")})
         ORDER BY node_id, pid, tid, t, is_sync, id""", {"maxb": max_bundle})
     con.execute(f"""
         INSERT INTO st.sp (node_id, bundle_id, comm_id_hash, seq, pid, tid, mono_ns, wait_ns,
@@ -220,12 +239,16 @@ def run_sources(source: str, valid_nccl: str, p: int = 1, k: int = 0,
     coll = (f"SELECT e.id, e.pid, e.tid, e.{t}, e.{d}, e.comm_id_hash, e.seq, e.rank, e.op, "
             f"e.bytes, e.nranks, ({ent}), {bundle} FROM {tab} e "
             "WHERE typeof(e.comm_id_hash) = 'text' AND typeof(e.seq) = 'integer'"
+            f" AND (typeof(e.{t}) <> 'integer' OR typeof(e.{d}) <> 'integer' OR "
+            f"(1{bounded(f'e.{t}', f'e.{d}')}))"
             f"{where}{_part('e', p, k)} ORDER BY e.id")
     sync = (f"SELECT s.pid, s.tid, s.{t}, s.duration_ns, {queued_columns(has_queued, 's.')} "
             f"FROM {cuda} s "
             f"WHERE s.api IN ({_APIS}) AND typeof(s.{t}) = 'integer' "
             "AND typeof(s.duration_ns) = 'integer' AND typeof(s.pid) = 'integer' "
-            f"AND typeof(s.tid) = 'integer'{where.replace('e.', 's.')}{_part('s', p, k)} "
+            f"AND typeof(s.tid) = 'integer'"
+            f"{bounded(f's.{t}', 's.duration_ns', 's.queue_gap_ns' if has_queued else None)}"
+            f"{where.replace('e.', 's.')}{_part('s', p, k)} "
             "ORDER BY s.id")
     return coll, sync
 

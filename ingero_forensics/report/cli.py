@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import click
 
+from ..bundle.container import SKIPPABLE_MAGIC, open_regular
 from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
+from ..errors import IngeroError
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
 from .render import write_text
 from .text import render_text
 
 
-@click.command(epilog=EXIT_CODES_HELP)
+@click.command(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("fleet_db", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "output", default=None,
               type=click.Path(dir_okay=False),
@@ -51,6 +54,7 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
         ingero-merge node*.bundle -o fleet.db
         ingero-report fleet.db -o report.html
     """
+    _refuse_a_bundle(fleet_db)
     if output is None and fmt == "html" and not as_json:
         output = "report.html"
     where = Path(output).resolve().parent if output else Path.cwd()
@@ -72,6 +76,18 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
         if fmt == "html":
             click.echo(analysis.verdict)
         click.echo(f"Report written to {output}")
+
+
+def _refuse_a_bundle(path) -> None:
+    """A bundle given where a fleet.db is expected: say what to do (as ingero-export)."""
+    try:
+        with open_regular(path) as f:
+            head = f.read(4)
+    except (OSError, IngeroError):
+        return                          # analyze_fleet names what is wrong with it
+    if len(head) == 4 and struct.unpack("<I", head)[0] == SKIPPABLE_MAGIC:
+        raise IngeroError(f"{path}: is a bundle, not a fleet.db: merge first "
+                          f"(ingero-merge BUNDLES -o fleet.db), then report on fleet.db")
 
 
 if __name__ == "__main__":

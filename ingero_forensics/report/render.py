@@ -7,6 +7,7 @@ Charts are built here as SVG strings from escaped values and marked safe once
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 import os
@@ -16,6 +17,7 @@ import jinja2
 from markupsafe import Markup, escape
 
 from .. import __version__
+from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
 
@@ -253,7 +255,10 @@ def write_text(text: str, out_path) -> Path:
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with contextlib.suppress(OSError):      # a read-only file system refuses this too
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise IngeroError(f"{out}: cannot write: {e.strerror or e}") from None
         raise
     return out

@@ -43,14 +43,15 @@ def test_config_without_node_falls_through(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["", "has space", "a" * 64, "slash/name", "plus+sign",
-                                 "ünï", "semi;colon"])
+                                 "ünï", "semi;colon", "-o", "--help", ".hidden", "..x",
+                                 "a\x1b]0;t\x07"])
 def test_invalid_names_rejected_with_origin(bad):
     with pytest.raises(ConfigError) as e:
         resolve_node_name(bad, None, {}, "host")
     assert f"invalid node name {bad!r} (from --node)" in str(e.value)
 
 
-@pytest.mark.parametrize("good", ["a", "A" * 63, "gpu-017.rack_3", "0", "-", "."])
+@pytest.mark.parametrize("good", ["a", "A" * 63, "gpu-017.rack_3", "0", "_", "x-", "x."])
 def test_valid_names(good):
     assert resolve_node_name(good, None, {}, "host")[0] == good
 
@@ -100,7 +101,7 @@ def test_cli_invalid_node_is_one_line_error(tmp_path):
                                   "--no-ebpf", "--duration", "1"])
     assert r.exit_code == 1
     assert r.output == ("Error: invalid node name 'bad name' (from --node): use 1-63 "
-                        "characters of A-Z a-z 0-9 . _ -\n")
+                        "characters of A-Z a-z 0-9 . _ -, not starting with - or .\n")
     assert not (tmp_path / "b").exists()  # nothing created for a bad configuration
 
 

@@ -46,7 +46,7 @@ def test_kill9_then_restart_recovers_the_spool(tmp_path, open_all):
     assert "recovered" in r.stderr or "sealed segment-" in r.stderr
     first, second = open_all(tmp_path)
     assert first.manifest["segment"]["recovered"] is True
-    assert first.manifest["segment"]["index"] == 1 and second.manifest["segment"]["index"] == 2
+    assert first.manifest["segment"]["index"] == 0 and second.manifest["segment"]["index"] == 1
     assert rows(first, "SELECT COUNT(*) FROM clock_samples")[0][0] >= 2  # committed rows kept
     rec = rows(second, "SELECT level, message FROM capture_log WHERE event = 'recovered_spool'")
     assert len(rec) == 1 and spool.name in rec[0][1] and first.path.name in rec[0][1]
@@ -78,7 +78,7 @@ def test_rotation_by_time_and_sighup(tmp_path, open_all):
     opened = open_all(tmp_path)
     assert len(opened) >= n + 1
     idx = [b.manifest["segment"]["index"] for b in opened]
-    assert idx == list(range(1, len(opened) + 1))
+    assert idx == list(range(len(opened)))
     for prev, cur in zip(opened, opened[1:]):
         # segments tile the timeline: each starts where the previous one ended
         assert prev.manifest["capture"]["end_mono_ns"] <= cur.manifest["capture"]["start_mono_ns"] + 1_000_000

@@ -225,3 +225,23 @@ def test_odd_values_give_the_same_fleet(tmp_path, fc):
     coll.close()
     assert kinds[0] > 0 and kinds[1] > 0 and kinds[2] == 2 and kinds[3] > 0
     assert_same(a, b)
+
+
+def test_hostile_times_give_the_same_fleet_on_both_paths(tmp_path, fc):
+    """Issue 20: times, durations and queue gaps at the int64 limits (signed overflow in
+    the C before, a different fleet.db from the SQL path): both paths bound them alike
+    (syncpoints.TIME_BOUND) and agree; the C arithmetic is checked."""
+    from .hostile import reseal
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=33)
+    sql = ("UPDATE cuda_events SET duration_ns = 9223372036854775807 WHERE id % 5 = 0;"
+           "UPDATE cuda_events SET timestamp_ns = 9223372036854775000 WHERE id % 7 = 0;"
+           "UPDATE cuda_events SET queue_gap_ns = -9223372036854775808 WHERE id % 3 = 0;"
+           "UPDATE nccl_events SET duration_ns = 9223372036854775807 WHERE id % 4 = 0;"
+           "UPDATE nccl_events SET timestamp_ns = -9223372036854775808 WHERE id % 9 = 0;")
+    bad = reseal(fleet.paths[1], tmp_path / "bad", sql, "limits")
+    paths = [fleet.paths[0], bad, fleet.paths[2]]
+    c = merge_bundles(paths, tmp_path / "c.db")
+    s = merge_bundles(paths, tmp_path / "sql.db", accel=False)
+    assert c.accelerated and not s.accelerated
+    assert not c.skipped and not s.skipped
+    assert_same(dump(tmp_path / "c.db"), dump(tmp_path / "sql.db"))

@@ -235,7 +235,8 @@ def test_invalid_enum_rows_are_skipped_and_counted(tmp_path):
                     if t not in ("clock_samples", "meta", "stacks")}}, sort_keys=True)
     log = q(tmp_path / "f.db", "SELECT count, message FROM merge_log WHERE event = 'skipped_rows'")
     assert log == [(1, "1 rows of nccl_events not merged (unknown enum value, NULL in a "
-                       "required column or non-integer time)")]
+                       "required column, non-integer time or a time outside the capture "
+                       "window)")]
 
 
 def test_aligned_times_and_raw_mono(fleet4):
