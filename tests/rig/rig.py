@@ -44,7 +44,7 @@ SCENARIOS = ("none", "cpu", "io", "network")
 CAUSE = {"cpu": "cpu", "io": "io", "network": "network"}
 #: The CPU hog: a competing job of HOG_PROCS busy processes (one process group, in the
 #: ranks' session: the scheduler's autogroups would otherwise give it only its own share),
-#: all on the straggler's CPU, so its ranks' host threads get about 1 / (HOG_PROCS + 1).
+#: all on the straggler's CPU at nice -10, so its ranks' host threads get a small share.
 HOG_PROCS = 4
 #: Busy until stopped, or until the rig's process (argv[1]) is gone.
 HOG = f"""import os, sys
@@ -337,8 +337,11 @@ class Rig:
         """Switch the scenario's fault on; return the function that switches it off."""
         straggler = self.nodes[self.straggler]
         if scenario == "cpu":
-            hog = self._spawn(["taskset", "-c", str(self.straggler_cpu()), sys.executable,
-                               "-c", HOG, str(os.getpid())], process_group=0)
+            # at nice -10 (about ten times a rank's weight): the contention is then the
+            # same on every run, whatever else the machine does and however the
+            # scheduler credits a rank that sleeps in its syncs
+            hog = self._spawn(["nice", "-n", "-10", "taskset", "-c", str(self.straggler_cpu()),
+                               sys.executable, "-c", HOG, str(os.getpid())], process_group=0)
             local.append(hog)
             return lambda: stop_process(hog)
         if scenario == "network":
