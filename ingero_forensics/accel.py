@@ -1,4 +1,5 @@
-"""The optional C accelerators (export/_fastslices.c, merge/_fastcoll.c, merge/_splice.c).
+"""The optional C accelerators (export/_fastslices.c, merge/_fastcoll.c, merge/_splice.c,
+bundle/_screen.c).
 
 Each is both a CPython module and a SQLite loadable extension: loading it once into a
 scratch connection hands it the routines of apsw's own SQLite, so it steps statements on
@@ -37,3 +38,8 @@ def load(module: str, entry: str):
         finally:
             scratch.close()
     return mod
+
+
+def screens():
+    """bundle/_screen.c (the untrusted-row screens as SQL functions), or None."""
+    return load("bundle._screen", "sqlite3_screen_init")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import apsw
 
+from . import accel
+
 
 def harden(con: apsw.Connection) -> apsw.Connection:
     """Make a connection safe to point at (or ATTACH) untrusted database files."""
@@ -19,6 +21,11 @@ def harden(con: apsw.Connection) -> apsw.Connection:
     con.config(apsw.SQLITE_DBCONFIG_ENABLE_LOAD_EXTENSION, 0)
     con.execute("PRAGMA trusted_schema = OFF")
     con.execute("PRAGMA cell_size_check = ON")
+    # the screens for untrusted rows in C (bundle/_screen.c), where built: DIRECTONLY,
+    # so nothing stored in a file can call them
+    screens = accel.screens()
+    if screens is not None:
+        screens.register(con.sqlite3pointer())
     return con
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import apsw
 
+from .. import accel
 from ..db import connect_untrusted
 from ..errors import BundleError
 from .container import SQLITE_MAGIC, decompress_db, read_manifest
@@ -224,11 +225,17 @@ _SMALL_TABLES = frozenset({"meta", "nccl_comm_events", "event_stats", "clock_sam
 def _check_text(path, con) -> None:
     """Every text value a reader will decode is valid UTF-8: one that is not would fail
     whichever reader meets it first (merge, export, query), so the bundle is refused
-    here, naming the table, row and column. A value of printable ASCII only passes at
-    SQLite's speed (GLOB reads any byte from 0x80 as a character beyond '~'; length()
-    would not do: a lone lead byte counts as one character); only the others are
-    decoded. Cost: docs/merge.md."""
-    con.create_scalar_function("ingero_utf8_ok", _utf8_ok, 1, deterministic=True)
+    here, naming the table, row and column. With the C screen (bundle/_screen.c,
+    registered by db.harden) one call per row checks every column; without it, a value
+    of printable ASCII only passes at SQLite's speed (GLOB reads any byte from 0x80 as a
+    character beyond '~'; length() would not do: a lone lead byte counts as one
+    character) and only the others are decoded in Python. Cost: docs/performance.md."""
+    screens = accel.screens()
+    fast = screens is not None
+    if fast:
+        screens.register(con.sqlite3pointer())     # done by db.harden too; idempotent
+    else:
+        con.create_scalar_function("ingero_utf8_ok", _utf8_ok, 1, deterministic=True)
     for t in TABLES:
         present = {r[1] for r in con.execute(f"PRAGMA table_info({t.name})")}
         cols = [c.name for c in t.columns if c.name in present and (
@@ -236,8 +243,11 @@ def _check_text(path, con) -> None:
         if not cols:
             continue
         key = t.columns[0].name
-        bad = " OR ".join(f"(typeof({c}) = 'text' AND {c} GLOB '*{_NOT_ASCII}*' AND NOT "
-                          f"ingero_utf8_ok(CAST({c} AS BLOB)))" for c in cols)
+        if fast:
+            bad = f"NOT ingero_utf8_ok({', '.join(cols)})"
+        else:
+            bad = " OR ".join(f"(typeof({c}) = 'text' AND {c} GLOB '*{_NOT_ASCII}*' AND NOT "
+                              f"ingero_utf8_ok(CAST({c} AS BLOB)))" for c in cols)
         cast = ", ".join(f"CAST({c} AS BLOB)" for c in cols)
         try:
             row = con.execute(f"SELECT CAST({key} AS BLOB), {cast} FROM {t.name} "

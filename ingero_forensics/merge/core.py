@@ -46,11 +46,12 @@ from . import align
 from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_NAME,
                            FLEET_VERSION, all_index_ddl, fleet_ddl, index_ddl, table_ddl,
                            time_point_columns)
+from .screen import row_predicate
 from .stacks import canonical_stack, stack_hash
 from .causal import FULL_DEPENDENCY_OPS
 from .ranks import process_ranks
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
-from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, TIME_BOUND,
+from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS,
                          attached,
                          extract_fleet_sync_points, extract_sync_points, file_uri,
                          image_runs, image_uri, write_runs)
@@ -73,13 +74,6 @@ REGION_STRIDE = 1 << 40
 #: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
 PASS1_TABLES = ("meta", "clock_samples")
 PASS3_TABLES = tuple(t for t in COPIED_TABLES if t not in PASS1_TABLES)
-#: A row whose monotonic time point lies further than this outside its bundle's capture
-#: window (manifest capture.start/end_mono_ns) is not merged: it is skipped and counted.
-WINDOW_MARGIN_NS = 600 * 1_000_000_000
-#: The same for a clock sample's realtime reading and the capture's UTC window; wider,
-#: as a node's clock may be stepped during the capture (but not into another century).
-REALTIME_MARGIN_NS = 86_400 * 1_000_000_000
-
 
 class MergeError(IngeroError):
     """The merge cannot proceed (bad output, --strict with a skipped input)."""
@@ -183,68 +177,10 @@ def _aligned(col: str, p: str = "") -> str:
     return f"(:off{p} + {col} + CAST(ROUND({col} * :slope{p}) AS INTEGER))"
 
 
-#: The storage classes a column of each declared type may hold (SQLite stores any value
-#: in any column; the readers of fleet.db rely on these).
-_STORAGE = {"INTEGER": "'integer'", "REAL": "'real', 'integer'", "TEXT": "'text'"}
-#: Kernel and job identifiers: small non-negative integers (Linux pids stay below
-#: 2^22, ranks below a job's size); outside [0, 2^32) a row is skipped, as the readers
-#: compute with them (sort keys, track ids).
-_ID_COLUMNS = ("pid", "tid", "owner_pid", "other_pid", "other_tid", "rank", "nranks",
-               "local_rank", "world_size", "local_world_size", "node_rank", "cpu")
-
-
-def _valid_predicate(table: str, alias: str = "e", absent=frozenset()) -> str:
-    """Rows of an untrusted bundle that can be merged: enums known, NOT NULL columns set,
-    every value of its column's type (text or a blob in an INTEGER column would fail
-    export and query later), time points integers. The rest is skipped and counted.
-    absent: optional columns the bundle lacks (format 1.0), not referred to."""
-    t = BUNDLE_TABLES[table]
-    conds = []
-    times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
-    for c in t.columns[1:] if t.columns[0].name == "id" else t.columns:
-        if c.name in absent:
-            continue
-        ref = f"{alias}.{c.name}"
-        conds.append(f"typeof({ref}) IN ({_STORAGE[c.type]}, 'null')")
-        if c.name in _ID_COLUMNS:
-            conds.append(f"({ref} IS NULL OR {ref} BETWEEN 0 AND 4294967295)")
-        if c.values:
-            vals = ", ".join("'" + v.replace("'", "''") + "'" for v in c.values)
-            conds.append(f"({ref} IN ({vals})" + (f" OR {ref} IS NULL)" if c.nullable else ")"))
-        elif not c.nullable:
-            conds.append(f"{ref} IS NOT NULL")
-        if c.name in times or (c.name == "duration_ns" and table == "nccl_events"):
-            conds.append(f"(typeof({ref}) = 'integer'" +
-                         (f" OR {ref} IS NULL)" if c.nullable else ")"))
-            # within syncpoints.TIME_BOUND (a duration not negative): both collective
-            # paths count exactly these rows, and their sums fit in int64
-            lo = 0 if c.name == "duration_ns" else -TIME_BOUND
-            conds.append(f"({ref} IS NULL OR {ref} BETWEEN {lo} AND {TIME_BOUND})")
-    return " AND ".join(conds) or "1"
-
-
 def _bundle_predicate(bundle, table: str) -> str:
-    """_valid_predicate for one bundle's table (its absent optional columns left out)
-    and _in_window: the rows of it the merge copies and the collectives count."""
-    absent = getattr(bundle, "absent", {}).get(table, frozenset())
-    return _valid_predicate(table, absent=absent) + _in_window(bundle, table)
-
-
-def _in_window(bundle, table: str, alias: str = "e") -> str:
-    """SQL (`` AND ...``) keeping the rows whose time points lie in the bundle's capture
-    window plus WINDOW_MARGIN_NS (REALTIME_MARGIN_NS for realtime readings): a time at
-    int64 max or centuries away would otherwise become the fleet's start or jitter.
-    The bounds are integers from the validated manifest."""
-    cap = bundle.manifest["capture"]
-    lo, hi = cap["start_mono_ns"] - WINDOW_MARGIN_NS, cap["end_mono_ns"] + WINDOW_MARGIN_NS
-    cols = [c for c in time_point_columns(table) if column_or_null(bundle, table, c) != "NULL"]
-    conds = [(c, lo, hi) for c in cols]
-    if table == "clock_samples":
-        conds += [(c, lo, hi) for c in ("mono_before_ns", "mono_after_ns")]
-        conds.append(("realtime_ns", cap["start_utc_ns"] - REALTIME_MARGIN_NS,
-                      cap["end_utc_ns"] + REALTIME_MARGIN_NS))
-    return "".join(f" AND ({alias}.{c} IS NULL OR {alias}.{c} BETWEEN {max(a, -(1 << 63))} "
-                   f"AND {min(b, (1 << 63) - 1)})" for c, a, b in conds)
+    """The rows of one bundle's table that the merge copies and the collectives count
+    (merge/screen.py)."""
+    return row_predicate(table, bundle)
 
 
 def check_fleet(path: Path) -> None:
@@ -580,7 +516,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                                        "bundle_id <= ?", (nid, max_old_bundle)).fetchone()[0]
                            for t in ("nccl_events", "cuda_events"))
                 paths, seen = write_runs(fl.fastcoll, con, "fleet",
-                                         _valid_predicate("nccl_events"), rows,
+                                         row_predicate("nccl_events"), rows,
                                          fl.scratch_base.with_name(
                                              f"{fl.scratch_base.name}.old{nid}"),
                                          min_wait_ns, (nid, max_old_bundle))
@@ -754,7 +690,7 @@ def _nccl_predicates(pending: list):
     """bundle_id -> the nccl_events rows of that bundle the merge copies (valid and in
     its capture window): the collectives count the same entries on both paths."""
     preds = {i["bundle_id"]: _bundle_predicate(i["bundle"], "nccl_events") for i in pending}
-    return lambda bundle_id: preds.get(bundle_id, _valid_predicate("nccl_events"))
+    return lambda bundle_id: preds.get(bundle_id, row_predicate("nccl_events"))
 
 
 def _check_params(params: dict, pending: list) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from ingero_forensics.bundle import BundleWriter, open_bundle
 from ingero_forensics.merge import collectives, core, merge_bundles, syncpoints
-from ingero_forensics.merge.core import _valid_predicate
+from ingero_forensics.merge.screen import row_predicate as _valid_predicate
 
 from .fleetgen import make_fleet
 from .test_syncpoints import MIN_WAIT, cuda, extracted, nccl

@@ -1,0 +1,132 @@
+"""Which rows of an untrusted bundle the merge takes: one rule per column, as SQL.
+
+A row is merged when every value is of its column's declared type (text or a blob in an
+INTEGER column would fail export and query later), its enum value is known, its NOT NULL
+columns are set, its identifiers are small non-negative integers and its time points lie
+within syncpoints.TIME_BOUND and the bundle's capture window plus a margin (a time at
+int64 max or centuries away would otherwise become the fleet's start or jitter). The
+rest is skipped and counted.
+
+The rules are data (``column_rules``); ``row_predicate`` writes them either as plain SQL
+(the reference) or as one call of ``ingero_row_ok(spec, ...)``, the same rules in C
+(bundle/_screen.c, about three times faster: docs/performance.md), registered on every
+connection by db.harden when the extension is built. Tests compare the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import accel
+from ..bundle.reader import column_or_null
+from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
+from .fleet_schema import time_point_columns
+from .syncpoints import TIME_BOUND
+
+#: A row whose monotonic time point lies further than this outside its bundle's capture
+#: window (manifest capture.start/end_mono_ns) is not merged: it is skipped and counted.
+WINDOW_MARGIN_NS = 600 * 1_000_000_000
+#: The same for a clock sample's realtime reading and the capture's UTC window; wider,
+#: as a node's clock may be stepped during the capture (but not into another century).
+REALTIME_MARGIN_NS = 86_400 * 1_000_000_000
+#: Kernel and job identifiers: small non-negative integers (Linux pids stay below
+#: 2^22, ranks below a job's size); outside [0, 2^32) a row is skipped, as the readers
+#: compute with them (sort keys, track ids).
+ID_COLUMNS = ("pid", "tid", "owner_pid", "other_pid", "other_tid", "rank", "nranks",
+              "local_rank", "world_size", "local_world_size", "node_rank", "cpu")
+_I64 = (-(1 << 63), (1 << 63) - 1)
+#: The storage classes a column of each declared type may hold (SQLite stores any value
+#: in any column; the readers of fleet.db rely on these).
+_STORAGE = {"INTEGER": "'integer'", "REAL": "'real', 'integer'", "TEXT": "'text'"}
+_KIND = {"INTEGER": "i", "REAL": "r", "TEXT": "t"}
+
+
+@dataclass
+class ColumnRule:
+    name: str
+    type: str                 # declared type: INTEGER, REAL or TEXT
+    nullable: bool
+    lo: int | None = None     # inclusive range for an integer value
+    hi: int | None = None
+    values: tuple = ()        # the text values allowed (an enum column)
+
+    def narrow(self, lo: int, hi: int) -> None:
+        self.lo = lo if self.lo is None else max(self.lo, lo)
+        self.hi = hi if self.hi is None else min(self.hi, hi)
+
+
+def column_rules(table: str, bundle=None) -> list[ColumnRule]:
+    """The rule of every column of ``table`` that the bundle has (all columns when
+    ``bundle`` is None: the window is then left out)."""
+    t = BUNDLE_TABLES[table]
+    absent = getattr(bundle, "absent", {}).get(table, frozenset()) if bundle else frozenset()
+    times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
+    rules = {}
+    for c in t.columns[1:] if t.columns[0].name == "id" else t.columns:
+        if c.name in absent:
+            continue
+        r = rules[c.name] = ColumnRule(c.name, c.type, c.nullable, values=tuple(c.values or ()))
+        if c.name in ID_COLUMNS:
+            r.narrow(0, 4294967295)
+        if c.name in times or (c.name == "duration_ns" and table == "nccl_events"):
+            assert c.type == "INTEGER", (table, c.name)
+            # within TIME_BOUND (a duration not negative): both collective paths count
+            # exactly these rows, and their sums fit in int64
+            r.narrow(0 if c.name == "duration_ns" else -TIME_BOUND, TIME_BOUND)
+    if bundle is not None:
+        cap = bundle.manifest["capture"]
+        window = (cap["start_mono_ns"] - WINDOW_MARGIN_NS, cap["end_mono_ns"] + WINDOW_MARGIN_NS)
+        cols = [c for c in time_point_columns(table)
+                if c in rules and column_or_null(bundle, table, c) != "NULL"]
+        if table == "clock_samples":
+            cols += ["mono_before_ns", "mono_after_ns"]
+            rules["realtime_ns"].narrow(
+                max(cap["start_utc_ns"] - REALTIME_MARGIN_NS, _I64[0]),
+                min(cap["end_utc_ns"] + REALTIME_MARGIN_NS, _I64[1]))
+        for c in cols:
+            rules[c].narrow(max(window[0], _I64[0]), min(window[1], _I64[1]))
+    return list(rules.values())
+
+
+def rules_sql(rules: list[ColumnRule], alias: str = "e") -> str:
+    """The rules as plain SQL: the reference."""
+    conds = []
+    for r in rules:
+        ref = f"{alias}.{r.name}"
+        conds.append(f"typeof({ref}) IN ({_STORAGE[r.type]}, 'null')")
+        if r.lo is not None:
+            conds.append(f"({ref} IS NULL OR {ref} BETWEEN {r.lo} AND {r.hi})")
+        if r.values:
+            vals = ", ".join("'" + v.replace("'", "''") + "'" for v in r.values)
+            conds.append(f"({ref} IN ({vals})" + (f" OR {ref} IS NULL)" if r.nullable else ")"))
+        elif not r.nullable:
+            conds.append(f"{ref} IS NOT NULL")
+    return " AND ".join(conds) or "1"
+
+
+def rules_spec(rules: list[ColumnRule]) -> str:
+    """The rules in ingero_row_ok's notation (bundle/_screen.c)."""
+    toks = []
+    for r in rules:
+        assert all(v and not set(v) & set(";|='\\") for v in r.values), r.values
+        rng = f"{r.lo},{r.hi}" if r.lo is not None else ","
+        toks.append(f"{_KIND[r.type]}{int(r.nullable)}{rng}" +
+                    ("=" + "|".join(r.values) if r.values else ""))
+    return ";".join(toks)
+
+
+def rules_call(rules: list[ColumnRule], alias: str = "e") -> str:
+    if not rules:
+        return "1"
+    cols = ", ".join(f"{alias}.{r.name}" for r in rules)
+    return f"ingero_row_ok('{rules_spec(rules)}', {cols})"
+
+
+def row_predicate(table: str, bundle=None, alias: str = "e", fast: bool | None = None) -> str:
+    """SQL true for the rows of ``table`` (of ``bundle``: its absent optional columns left
+    out, its capture window applied) that the merge copies and the collectives count.
+    fast: the C function (default: when it is built and not disabled)."""
+    rules = column_rules(table, bundle)
+    if fast is None:
+        fast = accel.screens() is not None
+    return rules_call(rules, alias) if fast else rules_sql(rules, alias)
