@@ -1094,8 +1094,9 @@ fail:
 
 /* The alignment's sample straight into SQLite: every record of a sampled seq (entry,
  * observation or both) bound as (?1 node, ?2 comm_id_hash, ?3 seq, ?4 observed
- * completion or NULL, ?5 entry or NULL, ?6 tight, ?7 op index in SORTED_OPS or NULL)
- * to insert_sql and stepped, without a Python object per row (a fleet of 128 ranks
+ * completion or NULL, ?5 entry or NULL, ?6 tight, ?7 op index in SORTED_OPS or NULL,
+ * and for an observation ?8 pid, ?9 tid, ?10 the sync's wait, else NULL: where the
+ * statement has them) to insert_sql and stepped, without a Python object per row (a fleet of 128 ranks
  * samples over a million of them). */
 static int do_sample_into(sqlite3 *db, Run *r, long long every, const char *insert_sql,
                           long long node, int64_t *n, Err *e)
@@ -1104,6 +1105,7 @@ static int do_sample_into(sqlite3 *db, Run *r, long long every, const char *inse
     int rc = sqlite3_prepare_v2(db, insert_sql, -1, &st, NULL);
     if (rc != SQLITE_OK)
         return fail_sql(e, db, rc, "sample_into: prepare");
+    int nparams = sqlite3_bind_parameter_count(st);
     const Rec *c;
     while ((c = run_peek(r, e))) {
         r->bufpos++;
@@ -1126,6 +1128,14 @@ static int do_sample_into(sqlite3 *db, Run *r, long long every, const char *inse
             sqlite3_bind_int(st, 7, c->op);
         else
             sqlite3_bind_null(st, 7);
+        if (nparams >= 10 && (c->flags & F_OBS)) {
+            sqlite3_bind_int64(st, 8, c->pid);
+            sqlite3_bind_int64(st, 9, c->tid);
+            sqlite3_bind_int64(st, 10, c->wait);
+        } else if (nparams >= 10) {
+            for (int k = 8; k <= 10; k++)
+                sqlite3_bind_null(st, k);
+        }
         rc = sqlite3_step(st);
         sqlite3_reset(st);
         if (rc != SQLITE_DONE) {

@@ -53,7 +53,8 @@ from .ranks import process_ranks
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
 from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS,
                          attached,
-                         extract_fleet_sync_points, extract_sync_points, file_uri,
+                         correct_wakeups, extract_fleet_sync_points, extract_sync_points,
+                         file_uri,
                          image_runs, image_uri, write_runs)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
@@ -1486,16 +1487,18 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
     con.execute("DROP TABLE IF EXISTS temp.sample_sp")
     con.execute("CREATE TEMP TABLE sample_sp (id INTEGER PRIMARY KEY, node_id INTEGER, "
                 "comm_id_hash TEXT, seq INTEGER, mono_ns INTEGER, entry_ns INTEGER, "
-                "tight INTEGER, op INTEGER)")
-    cols = "(node_id, comm_id_hash, seq, mono_ns, entry_ns, tight, op)"
+                "tight INTEGER, op INTEGER, pid INTEGER, tid INTEGER, wait_ns INTEGER)")
+    cols = "(node_id, comm_id_hash, seq, mono_ns, entry_ns, tight, op, pid, tid, wait_ns)"
     op_index = "CASE op " + " ".join(f"WHEN '{o}' THEN {k}" for k, o in
                                      enumerate(SORTED_OPS)) + " END"
     # rows of earlier merges (SQL path): their observations and their entries
     con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT node_id, comm_id_hash, seq, "
-                "mono_ns, NULL, tight, NULL FROM st.sp WHERE seq % ? = 0", (every,))
+                "mono_ns, NULL, tight, NULL, pid, tid, wait_ns FROM st.sp WHERE seq % ? = 0",
+                (every,))
     con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT node_id, comm_id_hash, seq, "
-                f"NULL, mono_ns, 0, {op_index} FROM st.ent WHERE seq % ? = 0", (every,))
-    insert = f"INSERT INTO temp.sample_sp {cols} VALUES (?, ?, ?, ?, ?, ?, ?)"
+                f"NULL, mono_ns, 0, {op_index}, NULL, NULL, NULL FROM st.ent "
+                "WHERE seq % ? = 0", (every,))
+    insert = f"INSERT INTO temp.sample_sp {cols} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     runs = [(path, nid) for path, nid, _ in fl.old_runs] + \
         [(path, item["node_id"]) for item in pending for path in item["bundle"].run_paths]
     if runs:
@@ -1506,15 +1509,24 @@ def _sample_sync_points(fl: _Fleet, pending: list) -> None:
         if item["bundle"].sync_path is not None:
             with attached(con, item["bundle"].sync_path, "s"):
                 con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT ?, comm_id_hash, seq, "
-                            "mono_ns, NULL, tight, NULL FROM s.sp WHERE seq % ? = 0",
-                            (item["node_id"], every))
+                            "mono_ns, NULL, tight, NULL, pid, tid, wait_ns FROM s.sp "
+                            "WHERE seq % ? = 0", (item["node_id"], every))
             with attached(con, item["bundle"].db_path, "b"):
                 con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT ?, e.comm_id_hash, "
-                            f"e.seq, NULL, e.timestamp_ns, 0, {op_index.replace('op', 'e.op', 1)} "
+                            f"e.seq, NULL, e.timestamp_ns, 0, {op_index.replace('op', 'e.op', 1)}, "
+                            "NULL, NULL, NULL "
                             "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
                             f"typeof(e.seq) = 'integer' AND e.seq % ? = 0 AND "
                             f"{_bundle_predicate(item['bundle'], 'nccl_events')}",
                             (item["node_id"], every))
+    # observations that a late wake-up delayed: back to the wake-up (syncpoints.py)
+    for item in pending:
+        with attached(con, item["bundle"].db_path, "b"):
+            moved, median_ns = correct_wakeups(con, item["node_id"])
+        if moved:
+            fl.log("info", "late_wakeups", f"{moved} sampled sync returns moved back to their "
+                   f"thread's wake-up (median {median_ns / 1e3:.0f} us of run-queue wait)",
+                   input=item["shown"], node_id=item["node_id"], count=moved)
 
 
 def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:

@@ -293,3 +293,48 @@ def image_runs(fastcoll, image, out_base, valid_nccl: str, rows: int,
                           has_queued=image_has_queued(con))
     finally:
         con.close()
+
+
+#: A sync's return this close after the thread got its CPU back is that wake-up's return.
+WAKE_RETURN_NS = 200_000
+
+
+def correct_wakeups(con, node_id: int, schema: str = "b") -> tuple[int, int]:
+    """Move the sampled observations of one node (temp.sample_sp, raw monotonic) back from
+    the sync's return to the moment its thread was woken, where the bundle recorded that
+    wake-up's run-queue wait (sched_events, at or above the capture's threshold).
+
+    A thread sleeping in a sync is woken by the completion; on a CPU-starved node it
+    then waits for a CPU, and its return says the completion came that much later. The
+    alignment would read that as the node's clock being ahead and move the straggler
+    back by its own lateness (docs/merge.md, "Late wake-ups"). The wait is taken only
+    when the thread slept (an off_cpu span in state S or D ending at the same instant:
+    a thread preempted while spinning was not woken by the completion) and was woken
+    during the sync, and the return came within WAKE_RETURN_NS of getting the CPU.
+    Returns (observations moved, median move in ns)."""
+    con.execute("DROP TABLE IF EXISTS temp.wake_fix")
+    con.execute(f"""
+        CREATE TEMP TABLE wake_fix AS
+        SELECT o.id, (SELECT r.duration_ns FROM {schema}.sched_events r
+                       WHERE r.timestamp_ns BETWEEN o.mono_ns - o.wait_ns AND o.mono_ns
+                         AND r.kind = 'runq_delay' AND r.tid = o.tid AND r.pid = o.pid
+                         AND typeof(r.duration_ns) = 'integer' AND r.duration_ns > 0
+                         AND r.timestamp_ns + r.duration_ns
+                             BETWEEN o.mono_ns - {WAKE_RETURN_NS} AND o.mono_ns
+                         AND EXISTS (SELECT 1 FROM {schema}.sched_events s
+                                      WHERE s.kind = 'off_cpu' AND s.tid = r.tid
+                                        AND s.pid = r.pid AND s.prev_state IN ('S', 'D')
+                                        AND s.timestamp_ns + s.duration_ns
+                                            = r.timestamp_ns + r.duration_ns
+                                        AND s.timestamp_ns <= r.timestamp_ns)
+                       ORDER BY r.timestamp_ns DESC LIMIT 1) AS move
+          FROM temp.sample_sp o
+         WHERE o.node_id = ? AND o.mono_ns IS NOT NULL AND o.wait_ns > 0
+           AND o.tid IS NOT NULL""", (node_id,))
+    con.execute("DELETE FROM temp.wake_fix WHERE move IS NULL")
+    con.execute("UPDATE temp.sample_sp SET mono_ns = mono_ns - (SELECT move FROM "
+                "temp.wake_fix w WHERE w.id = sample_sp.id) WHERE id IN "
+                "(SELECT id FROM temp.wake_fix)")
+    moves = [m for (m,) in con.execute("SELECT move FROM temp.wake_fix ORDER BY move")]
+    con.execute("DROP TABLE temp.wake_fix")
+    return len(moves), (moves[len(moves) // 2] if moves else 0)

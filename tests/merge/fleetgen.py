@@ -51,12 +51,16 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                seed=1, straggler_rank=None, retransmits=True, segments=1,
                host_of=None, stacks=True, comm="00c0ffee00c0ffee",
                name_prefix="node", queued=0, claims=True, straggler_every=10,
-               straggler_late_ns=60_000_000, one_host=False) -> Fleet:
+               straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
+               wakeup_rows=True) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
     completion). claims=False: clocks that say they are unsynchronized. one_host: every
-    node is a namespace of one kernel (one clock, one boot_id)."""
+    node is a namespace of one kernel (one clock, one boot_id). late_wakeups: a node
+    index whose sync threads, woken by each completion, wait 1.5-3 ms for a CPU before
+    they return (a CPU-starved node); wakeup_rows: whether its bundle records those waits
+    (sched_events, as the capture does above its threshold)."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -75,7 +79,8 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     nranks = nodes * ranks_per_node
     end = T_JOB + int(seconds * 1e9)
     per_node_rows: list[dict[str, list]] = [
-        {"nccl_events": [], "cuda_events": [], "tcp_events": []} for _ in truths]
+        {"nccl_events": [], "cuda_events": [], "tcp_events": [], "sched_events": []}
+        for _ in truths]
     fleet = Fleet(truths)
     t = T_JOB + 200_000_000
     seq = 0
@@ -102,6 +107,19 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                  "float32", "sum", None, 7, nbytes, 0, 0, pid, tid, None))
             sync_start = entry + call + rng.randint(2_000, 8_000)
             sync_end = max(sync_start, completion) + rng.randint(2_000, 6_000)
+            if ni == late_wakeups and completion > sync_start + 1_200_000:
+                # slept in the sync, woken by the completion, then waited for a CPU
+                wake = completion + rng.randint(2_000, 6_000)
+                runq = rng.randint(1_500_000, 3_000_000)
+                sync_end = wake + runq + rng.randint(5_000, 30_000)
+                if wakeup_rows:
+                    off = tr.mono(sync_start + 1_000)
+                    on = tr.mono(wake + runq)
+                    per_node_rows[ni]["sched_events"] += [
+                        (off, on - off, "off_cpu", pid, tid, "python3", 0, "S", None, 4242,
+                         "hog"),
+                        (tr.mono(wake), on - tr.mono(wake), "runq_delay", pid, tid, "python3",
+                         0, None, 4242, 4242, "hog")]
             if seq % 7 == 0:
                 continue  # no sync after this one: the next sync pins the next collective
             per_node_rows[ni]["cuda_events"].append(

@@ -175,3 +175,34 @@ def test_nodes_of_one_kernel_share_one_line(tmp_path):
     assert {a["relative_uncertainty_ns"] for a in al.values()} == {0}
     for nid, errs in errors_at_true_times(fleet, al, 10).items():
         assert max(abs(errs[0]), abs(errs[-1])) <= al[nid]["uncertainty_ns"]
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["recorded", "unrecorded"])
+def test_late_wakeups_do_not_move_a_starved_node(tmp_path, rows):
+    """A CPU-starved node's sync threads are woken by each completion and then wait
+    milliseconds for a CPU: its returns say the completions came later than they did.
+    Unsynchronized clocks, so only the collectives place it. Where the bundle recorded
+    those run-queue waits (sched_events), the merge takes the wake-up as the observation
+    and places the node as well as the others; where it did not, the node is placed by
+    about its wait, the bias this guards against (and what the test shows is real)."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=20, seed=5,
+                       claims=False, ntp_step=False, retransmits=False, late_wakeups=2,
+                       wakeup_rows=rows)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    errs = errors_at_true_times(fleet, al, 20)
+    med = {nid: e[len(e) // 2] for nid, e in errs.items()}
+    others = sorted(v for nid, v in med.items() if nid != 3)
+    rel = med[3] - others[len(others) // 2]
+    con = apsw.Connection(str(tmp_path / "f.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    logged = con.execute("SELECT count FROM merge_log WHERE event = 'late_wakeups' "
+                         "AND node_id = 3").fetchall()
+    con.close()
+    print(f"relative placement of the starved node: {rel / 1e3:.0f} us; stated "
+          f"{al[3]['relative_uncertainty_ns'] / 1e3:.0f} us; moved: {logged}")
+    if rows:
+        assert abs(rel) <= 100_000, rel
+        assert logged and logged[0][0] > 50
+    else:
+        assert rel <= -1_000_000, rel      # moved back by its own late returns
+        assert not logged
