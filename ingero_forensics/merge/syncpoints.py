@@ -312,29 +312,41 @@ def correct_wakeups(con, node_id: int, schema: str = "b") -> tuple[int, int]:
     a thread preempted while spinning was not woken by the completion) and was woken
     during the sync, and the return came within WAKE_RETURN_NS of getting the CPU.
     Returns (observations moved, median move in ns)."""
-    con.execute("DROP TABLE IF EXISTS temp.wake_fix")
-    con.execute(f"""
-        CREATE TEMP TABLE wake_fix AS
-        SELECT o.id, (SELECT r.duration_ns FROM {schema}.sched_events r
-                       WHERE r.timestamp_ns BETWEEN o.mono_ns - o.wait_ns AND o.mono_ns
-                         AND r.kind = 'runq_delay' AND r.tid = o.tid AND r.pid = o.pid
-                         AND typeof(r.duration_ns) = 'integer' AND r.duration_ns > 0
-                         AND r.timestamp_ns + r.duration_ns
-                             BETWEEN o.mono_ns - {WAKE_RETURN_NS} AND o.mono_ns
-                         AND EXISTS (SELECT 1 FROM {schema}.sched_events s
-                                      WHERE s.kind = 'off_cpu' AND s.tid = r.tid
-                                        AND s.pid = r.pid AND s.prev_state IN ('S', 'D')
-                                        AND s.timestamp_ns + s.duration_ns
-                                            = r.timestamp_ns + r.duration_ns
-                                        AND s.timestamp_ns <= r.timestamp_ns)
-                       ORDER BY r.timestamp_ns DESC LIMIT 1) AS move
-          FROM temp.sample_sp o
-         WHERE o.node_id = ? AND o.mono_ns IS NOT NULL AND o.wait_ns > 0
-           AND o.tid IS NOT NULL""", (node_id,))
+    # One pass over the node's sched_events: the wake-ups of sampled threads that ended a
+    # sleep (the off_cpu and runq_delay spans of one switch-in end at the same instant),
+    # indexed by (tid, end) for the lookups below.
+    tids = "(SELECT DISTINCT tid FROM temp.sample_sp WHERE node_id = :node AND tid IS NOT NULL)"
+    for stmt in (
+            "DROP TABLE IF EXISTS temp.wake_fix", "DROP TABLE IF EXISTS temp.slept",
+            "DROP TABLE IF EXISTS temp.woke",
+            f"""CREATE TEMP TABLE slept AS SELECT pid, tid, timestamp_ns + duration_ns AS e
+                  FROM {schema}.sched_events WHERE kind = 'off_cpu'
+                   AND prev_state IN ('S', 'D') AND tid IN {tids}
+                   AND typeof(timestamp_ns) = 'integer' AND typeof(duration_ns) = 'integer'""",
+            "CREATE INDEX temp.slept_end ON slept (tid, e)",
+            f"""CREATE TEMP TABLE woke AS SELECT r.pid, r.tid, r.timestamp_ns AS w,
+                       r.timestamp_ns + r.duration_ns AS e, r.duration_ns AS move
+                  FROM {schema}.sched_events r WHERE r.kind = 'runq_delay'
+                   AND r.tid IN {tids} AND typeof(r.timestamp_ns) = 'integer'
+                   AND typeof(r.duration_ns) = 'integer' AND r.duration_ns > 0
+                   AND EXISTS (SELECT 1 FROM temp.slept s WHERE s.tid = r.tid
+                                  AND s.e = r.timestamp_ns + r.duration_ns AND s.pid = r.pid)""",
+            "CREATE INDEX temp.woke_end ON woke (tid, e)",
+            f"""CREATE TEMP TABLE wake_fix AS
+                SELECT o.id, (SELECT k.move FROM temp.woke k
+                               WHERE k.tid = o.tid AND k.e BETWEEN o.mono_ns - {WAKE_RETURN_NS}
+                                     AND o.mono_ns
+                                 AND k.pid = o.pid AND k.w >= o.mono_ns - o.wait_ns
+                               ORDER BY k.e DESC LIMIT 1) AS move
+                  FROM temp.sample_sp o
+                 WHERE o.node_id = :node AND o.mono_ns IS NOT NULL AND o.wait_ns > 0
+                   AND o.tid IS NOT NULL"""):
+        con.execute(stmt, {"node": node_id} if ":node" in stmt else None)
     con.execute("DELETE FROM temp.wake_fix WHERE move IS NULL")
     con.execute("UPDATE temp.sample_sp SET mono_ns = mono_ns - (SELECT move FROM "
                 "temp.wake_fix w WHERE w.id = sample_sp.id) WHERE id IN "
                 "(SELECT id FROM temp.wake_fix)")
     moves = [m for (m,) in con.execute("SELECT move FROM temp.wake_fix ORDER BY move")]
-    con.execute("DROP TABLE temp.wake_fix")
+    for t in ("wake_fix", "slept", "woke"):
+        con.execute(f"DROP TABLE temp.{t}")
     return len(moves), (moves[len(moves) // 2] if moves else 0)
