@@ -1,10 +1,8 @@
 """Build hook for the C extensions; everything else is in pyproject.toml.
 
 ingero_forensics.export._fastslices speeds up ingero-export (docs/export.md),
-ingero_forensics.merge._fastcoll the collectives of ingero-merge,
-ingero_forensics.merge._splice the tables its builder thread moves in by their pages
-(docs/merge.md), and ingero_forensics.bundle._screen the checks of untrusted rows (bundle
-reader and merge). All are optional: without a C compiler or the SQLite headers (Debian:
+ingero_forensics.merge._fastcoll the collectives of ingero-merge (docs/merge.md), and
+ingero_forensics.bundle._screen the checks of untrusted rows (bundle reader and merge). All are optional: without a C compiler or the SQLite headers (Debian:
 gcc, libsqlite3-dev) the install still succeeds and the tools run their Python/SQL
 paths, with the same output. None links against libsqlite3: they borrow apsw's SQLite
 at run time.
@@ -24,5 +22,5 @@ setup(ext_modules=[] if PURE else [
     Extension(f"ingero_forensics.{pkg}.{name}", [f"ingero_forensics/{pkg}/{name}.c"],
               extra_compile_args=["-O2", "-fvisibility=hidden"], optional=True)
     for pkg, name in (("export", "_fastslices"), ("merge", "_fastcoll"),
-                      ("merge", "_splice"), ("bundle", "_screen"))
+                      ("bundle", "_screen"))
 ])

@@ -1,5 +1,4 @@
-"""The optional C accelerators (export/_fastslices.c, merge/_fastcoll.c, merge/_splice.c,
-bundle/_screen.c).
+"""The optional C accelerators (export/_fastslices.c, merge/_fastcoll.c, bundle/_screen.c).
 
 Each is both a CPython module and a SQLite loadable extension: loading it once into a
 scratch connection hands it the routines of apsw's own SQLite, so it steps statements on

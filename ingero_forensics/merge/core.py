@@ -11,9 +11,9 @@ threads verify, decompress and extract sync points ahead while the main thread r
 the node and copies the small tables (meta, stacks, clock_samples); (2) align all nodes
 on a sample of the sync points; (3) per bundle, copy the big tables with aligned times
 while a thread of their own computes completions, collectives and violations
-(collectives.py), and in a fresh merge another builds a share of the tables in regions
-of the output file, spliced in by their pages at the end (_TableBuilder, _splice.c);
-then the indexes, the collectives and the node facts.
+(collectives.py), and in a fresh merge another builds a share of the tables in scratch
+databases that the main thread moves in by SQLite's transfer (_TableBuilder); then the
+indexes, the collectives and the node facts.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_s
 from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS,
                          attached,
                          correct_wakeups, extract_fleet_sync_points, extract_sync_points,
-                         file_uri,
                          image_runs, image_uri, write_runs)
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
@@ -69,9 +68,6 @@ FLEET_PAGE_SIZE = int(os.environ.get("INGERO_FLEET_PAGE_SIZE", 16384))
 #: Threads that verify, decompress and extract sync points ahead of the copying thread
 #: (zstd, sha256 and SQLite release the GIL, so they run on other cores).
 PREFETCH_THREADS = 2
-#: Where the table builder's databases start in the temporary fleet file when their pages
-#: are spliced in (merge/_splice.c): region r at (r + 1) TiB, the file sparse between.
-REGION_STRIDE = 1 << 40
 #: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
 PASS1_TABLES = ("meta", "clock_samples")
 PASS3_TABLES = tuple(t for t in COPIED_TABLES if t not in PASS1_TABLES)
@@ -262,13 +258,11 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     have (the merge is redone without it), at no cost for the bundles that are sound.
     """
     fastcoll = _accel.load("merge._fastcoll", "sqlite3_fastcoll_init") if accel else None
-    splice = _accel.load("merge._splice", "sqlite3_splice_init") \
-        if accel and os.environ.get("INGERO_NO_SPLICE", "") in ("", "0") else None
     corrupt: dict[str, str] = {}
     lock, lock_path = _lock_output(Path(out_path), Path(tmpdir) if tmpdir else None)
     try:
         return _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity,
-                               min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+                               min_wait_ns, min_latency_ns, fastcoll, corrupt)
     finally:
         # removed while still held: a merge that opened it meanwhile finds, once it has
         # the lock, that the name is no longer its file and takes the new one
@@ -322,8 +316,7 @@ def _lock_output(out: Path, tmpdir: Path | None = None) -> tuple[int, Path]:
 
 def _remove_stale_scratch(out: Path, tmpdir: Path | None = None) -> None:
     """Files named ``.<name>.<pid>.*`` beside the output that a merge killed before its
-    cleanup left (the temporary fleet.db, sparse and of terabyte apparent size with the
-    splice, its journal, staging and scratch databases), and decompressed images
+    cleanup left (the temporary fleet.db, its journal, staging and scratch databases), and decompressed images
     ``ingero-<pid>-*.db`` with their ``.sync`` and run files where images go (--tmpdir,
     else beside the output). Only under the output's lock, and only when that process
     is gone."""
@@ -373,23 +366,18 @@ def _settle_output(out: Path) -> None:
 
 
 def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
-                    min_latency_ns, fastcoll, splice, corrupt) -> MergeResult:
+                    min_latency_ns, fastcoll, corrupt) -> MergeResult:
     notes = []
     while True:
         try:
             res = _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity,
-                                 min_wait_ns, min_latency_ns, fastcoll, splice, corrupt)
+                                 min_wait_ns, min_latency_ns, fastcoll, corrupt)
             res.warnings.extend(notes)
             return res
         except _too_large(fastcoll):
             # A collective with more rows than the C path holds at once (no real job has
             # that many ranks): the SQL path, whose memory stays bounded, does it again.
             fastcoll = None
-        except _SpliceFailed as e:
-            # Never seen: the plain path (tables moved by SQLite) does it again.
-            notes.append(f"spliced pages failed quick_check ({e}); merged again without "
-                         "the splice")
-            splice = None
         except _CorruptBundle as e:
             # Nothing of this attempt was kept (the output is written only at the end):
             # again, with that bundle skipped for its reason from the start.
@@ -402,7 +390,7 @@ def _too_large(fastcoll):
 
 
 def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
-                   min_latency_ns, fastcoll, splice, corrupt) -> MergeResult:
+                   min_latency_ns, fastcoll, corrupt) -> MergeResult:
     started = time.monotonic()
     out = Path(out_path)
     res = MergeResult(output=str(out), accelerated=fastcoll is not None)
@@ -425,10 +413,6 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         fl.old_runs = []
         fl.builder = None
         fl.flusher = None
-        fl.splice = splice
-        fl.region_fd = None     # regions in use (the builder writes into fleet.db itself)
-        fl.spliced = []         # (offset, pointer pages, [(local root, fleet root)])
-        fl.spliced_tables = []  # their names, checked after the splice (_verify_spliced)
         scratch.extend(Path(f"{fl.scratch_base}.{t}") for t in PASS3_TABLES)
         try:
             entries = [(shown, path, corrupt.get(str(path), err))
@@ -440,15 +424,10 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
             for b in pending:
                 b["bundle"].close()
             fl.con.close()
-            if fl.region_fd is not None:
-                os.close(fl.region_fd)   # after the connection: it would drop its lock
             if fl.flusher is not None:
                 fl.flusher.join()
             for f in scratch + [r[0] for r in fl.old_runs]:
                 f.unlink(missing_ok=True)
-        if fl.region_fd is not None:
-            # Nothing caches fleet.db's pages any more: the built tables' pages join it.
-            _splice_tables(fl)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         if os.path.exists(f"{out}-wal") and os.path.getsize(f"{out}-wal"):
@@ -775,15 +754,11 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
     con = fl.con
     rows = {t: sum(i["bundle"].manifest["tables"].get(t) or 0 for i in pending)
             for t in PASS3_TABLES}
-    regions = fl.splice is not None and _regions_supported(fl.path, len(_BUILDABLE))
-    built = _builder_share(rows, _SPLICE_COST if regions else _TRANSFER_COST)
+    built = _builder_share(rows)
     stack_rows = con.execute("SELECT bundle_id, local_id, fleet_id FROM "
                              "temp.stack_map_all").fetchall()
-    if regions:
-        fl.region_fd = os.open(fl.path, os.O_RDWR)
     builder = _TableBuilder(fl.scratch_base, built, fl.completion_path, job, pending,
-                            params, stack_rows,
-                            (fl.splice, fl.region_fd) if regions else None)
+                            params, stack_rows)
     fl.builder = builder
     builder.start()
     by_id = {i["bundle_id"]: i for i in pending}
@@ -791,12 +766,10 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
     moved = []
 
     def move_in(ready):
-        # A table built in a region of fleet.db gets its pages spliced in once this
-        # connection is closed (_splice_tables): here only its empty twin's indexes, whose
-        # root pages the built ones take. Otherwise, into an empty fleet table with the
-        # same schema and indexes: SQLite moves rows and index entries as they are (its
-        # "transfer optimization"), without decoding a row or sorting an index again.
-        for table, source, counts, region in ready:
+        # Into an empty fleet table with the same schema and indexes: SQLite moves rows
+        # and index entries as they are (its "transfer optimization"), without decoding a
+        # row or sorting an index again.
+        for table, source, counts in ready:
             moved.append(table)
             if len(moved) == len(built):
                 # The last table is in: the other core has nothing left to do; meanwhile
@@ -807,30 +780,12 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
             with con:
                 for stmt in index_ddl(FLEET_TABLES_BY_NAME[table]):
                     con.execute(stmt)
-            # region: None (a scratch file), why scan() refused it, or what splice() needs
-            why = region if isinstance(region, str) else None
-            if isinstance(region, tuple):
-                roots = dict(con.execute("SELECT name, rootpage FROM sqlite_schema "
-                                         "WHERE tbl_name = ?", (table,)))
-                offset, pointers, built_roots = region
-                if set(roots) == {n for n, _ in built_roots}:
-                    fl.spliced.append((offset, pointers,
-                                       [(r, roots[n]) for n, r in built_roots]))
-                    fl.spliced_tables.append(table)
-                else:
-                    why = f"its indexes differ from fleet.db's ({sorted(roots)})"
-            if why:
-                # A region splice() cannot move: row by row. Never expected; logged so
-                # that the time it costs is explained.
-                fl.log("warning", "table_transferred", f"{table}: built pages not spliced "
-                       f"({why}); rows moved by INSERT ... SELECT instead")
-            if region is None or why:
-                con.execute("ATTACH DATABASE ? AS nb", (source,))
-                try:
-                    with con:
-                        con.execute(f"INSERT INTO main.{table} SELECT * FROM nb.{table}")
-                finally:
-                    con.execute("DETACH DATABASE nb")
+            con.execute("ATTACH DATABASE ? AS nb", (source,))
+            try:
+                with con:
+                    con.execute(f"INSERT INTO main.{table} SELECT * FROM nb.{table}")
+            finally:
+                con.execute("DETACH DATABASE nb")
             builder.remove(table)
             for bundle_id, (written, skipped) in counts.items():
                 by_id[bundle_id]["counts"][table] = written
@@ -884,57 +839,6 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
     _wait_staged(job, future)
 
 
-def _regions_supported(path: Path, count: int) -> bool:
-    """Whether the filesystem of ``path`` holds a sparse file reaching past ``count``
-    regions (ext4, xfs, btrfs, tmpfs do; FAT does not): tried on a probe file."""
-    probe = path.with_name(f"{path.name}.probe")
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    except OSError:
-        return False
-    try:
-        os.pwrite(fd, b"\0" * FLEET_PAGE_SIZE, (count + 1) * REGION_STRIDE)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
-
-
-def _splice_tables(fl: _Fleet) -> None:
-    """The pages of the tables built in regions become fleet.db's (merge/_splice.c), and
-    the file ends where the fleet database does (regions not spliced were transferred)."""
-    fd = os.open(fl.path, os.O_RDWR)
-    try:
-        fl.splice.splice(fd, sorted(fl.spliced), True)
-    finally:
-        os.close(fd)
-    _verify_spliced(fl)
-
-
-class _SpliceFailed(Exception):
-    """A spliced table failed its check: the merge is redone without the splice."""
-
-
-def _verify_spliced(fl: _Fleet) -> None:
-    """Every spliced table and its indexes pass SQLite's quick_check, scoped to them
-    (PRAGMA quick_check(TABLE)), before the rename: a page the splice got wrong never
-    reaches a user; the merge is then redone on the plain path (docs/merge.md)."""
-    if not fl.spliced_tables:
-        return
-    con = apsw.Connection(str(fl.path), flags=apsw.SQLITE_OPEN_READONLY)
-    try:
-        for table in fl.spliced_tables:
-            res = [r[0] for r in con.execute(f"PRAGMA quick_check({table})")]
-            if res != ["ok"]:
-                raise _SpliceFailed(f"{table}: {' '.join('; '.join(res).split())[:300]}")
-    except apsw.Error as e:
-        raise _SpliceFailed(f"{type(e).__name__}: {e}") from None
-    finally:
-        con.close()
-
-
 def _release(bundles) -> None:
     for bundle in bundles:
         bundle.close()
@@ -955,9 +859,8 @@ def _flush(path) -> None:
 #: a row of a table (fitted to merges of 16 x 2 M events on a 2-core VM): the builder
 #: building one (it sorts without a helper thread) 1.2; an nccl_events row (24 columns,
 #: the join on the completions) 1.65; the main thread moving a built row and its index
-#: entries in (the transfer) 0.5; with regions (merge/_splice.c), the builder listing a
-#: table's pointer pages and the splice, together, 0.02.
-_BUILDER_COST, _NCCL_COST, _TRANSFER_COST, _SPLICE_COST = 1.2, 1.65, 0.5, 0.02
+#: entries in (the transfer) 0.5.
+_BUILDER_COST, _NCCL_COST, _TRANSFER_COST = 1.2, 1.65, 0.5
 #: Tables the builder may take.
 _BUILDABLE = ("nccl_events", "cuda_events", "sched_events", "tcp_events", "block_events",
               "host_samples")
@@ -967,8 +870,8 @@ def _builder_share(rows: dict, move_cost: float = _TRANSFER_COST) -> list:
     """The tables _TableBuilder builds, in the order they become ready: nccl_events
     (its rows wait for the completions, which the main thread's need not), then the
     subset of the others that ends the merge soonest, largest first. The main thread
-    pays for moving every table in (move_cost per row and index entry: a transfer, or
-    next to nothing when the pages are spliced), and the last move cannot overlap
+    pays for moving every table in (move_cost per row and index entry: the transfer),
+    and the last move cannot overlap
     anything, so it should be small. By row counts from the manifests; a handful of
     candidate tables, so every subset is tried."""
     def units(t):
@@ -1000,19 +903,12 @@ class _TableBuilder:
     ``copies_done`` is then set: the bundle images are no longer needed here. Then the
     indexes, table by table in the given order, each table handed to the main thread by
     ``take_ready()`` as soon as it is complete; the main thread moves it into the still
-    empty fleet table in one transfer. ``interrupt()`` stops it.
-
-    With ``regions`` ((the _splice module, a descriptor of the temporary fleet.db)), each
-    scratch database is a region of fleet.db itself instead (REGION_STRIDE apart, through
-    the "ingero-region" VFS), and once built, its pages that hold page numbers are
-    listed (scan) for the splice that moves it in when the main connection is closed."""
+    empty fleet table in one transfer. ``interrupt()`` stops it."""
 
     def __init__(self, scratch_base, tables, completion_path, job, pending, params,
-                 stack_rows, regions=None):
+                 stack_rows):
         self.tables = list(tables)
         self.paths = {t: Path(f"{scratch_base}.{t}") for t in self.tables}
-        self.regions = regions
-        self.offsets = {t: (k + 1) * REGION_STRIDE for k, t in enumerate(self.tables)}
         self.completion_path = completion_path
         self.job = job
         self.items = [(i["bundle"], i["node_id"], i["bundle_id"]) for i in pending]
@@ -1062,20 +958,8 @@ class _TableBuilder:
         self._pool.shutdown(wait=True)
 
     def remove(self, table):
-        if self.regions is None:
-            for suffix in ("", "-journal"):
-                Path(f"{self.paths[table]}{suffix}").unlink(missing_ok=True)
-
-    def _uri(self, table, size=None) -> str:
-        """The scratch database of ``table``: a file, or a region of fleet.db (with its
-        size: read-only, for a transfer)."""
-        if self.regions is None:
-            return str(self.paths[table])
-        query = (f"vfs=ingero-region&fd={self.regions[1]}&offset={self.offsets[table]}"
-                 f"&limit={REGION_STRIDE}")
-        if size is not None:
-            query += f"&size={size}&mode=ro&immutable=1"
-        return file_uri(self.paths[table], query)
+        for suffix in ("", "-journal"):
+            Path(f"{self.paths[table]}{suffix}").unlink(missing_ok=True)
 
     def _run(self) -> None:
         try:
@@ -1088,28 +972,11 @@ class _TableBuilder:
                 with con:
                     for stmt in index_ddl(FLEET_TABLES_BY_NAME[table]):
                         con.execute(stmt)
-                region = source = None
-                if self.regions is not None:
-                    roots = con.execute("SELECT name, rootpage FROM sqlite_schema "
-                                        "WHERE rootpage > 0").fetchall()
-                    size = con.execute("PRAGMA page_count").fetchone()[0] * \
-                        con.execute("PRAGMA page_size").fetchone()[0]
-                    source = self._uri(table, size)
                 with self._lock:
                     del self._cons[table]
                 con.close()
-                if self.regions is not None:
-                    try:
-                        _, pointers = self.regions[0].scan(self.regions[1],
-                                                           self.offsets[table],
-                                                           [r for _, r in roots])
-                        region = (self.offsets[table], pointers, roots)
-                    except ValueError as e:
-                        region = str(e)
-                else:
-                    source = image_uri(self.paths[table])
                 with self._lock:
-                    self._ready.append((table, source, counts[table], region))
+                    self._ready.append((table, image_uri(self.paths[table]), counts[table]))
                     self._ready_event.set()
         finally:
             with self._lock:
@@ -1119,7 +986,8 @@ class _TableBuilder:
 
     def _copy(self, table) -> dict:
         self.remove(table)
-        con = apsw.Connection(self._uri(table), flags=apsw.SQLITE_OPEN_READWRITE |
+        # URI: the completions and the images are attached by URI (read-only, immutable)
+        con = apsw.Connection(str(self.paths[table]), flags=apsw.SQLITE_OPEN_READWRITE |
                               apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
         with self._lock:
             if self._stopped:
@@ -1128,8 +996,7 @@ class _TableBuilder:
             self._cons[table] = con
         harden(con)
         # The journal in memory (a defensive connection refuses OFF): a new database's
-        # pages are not journaled, so it holds a few pages per transaction. A region
-        # must have no journal file (the VFS refuses one).
+        # pages are not journaled, so it holds a few pages per transaction.
         for pragma in ("PRAGMA journal_mode = MEMORY", "PRAGMA synchronous = OFF",
                        f"PRAGMA page_size = {FLEET_PAGE_SIZE}",
                        f"PRAGMA cache_size = -{CACHE_MB * 1024}",
