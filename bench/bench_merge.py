@@ -59,7 +59,7 @@ def wrap(name, label):
         marks.append(f"{label} {time.perf_counter() - t0:.1f}")
         return f(*a, **k)
     setattr(core, name, g)
-wrap("_sample_sync_points", "pass1-end")
+wrap("sample_sync_points", "pass1-end")
 wrap("_pass3", "align-end")
 wrap("_collectives", "copy+indexes-end")
 run = core.CollectiveJob.run

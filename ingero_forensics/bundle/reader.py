@@ -64,7 +64,7 @@ def open_bundle(path, *, tmpdir=None, limit: int | None = None,
     """
     path = Path(path)
     # the pid in the name: a merge killed before its cleanup leaves images that the
-    # next merge removes once that process is gone (merge/core.py _remove_stale_scratch)
+    # next merge removes once that process is gone (merge/files.py remove_stale_scratch)
     fd, tmp = tempfile.mkstemp(prefix=f"ingero-{os.getpid()}-", suffix=".db", dir=tmpdir)
     os.close(fd)
     tmp = Path(tmp)
@@ -217,7 +217,7 @@ def _utf8_ok(b) -> int:
 _NOT_ASCII = "[^ -~]"
 #: Tables small enough that every column is screened (in the others, text in a column
 #: that is not TEXT, or an enum column, never reaches a reader: the merge skips such a
-#: row by its type or value, merge/core.py _valid_predicate).
+#: row by its type or value, merge/screen.py).
 _SMALL_TABLES = frozenset({"meta", "nccl_comm_events", "event_stats", "clock_samples",
                            "processes", "threads", "stacks", "capture_log"})
 

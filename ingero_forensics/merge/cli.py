@@ -7,7 +7,8 @@ import sys
 import click
 
 from .. import cliutil
-from .core import expand_inputs, list_bundles, merge_bundles
+from .core import merge_bundles
+from .files import expand_inputs, list_bundles
 from .verify import verify_bundles
 
 HELP = f"""Merge node bundles into one queryable fleet.db.

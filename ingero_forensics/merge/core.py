@@ -12,17 +12,13 @@ the node and copies the small tables (meta, stacks, clock_samples); (2) align al
 on a sample of the sync points; (3) per bundle, copy the big tables with aligned times
 while a thread of their own computes completions, collectives and violations
 (collectives.py), and in a fresh merge another builds a share of the tables in scratch
-databases that the main thread moves in by SQLite's transfer (_TableBuilder); then the
+databases that the main thread moves in by SQLite's transfer (TableBuilder); then the
 indexes, the collectives and the node facts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import glob
-import re
 import json
 import math
 import os
@@ -38,56 +34,32 @@ import apsw
 from .. import __version__
 from .. import accel as _accel
 from ..bundle.container import read_manifest
-from ..bundle.reader import column_or_null, open_bundle
-from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
+from ..bundle.reader import open_bundle
 from ..db import harden
-from ..errors import BundleError, IngeroError
+from ..errors import BundleError
 from . import align
-from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_NAME,
-                           FLEET_VERSION, all_index_ddl, fleet_ddl, index_ddl, table_ddl,
-                           time_point_columns)
+from .clocks import align_nodes, realign_existing, sample_sync_points, write_alignment
+from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
+from .copying import (CACHE_MB, FLEET_PAGE_SIZE, PASS1_TABLES, PASS3_TABLES, CorruptBundle,
+                      TableBuilder, builder_share, bundle_predicate, copy_bundle_table,
+                      copy_table, flush_file, load_stack_map, release_bundles)
+from .files import MergeError, check_fleet, expand_inputs, lock_output
+from .fleet_schema import (FLEET_TABLES_BY_NAME, FLEET_VERSION, all_index_ddl, fleet_ddl,
+                           index_ddl)
+from .ranks import process_ranks
 from .screen import row_predicate
 from .stacks import canonical_stack, stack_hash
-from .causal import FULL_DEPENDENCY_OPS
-from .ranks import process_ranks
-from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
-from .syncpoints import (SORTED_OPS, SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS,
-                         attached,
-                         correct_wakeups, extract_fleet_sync_points, extract_sync_points,
-                         image_runs, image_uri, write_runs)
+from .syncpoints import (SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, attached,
+                         extract_fleet_sync_points, extract_sync_points, image_runs, image_uri,
+                         write_runs)
+
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
 DEFAULT_MIN_LATENCY_NS = 1_000
-#: Collectives (at most, about) the alignment looks at; more adds time, not accuracy.
-ALIGN_SAMPLE = 5_000
-#: Page cache of fleet.db (MiB); a larger one measured no faster, index builds included.
-CACHE_MB = 32
-#: Page size of a new fleet.db.
-FLEET_PAGE_SIZE = int(os.environ.get("INGERO_FLEET_PAGE_SIZE", 16384))
 #: Threads that verify, decompress and extract sync points ahead of the copying thread
 #: (zstd, sha256 and SQLite release the GIL, so they run on other cores).
 PREFETCH_THREADS = 2
-#: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
-PASS1_TABLES = ("meta", "clock_samples")
-PASS3_TABLES = tuple(t for t in COPIED_TABLES if t not in PASS1_TABLES)
-
-class MergeError(IngeroError):
-    """The merge cannot proceed (bad output, --strict with a skipped input)."""
-
-
-class _CorruptBundle(Exception):
-    """A bundle image found corrupt while pass 3 reads it (SQLite reports a malformed
-    page; with integrity "none" nothing looked at those pages before). The merge is
-    redone without that bundle, which is reported as skipped."""
-
-    def __init__(self, path, reason):
-        super().__init__(f"{path}: {reason}")
-        self.path, self.reason = str(path), reason
-
-
-#: SQLite's answers to a malformed database file.
-_CORRUPT = (apsw.CorruptError, apsw.NotADBError)
 
 
 @dataclass
@@ -114,91 +86,10 @@ class MergeResult:
         return d
 
 
-# ---------------------------------------------------------------------------- inputs
-
-def expand_inputs(inputs) -> list[tuple[str, Path | None, str | None]]:
-    """Files, directories (every *.bundle inside) and globs -> [(shown, path, error)].
-    Order is stable (sorted within a directory or glob); duplicates are dropped."""
-    out, seen = [], set()
-
-    def add(p: Path):
-        key = os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.append((str(p), p, None))
-    for item in inputs:
-        item = str(item)
-        p = Path(item)
-        if p.is_dir():
-            found = sorted(p.glob("*.bundle"))
-            if not found:
-                out.append((item, None, "directory holds no *.bundle files"))
-            for f in found:
-                add(f)
-        elif p.exists():
-            add(p)
-        elif any(ch in item for ch in "*?["):
-            found = sorted(glob.glob(item))
-            if not found:
-                out.append((item, None, "no file matches this pattern"))
-            for f in found:
-                add(Path(f))
-        else:
-            out.append((item, None, "no such file or directory"))
-    return out
-
-
-def list_bundles(inputs) -> list[dict]:
-    """Each input's manifest, read without decompressing: {input, manifest} or
-    {input, error}."""
-    res = []
-    for shown, path, err in expand_inputs(inputs):
-        if err:
-            res.append({"input": shown, "error": err})
-            continue
-        try:
-            res.append({"input": shown, "manifest": read_manifest(path)})
-        except BundleError as e:
-            res.append({"input": shown, "error": e.reason})
-    return res
-
-
 # ---------------------------------------------------------------------------- helpers
 
 def _utc_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def _aligned(col: str, p: str = "") -> str:
-    """SQL for the aligned value of a raw monotonic column, parameters :off/:slope."""
-    return f"(:off{p} + {col} + CAST(ROUND({col} * :slope{p}) AS INTEGER))"
-
-
-def _bundle_predicate(bundle, table: str) -> str:
-    """The rows of one bundle's table that the merge copies and the collectives count
-    (merge/screen.py)."""
-    return row_predicate(table, bundle)
-
-
-def check_fleet(path: Path) -> None:
-    try:
-        con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
-        try:
-            harden(con)
-            app = con.execute("PRAGMA application_id").fetchone()[0]
-            ver = con.execute("PRAGMA user_version").fetchone()[0]
-        finally:
-            con.close()
-    except apsw.Error as e:
-        raise MergeError(f"{path}: cannot open as a fleet.db ({e})") from None
-    if app != FLEET_APPLICATION_ID:
-        raise MergeError(f"{path}: exists and is not a fleet.db (application_id {app:#x}); "
-                         "refusing to overwrite it")
-    if ver > FLEET_VERSION:
-        raise MergeError(f"{path}: fleet.db version {ver} is newer than this tool supports")
-    if ver < FLEET_VERSION:
-        raise MergeError(f"{path}: fleet.db version {ver} was made by an older ingero-merge; "
-                         "merge its bundles into a new file instead of extending it")
 
 
 class _Fleet:
@@ -259,7 +150,7 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     """
     fastcoll = _accel.load("merge._fastcoll", "sqlite3_fastcoll_init") if accel else None
     corrupt: dict[str, str] = {}
-    lock, lock_path = _lock_output(Path(out_path), Path(tmpdir) if tmpdir else None)
+    lock, lock_path = lock_output(Path(out_path), Path(tmpdir) if tmpdir else None)
     try:
         return _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity,
                                min_wait_ns, min_latency_ns, fastcoll, corrupt)
@@ -269,100 +160,6 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
         with contextlib.suppress(OSError):
             os.unlink(lock_path)
         os.close(lock)
-
-
-def _lock_output(out: Path, tmpdir: Path | None = None) -> tuple[int, Path]:
-    """An exclusive lock on ``.<name>.lock`` beside the output, held for the whole merge:
-    a second merge into the same file refuses at once (two would each rename their own
-    result into place and one's bundles would be lost). Under the lock, scratch files
-    that merges killed earlier left beside the output are removed, and a -wal or hot
-    journal beside an existing output is settled (_settle_output)."""
-    if not out.parent.is_dir():
-        raise MergeError(f"{out}: directory {out.parent} does not exist")
-    path = out.with_name(f".{out.name}.lock")
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise MergeError(f"{out}: cannot write in {out.parent}: "
-                             f"{e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise MergeError(f"{out}: another ingero-merge is writing it (lock "
-                                 f"{path.name}); wait for it to finish") from None
-            raise MergeError(f"{out}: cannot lock {path.name}: {e.strerror or e}") from None
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
-        except OSError:
-            same = False
-        if same:
-            break
-        os.close(fd)                    # its holder removed it as we opened it: again
-    try:
-        _remove_stale_scratch(out, tmpdir)
-        if out.exists():
-            check_fleet(out)            # only a fleet.db is settled, nothing else touched
-            _settle_output(out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        os.close(fd)
-        raise
-    return fd, path
-
-
-def _remove_stale_scratch(out: Path, tmpdir: Path | None = None) -> None:
-    """Files named ``.<name>.<pid>.*`` beside the output that a merge killed before its
-    cleanup left (the temporary fleet.db, its journal, staging and scratch databases), and decompressed images
-    ``ingero-<pid>-*.db`` with their ``.sync`` and run files where images go (--tmpdir,
-    else beside the output). Only under the output's lock, and only when that process
-    is gone."""
-    scratch = re.compile(re.escape(f".{out.name}.") + r"(\d+)\.[A-Za-z0-9_.-]+")
-    image = re.compile(r"ingero-(\d+)-[A-Za-z0-9_]+\.db(\.[A-Za-z0-9_.-]+)?")
-    found = [(f, scratch.fullmatch(f.name)) for f in out.parent.iterdir()]
-    with contextlib.suppress(OSError):
-        found += [(f, image.fullmatch(f.name)) for f in (tmpdir or out.parent).iterdir()]
-    for f, m in found:
-        if not m or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue                    # alive (not a merge of this output: it holds no lock)
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue
-        with contextlib.suppress(OSError):
-            if f.is_file() and not f.is_symlink():
-                f.unlink()
-
-
-def _settle_output(out: Path) -> None:
-    """An existing output with a -wal (opened in WAL mode by a viewer) or a journal
-    beside it: its content is checkpointed into it and the output returned to rollback
-    mode, or the merge refuses. Never is a foreign -wal left beside the new file, where
-    SQLite would replay it onto it."""
-    side = [Path(f"{out}{s}") for s in ("-wal", "-journal")]
-    if not out.exists() or not any(p.exists() for p in side):
-        return
-    try:
-        con = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READWRITE)
-        try:
-            con.execute("PRAGMA busy_timeout = 1000")
-            mode = con.execute("PRAGMA journal_mode = DELETE").fetchone()[0]
-        finally:
-            con.close()
-    except apsw.Error as e:
-        mode = f"{type(e).__name__}: {e}"
-    left = [p.name for p in side if p.exists() and p.stat().st_size]
-    if str(mode).lower() != "delete" or left:
-        raise MergeError(f"{out}: is open in another program ({', '.join(left) or mode} "
-                         "could not be checkpointed); close it and merge again")
-    for p in side:
-        p.unlink(missing_ok=True)
 
 
 def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
@@ -378,7 +175,7 @@ def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_w
             # A collective with more rows than the C path holds at once (no real job has
             # that many ranks): the SQL path, whose memory stays bounded, does it again.
             fastcoll = None
-        except _CorruptBundle as e:
+        except CorruptBundle as e:
             # Nothing of this attempt was kept (the output is written only at the end):
             # again, with that bundle skipped for its reason from the start.
             corrupt[e.path] = e.reason
@@ -545,7 +342,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                     counts = {"stacks": n_stacks}
                     skipped = {}
                     for t in PASS1_TABLES:
-                        counts[t], skipped[t] = _copy_table(con, t, bundle, node_id,
+                        counts[t], skipped[t] = copy_table(con, t, bundle, node_id,
                                                             bundle_id, None)
                     con.execute("COMMIT")
                 finally:
@@ -574,9 +371,9 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         reasons = "; ".join(f"{s['input']}: {s['reason']}" for s in res.skipped[:3])
         raise MergeError(f"no usable bundle among the inputs ({reasons})")
     # ---------------------------------------------------------------- pass 2: align
-    _sample_sync_points(fl, pending)
+    sample_sync_points(fl, pending)
     con.execute("BEGIN")
-    params = _align(fl, res)
+    params = align_nodes(fl, res)
     _check_params(params, pending)
     param_rows = [(a.node_id, a.offset_ns, a.slope, a.pre_offset_ns) for a in params.values()]
     con.execute("CREATE TEMP TABLE node_params (node_id INTEGER PRIMARY KEY, off INTEGER, "
@@ -618,7 +415,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                 for nid, a in params.items():
                     a.violations_before, a.violations_after = results.violations.get(nid,
                                                                                      (0, 0))
-                _write_alignment(con, params)
+                write_alignment(con, params)
                 _update_nodes(con)
         finally:
             con.execute("DETACH DATABASE st")
@@ -669,7 +466,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
 def _nccl_predicates(pending: list):
     """bundle_id -> the nccl_events rows of that bundle the merge copies (valid and in
     its capture window): the collectives count the same entries on both paths."""
-    preds = {i["bundle_id"]: _bundle_predicate(i["bundle"], "nccl_events") for i in pending}
+    preds = {i["bundle_id"]: bundle_predicate(i["bundle"], "nccl_events") for i in pending}
     return lambda bundle_id: preds.get(bundle_id, row_predicate("nccl_events"))
 
 
@@ -686,7 +483,7 @@ def _check_params(params: dict, pending: list) -> None:
         if not mine:
             raise MergeError(f"node {a.node_id}: its alignment is outside any clock "
                              f"(offset {a.offset_ns} ns, slope {a.slope})")
-        raise _CorruptBundle(mine[-1]["bundle"].path,
+        raise CorruptBundle(mine[-1]["bundle"].path,
                              f"its clock readings give node {mine[-1]['bundle'].node} a "
                              f"line outside any clock (offset {a.offset_ns} ns, slope "
                              f"{a.slope:g}); not merged")
@@ -698,7 +495,7 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
     the collectives thread computes meanwhile. In a fresh merge a thread of its own
     builds nccl_events and a share of the other tables, each with its indexes, in
     scratch databases while this one copies and indexes the rest, moving each built
-    table in as soon as it is ready (_TableBuilder)."""
+    table in as soon as it is ready (TableBuilder)."""
     con = fl.con
     if not max_old_bundle and pending:
         _pass3_fresh(fl, pending, params, job, future, idle)
@@ -712,7 +509,7 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
         try:
             if max_old_bundle:      # realign rows merged by earlier runs (incremental merge)
                 with con:
-                    _realign_existing(con, params, old_params, max_old_bundle)
+                    realign_existing(con, params, old_params, max_old_bundle)
             for item in pending:
                 _copy_tables(fl, item, ["nccl_events"], params)
         finally:
@@ -754,10 +551,10 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
     con = fl.con
     rows = {t: sum(i["bundle"].manifest["tables"].get(t) or 0 for i in pending)
             for t in PASS3_TABLES}
-    built = _builder_share(rows)
+    built = builder_share(rows)
     stack_rows = con.execute("SELECT bundle_id, local_id, fleet_id FROM "
                              "temp.stack_map_all").fetchall()
-    builder = _TableBuilder(fl.scratch_base, built, fl.completion_path, job, pending,
+    builder = TableBuilder(fl.scratch_base, built, fl.completion_path, job, pending,
                             params, stack_rows)
     fl.builder = builder
     builder.start()
@@ -774,7 +571,7 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
             if len(moved) == len(built):
                 # The last table is in: the other core has nothing left to do; meanwhile
                 # fleet.db's pages are written out, so the final fsync has less to do.
-                fl.flusher = threading.Thread(target=_flush, name="ingero-flush",
+                fl.flusher = threading.Thread(target=flush_file, name="ingero-flush",
                                               args=(fl.path,))
                 fl.flusher.start()
             with con:
@@ -808,7 +605,7 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
             sync_files.clear()
         if release is None and copied and builder.copies_done.is_set() and \
                 job.bundles_read.is_set():
-            release = threading.Thread(target=_release, name="ingero-release",
+            release = threading.Thread(target=release_bundles, name="ingero-release",
                                        args=([i["bundle"] for i in pending],))
             release.start()
         move_in(builder.take_ready())
@@ -839,217 +636,14 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
     _wait_staged(job, future)
 
 
-def _release(bundles) -> None:
-    for bundle in bundles:
-        bundle.close()
-
-
-def _flush(path) -> None:
-    """Write fleet.db's dirty pages out ahead of the final fsync (best effort: the
-    final fsync is what makes the file durable)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-
-
-#: Costs per row and per index entry, relative to the main thread copying and indexing
-#: a row of a table (fitted to merges of 16 x 2 M events on a 2-core VM): the builder
-#: building one (it sorts without a helper thread) 1.2; an nccl_events row (24 columns,
-#: the join on the completions) 1.65; the main thread moving a built row and its index
-#: entries in (the transfer) 0.5.
-_BUILDER_COST, _NCCL_COST, _TRANSFER_COST = 1.2, 1.65, 0.5
-#: Tables the builder may take.
-_BUILDABLE = ("nccl_events", "cuda_events", "sched_events", "tcp_events", "block_events",
-              "host_samples")
-
-
-def _builder_share(rows: dict, move_cost: float = _TRANSFER_COST) -> list:
-    """The tables _TableBuilder builds, in the order they become ready: nccl_events
-    (its rows wait for the completions, which the main thread's need not), then the
-    subset of the others that ends the merge soonest, largest first. The main thread
-    pays for moving every table in (move_cost per row and index entry: the transfer),
-    and the last move cannot overlap
-    anything, so it should be small. By row counts from the manifests; a handful of
-    candidate tables, so every subset is tried."""
-    def units(t):
-        return rows[t] * (1 + len(FLEET_TABLES_BY_NAME[t].indexes))
-
-    # Event tables only (the finish reads processes and nccl_comm_events while the
-    # builder may still run), and none under 1% of the rows: not worth a scratch database.
-    others = sorted((t for t in _BUILDABLE
-                     if t != "nccl_events" and rows[t] * 100 >= sum(rows.values())),
-                    key=lambda t: (-units(t), t))
-    best = None
-    for mask in range(1 << len(others)):
-        share = [t for k, t in enumerate(others) if mask >> k & 1]
-        built = ["nccl_events"] + share
-        builder = _NCCL_COST * units("nccl_events") + _BUILDER_COST * sum(map(units, share))
-        main = sum(units(t) for t in others if t not in share)
-        moves = [move_cost * units(t) for t in built]
-        end = max(builder, main + sum(moves[:-1])) + moves[-1]
-        if best is None or (end, len(share)) < best[0]:
-            best = ((end, len(share)), built)
-    return best[1]
-
-
-class _TableBuilder:
-    """Whole fleet tables of a fresh merge, built beside the main thread, each in a
-    scratch database of its own (``<scratch_base>.<table>``). First the rows of every
-    table: per bundle the same INSERT ... SELECT as _copy_table, the others while the
-    collectives thread computes the completions, nccl_events (which joins them) last.
-    ``copies_done`` is then set: the bundle images are no longer needed here. Then the
-    indexes, table by table in the given order, each table handed to the main thread by
-    ``take_ready()`` as soon as it is complete; the main thread moves it into the still
-    empty fleet table in one transfer. ``interrupt()`` stops it."""
-
-    def __init__(self, scratch_base, tables, completion_path, job, pending, params,
-                 stack_rows):
-        self.tables = list(tables)
-        self.paths = {t: Path(f"{scratch_base}.{t}") for t in self.tables}
-        self.completion_path = completion_path
-        self.job = job
-        self.items = [(i["bundle"], i["node_id"], i["bundle_id"]) for i in pending]
-        self.params = params
-        self.stack_rows = stack_rows
-        self.copies_done = threading.Event()
-        self._lock = threading.Lock()
-        self._ready = []
-        self._ready_event = threading.Event()
-        self._cons = {}
-        self._stopped = False
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingero-build")
-        self._future = None
-
-    def start(self):
-        self._future = self._pool.submit(self._run)
-
-    def take_ready(self, wait: bool = False) -> list:
-        """(table, scratch path, {bundle_id: (written, skipped)}) of each table finished
-        since the last call (with ``wait``, once there is one or the thread has ended);
-        re-raises the thread's error."""
-        while wait and not self._future.done():
-            if self._ready_event.wait(0.05):
-                break
-        if self._future.done():
-            self._future.result()
-        with self._lock:
-            ready, self._ready = self._ready, []
-            self._ready_event.clear()
-        return ready
-
-    def ended(self) -> bool:
-        """The thread has ended: every table is built, or it failed."""
-        return self._future.done()
-
-    def join(self):
-        try:
-            self._future.result()
-        finally:
-            self._pool.shutdown(wait=True)
-
-    def interrupt(self):
-        with self._lock:
-            self._stopped = True
-            for con in self._cons.values():
-                con.interrupt()
-        self._pool.shutdown(wait=True)
-
-    def remove(self, table):
-        for suffix in ("", "-journal"):
-            Path(f"{self.paths[table]}{suffix}").unlink(missing_ok=True)
-
-    def _run(self) -> None:
-        try:
-            counts = {}
-            for table in self.tables[1:] + self.tables[:1]:
-                counts[table] = self._copy(table)
-            self.copies_done.set()
-            for table in self.tables:
-                con = self._cons[table]
-                with con:
-                    for stmt in index_ddl(FLEET_TABLES_BY_NAME[table]):
-                        con.execute(stmt)
-                with self._lock:
-                    del self._cons[table]
-                con.close()
-                with self._lock:
-                    self._ready.append((table, image_uri(self.paths[table]), counts[table]))
-                    self._ready_event.set()
-        finally:
-            with self._lock:
-                cons, self._cons = list(self._cons.values()), {}
-            for con in cons:
-                con.close()
-
-    def _copy(self, table) -> dict:
-        self.remove(table)
-        # URI: the completions and the images are attached by URI (read-only, immutable)
-        con = apsw.Connection(str(self.paths[table]), flags=apsw.SQLITE_OPEN_READWRITE |
-                              apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
-        with self._lock:
-            if self._stopped:
-                con.close()
-                raise apsw.InterruptError("interrupted")
-            self._cons[table] = con
-        harden(con)
-        # The journal in memory (a defensive connection refuses OFF): a new database's
-        # pages are not journaled, so it holds a few pages per transaction.
-        for pragma in ("PRAGMA journal_mode = MEMORY", "PRAGMA synchronous = OFF",
-                       f"PRAGMA page_size = {FLEET_PAGE_SIZE}",
-                       f"PRAGMA cache_size = -{CACHE_MB * 1024}",
-                       "PRAGMA temp_store = FILE", "PRAGMA locking_mode = EXCLUSIVE"):
-            con.execute(pragma)
-        con.execute(table_ddl(FLEET_TABLES_BY_NAME[table]))
-        stacks = "stack_id" in BUNDLE_TABLES[table].column_names
-        if stacks:
-            con.execute("CREATE TEMP TABLE stack_map_all (bundle_id INTEGER, "
-                        "local_id INTEGER, fleet_id INTEGER, PRIMARY KEY (bundle_id, "
-                        "local_id)) WITHOUT ROWID")
-            con.execute("CREATE TEMP TABLE stack_map (local_id INTEGER PRIMARY KEY, "
-                        "fleet_id INTEGER)")
-            con.executemany("INSERT INTO temp.stack_map_all VALUES (?, ?, ?)",
-                            self.stack_rows)
-        if table == "nccl_events":
-            while not self.job.completions_ready.wait(0.05):
-                if self._stopped:
-                    raise apsw.InterruptError("interrupted")
-            con.execute("ATTACH DATABASE ? AS cp", (image_uri(self.completion_path),))
-            con.execute("PRAGMA cp.cache_size = -32768")
-        counts = {}
-        for bundle, node_id, bundle_id in self.items:
-            with attached(con, bundle.db_path, "b"), con:
-                if stacks:
-                    _load_stack_map(con, bundle_id)
-                counts[bundle_id] = _copy_bundle_table(con, table, bundle, node_id,
-                                                       bundle_id, self.params[node_id])
-        if table == "nccl_events":
-            con.execute("DETACH DATABASE cp")
-        # Its pages are written: keep the memory of several open scratch databases down.
-        con.execute("PRAGMA shrink_memory")
-        return counts
-
-
 def _copy_tables(fl: _Fleet, item: dict, tables, params: dict) -> None:
     """INSERT ... SELECT the bundle's ``tables`` into fleet.db, one transaction."""
     node_id, bundle_id = item["node_id"], item["bundle_id"]
     with attached(fl.con, item["bundle"].db_path, "b"), fl.con:
-        _load_stack_map(fl.con, bundle_id)
+        load_stack_map(fl.con, bundle_id)
         for t in tables:
-            item["counts"][t], item["skipped"][t] = _copy_bundle_table(
+            item["counts"][t], item["skipped"][t] = copy_bundle_table(
                 fl.con, t, item["bundle"], node_id, bundle_id, params[node_id])
-
-
-def _copy_bundle_table(con, table, bundle, node_id, bundle_id, p) -> tuple[int, int]:
-    """_copy_table, a malformed page of the bundle raising _CorruptBundle."""
-    try:
-        return _copy_table(con, table, bundle, node_id, bundle_id, p)
-    except _CORRUPT as e:
-        raise _CorruptBundle(bundle.path, f"database is corrupt ({type(e).__name__}: "
-                                          f"{' '.join(str(e).split())}; table {table})") \
-            from None
 
 
 def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
@@ -1074,7 +668,7 @@ def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
             rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
             bundle.run_paths, bundle.collectives_seen = image_runs(
                 fastcoll, bundle.db_path, bundle.db_path,
-                _bundle_predicate(bundle, "nccl_events"),
+                bundle_predicate(bundle, "nccl_events"),
                 rows, min_wait_ns)
             owned.extend(bundle.run_paths)
         else:
@@ -1270,240 +864,7 @@ def _copy_stacks(fl: _Fleet, shown: str, node_id: int, bundle_id: int, used: set
     return n
 
 
-def _load_stack_map(con, bundle_id: int) -> None:
-    con.execute("DELETE FROM temp.stack_map")
-    con.execute("INSERT INTO temp.stack_map SELECT local_id, fleet_id FROM "
-                "temp.stack_map_all WHERE bundle_id = ?", (bundle_id,))
-
-
-def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
-                p: align.NodeAlignment | None) -> tuple[int, int]:
-    """INSERT ... SELECT one bundle table into main (fleet.db, or the scratch database
-    of _TableBuilder); returns (written, skipped)."""
-    want = bundle.manifest["tables"].get(table)
-    if table == "meta":
-        con.execute("INSERT INTO meta (bundle_id, node_id, key, value) SELECT ?, ?, key, value "
-                    "FROM b.meta WHERE key IS NOT NULL AND value IS NOT NULL",
-                    (bundle_id, node_id))
-        return con.changes(), 0
-    bt = BUNDLE_TABLES[table]
-    ft = FLEET_TABLES_BY_NAME[table]
-    times = time_point_columns(table)
-    data_cols = [c.name for c in bt.columns if c.name != "id"]
-    sel = {}
-    for c in data_cols:
-        sel[c] = column_or_null(bundle, table, c)
-    for c in times:
-        if sel[c] != "NULL":
-            sel[c] = _aligned(f"e.{c}")
-    joins = ""
-    if "stack_id" in data_cols:
-        sel["stack_id"] = "sm.fleet_id"
-        joins += " LEFT JOIN temp.stack_map sm ON sm.local_id = e.stack_id"
-    extra = {"node_id": ":node", "bundle_id": ":bundle"}
-    if times:
-        extra["mono_ns"] = f"e.{times[0]}"
-    if table == "nccl_events":
-        a = _aligned("e.timestamp_ns")
-        sel["duration_ns"] = (f"CASE WHEN c.completion_ns > {a} + e.duration_ns "
-                              f"THEN c.completion_ns - {a} ELSE e.duration_ns END")
-        extra["call_duration_ns"] = "e.duration_ns"
-        extra["completion_ns"] = "c.completion_ns"
-        joins += (" LEFT JOIN cp.completion c ON c.seq = e.seq "
-                  "AND c.comm_id_hash = e.comm_id_hash")
-    cols = list(sel) + list(extra)
-    assert set(cols) <= set(ft.column_names), (table, set(cols) - set(ft.column_names))
-    sql = (f"INSERT INTO main.{table} ({', '.join(cols)}) SELECT "
-           f"{', '.join(list(sel.values()) + list(extra.values()))} "
-           f"FROM b.{table} e{joins} WHERE {_bundle_predicate(bundle, table)}")
-    binds = {"node": node_id, "bundle": bundle_id}
-    if times:
-        binds.update(off=p.offset_ns, slope=p.slope)
-    con.execute(sql, binds)
-    written = con.changes()
-    return written, max((want or 0) - written, 0)
-
-
 # --------------------------------------------------------------------------- alignment
-
-def _claim(source, synchronized, maxerr, ref_off, root_delay, root_disp):
-    if source == "system":
-        if synchronized == 0 or maxerr is None:
-            return None
-        return int(maxerr)
-    if source == "chrony" and root_disp is not None and root_delay is not None:
-        return int(abs(ref_off or 0) + root_disp + root_delay / 2)
-    return None
-
-
-def _sample_sync_points(fl: _Fleet, pending: list) -> None:
-    """temp.sample_sp: the sync points the alignment looks at."""
-    con = fl.con
-    # The estimator needs thousands of collectives, not millions: take every k-th seq of
-    # each communicator (spread over the whole capture), at most ~ALIGN_SAMPLE in all.
-    # Distinct collectives: the most any one node observed (nodes of one job see the same
-    # ones), counted by the helper threads.
-    n_coll = fl.collectives_seen
-    every = max(1, -(-n_coll // ALIGN_SAMPLE))
-    fl.sample_every = every
-
-    # The sample: from each new bundle's sync points (helper threads' scratch files) and
-    # from the rows of earlier merges (st.sp).
-    # One row per collective row of a sampled seq: its entry and/or the completion it
-    # observed (tight or not), op as its index in SORTED_OPS.
-    con.execute("DROP TABLE IF EXISTS temp.sample_sp")
-    con.execute("CREATE TEMP TABLE sample_sp (id INTEGER PRIMARY KEY, node_id INTEGER, "
-                "comm_id_hash TEXT, seq INTEGER, mono_ns INTEGER, entry_ns INTEGER, "
-                "tight INTEGER, op INTEGER, pid INTEGER, tid INTEGER, wait_ns INTEGER)")
-    cols = "(node_id, comm_id_hash, seq, mono_ns, entry_ns, tight, op, pid, tid, wait_ns)"
-    op_index = "CASE op " + " ".join(f"WHEN '{o}' THEN {k}" for k, o in
-                                     enumerate(SORTED_OPS)) + " END"
-    # rows of earlier merges (SQL path): their observations and their entries
-    con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT node_id, comm_id_hash, seq, "
-                "mono_ns, NULL, tight, NULL, pid, tid, wait_ns FROM st.sp WHERE seq % ? = 0",
-                (every,))
-    con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT node_id, comm_id_hash, seq, "
-                f"NULL, mono_ns, 0, {op_index}, NULL, NULL, NULL FROM st.ent "
-                "WHERE seq % ? = 0", (every,))
-    insert = f"INSERT INTO temp.sample_sp {cols} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    runs = [(path, nid) for path, nid, _ in fl.old_runs] + \
-        [(path, item["node_id"]) for item in pending for path in item["bundle"].run_paths]
-    if runs:
-        with con:
-            for path, nid in runs:
-                fl.fastcoll.sample_into(con.sqlite3_pointer(), str(path), every, insert, nid)
-    for item in pending:
-        if item["bundle"].sync_path is not None:
-            with attached(con, item["bundle"].sync_path, "s"):
-                con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT ?, comm_id_hash, seq, "
-                            "mono_ns, NULL, tight, NULL, pid, tid, wait_ns FROM s.sp "
-                            "WHERE seq % ? = 0", (item["node_id"], every))
-            with attached(con, item["bundle"].db_path, "b"):
-                con.execute(f"INSERT INTO temp.sample_sp {cols} SELECT ?, e.comm_id_hash, "
-                            f"e.seq, NULL, e.timestamp_ns, 0, {op_index.replace('op', 'e.op', 1)}, "
-                            "NULL, NULL, NULL "
-                            "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
-                            f"typeof(e.seq) = 'integer' AND e.seq % ? = 0 AND "
-                            f"{_bundle_predicate(item['bundle'], 'nccl_events')}",
-                            (item["node_id"], every))
-    # observations that a late wake-up delayed: back to the wake-up (syncpoints.py)
-    for item in pending:
-        with attached(con, item["bundle"].db_path, "b"):
-            moved, median_ns = correct_wakeups(con, item["node_id"])
-        if moved:
-            fl.log("info", "late_wakeups", f"{moved} sampled sync returns moved back to their "
-                   f"thread's wake-up (median {median_ns / 1e3:.0f} us of run-queue wait)",
-                   input=item["shown"], node_id=item["node_id"], count=moved)
-
-
-def _align(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
-    con = fl.con
-    nodes = {nid: align.NodeInput(nid, clock_key=boot) for nid, boot in
-             con.execute("SELECT node_id, boot_id FROM nodes")}
-    for row in con.execute(
-            "SELECT node_id, source, mono_before_ns, mono_after_ns, realtime_ns, "
-            "synchronized, adj_maxerror_ns, adj_esterror_ns, ref_offset_ns, root_delay_ns, "
-            "root_dispersion_ns FROM clock_samples WHERE realtime_ns IS NOT NULL "
-            "AND typeof(realtime_ns) = 'integer' AND source IN ('system', 'chrony')"):
-        nid, src, mb, ma, rt, sync, maxe, este, ref, rdel, rdisp = row
-        if ma < mb:
-            continue
-        claim = _claim(src, sync, maxe, ref, rdel, rdisp)
-        est = None
-        if sync != 0 and isinstance(este, int):
-            est = abs(este)
-        elif claim is not None:
-            est = claim
-        nodes[nid].samples.append(align.ClockSample(
-            mid=(mb + ma) // 2, realtime=rt, half_bracket=(ma - mb + 1) // 2, claim=claim,
-            est=est))
-    for nid, su, sm, eu, em in con.execute(
-            "SELECT node_id, capture_start_utc_ns, capture_start_mono_ns, "
-            "json_extract(manifest, '$.capture.end_utc_ns'), capture_end_mono_ns FROM bundles"):
-        nodes[nid].manifest_pairs += [(su, sm), (eu, em)]
-
-    full_ops = {k for k, o in enumerate(SORTED_OPS) if o in FULL_DEPENDENCY_OPS}
-
-    def groups():
-        """Per sampled collective, per node: the latest entry, the earliest observed
-        completion and the earliest tight one (raw monotonic)."""
-        cur = con.cursor()
-        key, obs, full = None, [], True
-        for comm, seq, nid, ent, obs_any, obs_tight, op_lo, op_hi in cur.execute(
-                "SELECT comm_id_hash, seq, node_id, MAX(entry_ns), MIN(mono_ns), "
-                "MIN(CASE WHEN tight THEN mono_ns END), MIN(op), MAX(op) "
-                "FROM temp.sample_sp GROUP BY comm_id_hash, seq, node_id "
-                "ORDER BY comm_id_hash, seq, node_id"):
-            if (comm, seq) != key:
-                if obs:
-                    yield key, full, obs
-                key, obs, full = (comm, seq), [], True
-            if op_lo is not None and (op_lo != op_hi or op_lo not in full_ops):
-                full = False
-            obs.append((nid, ent, obs_any, obs_tight))
-        if obs:
-            yield key, full, obs
-
-    params = align.align_fleet(nodes, groups, fl.min_latency_ns)
-    names = dict(con.execute("SELECT node_id, name FROM nodes"))
-    for a in params.values():
-        if a.exceeds_claim:
-            msg = (f"node {names[a.node_id]}: clock correction up to {a.max_correction_ns / 1e6:.3f}"
-                   f" ms exceeds its claimed error bound ({(a.claimed_error_ns or 0) / 1e6:.3f} ms):"
-                   " its time service is lying")
-            fl.log("warning", "clock_claim_exceeded", msg, node_id=a.node_id)
-            res.warnings.append(msg)
-        if a.method == "manifest":
-            msg = f"node {names[a.node_id]}: no usable clock samples; times rest on the manifest only"
-            fl.log("warning", "no_clock_samples", msg, node_id=a.node_id)
-            res.warnings.append(msg)
-        if a.rate_clamped:
-            msg = (f"node {names[a.node_id]}: the collectives suggested a clock rate beyond "
-                   f"{align.DRIFT_BOUND_PPM:.0f} ppm, which no crystal has; bounded to "
-                   f"{a.drift_ppm:+.0f} ppm (the sync observations may be biased)")
-            fl.log("warning", "rate_clamped", msg, node_id=a.node_id)
-            res.warnings.append(msg)
-        if a.causal_moved_ns:
-            room = ("unbounded" if a.relative_uncertainty_ns is None
-                    else f"{a.relative_uncertainty_ns / 1e6:.3f} ms")
-            msg = (f"node {names[a.node_id]}: its clock line contradicted the order of "
-                   f"collective entries and completions; moved by up to "
-                   f"{a.causal_moved_ns / 1e6:.3f} ms to the nearest consistent line (a "
-                   f"choice within the feasible band; relative uncertainty {room})")
-            fl.log("warning", "clock_causal_move", msg, node_id=a.node_id)
-            res.warnings.append(msg)
-    return params
-
-
-def _realign_existing(con, params, old_params, max_old_bundle) -> None:
-    """Rows merged earlier: move their times from the old line to the new one (the raw
-    value is mono_ns, or recovered exactly enough from the old line)."""
-    for nid, (old_off, old_slope) in old_params.items():
-        p = params.get(nid)
-        if p is None or (p.offset_ns == old_off and p.slope == old_slope):
-            continue
-        b = {"off": p.offset_ns, "slope": p.slope, "ooff": old_off, "oslope": old_slope,
-             "node": nid, "maxb": max_old_bundle}
-        for table in PASS3_TABLES:
-            times = time_point_columns(table)
-            if not times:
-                continue
-            sets = []
-            for c in times:
-                raw = "mono_ns" if c == times[0] else \
-                    f"CAST(ROUND(({c} - :ooff) / (1.0 + :oslope)) AS INTEGER)"
-                sets.append(f"{c} = {_aligned(raw)}")
-            con.execute(f"UPDATE {table} SET {', '.join(sets)} WHERE node_id = :node "
-                        "AND bundle_id <= :maxb", b)
-    # completion of old rows may change with the new observations and alignment
-    con.execute("""UPDATE nccl_events SET
-          completion_ns = (SELECT c.completion_ns FROM cp.completion c
-                           WHERE c.comm_id_hash = nccl_events.comm_id_hash
-                             AND c.seq = nccl_events.seq)
-        WHERE bundle_id <= ?""", (max_old_bundle,))
-    con.execute("""UPDATE nccl_events SET duration_ns = CASE
-          WHEN completion_ns > timestamp_ns + call_duration_ns THEN completion_ns - timestamp_ns
-          ELSE call_duration_ns END WHERE bundle_id <= ?""", (max_old_bundle,))
 
 
 def _collectives(con, every: int) -> None:
@@ -1525,23 +886,6 @@ def _collectives(con, every: int) -> None:
                 "mono_ns, wait_ns, used, tight) SELECT node_id, bundle_id, comm_id_hash, seq, "
                 "pid, tid, mono_ns, wait_ns, used, tight FROM st.sp WHERE seq % ? = 0 "
                 "ORDER BY comm_id_hash, seq, node_id, bundle_id, pid, tid, mono_ns, id", (every,))
-
-
-def _write_alignment(con, params) -> None:
-    con.execute("DELETE FROM clock_alignment")
-    con.executemany(
-        "INSERT INTO clock_alignment (node_id, method, offset_ns, slope, drift_ppm, "
-        "uncertainty_ns, relative_uncertainty_ns, component, sync_points, sync_points_used, "
-        "residual_ns, violations_before, violations_after, clock_samples, steps, "
-        "claimed_error_ns, max_correction_ns, exceeds_claim, segments, causal_early_ns, "
-        "causal_late_ns, causal_moved_ns, rate_clamped) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        [(a.node_id, a.method, a.offset_ns, a.slope, a.drift_ppm, a.uncertainty_ns,
-          a.relative_uncertainty_ns, a.component, a.sync_points, a.sync_points_used,
-          a.residual_ns, a.violations_before, a.violations_after, a.clock_samples, a.steps,
-          a.claimed_error_ns, a.max_correction_ns, int(a.exceeds_claim),
-          json.dumps(a.segments), a.causal_early_ns, a.causal_late_ns, a.causal_moved_ns,
-          int(a.rate_clamped)) for a in params.values()])
 
 
 def _update_nodes(con) -> None:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from ..bundle import open_bundle, read_manifest
 from ..errors import BundleError
-from .core import expand_inputs
+from .files import expand_inputs
 
 #: Bundles verified at once (decompression, sha256 and SQLite's check release the GIL).
 VERIFY_THREADS = 2

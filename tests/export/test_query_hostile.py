@@ -2,7 +2,6 @@
 other statements give one line, --timeout stops a statement, Ctrl-C stops it (exit 130),
 the table format streams and escapes control characters."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""The table builder of a fresh merge (merge/core.py, _TableBuilder): which tables it
+"""The table builder of a fresh merge (merge/copying.py, TableBuilder): which tables it
 takes, and that the result does not depend on which thread is faster (the images, run
 files and scratch databases are shared between threads and removed as soon as none
 reads them)."""
@@ -10,7 +10,7 @@ import pytest
 
 from .fleetgen import make_fleet
 from ingero_forensics.merge import core, merge_bundles
-from ingero_forensics.merge.core import PASS3_TABLES, _builder_share
+from ingero_forensics.merge.copying import PASS3_TABLES, builder_share as _builder_share
 
 BIG = ("nccl_events", "cuda_events", "sched_events", "host_samples", "tcp_events",
        "block_events")
@@ -87,7 +87,7 @@ def small_fleet(tmp_path_factory):
 def test_result_does_not_depend_on_which_thread_is_slower(small_fleet, tmp_path,
                                                           monkeypatch, slow):
     fleet, want = small_fleet
-    monkeypatch.setattr(core, "_builder_share",
+    monkeypatch.setattr(core, "builder_share",
                         lambda rows, move_cost=None: ["nccl_events", "host_samples", "tcp_events"])
     if slow == "main":
         real = core._copy_tables
@@ -97,12 +97,12 @@ def test_result_does_not_depend_on_which_thread_is_slower(small_fleet, tmp_path,
             return real(*a, **k)
         monkeypatch.setattr(core, "_copy_tables", copy_tables)
     elif slow == "builder":
-        real_copy = core._TableBuilder._copy
+        real_copy = core.TableBuilder._copy
 
         def copy(self, table):
             time.sleep(0.2)
             return real_copy(self, table)
-        monkeypatch.setattr(core._TableBuilder, "_copy", copy)
+        monkeypatch.setattr(core.TableBuilder, "_copy", copy)
     else:
         real_run = core.CollectiveJob.run
 

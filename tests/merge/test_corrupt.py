@@ -88,7 +88,7 @@ def test_corrupt_bundle_skipped_rest_merged(fleet_with_corrupt, tmp_path, monkey
     # The table is copied by the builder thread or by the main thread, whichever the
     # split gives it: both find the malformed record.
     share = ["nccl_events", TABLE] if built_by == "builder" else ["nccl_events"]
-    monkeypatch.setattr(core, "_builder_share", lambda rows, move_cost=None: share)
+    monkeypatch.setattr(core, "builder_share", lambda rows, move_cost=None: share)
     db = tmp_path / "f.db"
     res = merge_bundles([good[0], bad, good[1]], db)
     assert [s["input"] for s in res.skipped] == [str(bad)]
