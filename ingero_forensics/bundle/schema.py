@@ -352,6 +352,10 @@ HOST_METRICS: tuple[tuple[str, str, str], ...] = (
     ("capture.cpu_pct", "%", "CPU time of the capture process itself over the interval "
      "(every thread, user + system), % of one CPU: what tracing cost the node, BPF "
      "programs' in-kernel run time excluded."),
+    ("capture.bpf_cpu_pct", "%", "In-kernel run time of the capture's BPF programs over "
+     "the interval (their run_time_ns), % of one CPU: the probes' cost, paid by the traced "
+     "threads and the kernel, not in capture.cpu_pct. Only where kernel.bpf_stats_enabled "
+     "is 1 (off by default)."),
 )
 #: Keys of the objects in stacks.frames: (key, JSON type, meaning). Every key is optional
 #: in a frame; readers ignore keys they do not know.

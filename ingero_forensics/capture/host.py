@@ -30,6 +30,34 @@ PROC_FILES = {
 
 # ----------------------------------------------------------------------- parsers
 
+def bpf_run_time_ns(pid: str = "self") -> int | None:
+    """In-kernel run time of the BPF programs this process holds, so far: the sum of
+    run_time_ns in /proc/PID/fdinfo of each program descriptor. None when the kernel
+    keeps no run time (kernel.bpf_stats_enabled is 0, its default: counting costs every
+    program run a clock read) or the process holds no program."""
+    try:
+        with open("/proc/sys/kernel/bpf_stats_enabled", "rb") as f:
+            if f.read().strip() != b"1":
+                return None
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    total, found = 0, False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-prog":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+                info = f.read()
+        except OSError:
+            continue        # closed meanwhile
+        for line in info.split(b"\n"):
+            if line.startswith(b"run_time_ns:"):
+                total += int(line.split()[1])
+                found = True
+    return total if found else None
+
+
 def parse_stat(raw: bytes) -> tuple[dict[str | None, tuple[int, int, int]], int | None]:
     """/proc/stat -> ({None or 'cpuN': (busy, iowait, total) jiffies}, procs_running)."""
     cpus: dict[str | None, tuple[int, int, int]] = {}
@@ -164,6 +192,8 @@ class Snapshot:
     gpus: dict = field(default_factory=dict)      # index -> {metric: value}
     #: CPU time of this process (the capture itself: every thread, user + system)
     self_cpu_ns: int | None = None
+    #: in-kernel run time of its BPF programs (None: not kept by the kernel)
+    bpf_run_ns: int | None = None
 
 
 def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
@@ -195,6 +225,10 @@ def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
     if cur.self_cpu_ns is not None and prev.self_cpu_ns is not None and \
             cur.self_cpu_ns >= prev.self_cpu_ns:
         add((t, "capture.cpu_pct", None, 100.0 * (cur.self_cpu_ns - prev.self_cpu_ns) / dt_ns))
+    if cur.bpf_run_ns is not None and prev.bpf_run_ns is not None and \
+            cur.bpf_run_ns >= prev.bpf_run_ns:
+        add((t, "capture.bpf_cpu_pct", None,
+             100.0 * (cur.bpf_run_ns - prev.bpf_run_ns) / dt_ns))
     for cpu, (busy, iowait, total) in cur.cpus.items():
         p = prev.cpus.get(cpu)
         if p is None or total <= p[2]:
@@ -288,6 +322,7 @@ class ProcReader:
     def snapshot(self) -> Snapshot:
         s = Snapshot(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
         s.self_cpu_ns = time.process_time_ns()
+        s.bpf_run_ns = bpf_run_time_ns()
         r = self.read
         if (raw := r("stat")) is not None:
             s.cpus, s.running = parse_stat(raw)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +137,35 @@ def test_block_direct_writes(ebpf_ok):
     assert all(r["device"] == disk and r["duration_ns"] > 0 and r["error"] == 0 for r in writes)
     assert all(r["comm"] and r["tid"] and "W" in r["rwbs"] for r in writes)
     assert all(r["sector"] is not None for r in writes)
+
+
+def test_capture_bpf_run_time_is_recorded_when_the_kernel_keeps_it(ebpf_ok):
+    """capture.bpf_cpu_pct: the in-kernel run time of the capture's own BPF programs
+    (fdinfo run_time_ns), only while kernel.bpf_stats_enabled is 1; a real program on
+    sched_switch (which fires all the time) gives a positive share, and with the
+    sysctl off no row is written rather than a 0 that would claim the probes are free."""
+    from ingero_forensics.capture.ebpf._bcc import import_bcc
+    from ingero_forensics.capture.host import Snapshot, bpf_run_time_ns, host_rows
+    sysctl = Path("/proc/sys/kernel/bpf_stats_enabled")
+    before = sysctl.read_text().strip()
+    BPF = import_bcc().BPF
+    b = BPF(text="TRACEPOINT_PROBE(sched, sched_switch) { return 0; }")
+    try:
+        sysctl.write_text("0\n")
+        assert bpf_run_time_ns() is None
+        sysctl.write_text("1\n")
+        prev = Snapshot(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+        prev.bpf_run_ns = bpf_run_time_ns()
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            time.sleep(0.001)           # context switches: the program runs
+        cur = Snapshot(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+        cur.bpf_run_ns = bpf_run_time_ns()
+        assert prev.bpf_run_ns is not None and cur.bpf_run_ns > prev.bpf_run_ns
+        pct = [v for _, m, _, v in host_rows(prev, cur) if m == "capture.bpf_cpu_pct"]
+        assert len(pct) == 1 and 0 < pct[0] < 100
+        cur.bpf_run_ns = None
+        assert not [m for _, m, _, _ in host_rows(prev, cur) if m == "capture.bpf_cpu_pct"]
+    finally:
+        sysctl.write_text(before + "\n")
+        b.cleanup()
