@@ -43,6 +43,7 @@ from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
 from ..db import harden
 from ..errors import BundleError, IngeroError
 from . import align
+from .inflight import settle_in_flight
 from .fleet_schema import (COPIED_TABLES, FLEET_APPLICATION_ID, FLEET_TABLES_BY_NAME,
                            FLEET_VERSION, all_index_ddl, fleet_ddl, index_ddl, table_ddl,
                            time_point_columns)
@@ -717,6 +718,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         with con:
             for stmt in all_index_ddl():
                 con.execute(stmt)
+            settle_in_flight(con)
     except BaseException:
         job.interrupt()
         if fl.builder is not None:
@@ -1477,6 +1479,8 @@ def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
     """INSERT ... SELECT one bundle table into main (fleet.db, or the scratch database
     of _TableBuilder); returns (written, skipped)."""
     want = bundle.manifest["tables"].get(table)
+    if table in getattr(bundle, "absent_tables", ()):
+        return 0, 0             # an optional table (bundle format 1.1) this bundle lacks
     if table == "meta":
         con.execute("INSERT INTO meta (bundle_id, node_id, key, value) SELECT ?, ?, key, value "
                     "FROM b.meta WHERE key IS NOT NULL AND value IS NOT NULL",
@@ -1524,7 +1528,7 @@ def _copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
 
 def _claim(source, synchronized, maxerr, ref_off, root_delay, root_disp):
     if source == "system":
-        if synchronized == 0 or maxerr is None:
+        if synchronized != 1 or maxerr is None:    # NULL: not known to be synchronized
             return None
         return int(maxerr)
     if source == "chrony" and root_disp is not None and root_delay is not None:
