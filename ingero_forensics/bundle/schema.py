@@ -349,7 +349,7 @@ TABLES: tuple[Table, ...] = (
         C("bytes", "INTEGER", True, "bytes", "As nccl_events.bytes or cuda_events.bytes."),
         C("device", "INTEGER", True, "", "CUDA device ordinal, when known."),
         _PID, _TID, _STACK,
-    ), required=False),
+    ), indexes=(("pid", "tid", "timestamp_ns"),), required=False),
 )
 
 TABLES_BY_NAME = {t.name: t for t in TABLES}

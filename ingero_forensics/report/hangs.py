@@ -11,6 +11,10 @@ itself), their last collective, their last CUDA calls
 off CPU, and the stacks of those calls, in the spirit of PyTorch's Flight Recorder
 analysis by sequence id, from the eBPF data alone. A node whose capture ended before its
 peers entered seq N (HANG_MARGIN_NS) is the capture's edge, not a hang.
+
+When no rank stopped that way, a communicator whose last collective every rank entered,
+with ranks still inside a call for HANG_MARGIN_NS or more at the capture's stop
+(calls_in_flight), is a stall: the collective itself never completed (_stalls).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import json
 #: A rank is only said to have stopped if its node's capture went on this long after its
 #: peers entered the collective it never entered.
 HANG_MARGIN_NS = 1_000_000_000
+#: A call open at the stop is a stall only if it was open this many times the longest gap
+#: between two collectives of its communicator (and HANG_MARGIN_NS).
+STALL_FACTOR = 10
 #: Stopped ranks described in full (the others are counted).
 MAX_DETAILED = 8
 #: Last CUDA calls shown per stopped rank.
@@ -81,9 +88,53 @@ def find_hangs(con, ranks_of) -> list[dict]:
                         "quiet_s": round(max(0, (capture_end or 0) - last_entry) / 1e9, 1),
                         "last_seq": seq - 1, "last_op": last_op, "last_ns": last_ts,
                         "last_calls": [], "in_flight": 0, "off_cpu": None, "stack": [],
-                        "inside": None})
+                        "inside": None, "stall": False})
+    if not out:
+        out = _stalls(con, ranks_of)
     for h in out[:MAX_DETAILED]:
         _doing(con, h)
+    return out
+
+
+def _stalls(con, ranks_of) -> list[dict]:
+    """When no rank stopped before a collective: communicators whose last collective N
+    every rank entered and that, at the capture's stop, had ranks still inside an NCCL
+    or CUDA call for HANG_MARGIN_NS, and STALL_FACTOR times the longest gap between two
+    of its collectives, or more (calls_in_flight): a long evaluation or checkpoint
+    between steps is no stall. The collective itself
+    never completed (a GPU-side or network hang, or a rank that died inside it): each
+    waiting rank is named, inside what and since when."""
+    out: list[dict] = []
+    global_rank: dict | None = None
+    for comm, seq, op, nranks, seen, first, capture_end, gap in con.execute(
+            "SELECT c.comm_id_hash, c.seq, c.op, c.nranks, c.ranks_seen, c.first_entry_ns, "
+            "(SELECT MAX(last_utc_ns) FROM nodes), (SELECT MAX(g) FROM (SELECT "
+            "x.first_entry_ns - LAG(x.first_entry_ns) OVER (ORDER BY x.seq) AS g "
+            "FROM collectives x WHERE x.comm_id_hash = c.comm_id_hash)) "
+            "FROM collectives c WHERE c.nranks IS NOT NULL "
+            "AND c.ranks_seen = c.nranks AND c.seq = (SELECT MAX(x.seq) FROM collectives x "
+            "WHERE x.comm_id_hash = c.comm_id_hash) ORDER BY c.first_entry_ns").fetchall():
+        for nid, node, pid, rank, last_ts, api, since in con.execute(
+                "SELECT p.node_id, nd.name, p.pid, p.rank, p.timestamp_ns, f.api, "
+                "MIN(f.timestamp_ns) FROM nccl_events p "
+                "JOIN nodes nd USING (node_id) JOIN calls_in_flight f ON f.node_id = "
+                "p.node_id AND f.pid = p.pid AND f.why = 'stop' AND f.timestamp_ns >= "
+                "p.timestamp_ns AND f.observed_ns - f.timestamp_ns >= ? "
+                "WHERE p.comm_id_hash = ? AND p.seq = ? GROUP BY p.node_id, p.pid "
+                "ORDER BY p.rank", (max(HANG_MARGIN_NS, STALL_FACTOR * (gap or 0)), comm,
+                                    seq)).fetchall():
+            if global_rank is None:
+                global_rank = ranks_of()
+            out.append({"node": node, "node_id": nid, "pid": pid,
+                        "rank": global_rank.get((nid, pid), rank), "comm_rank": rank,
+                        "comm_id_hash": comm, "nranks": nranks, "missed_seq": seq,
+                        "missed_op": op, "peers_entered": seen, "peers_entered_ns": first,
+                        "peers_last_seq": seq,
+                        "quiet_s": round(max(0, (capture_end or 0) - since) / 1e9, 1),
+                        "last_seq": seq, "last_op": op, "last_ns": last_ts,
+                        "last_calls": [], "in_flight": 0, "off_cpu": None, "stack": [],
+                        "inside": None, "stall": True, "open_api": api,
+                        "open_since_ns": since})
     return out
 
 
@@ -144,6 +195,17 @@ def hang_text(hangs: list[dict], utc) -> str:
     who = (f"rank {h['rank']} ({h['node']}, pid {h['pid']})" if len(ranks) == 1 else
            f"ranks {', '.join(map(str, ranks))} (first: {h['node']}, pid {h['pid']})")
     inside = h.get("inside")
+    if h.get("stall"):
+        stalled = sorted({x["rank"] for x in hangs if x["comm_id_hash"] == h["comm_id_hash"]})
+        return (f"The job hung inside {h['missed_op']} seq {h['missed_seq']} of communicator "
+                f"{h['comm_id_hash']}: all {h['nranks']} ranks entered it from "
+                f"{utc(h['peers_entered_ns'])} and no collective of it started after; "
+                f"{'rank' if len(stalled) == 1 else 'ranks'} "
+                f"{', '.join(map(str, stalled))} still had a call open when the capture "
+                f"stopped (rank {h['rank']}, {h['node']}, pid {h['pid']}: {h['open_api']} since "
+                f"{utc(h['open_since_ns'])}, {h['quiet_s']:,.1f} s). No rank stopped before "
+                "it: the collective itself did not complete (a GPU-side or network hang, or a "
+                "rank that died inside it).")
     if inside and inside["missed"]:
         # the Flight Recorder answer: the rank entered the collective and never returned
         text = (f"The job hung: {who} has been inside {h['missed_op']} seq {h['missed_seq']} "
