@@ -20,6 +20,8 @@ from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
 from ingero_forensics.report.text import render_text
 
+from ...bundle.specwriter import rewrite
+from ...bundle.test_spec import DOC, extract_ddl
 from .jobs import Job, make_ids
 from .test_capture_e2e import capture_cmd
 
@@ -102,3 +104,13 @@ def test_a_rank_hung_inside_a_collective_is_named(ebpf_ok, fixtures, tmp_path):
                                 "since "), a.verdict
     assert "train_step" in " ".join(h["stack"])   # the stack of the call it hung in
     assert "inside it" in render_text(a)
+
+    # conformance: the same events written again from the spec alone (shuffled rows, new
+    # ids) merge and report exactly like the capture's own bundles
+    spec_dir = tmp_path / "spec"
+    spec_dir.mkdir()
+    ddl = extract_ddl(DOC.read_text(encoding="utf-8"))
+    again = [rewrite(p, str(spec_dir), ddl, seed=i) for i, p in enumerate(bundles)]
+    merge_bundles(again, tmp_path / "spec.db", strict=True, integrity="full")
+    b = analyze_fleet(tmp_path / "spec.db")
+    assert b.verdict == a.verdict and b.hangs[0]["inside"] == h["inside"]
