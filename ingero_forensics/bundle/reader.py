@@ -272,5 +272,5 @@ def _check_text(path, con) -> None:
                                     "not UTF-8 text")
 
 
-__all__ = ["Bundle", "absent_columns", "absent_tables", "column_or_null", "open_bundle", "read_manifest",
-           "verify_database"]
+__all__ = ["Bundle", "absent_columns", "absent_tables", "column_or_null", "open_bundle",
+           "read_manifest", "verify_database"]

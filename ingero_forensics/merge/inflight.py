@@ -27,7 +27,8 @@ def settle_in_flight(con) -> int:
         con.execute(
             f"DELETE FROM calls_in_flight WHERE id IN (SELECT f.id FROM calls_in_flight f "
             f"JOIN {table} e ON e.node_id = f.node_id AND e.pid = f.pid AND e.tid = f.tid "
-            f"AND e.timestamp_ns = f.timestamp_ns AND e.mono_ns = f.mono_ns WHERE f.source = '{source}' AND {cond})")
+            f"AND e.timestamp_ns = f.timestamp_ns AND e.mono_ns = f.mono_ns "
+            f"WHERE f.source = '{source}' AND {cond})")
         dropped += con.changes()
     con.execute(
         "DELETE FROM calls_in_flight WHERE EXISTS (SELECT 1 FROM calls_in_flight g "
