@@ -25,7 +25,7 @@ from pathlib import Path
 import zstandard
 
 from ..errors import BundleError
-from .schema import FORMAT_VERSION, MANIFEST_TABLES
+from .schema import FORMAT_VERSION, MANIFEST_TABLES, REQUIRED_TABLES
 
 SKIPPABLE_MAGIC = 0x184D2A5E
 ZSTD_MAGIC = 0xFD2FB528
@@ -103,7 +103,10 @@ MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
     ("capture.end_mono_ns", "integer", True, "End, CLOCK_MONOTONIC ns; >= start_mono_ns."),
     ("tables", "object", True, "Row counts: one key per table of the format except meta ("
      + ", ".join(MANIFEST_TABLES) + "), each a non-negative integer equal to SELECT "
-     "COUNT(*) of that table. Keys for tables a reader does not know are ignored."),
+     "COUNT(*) of that table. The key of an optional table ("
+     + ", ".join(t for t in MANIFEST_TABLES if t not in REQUIRED_TABLES) + ") is present "
+     "exactly when the database has that table. Keys for tables a reader does not know "
+     "are ignored."),
     ("database", "object", True, "The compressed database image that follows."),
     ("database.size", "integer", True, "Bytes of the uncompressed SQLite image, >= 512; "
      "equal to the zstd frame's content size."),
@@ -169,6 +172,8 @@ def check_manifest(path, m) -> dict:
     if db.get("compression") != "zstd":
         raise BundleError(path, "manifest field database.compression missing or not \"zstd\"")
     for t in MANIFEST_TABLES:
+        if t not in REQUIRED_TABLES and t not in m["tables"]:
+            continue   # an optional table (added within version 1) the bundle lacks
         if not _is_int(m["tables"].get(t)) or m["tables"][t] < 0:
             raise BundleError(path, f"manifest field tables.{t} missing or not a count")
     jobs = m.get("job_ids", [])

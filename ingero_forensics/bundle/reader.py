@@ -21,7 +21,7 @@ from .. import accel
 from ..db import connect_untrusted
 from ..errors import BundleError
 from .container import SQLITE_MAGIC, decompress_db, read_manifest
-from .schema import APPLICATION_ID, MANIFEST_TABLES, META_KEYS, TABLES
+from .schema import APPLICATION_ID, MANIFEST_TABLES, META_KEYS, REQUIRED_TABLES, TABLES
 
 
 class Bundle:
@@ -35,6 +35,9 @@ class Bundle:
         #: table -> optional columns (added within version 1) this bundle lacks: readers
         #: take them as NULL
         self.absent = absent_columns(con)
+        #: optional tables (added within version 1) this bundle lacks: readers take them
+        #: as empty
+        self.absent_tables = absent_tables(con)
 
     @property
     def node(self) -> str:
@@ -80,11 +83,19 @@ def open_bundle(path, *, tmpdir=None, limit: int | None = None,
         raise
 
 
+def absent_tables(con) -> frozenset[str]:
+    """The optional catalogue tables a (verified) bundle database lacks."""
+    have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    return frozenset(t.name for t in TABLES if not t.required and t.name not in have)
+
+
 def absent_columns(con) -> dict[str, frozenset[str]]:
     """Per table, the optional catalogue columns a (verified) bundle database lacks."""
     out = {}
     for t in TABLES:
         have = {row[1] for row in con.execute(f"PRAGMA table_xinfo({t.name})")}
+        if not have:
+            continue   # an optional table the bundle lacks
         gone = frozenset(c.name for c in t.columns if not c.required and c.name not in have)
         if gone:
             out[t.name] = gone
@@ -164,6 +175,8 @@ def _verify(path, con, manifest, integrity):
             raise BundleError(path, f"database contains a virtual table ({name})")
         objects[name] = typ
     for t in TABLES:
+        if not t.required and t.name not in objects:
+            continue   # an optional table (added within version 1): no rows
         if objects.get(t.name) != "table":
             raise BundleError(path, f"table {t.name} is missing")
         cols = {}
@@ -199,6 +212,13 @@ def _verify(path, con, manifest, integrity):
             raise BundleError(path, f"manifest {key} does not match meta {key} in the "
                                     "database")
     for t in MANIFEST_TABLES:
+        if t not in objects and t not in REQUIRED_TABLES:
+            if manifest["tables"].get(t, 0) != 0:
+                raise BundleError(path, f"table {t} is missing but the manifest says "
+                                        f"{manifest['tables'][t]} rows")
+            continue
+        if t not in manifest["tables"]:
+            raise BundleError(path, f"manifest field tables.{t} missing or not a count")
         n = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
         if n != manifest["tables"][t]:
             raise BundleError(path, f"table {t} has {n} rows but the manifest says "
@@ -262,5 +282,5 @@ def _check_text(path, con) -> None:
                                     "not UTF-8 text")
 
 
-__all__ = ["Bundle", "absent_columns", "column_or_null", "open_bundle", "read_manifest",
-           "verify_database"]
+__all__ = ["Bundle", "absent_columns", "absent_tables", "column_or_null", "open_bundle",
+           "read_manifest", "verify_database"]

@@ -36,12 +36,13 @@ NCCL_COMM_APIS = (
 )
 MEMCPY_KINDS = ("HtoH", "HtoD", "DtoH", "DtoD", "default")
 TCP_EVENTS = ("tcp_retransmit_skb", "tcp_probe")
-TCP_SCOPES = ("job", "background")
+TCP_SCOPES = ("job", "background", "unknown")
 SCHED_KINDS = ("runq_delay", "off_cpu")
 BLOCK_OPS = ("read", "write", "discard", "flush", "other")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CLOCK_SOURCES = ("system", "chrony", "ptp")
 STAT_SOURCES = ("nccl", "cuda", "sched", "block", "tcp")
+IN_FLIGHT_WHY = ("seal", "stop")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class Table:
     doc: str
     columns: tuple[Column, ...]
     indexes: tuple[tuple[str, ...], ...] = field(default=())
+    #: False only for tables added after 1.0 within format version 1: a bundle may lack
+    #: them (and their manifest count); readers take that as no rows.
+    required: bool = True
 
     @property
     def column_names(self) -> tuple[str, ...]:
@@ -102,21 +106,27 @@ TABLES: tuple[Table, ...] = (
           "Entry to return of the host call. NCCL calls are asynchronous: this is the "
           "enqueue time, the wait shows in a later synchronization (cuda_events)."),
         C("op", "TEXT", False, "", "Operation.", NCCL_OPS),
-        C("rank", "INTEGER", True, "", "Rank of the caller in the communicator; NULL if the "
-          "communicator was created before capture started."),
+        C("rank", "INTEGER", True, "", "Rank of the caller in this row's communicator "
+          "(comm_id_hash), never the global rank (that is processes.rank); NULL if the "
+          "communicator was created before capture started or is a split child whose rank "
+          "the writer could not read."),
         C("nranks", "INTEGER", True, "", "Communicator size; NULL as for rank."),
         C("comm_id_hash", "TEXT", True, "",
           "Communicator identity: 16 lowercase hex digits, the splitmix64 fold of the full "
           "128-byte ncclUniqueId (split children: derived from the parent hash, color and "
-          "key). Identical on every rank of the communicator; NULL if unknown."),
+          "the split's ordinal on the parent; see the spec). Identical on every rank of the "
+          "communicator; NULL if unknown."),
         C("seq", "INTEGER", True, "", "Per-communicator call counter on this rank, 1 for the "
           "first collective or p2p call after init. (comm_id_hash, seq) names the same "
           "collective on every rank. NULL when comm_id_hash is NULL."),
         C("count", "INTEGER", True, "elements", "Element count argument."),
-        C("datatype", "TEXT", True, "", "ncclDataType_t as a name.",
+        C("datatype", "TEXT", True, "", "ncclDataType_t as a name (numbers in the spec); "
+          "NULL for a number not listed.",
           tuple(n for n, _ in NCCL_DATATYPES)),
         C("redop", "TEXT", True, "", "Reduction (ALL_REDUCE, REDUCE, REDUCE_SCATTER): "
-          "sum, prod, max, min, avg, or premul_sum:N for user ops; NULL otherwise."),
+          "ncclRedOp_t 0-4 as sum, prod, max, min, avg; N >= 5 (a user op from "
+          "ncclRedOpCreatePreMulSum) as premul_sum:N; NULL on other ops and for a "
+          "negative number."),
         C("peer", "INTEGER", True, "", "SEND/RECV peer rank, BROADCAST/REDUCE root; NULL otherwise."),
         C("stream", "INTEGER", True, "", "cudaStream_t handle value (0 = default stream)."),
         C("bytes", "INTEGER", True, "bytes", "count x datatype size: the caller's send size."),
@@ -133,8 +143,11 @@ TABLES: tuple[Table, ...] = (
         C("parent_hash", "TEXT", True, "", "ncclCommSplit: the parent's comm_id_hash."),
         C("split_color", "INTEGER", True, "", "ncclCommSplit color."),
         C("split_key", "INTEGER", True, "", "ncclCommSplit key."),
-        C("rank", "INTEGER", True, "", "Rank of the caller."),
-        C("nranks", "INTEGER", True, "", "Communicator size."),
+        C("rank", "INTEGER", True, "", "Rank of the caller in the communicator comm_id_hash "
+          "names (ncclCommSplit: the child's rank, not the parent's; never the global "
+          "rank); NULL when unknown."),
+        C("nranks", "INTEGER", True, "", "Size of the communicator comm_id_hash names "
+          "(ncclCommSplit: the child's); NULL when unknown."),
         C("comm_handle", "INTEGER", True, "", "ncclComm_t pointer value in the process."),
         C("return_code", "INTEGER", True, "", "ncclResult_t returned."),
         _PID, _TID,
@@ -197,7 +210,8 @@ TABLES: tuple[Table, ...] = (
         C("owner_pid", "INTEGER", True, "", "Traced process owning the connection (4-tuple "
           "found in its namespace's connection table); NULL for background traffic."),
         C("scope", "TEXT", False, "", "job: a connection of a traced process; background: "
-          "anything else on the node (other jobs, ssh, containers).", TCP_SCOPES),
+          "anything else on the node (other jobs, ssh, containers); unknown: the writer "
+          "cannot tell.", TCP_SCOPES),
         C("srtt_us", "INTEGER", True, "us", "Smoothed RTT (tcp_probe rows)."),
         C("snd_cwnd", "INTEGER", True, "segments", "Congestion window (tcp_probe rows)."),
     ), indexes=(("timestamp_ns",),)),
@@ -251,7 +265,8 @@ TABLES: tuple[Table, ...] = (
         C("tai_ns", "INTEGER", True, "ns", "CLOCK_TAI read inside the bracket."),
         C("uncertainty_ns", "INTEGER", False, "ns", "Read uncertainty: the bracket width."),
         C("synchronized", "INTEGER", True, "", "1 if the kernel says the clock is synchronized "
-          "(adjtimex STA_UNSYNC clear and state != TIME_ERROR), else 0."),
+          "(adjtimex STA_UNSYNC clear and state != TIME_ERROR), 0 if it says it is not, "
+          "NULL if the writer does not know (weighted like 0 by the merge)."),
         C("adj_offset_ns", "INTEGER", True, "ns", "adjtimex offset (remaining correction)."),
         C("adj_freq_ppb", "REAL", True, "ppb", "adjtimex frequency correction."),
         C("adj_maxerror_ns", "INTEGER", True, "ns", "adjtimex maxerror (claimed worst-case error)."),
@@ -304,6 +319,37 @@ TABLES: tuple[Table, ...] = (
         C("message", "TEXT", False, "", "Human-readable text, with the fix when there is one."),
         C("count", "INTEGER", True, "", "Count for lost_events and similar."),
     )),
+    Table("calls_in_flight", "NCCL and CUDA calls that had an entry but no return when the "
+          "segment was sealed or the capture stopped (a rank hung inside a collective or a "
+          "synchronization). Added in 1.1: optional table.", (
+        _id(),
+        C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Entry of the call."),
+        C("observed_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",
+          "When the capture saw the call still open (the seal or the stop)."),
+        C("why", "TEXT", False, "", "seal: the segment was sealed while the call was open "
+          "(it may return in the next segment); stop: the capture stopped.", IN_FLIGHT_WHY),
+        C("source", "TEXT", False, "", "nccl: a collective, p2p or communicator call; cuda: "
+          "a CUDA call kept one by one.", ("nccl", "cuda")),
+        C("api", "TEXT", False, "", "Function name, e.g. ncclAllReduce, ncclCommInitRank, "
+          "cudaStreamSynchronize (for a collective entered as ncclBcast: ncclBroadcast)."),
+        C("op", "TEXT", True, "", "NCCL collective or p2p operation, as nccl_events.op; "
+          "NULL for other calls.", NCCL_OPS),
+        C("comm_id_hash", "TEXT", True, "", "Communicator, as in nccl_events (for an init: "
+          "the one being created); NULL if unknown or not NCCL."),
+        C("seq", "INTEGER", True, "", "The collective's seq, as in nccl_events: the call is "
+          "(comm_id_hash, seq). NULL for other calls."),
+        C("rank", "INTEGER", True, "", "Rank in comm_id_hash's communicator, as in "
+          "nccl_events; NULL if unknown."),
+        C("nranks", "INTEGER", True, "", "Communicator size; NULL if unknown."),
+        C("count", "INTEGER", True, "elements", "Element count argument (collectives)."),
+        C("datatype", "TEXT", True, "", "As nccl_events.datatype.",
+          tuple(n for n, _ in NCCL_DATATYPES)),
+        C("peer", "INTEGER", True, "", "As nccl_events.peer."),
+        C("stream", "INTEGER", True, "", "Stream argument, when the call has one."),
+        C("bytes", "INTEGER", True, "bytes", "As nccl_events.bytes or cuda_events.bytes."),
+        C("device", "INTEGER", True, "", "CUDA device ordinal, when known."),
+        _PID, _TID, _STACK,
+    ), indexes=(("pid", "tid", "timestamp_ns"),), required=False),
 )
 
 TABLES_BY_NAME = {t.name: t for t in TABLES}
@@ -373,6 +419,9 @@ STACK_FRAME_KEYS: tuple[tuple[str, str, str], ...] = (
     ("py_file", "string", "Python frame: the code object's file name."),
     ("py_func", "string", "Python frame: the function's qualified name."),
     ("py_line", "integer", "Python frame: the line number."),
+    ("name", "string", "A function name whose kind (Python or native) the writer does not "
+     "know; a frame with symbol or py_func does not need it. Readers show it as they show "
+     "symbol."),
 )
 
 #: Rows of the meta table: (key, JSON type, required, meaning). Values are JSON text.
@@ -396,6 +445,8 @@ EVENT_TABLES = ("nccl_events", "nccl_comm_events", "cuda_events", "tcp_events",
                 "sched_events", "block_events")
 #: Tables whose row counts the manifest carries (all but meta).
 MANIFEST_TABLES = tuple(t.name for t in TABLES if t.name != "meta")
+#: Tables a version-1.0 bundle has (the others are optional: added within version 1).
+REQUIRED_TABLES = tuple(t.name for t in TABLES if t.required)
 #: Keys the meta table must hold (see the spec).
 META_KEYS = tuple(k for k, _, required, _ in META_FIELDS if required)
 

@@ -322,6 +322,8 @@ class _Loop:
         self.thread_rows: dict[tuple[int, int], int] = {}
         self.seg_start_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self.job_ids: list[str] = []
+        #: source -> (level, message) of its source_off row, repeated in every segment
+        self.off_log: dict[str, tuple[str, str]] = {}
         self._last_events: dict[str, int] = {}
         self._last_tick = time.monotonic()
 
@@ -338,6 +340,7 @@ class _Loop:
         else:
             run.log("info", "ebpf", "source_off", "eBPF sources turned off with --no-ebpf")
             self.summary.sources_off["ebpf"] = "turned off with --no-ebpf"
+            self.off_log["ebpf"] = ("info", "eBPF sources turned off with --no-ebpf")
         cands += list(cfg.extra_sources)
         # The first scan before the eBPF sources start, so they see the targets.
         self.scan_targets()
@@ -372,6 +375,7 @@ class _Loop:
     def _off(self, name, reason, fix, level="warning") -> None:
         msg = f"{name} source off: {reason}" + (f"; fix: {fix}" if fix else "")
         self.run.log(level, name, "source_off", msg, echo=False)
+        self.off_log[name] = (level, msg)
         self.run.rep.message(level, name, msg, always=True)
         self.summary.sources_off[name] = reason
 
@@ -406,8 +410,9 @@ class _Loop:
                 raise
             except Exception as e:  # noqa: BLE001
                 self.sources.remove(s)
-                self.run.log("error", s.name, "source_off",
-                             f"{s.name} source stopped after an error: {type(e).__name__}: {e}")
+                msg = f"{s.name} source stopped after an error: {type(e).__name__}: {e}"
+                self.run.log("error", s.name, "source_off", msg)
+                self.off_log[s.name] = ("error", msg)
                 self.summary.sources_off[s.name] = f"error: {e}"
 
     def tick(self) -> None:
@@ -490,6 +495,13 @@ class _Loop:
     # -- segments ---------------------------------------------------------------------
     def rotate(self, why: str) -> None:
         run = self.run
+        for s in self.sources:               # calls open at the seal: a hang's evidence
+            try:
+                s.record_in_flight(run.sink, "seal")
+            except DiskFullError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the seal must go on
+                run.log("error", s.name, "warning", f"calls in flight not recorded: {e}")
         self.clock.sample_now(run.sink)      # a clock bracket at each segment edge
         self._write_process_rows()
         old = run.writer
@@ -508,6 +520,13 @@ class _Loop:
         self.sealer.seal(old, end)
         run.log("info", "capture", "rotate", f"segment {self.index} started ({why})",
                 echo=False)
+        # every bundle says which sources ran (docs/bundle-format.md, the capture log):
+        # the first segment may be evicted, or merged apart from the others
+        for src in self.sources:
+            run.log("info", src.name, "source_on", f"{src.name} source on (since the "
+                    "capture started)", echo=False)
+        for name, (level, msg) in self.off_log.items():
+            run.log(level, name, "source_off", msg, echo=False)
         self.clock.sample_now(run.sink)
         self._write_process_rows()
 

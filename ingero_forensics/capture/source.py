@@ -96,3 +96,8 @@ class Source(ABC):
     def stop(self, sink: RowSink) -> None:
         """Final poll and detach. The default polls once more."""
         self.poll(sink)
+
+    def record_in_flight(self, sink: RowSink, why: str) -> None:
+        """Record the calls open now (entered, not returned) in calls_in_flight; called
+        before a segment is sealed (why="seal"). Sources that trace calls override it
+        and do the same for why="stop" in ``stop``."""

@@ -23,7 +23,7 @@ ALIGN_SAMPLE = 5_000
 
 def clock_claim(source, synchronized, maxerr, ref_off, root_delay, root_disp):
     if source == "system":
-        if synchronized == 0 or maxerr is None:
+        if synchronized != 1 or maxerr is None:    # NULL: not known to be synchronized
             return None
         return int(maxerr)
     if source == "chrony" and root_disp is not None and root_delay is not None:

@@ -274,6 +274,8 @@ def copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
     """INSERT ... SELECT one bundle table into main (fleet.db, or the scratch database
     of TableBuilder); returns (written, skipped)."""
     want = bundle.manifest["tables"].get(table)
+    if table in getattr(bundle, "absent_tables", ()):
+        return 0, 0             # an optional table (bundle format 1.1) this bundle lacks
     if table == "meta":
         con.execute("INSERT INTO meta (bundle_id, node_id, key, value) SELECT ?, ?, key, value "
                     "FROM b.meta WHERE key IS NOT NULL AND value IS NOT NULL",

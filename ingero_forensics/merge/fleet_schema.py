@@ -17,9 +17,9 @@ from ..bundle.schema import TABLES as BUNDLE_TABLES
 from ..bundle.schema import Column, C
 
 #: 2: clock_alignment causal bounds, collectives.completion_tight, sync_points.tight,
-#: cuda_events queued work (bundle format 1.1). A version-1 fleet.db is not extended: merge
-#: its bundles again.
-FLEET_VERSION = 2
+#: cuda_events queued work (bundle format 1.1). 3: calls_in_flight (bundle format 1.1).
+#: An older fleet.db is not extended: merge its bundles again.
+FLEET_VERSION = 3
 #: PRAGMA application_id of a fleet database: ASCII "INGM".
 FLEET_APPLICATION_ID = 0x494E474D
 

@@ -13,7 +13,7 @@ import posixpath
 #: module_offset is kept only for unsymbolized frames (it is load-bias free).
 _KEEP = (("module", "module"), ("symbol", "symbol"), ("offset", "symbol_offset"),
          ("file", "file"), ("line", "line"), ("py_file", "py_file"),
-         ("py_func", "py_func"), ("py_line", "py_line"))
+         ("py_func", "py_func"), ("py_line", "py_line"), ("name", "name"))
 _PATHS = ("module", "file", "py_file")
 
 
@@ -32,7 +32,7 @@ def canonical_frame(frame) -> dict:
         v = frame.get(key)
         if v is not None and v != "":
             out[canon] = _base(v) if canon in _PATHS else v
-    if "symbol" not in out and "py_func" not in out and frame.get("module_offset"):
+    if not ({"symbol", "py_func", "name"} & out.keys()) and frame.get("module_offset"):
         out["module_offset"] = frame["module_offset"]
     return out
 

@@ -49,7 +49,7 @@ from ..errors import IngeroError
 SKIP_COLUMNS = frozenset({"comm_id_hash", "parent_hash", "hash", "sha256", "segment_id",
                           "hist_log2"})
 SKIP_TABLE_COLUMNS = frozenset({("host_samples", "metric"), ("event_stats", "name"),
-                                ("cuda_events", "api")})
+                                ("cuda_events", "api"), ("calls_in_flight", "api")})
 NODE_PREFIX = "nodeid-"
 HOME_DIRS = ("home", "Users", "scratch", "u", "homes")
 USER_WORD = "user"

@@ -17,6 +17,10 @@ from array import array
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..merge.ranks import process_ranks
+from .capturelog import unknown_coverage
+from .gpus import gpu_ranks
+
 CAUSES = ("cpu", "io", "memory", "network", "gpu")
 CAUSE_TITLES = {
     "cpu": "CPU contention",
@@ -302,8 +306,13 @@ def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[
                 f"GROUP BY device ORDER BY 2 ASC LIMIT 3", [target] + p):
             top.append({"gpu": dev, "sm_clock_mhz": round(clk or 0), "temp_c": round(temp or 0, 1)})
         if top:
-            ev.append(f"GPU {top[0]['gpu']} ran at {top[0]['sm_clock_mhz']} MHz SM clock, "
-                      f"{top[0]['temp_c']} °C, in the windows.")
+            on = gpu_ranks(con, target, process_ranks(con, target))
+            for t in top:
+                t["ranks"] = on.get(t["gpu"], [])
+            used = (f" (used by rank {', '.join(map(str, top[0]['ranks']))})"
+                    if top[0]["ranks"] else " (no rank known to use it)")
+            ev.append(f"GPU {top[0]['gpu']}{used} ran at {top[0]['sm_clock_mhz']} MHz SM "
+                      f"clock, {top[0]['temp_c']} °C, in the windows.")
     return ev, top
 
 
@@ -407,25 +416,21 @@ SHUTDOWN_NS = 2_000_000_000
 def capture_issues(con, nodes) -> list[dict]:
     """What the capture could not see: sources that were off for a reason, lost events,
     warnings and errors; a source stopped with the capture at its end is no gap. A node
-    whose bundles carry no capture_log at all says nothing either way: it is listed as
-    unknown, never as complete."""
+    whose bundles do not say which sources ran says nothing either way: it is listed as
+    unknown, never as complete (capturelog.py)."""
     out = []
     for nid, source, event, n, msg in con.execute(
             "SELECT l.node_id, l.source, l.event, SUM(COALESCE(l.count, 1)), MAX(l.message) "
             "FROM capture_log l JOIN bundles b USING (bundle_id) "
             "WHERE (l.event IN ('source_off', 'lost_events') OR l.level IN ('warning', "
-            "'error')) AND NOT (l.level IN ('debug', 'info') AND l.event = 'source_off' "
+            "'error')) AND NOT (l.event = 'lost_events' AND l.count IS NULL) "
+            "AND NOT (l.level IN ('debug', 'info') AND l.event = 'source_off' "
             "AND l.mono_ns >= b.capture_end_mono_ns - ?) "
             "GROUP BY l.node_id, l.source, l.event ORDER BY l.node_id, l.source",
             (SHUTDOWN_NS,)):
         out.append({"node": nodes.get(nid, ("?",))[0], "source": source, "event": event,
                     "count": n, "message": msg})
-    for (name,) in con.execute("SELECT name FROM nodes WHERE node_id NOT IN "
-                               "(SELECT node_id FROM capture_log) ORDER BY name"):
-        out.append({"node": name, "source": "capture", "event": "unknown", "count": None,
-                    "message": "its bundles record no capture log: which sources ran "
-                               "and whether events were lost is unknown"})
-    return out
+    return out + unknown_coverage(con, nodes)
 
 
 def capture_cost(con, nodes) -> dict[str, float]:

@@ -36,7 +36,9 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             call = x["last_calls"][0] if x["last_calls"] else None
             rows.append([str(x["rank"]), x["node"], str(x["pid"]),
                          f"{x['last_op']} seq {x['last_seq']}",
-                         f"{x['missed_op']} seq {x['missed_seq']}",
+                         f"{x['missed_op']} seq {x['missed_seq']}"
+                         + (" (inside it)" if x.get("stall") or (
+                             x.get("inside") and x["inside"]["missed"]) else ""),
                          "-" if call is None else call["api"]
                          + (" (in flight)" if call["in_flight"] else "")])
         lines += _table(rows, markdown) + [""]

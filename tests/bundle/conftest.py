@@ -107,6 +107,13 @@ def sample_rows(stack_a: int | None, stack_b: int | None) -> dict[str, list[tupl
             (T0 + 2, "warning", "cuda", "lost_events", "ring buffer full; raise --ring-pages",
              311),
         ],
+        "calls_in_flight": [
+            (T0 + 900, T0 + 60_000 * ms, "stop", "nccl", "ncclAllReduce", "ALL_REDUCE",
+             "0123456789abcdef", 601, 3, 8, 1024, "float32", None, 0, 4096, None, 4242, 4250,
+             stack_a),
+            (T0 + 950, T0 + 60_000 * ms, "seal", "cuda", "cudaStreamSynchronize", None, None,
+             None, None, None, None, None, None, 7, None, 0, 4242, 4251, None),
+        ],
     }
 
 

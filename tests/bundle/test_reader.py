@@ -161,3 +161,37 @@ def test_meta_values_are_json(sample_bundle):
     for key, value in b.manifest.items():
         if key not in ("magic", "tables", "database"):
             assert meta[key] == value
+
+
+V10 = ("DROP TABLE calls_in_flight; ALTER TABLE cuda_events DROP COLUMN queue_gap_ns; "
+       "ALTER TABLE cuda_events DROP COLUMN queued_ops")
+
+
+def test_a_version_1_0_bundle_opens_and_merges(tmp_path, sample_bundle):
+    """Readers accept 1.0 (no 1.1 table or column) and 1.1 alike."""
+    from ingero_forensics.merge import merge_bundles
+    p = _rewrap(tmp_path, sample_bundle, V10,
+                manifest_edit=lambda m: m["tables"].pop("calls_in_flight"))
+    with open_bundle(p) as b:
+        assert b.absent_tables == {"calls_in_flight"}
+        assert b.absent["cuda_events"] == {"queued_ops", "queue_gap_ns"}
+    with open_bundle(sample_bundle) as b:         # the 1.1 original
+        assert b.absent_tables == frozenset() and "cuda_events" not in b.absent
+    for src, name in ((p, "v10"), (sample_bundle, "v11")):
+        res = merge_bundles([src], tmp_path / f"{name}.db", strict=True)
+        assert res.skipped == [], res.skipped
+    con = apsw.Connection(str(tmp_path / "v10.db"))
+    assert con.execute("SELECT COUNT(*) FROM calls_in_flight").fetchone()[0] == 0
+    assert con.execute("SELECT COUNT(*), COUNT(queued_ops) FROM cuda_events").fetchone()[1] == 0
+    con.close()
+    con = apsw.Connection(str(tmp_path / "v11.db"))
+    assert con.execute("SELECT COUNT(*) FROM calls_in_flight").fetchone()[0] == 2
+    con.close()
+
+
+def test_optional_table_and_its_manifest_count_go_together(tmp_path, sample_bundle):
+    gone = _rewrap(tmp_path, sample_bundle, "DROP TABLE calls_in_flight")
+    assert reason_of(gone) == "table calls_in_flight is missing but the manifest says 2 rows"
+    uncounted = _rewrap(tmp_path, sample_bundle,
+                        manifest_edit=lambda m: m["tables"].pop("calls_in_flight"))
+    assert reason_of(uncounted) == "manifest field tables.calls_in_flight missing or not a count"

@@ -158,7 +158,9 @@ def test_every_table_populated_and_valid(make_fleet):
     for node, b in f.bundles.items():
         for t in TABLES:
             n = b.con.execute(f"SELECT count(*) FROM {t.name}").fetchone()[0]
-            assert n > 0, f"{node}: {t.name} is empty"
+            # calls_in_flight (optional, 1.1) is empty in a run whose job ended before
+            # the capture stopped: no call was open at a seal or at the stop
+            assert n > 0 or not t.required, f"{node}: {t.name} is empty"
             for c in t.columns:
                 if c.values:
                     bad = b.con.execute(f"SELECT DISTINCT {c.name} FROM {t.name} WHERE "

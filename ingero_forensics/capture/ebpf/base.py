@@ -204,6 +204,9 @@ class BccSource(Source):
     #: whether the program includes SITE_STACKS (its ``sites`` map is pruned at exit)
     uses_sites = False
     stat_names: tuple[str, ...] = ()
+    #: how the ``calls`` map (calls between entry and return) is keyed: "tid",
+    #: "tid_layer" (tid << 1 | layer), or None when the program has none
+    open_call_map: str | None = None
 
     def __init__(self, options) -> None:
         super().__init__()
@@ -283,12 +286,44 @@ class BccSource(Source):
         self.poll(sink)
         if self.stat_source:
             self.flush_stats(sink, mono_ns())
+        self.record_in_flight(sink, "stop")
         msg = f"{self.events} rows, {self.lost} events lost"
         if self.symbolizer and self.symbolizer.failed:
             msg += (f", {self.symbolizer.failed} stacks not recorded (stack map full or "
                     "process gone before symbolization)")
         sink.log("info", self.name, "source_off", msg)
         self.close()
+
+    def record_in_flight(self, sink: RowSink, why: str) -> None:
+        """Rows in calls_in_flight for the calls open now (sources with a ``calls`` map
+        of calls between entry and return: nccl, cuda); ``why``: seal or stop."""
+        if self.bpf is None or not self.open_call_map:
+            return
+        rows = self.in_flight_rows(sink, mono_ns(), why)
+        if rows:
+            sink.add_many("calls_in_flight", rows)
+            sink.log("info", self.name, "in_flight", f"{len(rows)} calls open at the {why} "
+                     "(calls_in_flight)", count=len(rows))
+
+    def open_calls(self) -> list[tuple[int, object]]:
+        """(tid, entry) for each entry of the ``calls`` map whose thread still exists;
+        an entry left by a thread that died inside a call is removed."""
+        table = self.bpf[b"calls"]
+        out = []
+        for k, v in list(table.items()):
+            tid = k.value >> 1 if self.open_call_map == "tid_layer" else k.value
+            if os.path.exists(f"/proc/{v.tgid}/task/{tid}"):
+                out.append((tid, v))
+                continue
+            try:
+                del table[k]
+            except KeyError:
+                pass
+        return out
+
+    def in_flight_rows(self, sink: RowSink, now: int, why: str) -> list[tuple]:
+        """calls_in_flight rows for open_calls()."""
+        return []
 
     # -- for subclasses ---------------------------------------------------------------
     @abstractmethod

@@ -93,7 +93,8 @@ BPF_HASH(launches, struct launch_key, struct launch_val, 16384);
  * of the same layer made inside the traced one; only the outermost is recorded. */
 struct call {
     u64 ts; u64 stream; u64 bytes; u64 ret_addr; u64 qgap;
-    s32 stack_id; s32 device; u32 api; u32 nest; u32 qops; u8 kind; u8 has; u8 layer;
+    s32 stack_id; s32 device; u32 api; u32 nest; u32 qops; u32 tgid; u8 kind; u8 has;
+    u8 layer;
 };
 BPF_HASH(calls, u64, struct call, 65536);
 
@@ -163,6 +164,7 @@ static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 stac
     }
     c.api = api; c.layer = layer; c.has = has | (role == ROLE_SYNC ? HAS_QUEUED : 0);
     c.stream = stream; c.bytes = bytes; c.kind = kind; c.device = device;
+    c.tgid = id >> 32;    /* read from user space for a call still open (in_flight) */
     c.stack_id = -1;
 #if __STACKS__
     if (stack) {
@@ -231,6 +233,7 @@ class CudaSource(BccSource):
     stat_source = "cuda"
     stat_names = API_NAMES
     uses_sites = True
+    open_call_map = "tid_layer"
 
     def __init__(self, options):
         super().__init__(options)
@@ -331,3 +334,15 @@ class CudaSource(BccSource):
                 (qgap if qops else None) if has & HAS_QUEUED else None))
         sink.add_many("cuda_events", rows)
         self.events += len(rows)
+
+    def in_flight_rows(self, sink: RowSink, now: int, why: str) -> list[tuple]:
+        """The calls kept one by one that are open now (entry seen, no return)."""
+        rows = []
+        for tid, c in self.open_calls():
+            rows.append((c.ts, now, why, "cuda", API_NAMES[c.api], None, None, None, None,
+                         None, None, None, None,
+                         signed64(c.stream) if c.has & HAS_STREAM else None,
+                         c.bytes if c.has & HAS_BYTES else None,
+                         c.device if c.has & HAS_DEVICE else None, c.tgid, tid,
+                         self.stack_row_id(sink, c.tgid, c.stack_id, c.ret_addr)))
+        return rows

@@ -71,7 +71,7 @@ struct call {
     u64 ts; u64 count; u64 stream; u64 comm; u64 hash; u64 seq; u64 ret_addr; u64 parent;
     u64 out;
     s32 stack_id; s32 rank; s32 nranks; s32 dtype; s32 redop; s32 peer; s32 color; s32 key;
-    u32 depth; u32 nest; u8 kind; u8 op; u8 known;
+    u32 depth; u32 nest; u32 tgid; u8 kind; u8 op; u8 known;
 };
 BPF_HASH(calls, u32, struct call, 65536);
 
@@ -83,11 +83,13 @@ struct event {
     u8 kind; u8 op; u8 known; u8 pad[5];
 };
 
-static __always_inline struct call *begin(u32 tid) {
+static __always_inline struct call *begin(u64 id) {
+    u32 tid = id;
     struct call *prev = calls.lookup(&tid);
     if (prev) { prev->nest++; return 0; }
     struct call c = {};
     c.ts = bpf_ktime_get_ns();
+    c.tgid = id >> 32;    /* read from user space for a call still open (in_flight) */
     c.rank = -1; c.nranks = -1; c.dtype = -1; c.redop = -1; c.peer = -1;
     c.color = -1; c.key = -1;
     calls.update(&tid, &c);
@@ -106,7 +108,7 @@ static __always_inline int coll_entry(struct pt_regs *ctx, u8 op, u64 count, s64
     c.ts = bpf_ktime_get_ns();
     c.rank = -1; c.nranks = -1; c.color = -1; c.key = -1;
     c.op = op; c.count = count; c.dtype = dtype; c.redop = redop;
-    c.peer = peer; c.comm = comm; c.stream = stream;
+    c.peer = peer; c.comm = comm; c.stream = stream; c.tgid = tgid;
     struct comm_key k = {.handle = comm, .tgid = tgid};
     struct comm_info *ci = comms.lookup(&k);
     if (ci) {
@@ -201,7 +203,7 @@ int nccl_return_all(struct pt_regs *ctx) {
 static __always_inline struct call *comm_entry(u8 api) {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_target(id >> 32)) return 0;
-    struct call *c = begin((u32)id);
+    struct call *c = begin(id);
     if (!c) return 0;
     c->kind = 1; c->op = api;
     return c;
@@ -320,6 +322,13 @@ _REDOP_OPS = {"ALL_REDUCE", "REDUCE", "REDUCE_SCATTER"}
 _PEER_OPS = {"SEND", "RECV", "BROADCAST", "REDUCE"}
 
 
+#: the function named for a collective still open: its op's first symbol (ncclBcast and
+#: ncclBroadcast are one op; the kernel side keeps the op, not the symbol)
+_OP_API = {}
+for _sym, _op, *_ in COLLECTIVES:
+    _OP_API.setdefault(_op, _sym)
+
+
 def collective_program() -> str:
     """The per-symbol entry functions, generated from COLLECTIVES."""
     out = []
@@ -339,6 +348,7 @@ def redop_name(v: int) -> str | None:
 class NcclSource(BccSource):
     name = "nccl"
     uses_sites = True
+    open_call_map = "tid"
 
     def __init__(self, options):
         super().__init__(options)
@@ -430,3 +440,27 @@ class NcclSource(BccSource):
         if comm:
             sink.add_many("nccl_comm_events", comm)
         self.events += len(coll) + len(comm)
+
+    def in_flight_rows(self, sink: RowSink, now: int, why: str) -> list[tuple]:
+        """The collectives, p2p and communicator calls open now (entry seen, no return)."""
+        rows = []
+        for tid, c in self.open_calls():
+            known = bool(c.known)
+            if c.kind == 0:
+                opname = NCCL_OPS[c.op]
+                api = _OP_API[opname]
+                dtype = c.dtype if 0 <= c.dtype < len(_DTYPE_NAMES) else None
+                nbytes = None if dtype is None else c.count * _DTYPE_SIZES[dtype]
+                if nbytes is not None and opname == "REDUCE_SCATTER" and c.nranks > 0:
+                    nbytes *= c.nranks
+                args = (c.count, None if dtype is None else _DTYPE_NAMES[dtype],
+                        c.peer if opname in _PEER_OPS else None, signed64(c.stream), nbytes)
+            else:
+                opname, api, args = None, NCCL_COMM_APIS[c.op], (None,) * 5
+            rows.append((c.ts, now, why, "nccl", api, opname,
+                         hex_hash(c.hash) if known else None,
+                         c.seq if known and c.kind == 0 else None,
+                         c.rank if c.rank >= 0 else None, c.nranks if c.nranks >= 0 else None)
+                        + args + (None, c.tgid, tid,
+                                  self.stack_row_id(sink, c.tgid, c.stack_id, c.ret_addr)))
+        return rows
