@@ -306,9 +306,11 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 
     # -- 1. lateness per (collective, node) ------------------------------------------
     t0 = span[0]
-    per_node: dict[int, Reservoir] = {}
+    # Lateness per node and transfer times per bin, in the order read; sampled once the
+    # pass is done (Reservoir.extend: the same sample as adding them one by one).
+    node_lates: dict[int, array] = defaultdict(lambda: array("d"))
     bins: dict[int, dict[int, list[float]]] = defaultdict(dict)   # b -> node -> [sum, n]
-    transfer: dict[int, Reservoir] = {}
+    transfers: dict[int, array] = defaultdict(lambda: array("d"))
     last_count: dict[int, int] = defaultdict(int)
     costly: dict[int, list[tuple[int, float]]] = defaultdict(list)   # node -> (t, late ms)
     times = array("q")
@@ -323,9 +325,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         for g in group:
             late_ms = (g[6] - med) / 1e6
             nid = g[5]
-            if nid not in per_node:
-                per_node[nid] = Reservoir(SAMPLE, seed=nid)
-            per_node[nid].add(late_ms)
+            node_lates[nid].append(late_ms)
             acc = cells.get(nid)
             if acc is None:
                 cells[nid] = [late_ms, 1, late_ms]
@@ -337,9 +337,10 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 costly[nid].append((first, late_ms))
         last_count[last_node] += 1
         if completion is not None and completion >= last_entry:
-            if b not in transfer:
-                transfer[b] = Reservoir(TRANSFER_SAMPLE, seed=b)
-            transfer[b].add((completion - last_entry) / 1e6)
+            transfers[b].append((completion - last_entry) / 1e6)
+    per_node = {nid: Reservoir(SAMPLE, seed=nid).extend(v) for nid, v in node_lates.items()}
+    transfer = {b: Reservoir(TRANSFER_SAMPLE, seed=b).extend(v) for b, v in transfers.items()}
+    del node_lates, transfers
 
     # robust noise over all (bin, node) means; the threshold grows with their number
     cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k, _) in per.items()}

@@ -11,6 +11,7 @@ job connections retransmitted.
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import math
 import random
 from array import array
@@ -62,6 +63,24 @@ class Reservoir:
             if j < self.k:
                 self.values[j] = x
 
+    def extend(self, xs) -> "Reservoir":
+        """add() every value of xs in turn (the same sample, the same random draws), in
+        one call: the values that fit are appended at C speed, only the rest loop."""
+        xs = iter(xs)
+        room = self.k - len(self.values)
+        if room > 0:
+            before = len(self.values)
+            self.values.extend(itertools.islice(xs, room))
+            self.n += len(self.values) - before
+        values, k, n, randrange = self.values, self.k, self.n, self._rng.randrange
+        for x in xs:
+            n += 1
+            j = randrange(n)
+            if j < k:
+                values[j] = x
+        self.n = n
+        return self
+
 
 def utc(ns) -> str:
     """A fleet time (ns since the epoch) as UTC to the millisecond; '-' for None."""
@@ -99,18 +118,36 @@ def window_clause(windows, col="timestamp_ns"):
     return "(" + " OR ".join(parts) + ")", params
 
 
+def in_rowid_order(table: str, where: str, rowid: str = "id") -> str:
+    """SQL: the rows of ``table`` that match ``where``, as ``id IN (SELECT id ... WHERE
+    where)``, for a condition an index answers (host_samples (metric, timestamp_ns),
+    the timestamp_ns indexes).
+
+    Why: fleet.db stores each node's rows together, so rows taken in an index's order
+    (one metric, or one time range, across all nodes) are on a different page each
+    time, and every row costs a page read. The IN list is the index's row ids, sorted:
+    the table is then read forward, each page once (64 nodes x 8 GPUs: gpu.temp_c
+    over the run in 4 s instead of 5.7 s; a node-wide metric in 0.8 s instead of
+    2 s). Same rows, so the same sums; only their order differs, which the statements
+    using this do not depend on (AVG and SUM, whose floating-point sums SQLite
+    compensates, since 3.43).
+    """
+    return f"{rowid} IN (SELECT id FROM {table} WHERE {where})"
+
+
 def late_ranks(con, node_id, windows, ranks_of) -> list[int]:
     """Global ranks of the straggler node whose own lateness stands out within the node
     (per process: nccl_events.rank is the rank in each call's communicator)."""
     where, params = window_clause(windows, "e.timestamp_ns")
     per_pid: dict[int, Reservoir] = {}
+    lates: dict[int, array] = defaultdict(lambda: array("d"))
     for pid, ts, first in con.execute(
             "SELECT e.pid, e.timestamp_ns, c.first_entry_ns FROM nccl_events e "
             "JOIN collectives c ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
             f"WHERE e.node_id = ? AND {where}", [node_id] + params):
-        if pid not in per_pid:
-            per_pid[pid] = Reservoir(SAMPLE, seed=pid if isinstance(pid, int) else 0)
-        per_pid[pid].add((ts - first) / 1e6)
+        lates[pid].append((ts - first) / 1e6)
+    for pid, v in lates.items():
+        per_pid[pid] = Reservoir(SAMPLE, seed=pid if isinstance(pid, int) else 0).extend(v)
     # the mean, not the median: a rank late at one collective in ten is late
     mean = {p: sum(v.values) / len(v.values) for p, v in per_pid.items()
             if v.values and ranks_of.get((node_id, p)) is not None}
@@ -175,14 +212,16 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
         # CPU metrics: the whole-node row only
         vals = per_node(
             f"SELECT node_id, {agg}(v) FROM (SELECT node_id, device, AVG(value) v "
-            f"FROM host_samples WHERE metric = ? AND (device IS NULL OR metric NOT LIKE 'cpu.%') "
-            f"AND {w} GROUP BY node_id, device) GROUP BY node_id", [metric] + p)
+            f"FROM host_samples WHERE {in_rowid_order('host_samples', 'metric = ? AND ' + w)} "
+            "AND (device IS NULL OR metric NOT LIKE 'cpu.%') GROUP BY node_id, device) "
+            "GROUP BY node_id", [metric] + p)
         if vals:
             add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else ""),
                 vals, floor, inverse)
     throttled = per_node(
-        f"SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f FROM host_samples "
-        f"WHERE metric = 'gpu.throttle_reasons' AND {w} GROUP BY node_id, device) GROUP BY node_id", p)
+        "SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f FROM host_samples "
+        "WHERE " + in_rowid_order("host_samples", "metric = 'gpu.throttle_reasons' AND " + w)
+        + " GROUP BY node_id, device) GROUP BY node_id", p)
     if throttled:
         add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
     add("io", "block I/O latency p95 of the job's processes (ms)", _block_p95(con, w, p), 2.0)
@@ -191,7 +230,7 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     add("io", "block I/O time of the job's processes (ms per s)",
         {k: v / 1e6 / secs for k, v in per_node(
             f"SELECT b.node_id, SUM(b.duration_ns) FROM block_events b WHERE "
-            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {_JOB_IO} "
+            f"{in_rowid_order('block_events', w, 'b.id')} AND {_JOB_IO} "
             "GROUP BY b.node_id", p).items()}, 5.0, relative=0.1)
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
@@ -212,31 +251,31 @@ _JOB_IO = JOB_BLOCK
 def _block_p95(con, w, p) -> dict[int, float]:
     """Per node, the p95 latency of block requests its job's processes issued (a traced
     process or one of its threads); writeback and other tenants do not count."""
-    per: dict[int, Reservoir] = {}
+    # Each node's latencies in the order read (the reservoir's sample depends on it),
+    # then sampled node by node: one call per node, not one per request.
+    per: dict[int, array] = defaultdict(lambda: array("d"))
     for nid, d in con.execute(
             f"SELECT b.node_id, b.duration_ns FROM block_events b WHERE "
             f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK}", p):
-        if nid not in per:
-            per[nid] = Reservoir(SAMPLE, seed=nid)
-        per[nid].add(d / 1e6)
-    return {n: quantile(v.values, 0.95) for n, v in per.items()}
+        per[nid].append(d / 1e6)
+    return {n: quantile(Reservoir(SAMPLE, seed=n).extend(v).values, 0.95)
+            for n, v in per.items()}
 
 
 def _sync_wait(con, w, p) -> dict[int, float]:
     """GPU slowdown shows as one rank's waits for its own GPU work (event and device
     synchronizations; stream synchronizations wait for collectives and are left out)
     taking longer than its peers'."""
-    per: dict[tuple[int, int], Reservoir] = {}
+    per: dict[tuple[int, int], array] = defaultdict(lambda: array("d"))
     for nid, pid, d in con.execute(
             f"SELECT node_id, pid, duration_ns FROM cuda_events WHERE duration_ns IS NOT NULL "
             f"AND api IN ('cudaEventSynchronize', 'cuEventSynchronize', 'cudaDeviceSynchronize', "
             f"'cuCtxSynchronize') AND {w}", p):
-        if (nid, pid) not in per:
-            per[(nid, pid)] = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid)
-        per[(nid, pid)].add(d / 1e6)
+        per[(nid, pid)].append(d / 1e6)
     out: dict[int, float] = {}
-    for (nid, _), v in per.items():
-        out[nid] = max(out.get(nid, 0.0), median(v.values))
+    for (nid, pid), v in per.items():
+        sample = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid).extend(v).values
+        out[nid] = max(out.get(nid, 0.0), median(sample))
     return out
 
 
@@ -349,7 +388,8 @@ def cause_series(con, cause, target, t0, bin_ns) -> dict:
     per: dict[int, dict[int, float]] = defaultdict(dict)
     for nid, b, v in con.execute(
             f"SELECT node_id, (timestamp_ns - ?) / ?, {agg}(v) FROM (SELECT node_id, "
-            f"timestamp_ns, device, value v FROM host_samples WHERE metric = ?) "
+            "timestamp_ns, device, value v FROM host_samples WHERE "
+            f"{in_rowid_order('host_samples', 'metric = ?')}) "
             f"GROUP BY node_id, (timestamp_ns - ?) / ?", [t0, bin_ns, metric, t0, bin_ns]):
         if b is not None and b >= 0:
             per[b][nid] = v
@@ -432,8 +472,9 @@ def capture_cost(con, nodes) -> dict[str, float]:
     """Per node, the capture's own mean CPU use (% of one core, host_samples
     capture.cpu_pct): what tracing cost the node."""
     return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(
-        "SELECT node_id, AVG(value) FROM host_samples WHERE metric = 'capture.cpu_pct' "
-        "GROUP BY node_id ORDER BY node_id")}
+        "SELECT node_id, AVG(value) FROM host_samples WHERE "
+        + in_rowid_order("host_samples", "metric = 'capture.cpu_pct'")
+        + " GROUP BY node_id ORDER BY node_id")}
 
 
 def inventory(con) -> dict:
