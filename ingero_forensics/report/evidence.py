@@ -17,6 +17,7 @@ import random
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass
+from operator import itemgetter
 
 CAUSES = ("cpu", "io", "memory", "network", "gpu")
 CAUSE_TITLES = {
@@ -224,13 +225,15 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
         + " GROUP BY node_id, device) GROUP BY node_id", p)
     if throttled:
         add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
-    add("io", "block I/O latency p95 of the job's processes (ms)", _block_p95(con, w, p), 2.0)
+    blocks = _block_source(con, windows)
+    add("io", "block I/O latency p95 of the job's processes (ms)",
+        _block_p95(con, blocks, w, p), 2.0)
     # a fast disk asked for far more (a cold shard, O_DIRECT reads, fsyncs) stalls the
     # job without any slow request: the time its requests took, per second
     add("io", "block I/O time of the job's processes (ms per s)",
         {k: v / 1e6 / secs for k, v in per_node(
-            f"SELECT b.node_id, SUM(b.duration_ns) FROM block_events b WHERE "
-            f"{in_rowid_order('block_events', w, 'b.id')} AND {_JOB_IO} "
+            f"SELECT b.node_id, SUM(b.duration_ns) FROM {blocks} WHERE "
+            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {_JOB_IO} "
             "GROUP BY b.node_id", p).items()}, 5.0, relative=0.1)
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
@@ -248,18 +251,32 @@ JOB_BLOCK = ("((b.node_id, b.pid) IN (SELECT node_id, pid FROM processes) OR "
 _JOB_IO = JOB_BLOCK
 
 
-def _block_p95(con, w, p) -> dict[int, float]:
+def _block_source(con, windows) -> str:
+    """``block_events b``, or ``block_events b NOT INDEXED`` when the windows cover a
+    third or more of the table's time span: its rows fetched one by one in time order
+    (the timestamp index) are on a different page each time (fleet.db keeps each
+    node's rows together), and reading the whole table in order costs less than that
+    beyond about a third (64 nodes, a window over the whole run: 1.7 s instead of
+    3.1 s for the I/O time; the p95 below 2.9 s instead of about 5 s)."""
+    lo, hi = con.execute("SELECT MIN(timestamp_ns), MAX(timestamp_ns) FROM block_events"
+                         ).fetchone()
+    if lo is None or hi <= lo:
+        return "block_events b"
+    covered = sum(max(0, min(e, hi) - max(s, lo)) for s, e in windows)
+    return "block_events b NOT INDEXED" if 3 * covered >= hi - lo else "block_events b"
+
+
+def _block_p95(con, blocks, w, p) -> dict[int, float]:
     """Per node, the p95 latency of block requests its job's processes issued (a traced
     process or one of its threads); writeback and other tenants do not count."""
-    # Each node's latencies in the order read (the reservoir's sample depends on it),
-    # then sampled node by node: one call per node, not one per request.
-    per: dict[int, array] = defaultdict(lambda: array("d"))
-    for nid, d in con.execute(
-            f"SELECT b.node_id, b.duration_ns FROM block_events b WHERE "
-            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK}", p):
-        per[nid].append(d / 1e6)
-    return {n: quantile(Reservoir(SAMPLE, seed=n).extend(v).values, 0.95)
-            for n, v in per.items()}
+    # The reservoir's sample depends on the order values come in: each node's in time
+    # order (then row id), said in the ORDER BY, and fed node by node at C speed.
+    return {nid: quantile(Reservoir(SAMPLE, seed=nid).extend(map(itemgetter(1), rows)).values,
+                          0.95)
+            for nid, rows in itertools.groupby(con.execute(
+                f"SELECT b.node_id, b.duration_ns / 1e6 FROM {blocks} WHERE "
+                f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK} "
+                "ORDER BY b.node_id, b.timestamp_ns, b.id", p), key=itemgetter(0))}
 
 
 def _sync_wait(con, w, p) -> dict[int, float]:
