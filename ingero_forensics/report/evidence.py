@@ -142,8 +142,9 @@ def window_clause(windows, col="timestamp_ns"):
 
 def in_rowid_order(table: str, where: str, rowid: str = "id") -> str:
     """SQL: the rows of ``table`` that match ``where``, as ``id IN (SELECT id ... WHERE
-    where)``, for a condition an index answers (host_samples (metric, timestamp_ns),
-    the timestamp_ns indexes).
+    where)``, for a selective condition an index answers (one metric of host_samples,
+    through its (metric, timestamp_ns) index; for most of a table, reading it whole
+    costs less: _block_source).
 
     Why: fleet.db stores each node's rows together, so rows taken in an index's order
     (one metric, or one time range, across all nodes) are on a different page each
