@@ -144,7 +144,7 @@ def in_rowid_order(table: str, where: str, rowid: str = "id") -> str:
     """SQL: the rows of ``table`` that match ``where``, as ``id IN (SELECT id ... WHERE
     where)``, for a selective condition an index answers (one metric of host_samples,
     through its (metric, timestamp_ns) index; for most of a table, reading it whole
-    costs less: _block_source).
+    costs less: _source).
 
     Why: fleet.db stores each node's rows together, so rows taken in an index's order
     (one metric, or one time range, across all nodes) are on a different page each
@@ -217,7 +217,8 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
 
     add("cpu", "run-queue delay of traced threads (ms per s, summed over threads)",
         {k: v / 1e6 / secs for k, v in per_node(
-            f"SELECT node_id, SUM(duration_ns) FROM sched_events WHERE kind = 'runq_delay' "
+            f"SELECT node_id, SUM(duration_ns) FROM {_source(con, 'sched_events', windows)} "
+            "WHERE kind = 'runq_delay' "
             f"AND {w} GROUP BY node_id", p).items()}, 5.0, relative=0.1)
     for cause, metric, floor, inverse in (
             ("cpu", "psi.cpu.some_pct", 3.0, False),
@@ -247,7 +248,7 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
         + " GROUP BY node_id, device) GROUP BY node_id", p)
     if throttled:
         add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
-    blocks = _block_source(con, windows)
+    blocks = _source(con, "block_events", windows, "b")
     add("io", "block I/O latency p95 of the job's processes (ms)",
         _block_p95(con, blocks, w, p), 2.0)
     # a fast disk asked for far more (a cold shard, O_DIRECT reads, fsyncs) stalls the
@@ -273,19 +274,21 @@ JOB_BLOCK = ("((b.node_id, b.pid) IN (SELECT node_id, pid FROM processes) OR "
 _JOB_IO = JOB_BLOCK
 
 
-def _block_source(con, windows) -> str:
-    """``block_events b``, or ``block_events b NOT INDEXED`` when the windows cover a
-    third or more of the table's time span: its rows fetched one by one in time order
-    (the timestamp index) are on a different page each time (fleet.db keeps each
-    node's rows together), and reading the whole table in order costs less than that
-    beyond about a third (64 nodes, a window over the whole run: 1.7 s instead of
-    3.1 s for the I/O time; the p95 below 2.9 s instead of about 5 s)."""
-    lo, hi = con.execute("SELECT MIN(timestamp_ns), MAX(timestamp_ns) FROM block_events"
+def _source(con, table: str, windows, alias: str = "") -> str:
+    """``table [alias]``, with NOT INDEXED when the windows cover a third or more of the
+    table's time span: its rows fetched one by one in time order (the timestamp_ns
+    index) are on a different page each time (fleet.db keeps each node's rows
+    together), and reading the whole table in order costs less than that beyond about
+    a third (64 nodes, a window over the whole run: block I/O time 1.7 s instead of
+    3.1 s, its p95 below 2.9 s instead of about 5 s; run-queue delay 0.2 s instead of
+    0.85 s)."""
+    name = f"{table} {alias}".strip()
+    lo, hi = con.execute(f"SELECT MIN(timestamp_ns), MAX(timestamp_ns) FROM {table}"
                          ).fetchone()
     if lo is None or hi <= lo:
-        return "block_events b"
+        return name
     covered = sum(max(0, min(e, hi) - max(s, lo)) for s, e in windows)
-    return "block_events b NOT INDEXED" if 3 * covered >= hi - lo else "block_events b"
+    return f"{name} NOT INDEXED" if 3 * covered >= hi - lo else name
 
 
 def _block_p95(con, blocks, w, p) -> dict[int, float]:

@@ -10,7 +10,8 @@ import pytest
 
 from ingero_forensics.db import connect_readonly
 from ingero_forensics.report import analyze_fleet
-from ingero_forensics.report.evidence import Reservoir, in_rowid_order, window_clause
+from ingero_forensics.report.evidence import (Reservoir, _source, in_rowid_order,
+                                              window_clause)
 
 
 @pytest.mark.parametrize("k, n", [(5, 3), (5, 5), (5, 6), (20, 1000), (1, 50)])
@@ -64,3 +65,28 @@ def test_rows_in_rowid_order_same_aggregates(fleets, metric):
         con.close()
     assert len(plain) >= 6 and [r[:3] for r in fast] == [r[:3] for r in plain]
     assert [r[3] for r in fast] == pytest.approx([r[3] for r in plain], rel=1e-12)
+
+
+def test_whole_table_read_only_for_long_windows(fleets):
+    db, _ = fleets("cpu")
+    con = connect_readonly(db)
+    try:
+        lo, hi = con.execute("SELECT MIN(timestamp_ns), MAX(timestamp_ns) "
+                             "FROM sched_events").fetchone()
+        third = (hi - lo) // 3
+        assert _source(con, "sched_events", [(lo, hi)]) == "sched_events NOT INDEXED"
+        assert _source(con, "block_events", [(lo - 10**12, hi + 10**12)], "b") \
+            == "block_events b NOT INDEXED"
+        # two windows that together cover a third
+        assert _source(con, "sched_events", [(lo, lo + third // 2 + 1),
+                                             (hi - third // 2 - 1, hi)]) \
+            == "sched_events NOT INDEXED"
+        assert _source(con, "sched_events", [(lo, lo + third // 2)]) == "sched_events"
+        assert _source(con, "sched_events", []) == "sched_events"
+        # the hint changes the plan, never the rows
+        w, p = window_clause([(lo, lo + third // 2)])
+        sql = "SELECT node_id, SUM(duration_ns) FROM {} WHERE {} GROUP BY node_id"
+        assert list(con.execute(sql.format("sched_events NOT INDEXED", w), p)) \
+            == list(con.execute(sql.format("sched_events", w), p))
+    finally:
+        con.close()
