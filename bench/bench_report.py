@@ -7,14 +7,17 @@ prints the seconds, the CPU time and peak RSS of that process, the page's size a
 load average. Targets (issue 19): <= 10 s and < 1 MB.
 
     nice -n 10 python bench/bench_report.py [--dir /tmp/bench-report-64] [--repeat 3]
-        [--nodes 64 --ranks-per-node 8 --steps 2000] [--format html|text]
+        [--nodes 64 --ranks-per-node 8 --steps 2000] [--format html|text] [--src DIR ...]
+
+With several --src (source trees: this checkout, a `git archive` of another version),
+the runs alternate between them (A, B, A, B, ...), each figure under its tree: an A/B
+on the same fleet, the same machine and the same minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -50,17 +53,20 @@ def build(d: Path, nodes: int, ranks: int, steps: int) -> Path:
     return db
 
 
-def run_once(db: Path, out: Path, fmt: str) -> tuple[float, float, int]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+def run_once(db: Path, out: Path, fmt: str, src: Path = ROOT) -> tuple[float, float, int]:
+    """One report in a fresh process: wall s, its CPU s and its peak RSS (KiB; wait4 gives
+    this child's own, not the largest of all children so far)."""
     t = time.perf_counter()
     cmd = [sys.executable, "-m", "ingero_forensics.report.cli", str(db), "-o", str(out), "-q"]
     if fmt != "html":
         cmd += ["--format", fmt]
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, after.ru_maxrss
+    # cwd and PYTHONPATH = src: "python -m" puts the working directory first on sys.path
+    proc = subprocess.Popen(cmd, cwd=str(src), env=dict(os.environ, PYTHONPATH=str(src)))
+    _, status, ru = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return time.perf_counter() - t, ru.ru_utime + ru.ru_stime, ru.ru_maxrss
 
 
 def main() -> None:
@@ -71,22 +77,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--format", default="html", choices=["html", "text", "markdown"])
+    ap.add_argument("--src", action="append", type=Path, default=None,
+                    help="the ingero_forensics to run (PYTHONPATH; default this checkout); "
+                         "give it twice or more to alternate between versions (an A/B)")
     args = ap.parse_args()
+    srcs = [p.resolve() for p in args.src] if args.src else [ROOT]
     db = build(args.dir, args.nodes, args.ranks_per_node, args.steps)
     out = args.dir / ("report.html" if args.format == "html" else "report.txt")
-    walls = []
+    walls: dict[Path, list[float]] = {s: [] for s in srcs}
+    sizes: dict[Path, int] = {}
     for i in range(args.repeat):
-        load = os.getloadavg()[0]
-        wall, cpu, rss = run_once(db, out, args.format)
-        walls.append(wall)
-        size = out.stat().st_size
-        print(f"run {i + 1}: {wall:.2f} s wall, {cpu:.2f} s CPU, peak RSS {rss / 1024:.0f} MiB, "
-              f"page {size:,} bytes ({size / 1e6:.3f} MB), load before {load:.1f}")
-    best = min(walls)
-    size = out.stat().st_size
-    print(f"ingero-report {args.nodes} x {args.ranks_per_node} x {args.steps}: best {best:.2f} s "
-          f"(target <= {TARGET_S:.0f} s: {'met' if best <= TARGET_S else 'MISSED'}), page "
-          f"{size / 1e6:.3f} MB (target < 1 MB: {'met' if size < TARGET_BYTES else 'MISSED'})")
+        for src in srcs:
+            load = os.getloadavg()[0]
+            wall, cpu, rss = run_once(db, out, args.format, src)
+            walls[src].append(wall)
+            size = sizes[src] = out.stat().st_size
+            print(f"run {i + 1}{f' [{src}]' if len(srcs) > 1 else ''}: {wall:.2f} s wall, "
+                  f"{cpu:.2f} s CPU, peak RSS {rss / 1024:.0f} MiB, page {size:,} bytes "
+                  f"({size / 1e6:.3f} MB), load before {load:.1f}")
+    for src in srcs:
+        best, size = min(walls[src]), sizes[src]
+        print(f"ingero-report {args.nodes} x {args.ranks_per_node} x {args.steps}"
+              f"{f' [{src}]' if len(srcs) > 1 else ''}: best {best:.2f} s (target <= "
+              f"{TARGET_S:.0f} s: {'met' if best <= TARGET_S else 'MISSED'}), page "
+              f"{size / 1e6:.3f} MB (target < 1 MB: {'met' if size < TARGET_BYTES else 'MISSED'})")
 
 
 if __name__ == "__main__":
