@@ -181,6 +181,8 @@ def floor_sqlite3(paths, work: Path) -> tuple[float, int]:
             con.execute("ATTACH DATABASE ? AS b", (str(b.db_path),))
             con.execute("BEGIN")
             for t in MANIFEST_TABLES:
+                if t in b.absent_tables:
+                    continue        # an optional table (format 1.1) these bundles lack
                 if first:
                     con.execute(f"CREATE TABLE main.{t} AS SELECT * FROM b.{t} WHERE 0")
                 cur = con.execute(f"INSERT INTO main.{t} SELECT * FROM b.{t}")

@@ -161,6 +161,8 @@ class Analysis:
     alignment: list[dict] = field(default_factory=list)
     capture_issues: list[dict] = field(default_factory=list)
     capture_cost: dict = field(default_factory=dict)      # node -> % of one core
+    #: node -> % of one CPU in the capture's BPF programs (where the kernel kept it)
+    capture_bpf_cost: dict = field(default_factory=dict)
     inventory: dict = field(default_factory=dict)
     #: ranks that never entered a collective their communicator's peers entered (hangs.py)
     hangs: list[dict] = field(default_factory=list)
@@ -285,6 +287,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.capture_issues = capture_issues(con, nodes)
     with con.figure("capture_cost"):
         a.capture_cost = capture_cost(con, nodes)
+    with con.figure("capture_bpf_cost"):
+        a.capture_bpf_cost = capture_cost(con, nodes, "capture.bpf_cpu_pct")
     if first_row is None or len(nodes) < 2:
         a.inconclusive = True
         a.cause_confidence = "none"

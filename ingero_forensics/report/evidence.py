@@ -518,12 +518,13 @@ def capture_issues(con, nodes) -> list[dict]:
     return out + unknown_coverage(con, nodes)
 
 
-def capture_cost(con, nodes) -> dict[str, float]:
+def capture_cost(con, nodes, metric: str = "capture.cpu_pct") -> dict[str, float]:
     """Per node, the capture's own mean CPU use (% of one core, host_samples
-    capture.cpu_pct): what tracing cost the node."""
+    capture.cpu_pct): what tracing cost the node. With capture.bpf_cpu_pct: its BPF
+    programs' in-kernel run time, recorded only where the kernel kept it."""
     return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(
         "SELECT node_id, AVG(value) FROM host_samples WHERE "
-        + in_rowid_order("host_samples", "metric = 'capture.cpu_pct'")
+        + in_rowid_order("host_samples", f"metric = '{metric}'")
         + " GROUP BY node_id ORDER BY node_id")}
 
 

@@ -72,7 +72,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
     if a.capture_cost:
         lines += [para("Capture cost: " + "; ".join(f"{pct:.1f} % of one core on {node}"
                                                      for node, pct in a.capture_cost.items())
-                       + "."), ""]
+                       + "." + _bpf_cost(a)), ""]
     warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
             or r["causal_moved_us"]]
     if warn or a.capture_issues:
@@ -89,3 +89,11 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                               "- "))
         lines.append("")
     return "\n".join(lines)
+
+
+def _bpf_cost(a) -> str:
+    if not a.capture_bpf_cost:
+        return ""
+    return (" In its BPF programs (in the kernel, paid by the traced threads): "
+            + "; ".join(f"{pct:.2f} % of one CPU on {node}"
+                        for node, pct in a.capture_bpf_cost.items()) + ".")
