@@ -108,6 +108,8 @@ class RunResult:
     seconds: float                            # the whole run, set-up to sealed bundles
     capture_start_s: float = 0.0              # captures started until all sources on
     capture_stop_s: float = 0.0               # SIGTERM until every capture exited
+    #: CLOCK_MONOTONIC ns: captures launched, every source on
+    capture_window_ns: tuple[int, int] = (0, 0)
 
     @property
     def step_ns(self) -> dict[int, list[int]]:
@@ -117,6 +119,18 @@ class RunResult:
         vals = sorted(v for r, res in self.results.items() if ranks is None or r in ranks
                       for v in res["step_ns"])
         return vals[len(vals) // 2] / 1e6 if vals else 0.0
+
+    def step_ends(self) -> dict[int, list[tuple[int, int]]]:
+        """Per rank, (end of the step on CLOCK_MONOTONIC, its length) for every step: the
+        job's steps are back to back from its start_mono_ns."""
+        out = {}
+        for r, res in self.results.items():
+            t, ends = res["start_mono_ns"], []
+            for d in res["step_ns"]:
+                t += d
+                ends.append((t, d))
+            out[r] = ends
+        return out
 
     def all_bundles(self) -> list[Path]:
         return [b for bs in self.bundles.values() for b in bs]
@@ -233,10 +247,13 @@ class Rig:
         return Truth(scenario, node.name, tuple(node.ranks), CAUSE[scenario])
 
     # -- one scenario --------------------------------------------------------------------
-    def run_scenario(self, scenario: str, steps: int = 200, settle_s: float = 1.5,
-                     capture_args: tuple[str, ...] = (), captures: bool = True) -> RunResult:
+    def run_scenario(self, scenario: str, steps: int | str = 200, settle_s: float = 1.5,
+                     capture_args: tuple[str, ...] = (), captures: bool = True,
+                     attach_after_s: float | None = None) -> RunResult:
         """Run the job once with ``scenario``'s fault on the straggler node, each node
         traced by its own capture (``captures=False``: no capture, for overhead figures).
+        ``attach_after_s``: the captures start that long after the job did, as an operator
+        attaches to a running job (``steps`` as "SECONDSs" keeps it running meanwhile).
         Returns the bundles, the truth and the job's own timings."""
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
@@ -249,20 +266,27 @@ class Rig:
         fault_off = None
         try:
             ranks = self._start_ranks(scenario, steps, out, local)
-            t_cap = time.monotonic()
-            if captures:
-                for n in self.nodes:
-                    caps[n.name] = self._start_capture(n, [ranks[r].pid for r in n.ranks],
-                                                       out, capture_args)
-                    local.append(caps[n.name][0])
-                for cap, log in caps.values():
-                    wait_sources_on(cap, log)
-            cap_start = time.monotonic() - t_cap
+
+            def start_captures():
+                t = time.monotonic_ns()
+                if captures:
+                    for n in self.nodes:
+                        caps[n.name] = self._start_capture(
+                            n, [ranks[r].pid for r in n.ranks], out, capture_args)
+                        local.append(caps[n.name][0])
+                    for cap, log in caps.values():
+                        wait_sources_on(cap, log)
+                return t, time.monotonic_ns()
+            if attach_after_s is None:
+                window = start_captures()
             fault_off = self._fault_on(scenario, local)
             before = {n.name: retrans_segs(ranks[n.ranks[0]].pid) for n in self.nodes}
             for p in ranks.values():
                 p.stdin.write("go\n")
                 p.stdin.flush()
+            if attach_after_s is not None:
+                time.sleep(attach_after_s)
+                window = start_captures()
             results = {}
             for r, p in ranks.items():
                 line = p.stdout.readline()
@@ -294,8 +318,9 @@ class Rig:
             results=results, node_of_rank={r: n.name for n in self.nodes for r in n.ranks},
             pids={n.name: [ranks[r].pid for r in n.ranks] for n in self.nodes},
             retransmits={k: after[k] - before[k] for k in after}, capture_stderr=stderr,
-            seconds=round(time.monotonic() - started, 1), capture_start_s=round(cap_start, 1),
-            capture_stop_s=round(cap_stop, 1))
+            seconds=round(time.monotonic() - started, 1),
+            capture_start_s=round((window[1] - window[0]) / 1e9, 1),
+            capture_stop_s=round(cap_stop, 1), capture_window_ns=window)
 
     def _start_ranks(self, scenario: str, steps: int, out: Path,
                      local: list) -> dict[int, subprocess.Popen]:
