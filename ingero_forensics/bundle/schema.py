@@ -134,6 +134,15 @@ TABLES: tuple[Table, ...] = (
           "(0 = not grouped); NULL if group calls were not traced."),
         C("return_code", "INTEGER", True, "", "ncclResult_t returned (0 = ncclSuccess)."),
         _PID, _TID, _STACK,
+        Column("comm_handle", "INTEGER", True, "",
+               "ncclComm_t pointer value in the process (as in nccl_comm_events); NULL "
+               "when not recorded.", required=False),
+        Column("handle_seq", "INTEGER", True, "",
+               "Set only when comm_id_hash is NULL because the communicator was created "
+               "before the capture attached: this process's call counter on comm_handle, "
+               "1 for the first call the capture saw. It names nothing across ranks; the "
+               "merge infers the communicator from the streams' shape and time "
+               "(docs/merge.md, late attach). NULL otherwise.", required=False),
     ), indexes=(("comm_id_hash", "seq"), ("timestamp_ns",))),
     Table("nccl_comm_events", "Communicator lifecycle: init, split, destroy, abort.", (
         _id(), _TS,

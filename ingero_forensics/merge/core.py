@@ -45,6 +45,7 @@ from .copying import (CACHE_MB, FLEET_PAGE_SIZE, PASS1_TABLES, PASS3_TABLES, Cor
                       copy_table, flush_file, load_stack_map, release_bundles)
 from .files import MergeError, check_fleet, expand_inputs, lock_output
 from .inflight import settle_in_flight
+from .lateattach import infer_late_attach
 from .fleet_schema import (FLEET_TABLES_BY_NAME, FLEET_VERSION, all_index_ddl, fleet_ddl,
                            index_ddl)
 from .ranks import process_ranks
@@ -371,6 +372,15 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     if not pending and not old_params and not res.bundles_already:
         reasons = "; ".join(f"{s['input']}: {s['reason']}" for s in res.skipped[:3])
         raise MergeError(f"no usable bundle among the inputs ({reasons})")
+    # collectives of captures attached after their communicators' init: inferred now that
+    # every bundle is open, before anything reads sync points from the images
+    for item in infer_late_attach(fl, pending):
+        try:
+            _extract_sync(item["bundle"], min_wait_ns, fl.fastcoll)
+        except (apsw.Error, RuntimeError) as e:
+            raise MergeError(f"{item['shown']}: cannot read its events after the late-attach "
+                             f"inference ({type(e).__name__}: {e})") from None
+        fl.collectives_seen = max(fl.collectives_seen, item["bundle"].collectives_seen)
     # ---------------------------------------------------------------- pass 2: align
     sample_sync_points(fl, pending)
     con.execute("BEGIN")
@@ -661,27 +671,36 @@ def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
         return e
     bundle.con.close()
     bundle.con = None
-    sync_path = Path(f"{bundle.db_path}.sync")
-    owned = _owned_files(bundle)
     bundle.sync_path, bundle.run_paths = None, []
     try:
-        if fastcoll is not None:
-            tables = bundle.manifest["tables"]
-            rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
-            bundle.run_paths, bundle.collectives_seen = image_runs(
-                fastcoll, bundle.db_path, bundle.db_path,
-                bundle_predicate(bundle, "nccl_events"),
-                rows, min_wait_ns)
-            owned.extend(bundle.run_paths)
-        else:
-            owned.append(sync_path)
-            bundle.collectives_seen = extract_sync_points(bundle.db_path, sync_path,
-                                                          min_wait_ns)
-            bundle.sync_path = sync_path
+        _extract_sync(bundle, min_wait_ns, fastcoll)
     except (apsw.Error, RuntimeError) as e:
         bundle.close()
         return BundleError(path, f"cannot read its events ({type(e).__name__}: {e})")
     return sha, bundle
+
+
+def _extract_sync(bundle, min_wait_ns, fastcoll) -> None:
+    """Read the image's sync points and collective entries (again, after the late-attach
+    inference rewrote it: the files of an earlier read are removed first)."""
+    owned = _owned_files(bundle)
+    for f in bundle.run_paths + ([bundle.sync_path] if bundle.sync_path else []):
+        owned.remove(f)
+        Path(f).unlink(missing_ok=True)
+    bundle.sync_path, bundle.run_paths = None, []
+    if fastcoll is not None:
+        tables = bundle.manifest["tables"]
+        rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
+        bundle.run_paths, bundle.collectives_seen = image_runs(
+            fastcoll, bundle.db_path, bundle.db_path,
+            bundle_predicate(bundle, "nccl_events"),
+            rows, min_wait_ns)
+        owned.extend(bundle.run_paths)
+    else:
+        sync_path = Path(f"{bundle.db_path}.sync")
+        owned.append(sync_path)
+        bundle.collectives_seen = extract_sync_points(bundle.db_path, sync_path, min_wait_ns)
+        bundle.sync_path = sync_path
 
 
 def _owned_files(bundle) -> list:

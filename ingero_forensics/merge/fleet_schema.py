@@ -325,6 +325,34 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("message", "TEXT", False, "", "Human-readable text."),
         C("count", "INTEGER", True, "", "Rows concerned, when counting."),
     )),
+    FleetTable("inferred_comms", "Per stream of NCCL calls a capture saw without its "
+               "communicator's init (attached to a running job): the communicator the "
+               "merge inferred for it by matching the streams of all ranks by shape and "
+               "time (docs/merge.md, late attach). nccl_events rows of such a stream carry "
+               "the inferred comm_id_hash and seq = handle_seq + seq_offset.", (
+        C("comm_id_hash", "TEXT", False, "", "The inferred communicator: 16 hex digits "
+          "derived from its first stream (no ncclUniqueId was seen)."),
+        C("node_id", "INTEGER", False, "", "The stream's node."),
+        C("pid", "INTEGER", False, "", "The stream's process."),
+        C("comm_handle", "INTEGER", False, "", "The stream's ncclComm_t in that process."),
+        C("seq_offset", "INTEGER", False, "", "seq = handle_seq + seq_offset: 1 is the "
+          "earliest call any stream of the communicator saw."),
+        C("streams", "INTEGER", False, "", "Streams matched into this communicator (1: "
+          "none matched; it is compared with nothing)."),
+        C("rank", "INTEGER", True, "", "Rank written on its rows: the process's RANK when "
+          "the communicator has one stream per rank of WORLD_SIZE (the world "
+          "communicator), else NULL."),
+        C("nranks", "INTEGER", True, "", "Size written on its rows: WORLD_SIZE for the "
+          "world communicator, else NULL (unknown: untraced ranks are not seen)."),
+        C("env_rank", "INTEGER", True, "", "RANK in the process's environment, if seen."),
+        C("env_world_size", "INTEGER", True, "", "WORLD_SIZE in its environment, if seen."),
+        C("calls", "INTEGER", False, "calls", "Calls of the stream in this merge."),
+        C("basis", "TEXT", False, "", "How it was placed: shape (the only offset with the "
+          "same calls), shape+time (the loop repeats; the nearest in time, clearly), "
+          "nearest in time (unsynchronized clocks) (a choice), reference (the stream the "
+          "others were matched to), earlier merge, alone (matched with nothing)."),
+        C("detail", "TEXT", False, "", "The numbers behind the basis, or why it was left alone."),
+    ), constraints=("UNIQUE (node_id, pid, comm_handle)",)),
 )
 
 FLEET_TABLES: tuple[FleetTable, ...] = FLEET_ONLY + tuple(_bundle_derived())

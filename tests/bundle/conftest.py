@@ -37,11 +37,14 @@ def sample_rows(stack_a: int | None, stack_b: int | None) -> dict[str, list[tupl
     return {
         "nccl_events": [
             (T0 + 5 * ms, 41_000, "ALL_REDUCE", 3, 8, "9f86d081884c7d65", 1, 33_554_432,
-             "bfloat16", "sum", None, 140_234_112, 67_108_864, 0, 0, 4242, 4250, stack_a),
+             "bfloat16", "sum", None, 140_234_112, 67_108_864, 0, 0, 4242, 4250, stack_a,
+             94_558_208_000, None),
+            # a communicator created before the capture attached (1.1): counted from attach
             (T0 + 9 * ms, 12_500, "SEND", None, None, None, None, 1024, "float32", None, 4,
-             0, 4096, 1, None, 4242, 4251, None),
+             0, 4096, 1, None, 4242, 4251, None, 94_558_300_160, 7),
             (T0 + 11 * ms, 9_000, "ALL_TO_ALL", 3, 8, "9f86d081884c7d65", 2, 2048, "int8",
-             None, None, 140_234_112, 2048, None, 0, 4242, 4250, stack_a),
+             None, None, 140_234_112, 2048, None, 0, 4242, 4250, stack_a, 94_558_208_000,
+             None),
         ],
         "nccl_comm_events": [
             (T0 + 1 * ms, 2_500_000, "ncclCommInitRank", "9f86d081884c7d65", None, None, None,

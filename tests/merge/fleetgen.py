@@ -52,7 +52,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                host_of=None, stacks=True, comm="00c0ffee00c0ffee",
                name_prefix="node", queued=0, claims=True, straggler_every=10,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
-               wakeup_rows=True) -> Fleet:
+               wakeup_rows=True, late_attach=None, shapes=1) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
@@ -60,7 +60,11 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     node is a namespace of one kernel (one clock, one boot_id). late_wakeups: a node
     index whose sync threads, woken by each completion, wait 1.5-3 ms for a CPU before
     they return (a CPU-starved node); wakeup_rows: whether its bundle records those waits
-    (sched_events, as the capture does above its threshold)."""
+    (sched_events, as the capture does above its threshold). late_attach: node index ->
+    seconds into the job when its capture attached, after the communicator's init: its
+    collectives carry no comm_id_hash, seq or rank, only comm_handle and handle_seq
+    counted from the attach, as the capture writes them. shapes: the collectives cycle
+    through this many element counts (a training step's buckets)."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -93,7 +97,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                     (5 * stragglers.index(r)) % straggler_every:
                 late = straggler_late_ns  # a slow AllReduce for everybody else
             entries[r] = t + rng.randint(0, 3_000_000) + late
-        nbytes = 64 << 20
+        nbytes = (64 << 20) + ((seq % shapes) << 12)
         completion = max(entries.values()) + 1_500_000 + rng.randint(0, 20_000)
         fleet.completions[(comm, seq)] = completion
         for r, entry in entries.items():
@@ -132,6 +136,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                     (tr.mono(rt), "tcp_retransmit_skb", 4, "10.0.0.1", "10.0.0.2", 40000,
                      5000, "ESTABLISHED", None, None, pid, "job", None, None))
         t += step_ms * 1_000_000
+    late_seen: dict = {}
     for ni, tr in enumerate(truths):
         seg_bounds = [T_JOB + int(k * seconds * 1e9 / segments) for k in range(segments + 1)]
         for k in range(segments):
@@ -161,6 +166,11 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                     sel = [row[:-1] + (sid,) for row in sel]
                 if table == "cuda_events" and sync_sid is not None:
                     sel = [row[:12] + (sync_sid,) + row[13:] for row in sel]
+                if table in ("nccl_events", "cuda_events") and ni in (late_attach or {}):
+                    sel = [row for row in sel
+                           if _true(tr, row[0]) >= T_JOB + late_attach[ni] * 1e9]
+                if table == "nccl_events" and ni in (late_attach or {}):
+                    sel = [_late_row(row, late_seen) for row in sel]
                 w.add_many(table, sel)
             for r in range(ranks_per_node):
                 rank = ni * ranks_per_node + r
@@ -183,6 +193,14 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
             path = w.seal(out_dir, capture_end=(hi + tr.clock_error(hi), tr.mono(hi)))
             fleet.paths.append(path)
     return fleet
+
+
+def _late_row(row: tuple, seen: dict) -> tuple:
+    """A collective as a capture attached after the init writes it: comm_id_hash, seq,
+    rank and nranks unknown; its ncclComm_t and a per-process counter instead."""
+    pid = row[15]
+    seen[pid] = seen.get(pid, 0) + 1
+    return row[:3] + (None, None, None, None) + row[7:] + (0x55AA0000 + pid, seen[pid])
 
 
 def _true(tr: NodeTruth, mono: int) -> float:

@@ -8,6 +8,11 @@ the ring buffer drops leaves a gap in seq and is counted in capture_log. Collect
 one row each (they are the forensic backbone); group start/end only track the nesting
 depth in the kernel.
 
+A capture attached to a running job has missed ncclCommInitRank: a collective on a
+ncclComm_t the map does not know enters it as "late", with no hash, and its calls are
+counted from the attach (nccl_events.handle_seq, with comm_handle). The merge matches
+such streams across ranks by their shape and time (merge/lateattach.py).
+
 Calling convention (x86-64 SysV): integer arguments 1-6 in registers, the rest on the
 stack above the return address; a 128-byte struct passed by value (ncclUniqueId) goes on
 the stack and takes no register, so in ncclCommInitRank(comm, nranks, id, rank) the rank
@@ -60,7 +65,9 @@ static __always_inline int hash_unique_id(u64 uaddr, u64 *out) {
 }
 
 struct comm_key { u64 handle; u32 tgid; u32 pad; };
-struct comm_info { u64 hash; u64 seq; u64 splits; s32 rank; s32 nranks; };
+/* late: first seen at a collective, its init before the attach: no hash, and seq counts
+ * from the attach (handle_seq; the merge infers the communicator, docs/merge.md) */
+struct comm_info { u64 hash; u64 seq; u64 splits; s32 rank; s32 nranks; u32 late; u32 pad; };
 BPF_HASH(comms, struct comm_key, struct comm_info, 16384);
 BPF_HASH(group_depth, u32, u32, 65536);
 __SITE_STACKS__
@@ -111,8 +118,13 @@ static __always_inline int coll_entry(struct pt_regs *ctx, u8 op, u64 count, s64
     c.peer = peer; c.comm = comm; c.stream = stream; c.tgid = tgid;
     struct comm_key k = {.handle = comm, .tgid = tgid};
     struct comm_info *ci = comms.lookup(&k);
+    if (!ci && comm) {
+        struct comm_info late = {.rank = -1, .nranks = -1, .late = 1};
+        comms.insert(&k, &late);
+        ci = comms.lookup(&k);
+    }
     if (ci) {
-        c.known = 1; c.hash = ci->hash; c.seq = ci->seq + 1;
+        c.known = ci->late ? 2 : 1; c.hash = ci->hash; c.seq = ci->seq + 1;
         c.rank = ci->rank; c.nranks = ci->nranks;
     }
     u32 *d = group_depth.lookup(&tid);
@@ -262,7 +274,7 @@ int on_split(struct pt_regs *ctx) {
     c->out = PT_REGS_PARM4(ctx);
     struct comm_key k = {.handle = c->comm, .tgid = tgid};
     struct comm_info *parent = comms.lookup(&k);
-    if (parent) {
+    if (parent && !parent->late) {
         parent->splits += 1;    /* collective over the parent: same count on every rank */
         c->parent = parent->hash;
         c->hash = mix64(mix64(mix64(parent->hash) ^ (u32)c->color) ^ parent->splits);
@@ -278,9 +290,11 @@ static __always_inline int end_comm(struct pt_regs *ctx, u8 api) {
     c->comm = PT_REGS_PARM1(ctx);
     struct comm_key k = {.handle = c->comm, .tgid = tgid};
     struct comm_info *ci = comms.lookup(&k);
-    if (ci) {
+    if (ci && !ci->late) {
         c->known = 1; c->hash = ci->hash; c->rank = ci->rank; c->nranks = ci->nranks;
         c->seq = ci->seq;
+    }
+    if (ci) {
         comms.delete(&k);   /* the handle is freed: a later comm may reuse the address */
     }
     return 0;
@@ -411,7 +425,7 @@ class NcclSource(BccSource):
         for rec in raw:
             (ts, dur, h, parent, count, stream, handle, seq, ret_addr, pid, tid, stack_id, ret,
              rank, nranks, dtype, redop, peer, color, key, depth, kind, op, known) = EVENT.unpack(rec)
-            hash_ = hex_hash(h) if known else None
+            hash_ = hex_hash(h) if known == 1 else None
             if kind == 0:
                 opname = NCCL_OPS[op]
                 size = _DTYPE_SIZES[dtype] if 0 <= dtype < len(_DTYPE_SIZES) else None
@@ -422,11 +436,12 @@ class NcclSource(BccSource):
                         nbytes *= nranks   # count is the receive count
                 coll.append((
                     ts, dur, opname, rank if rank >= 0 else None,
-                    nranks if nranks >= 0 else None, hash_, seq if known else None, count,
+                    nranks if nranks >= 0 else None, hash_, seq if known == 1 else None, count,
                     _DTYPE_NAMES[dtype] if 0 <= dtype < len(_DTYPE_NAMES) else None,
                     redop_name(redop) if opname in _REDOP_OPS else None,
                     peer if opname in _PEER_OPS else None, signed64(stream), nbytes, depth,
-                    ret, pid, tid, self.stack_row_id(sink, pid, stack_id, ret_addr)))
+                    ret, pid, tid, self.stack_row_id(sink, pid, stack_id, ret_addr),
+                    signed64(handle) or None, seq if known == 2 else None))
             else:
                 api = NCCL_COMM_APIS[op]
                 is_split = api == "ncclCommSplit"
@@ -445,7 +460,7 @@ class NcclSource(BccSource):
         """The collectives, p2p and communicator calls open now (entry seen, no return)."""
         rows = []
         for tid, c in self.open_calls():
-            known = bool(c.known)
+            known = c.known == 1      # 2: a communicator first seen after its init
             if c.kind == 0:
                 opname = NCCL_OPS[c.op]
                 api = _OP_API[opname]

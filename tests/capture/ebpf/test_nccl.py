@@ -4,6 +4,7 @@ driven through ctypes without a GPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import textwrap
@@ -216,6 +217,35 @@ def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path):
     assert any(lib in m for _l, _s, ev, m, _c in sink.logs if ev == "attached")
 
 
+REAL_NCCL_LATE_SCRIPT = textwrap.dedent(r"""
+    import ctypes, json, sys
+    nccl = ctypes.CDLL(sys.argv[1])
+    # a communicator the capture never saw created: without a GPU none can be made, so
+    # a zeroed block stands for it (the real library rejects it after entry)
+    block = ctypes.create_string_buffer(1 << 22)
+    comm = ctypes.c_void_p(ctypes.addressof(block))
+    nccl.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    print("ready", flush=True)
+    sys.stdin.readline()
+    rets = [nccl.ncclAllReduce(None, None, 1000 + k, 7, 0, comm, None) for k in range(3)]
+    print(json.dumps({"rets": rets, "comm": comm.value}), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_real_libnccl_late_communicator_counted_from_attach(ebpf_ok, tmp_path):
+    """The real libnccl.so.2: collectives on a ncclComm_t whose init was not seen carry
+    its pointer and a counter from the first call seen, no hash or seq."""
+    lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
+    out, sink, pid = run_real_library(NcclSource, REAL_NCCL_LATE_SCRIPT, lib, tmp_path,
+                                      "nccl_events", 3)
+    colls = sorted(sink.dicts("nccl_events"), key=lambda r: r["timestamp_ns"])
+    assert [(r["count"], r["comm_handle"], r["handle_seq"], r["comm_id_hash"], r["seq"],
+             r["return_code"], r["pid"]) for r in colls] == [
+        (1000 + k, out["comm"], k + 1, None, None, out["rets"][k], pid) for k in range(3)]
+
+
 def test_every_probe_honours_the_pid_filter(ebpf_ok, tmp_path, fixtures):
     """Only two of four ranks are targets: the communicator lifecycle (init, split,
     destroy) of the other two must not show up either, or every node of a fleet would
@@ -241,3 +271,44 @@ def test_every_probe_honours_the_pid_filter(ebpf_ok, tmp_path, fixtures):
     assert inits == sorted(zip(traced, (0, 1)))
     # per traced rank: init, init-config, split, two destroys (child, second) + world's
     assert Counter(r["pid"] for r in comm) == {pid: 6 for pid in traced}
+
+
+def test_late_attach_counts_calls_per_communicator_from_the_attach(ebpf_ok, tmp_path, fixtures):
+    """The capture starts while the job runs, after ncclCommInitRank: collectives carry
+    no comm_id_hash, seq or rank, but every rank's calls on its ncclComm_t are counted
+    from the attach (handle_seq 1, 2, ...), with the pointer (comm_handle), so the merge
+    can match the ranks' streams (tests/merge/test_lateattach.py)."""
+    make_ids(tmp_path / "ids")
+    loader = tmp_path / "loader"
+    loader.mkdir()
+    world = 2
+    job = Job(lambda r: [str(fixtures.train_job), str(r), str(world), str(tmp_path / "ids"),
+                         "5s", str(loader)], world)
+    opts = options(lib_paths=[str(fixtures.libnccl)])
+    try:
+        for p in job.procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        time.sleep(1.0)          # the init is over: the job is in its loop
+        with Running(NcclSource(opts), StaticTargets(job.pids), opts) as run:
+            results = [json.loads(p.stdout.readline()) for p in job.procs]
+            time.sleep(0.3)
+        job.finish()
+    finally:
+        job.kill()
+    assert all(r["steps"] > 5 for r in results), results
+    assert not [r for r in run.sink.dicts("nccl_comm_events") if r["api"] != "ncclCommDestroy"]
+    colls = run.sink.dicts("nccl_events")
+    assert colls and all(r["comm_id_hash"] is None and r["seq"] is None and r["rank"] is None
+                         for r in colls)
+    shapes = {}
+    for pid in job.pids:
+        mine = sorted((r for r in colls if r["pid"] == pid), key=lambda r: r["timestamp_ns"])
+        assert len({r["comm_handle"] for r in mine}) == 1 and mine[0]["comm_handle"]
+        seqs = [r["handle_seq"] for r in mine]
+        assert seqs == list(range(1, len(seqs) + 1)), seqs[:20]
+        shapes[pid] = [(r["op"], r["count"], r["datatype"]) for r in mine]
+    # both ranks make the same calls in the same order: a shift aligns them
+    a, b = shapes.values()
+    assert any(a[k:k + 20] == b[:20] for k in range(len(a) - 20)) or \
+        any(b[k:k + 20] == a[:20] for k in range(len(b) - 20))

@@ -1,0 +1,159 @@
+"""Captures attached after ncclCommInitRank (issue 17): the merge infers the communicator
+from the streams' shapes and times (merge/lateattach.py), and says how.
+
+The fleets are real bundles (fleetgen) whose late nodes write what the capture writes
+then: no comm_id_hash, seq or rank, a comm_handle and a handle_seq counted from the
+attach. The truth (which collective each row is) comes from the rows' true times.
+"""
+
+from __future__ import annotations
+
+import apsw
+import pytest
+
+from ingero_forensics.merge import merge_bundles
+from ingero_forensics.merge.lateattach import Stream, match
+
+from .fleetgen import T_JOB, make_fleet
+
+STEP_MS = 100
+COMM = "00c0ffee00c0ffee"
+
+
+def rows(db, sql, args=()):
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def true_seq(fleet, node_name, mono):
+    """Which collective a row is: from its true time (entries come 0-3 ms after the
+    step's start, the straggler's 60 ms)."""
+    tr = next(t for t in fleet.nodes if t.name == node_name)
+    return int((tr.true_of_mono(mono) - T_JOB - 200_000_000) // (STEP_MS * 1_000_000)) + 1
+
+
+def seq_offsets(db, fleet):
+    """comm_id_hash -> the set of (seq - true seq) over its rows: one value when every
+    rank numbers every collective alike."""
+    out: dict = {}
+    for h, seq, name, mono in rows(db, "SELECT e.comm_id_hash, e.seq, n.name, e.mono_ns "
+                                       "FROM nccl_events e JOIN nodes n USING (node_id)"):
+        out.setdefault(h, set()).add(seq - true_seq(fleet, name, mono))
+    return out
+
+
+def test_all_late_streams_become_one_communicator(tmp_path):
+    """Every node attached 2-5 s into the job: the eight streams are one communicator,
+    numbered alike on every rank, the world communicator (ranks from the environment),
+    and the report's lateness sees the straggler as with an early attach."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=2, seconds=12, seed=3,
+                       step_ms=STEP_MS, shapes=5, straggler_rank=5, straggler_every=3,
+                       late_attach={0: 2.0, 1: 3.5, 2: 5.0, 3: 2.7}, retransmits=False)
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths, db)
+    inferred = rows(db, "SELECT comm_id_hash, streams, rank, env_rank, basis, detail "
+                        "FROM inferred_comms ORDER BY env_rank")
+    assert len(inferred) == 8
+    assert len({r[0] for r in inferred}) == 1 and {r[1] for r in inferred} == {8}, inferred
+    assert [r[2] for r in inferred] == list(range(8))
+    assert {r[4] for r in inferred} <= {"reference", "shape+time"}, inferred
+    offsets = seq_offsets(db, fleet)
+    assert len(offsets) == 1 and len(next(iter(offsets.values()))) == 1, offsets
+    # seq 1 is the earliest call any of them saw (node 0 attached first, at 2 s)
+    assert rows(db, "SELECT MIN(seq) FROM nccl_events")[0][0] == 1
+    # the rows' ranks are the global ranks (pid 1000 + rank in fleetgen)
+    assert rows(db, "SELECT COUNT(*) FROM nccl_events WHERE rank IS NOT pid - 1000")[0][0] == 0
+    assert rows(db, "SELECT COUNT(*) FROM nccl_events WHERE nranks IS NOT 8")[0][0] == 0
+    # the merge's own collectives see them: the straggler's rank arrives last
+    last = rows(db, "SELECT last_rank, COUNT(*) FROM collectives GROUP BY last_rank "
+                    "ORDER BY 2 DESC LIMIT 1")
+    assert last[0][0] == 5, last
+    log = rows(db, "SELECT level, message FROM merge_log WHERE event = 'late_attach'")
+    assert log and log[0][0] == "info" and "8 matched into 1" in log[0][1], log
+
+
+def test_late_ranks_join_a_communicator_seen_at_init(tmp_path):
+    """Two nodes were captured from the start, two attached later: the late ranks take
+    the communicator's real identity and seq."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=2, seconds=10, seed=4,
+                       step_ms=STEP_MS, shapes=4, late_attach={2: 3.0, 3: 4.2},
+                       retransmits=False)
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths, db)
+    assert rows(db, "SELECT DISTINCT comm_id_hash FROM nccl_events") == [(COMM,)]
+    assert seq_offsets(db, fleet) == {COMM: {0}}
+    late = rows(db, "SELECT n.name, i.rank, i.nranks, i.basis FROM inferred_comms i JOIN "
+                    "nodes n USING (node_id) ORDER BY i.env_rank")
+    assert [r[:3] for r in late] == [("node-2", 4, 8), ("node-2", 5, 8),
+                                     ("node-3", 6, 8), ("node-3", 7, 8)], late
+
+
+def test_incremental_merge_matches_later_nodes(tmp_path):
+    """Bundles merged as they arrive, two nodes at a time: the later streams join the
+    communicator the first merge inferred, with the same numbering."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=10, seed=6,
+                       step_ms=STEP_MS, shapes=3,
+                       late_attach={0: 1.0, 1: 2.5, 2: 4.0, 3: 3.0}, retransmits=False)
+    db = tmp_path / "f.db"
+    merge_bundles([p for p in fleet.paths if "node-0" in p.name or "node-1" in p.name], db)
+    first = rows(db, "SELECT DISTINCT comm_id_hash FROM inferred_comms")
+    merge_bundles(fleet.paths, db)
+    assert rows(db, "SELECT DISTINCT comm_id_hash FROM inferred_comms") == first
+    offsets = seq_offsets(db, fleet)
+    assert len(offsets) == 1 and len(next(iter(offsets.values()))) == 1, offsets
+    # the world communicator is complete now: the first merge's rows got their ranks too
+    assert rows(db, "SELECT COUNT(*) FROM nccl_events WHERE rank IS NOT pid - 1000")[0][0] == 0
+
+
+def test_clocks_too_loose_to_tell_leave_streams_alone(tmp_path):
+    """One shape repeated every step and clocks whose stated error exceeds a step: the
+    offset cannot be told, so nothing is matched, and inferred_comms says why."""
+    fleet = make_fleet(tmp_path / "b", nodes=3, ranks_per_node=1, seconds=8, seed=7,
+                       step_ms=STEP_MS, shapes=1, max_offset_ms=80, ntp_step=False,
+                       late_attach={0: 1.0, 1: 2.0, 2: 1.5}, retransmits=False)
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths, db)
+    left = rows(db, "SELECT streams, basis, detail FROM inferred_comms")
+    assert len(left) == 3 and all(r[0] == 1 and r[1] == "alone" for r in left), left
+    assert any("cannot tell them apart" in r[2] for r in left), left
+    log = rows(db, "SELECT level, message FROM merge_log WHERE event = 'late_attach'")
+    assert log[0][0] == "warning" and "3 left alone" in log[0][1], log
+
+
+def _stream(node, seqs, times, shapes):
+    return Stream(node, 1, 1, seqs=list(seqs), times=list(times), shapes=list(shapes))
+
+
+def test_match_unsynchronized_clocks_is_a_marked_choice():
+    """Shapes repeat, clocks claim nothing: the nearest offset is taken and said to be
+    a choice; a shape sequence that occurs once needs no clock at all."""
+    shapes = [("ALL_REDUCE", 100 + k % 4, "float32", "sum", None) for k in range(400)]
+    ref = _stream(1, range(1, 401), [k * 10_000_000 for k in range(400)], shapes)
+    cand = _stream(2, range(1, 201), [(k + 150) * 10_000_000 + 700_000 for k in range(200)],
+                   shapes[150:350])
+    clocks = {"error": {1: None, 2: None}, "boot": {1: "a", 2: "b"}}
+    m, why = match(ref, cand, clocks)
+    assert m is not None and m.offset == 150 and m.basis.startswith("nearest"), (m, why)
+    assert "choice" in m.detail
+    unique = [("ALL_REDUCE", k, "float32", "sum", None) for k in range(400)]
+    ref = _stream(1, range(1, 401), [k * 10_000_000 for k in range(400)], unique)
+    cand = _stream(2, range(1, 101), [(k + 40) * 10_000_000 + 5_000_000_000
+                                      for k in range(100)], unique[40:140])
+    m, why = match(ref, cand, clocks)
+    assert m is not None and m.offset == 40 and m.basis == "shape", (m, why)
+
+
+@pytest.mark.parametrize("wrong", ["count", "op"])
+def test_match_refuses_a_different_communicator(wrong):
+    """A stream whose calls differ in shape from the reference's is not matched, however
+    close in time."""
+    shapes = [("ALL_REDUCE", 100 + k % 4, "float32", "sum", None) for k in range(300)]
+    ref = _stream(1, range(1, 301), [k * 10_000_000 for k in range(300)], shapes)
+    other = [(("ALL_GATHER",) + s[1:]) if wrong == "op" else (s[0], s[1] * 2) + s[2:]
+             for s in shapes[100:200]]
+    cand = _stream(2, range(1, 101), [(k + 100) * 10_000_000 for k in range(100)], other)
+    m, why = match(ref, cand, {"error": {1: 0, 2: 0}, "boot": {1: "a", 2: "a"}})
+    assert m is None and "no offset gives the same sequence" in why
