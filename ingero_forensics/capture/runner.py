@@ -116,10 +116,24 @@ class _Sink:
         self.run.log(level, source, event, message, count)
 
 
+#: SCHED_IDLE runs only when a CPU has nothing else to do: on a node whose job keeps every
+#: CPU busy a compile at that priority would never end. After this long it goes on at
+#: nice 19 under the normal policy (about 1.5 % of a CPU against each busy task).
+IDLE_STARVE_S = 30.0
+
+
+@dataclass
+class _Priority:
+    raised: bool = False      # the block outlived IDLE_STARVE_S and went on at nice 19
+
+
 @contextlib.contextmanager
-def idle_priority():
+def idle_priority(starve_s: float = IDLE_STARVE_S):
     """Run the block at the lowest CPU priority (SCHED_IDLE, nice 19) on this thread, then
-    restore what it had. Where the kernel refuses, the block runs as it is."""
+    restore what it had; after ``starve_s`` at SCHED_IDLE it goes on at nice 19 under the
+    normal policy (yields a _Priority that says so). Where the kernel refuses, the block
+    runs as it is."""
+    state = _Priority()
     tid = threading.get_native_id()
     try:
         policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
@@ -127,11 +141,24 @@ def idle_priority():
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (OSError, AttributeError):
-        yield
+        yield state
         return
+
+    def raise_priority():
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+            state.raised = True
+        except OSError:
+            pass
+    timer = threading.Timer(starve_s, raise_priority)
+    timer.daemon = True
+    timer.start()
     try:
-        yield
+        yield state
     finally:
+        timer.cancel()
+        timer.join()
         try:
             os.sched_setscheduler(0, policy, param)
             os.setpriority(os.PRIO_PROCESS, tid, nice)
@@ -348,8 +375,12 @@ class _Loop:
             try:
                 # BCC compiles each program at start (about a CPU-second each): at the
                 # lowest priority, so a job already running barely notices
-                with idle_priority():
+                with idle_priority() as prio:
                     s.start(ctx)
+                if prio.raised:
+                    run.log("info", s.name, "slow_start", f"{s.name}: starting took over "
+                            f"{IDLE_STARVE_S:.0f} s at idle CPU priority (every CPU busy); "
+                            "finished at nice 19")
             except SourceUnavailable as e:
                 self._off(s.name, e.reason, e.fix)
                 continue

@@ -15,9 +15,12 @@ The matching, per pair (a group's reference stream, a candidate stream):
 2. time: of those offsets, the one whose calls come closest in time (median of the
    differences), on clocks placed by their clock samples (nodes of one boot share
    CLOCK_MONOTONIC exactly). A training loop repeats its shapes every step, so shapes
-   alone leave one candidate per step; the nearest wins when the next one is clearly
-   further than the clocks' stated error. On clocks that claim no synchronization, the
-   nearest is taken and marked as a choice.
+   alone leave one candidate per step; the nearest wins when it stays the nearest
+   whatever the clocks' stated error (the next is further by more than twice it). The
+   nearest is not required to be near: a straggler enters its collectives late, by up
+   to half a step before the next step's call is nearer (it cannot be a whole step
+   late: the others' next step waits for its collective to complete). On clocks that
+   claim no synchronization the nearest is taken and marked as a choice.
 
 A process joins a communicator at most once. Each matched group gets an identity (16
 hex digits derived from its first stream, stable across incremental merges) and seq
@@ -38,8 +41,9 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..bundle.reader import column_or_null
+from .align import DRIFT_BOUND_PPM
 from .screen import row_predicate
-from .syncpoints import attached
+from .syncpoints import SYNC_APIS, attached
 
 #: Calls compared per candidate offset (evenly spaced over the common span).
 SAMPLE_CALLS = 256
@@ -72,6 +76,10 @@ class Stream:
     rank: int | None = None       # from the environment
     world_size: int | None = None
     nranks: int | None = None     # a communicator whose init was seen: its size
+    #: per call, the return of the process's first synchronization that started after
+    #: the call's entry (same common time; None where none): it ended after the
+    #: collective completed, so after every rank's entry into it
+    observed: list = field(default_factory=list)
 
     @property
     def key(self):
@@ -185,7 +193,7 @@ def match(ref: Stream, cand: Stream, clocks: dict, index: dict | None = None):
                        bisect.bisect_right(ref.times, t0 + SEARCH_WINDOW_NS))
     tries = sorted((j for j in window if ref.shapes[j] == shape0),
                    key=lambda j: abs(ref.times[j] - t0))[:MAX_TRIES]
-    found = []          # (|median dt|, offset, median dt, calls compared)
+    found = []          # (distance, |median dt|, offset, median dt, calls, interval)
     for j in tries:
         offset = ref.seqs[j] - s0
         pairs = _common_sample(ref, cand, offset, index)
@@ -194,26 +202,67 @@ def match(ref: Stream, cand: Stream, clocks: dict, index: dict | None = None):
         if any(ref.shapes[r] != cand.shapes[c] for r, c in pairs):
             continue
         dt = statistics.median_low([cand.times[c] - ref.times[r] for r, c in pairs])
-        found.append((abs(dt), offset, dt, len(pairs)))
+        lo, hi = feasible_shift(ref, cand, pairs)
+        # two crystals drift apart over the calls compared: bounds that cross by less
+        # than that are one shift, give or take the drift
+        span = cand.times[pairs[-1][1]] - cand.times[pairs[0][1]]
+        if lo > hi and lo - hi <= span * DRIFT_BOUND_PPM * 1e-6:
+            lo, hi = hi, lo
+        dist = max(lo, -hi, 0) if lo <= hi else float("inf")
+        found.append((dist, abs(dt), offset, dt, len(pairs), (lo, hi)))
     if not found:
         return None, ("no offset gives the same sequence of collectives (op, count, "
                       "datatype) as the others" + (" within 30 s" if err is not None else ""))
     found.sort()
     best = found[0]
     if len(found) == 1:
-        return Match(best[1], "shape", f"the only offset with the same shapes "
-                                       f"({best[3]} calls compared)"), None
+        return Match(best[2], "shape", f"the only offset with the same shapes "
+                                       f"({best[4]} calls compared)"), None
     second = found[1]
-    gap = second[0] - best[0]
-    detail = (f"same shapes at {len(found)} offsets (the loop repeats); nearest in time "
-              f"{best[2] / 1e6:+.3f} ms, next {second[2] / 1e6:+.3f} ms; {best[3]} calls "
-              f"compared")
+    detail = (f"same shapes at {len(found)} offsets (the loop repeats); "
+              f"{_why(best)}; next {_why(second)}; {best[4]} calls compared")
     if err is None:
-        return Match(best[1], "nearest in time (unsynchronized clocks)",
+        return Match(best[2], "nearest in time (unsynchronized clocks)",
                      detail + "; the clocks claim no synchronization, so this is a choice"), None
-    if best[0] <= err + gap / 4 and gap > 2 * err:
-        return Match(best[1], "shape+time", detail + f"; clock error {err / 1e6:.3f} ms"), None
-    return None, (detail + f": the clocks' error ({err / 1e6:.3f} ms) cannot tell them apart")
+    if second[0] - best[0] > 2 * err:
+        return Match(best[2], "shape+causality", detail + f"; clock error "
+                                                           f"{err / 1e6:.3f} ms"), None
+    if best[0] == second[0] == 0 and best[1] + 2 * err < second[1] / 3:
+        # causality allows both (no synchronization recorded after one side's calls):
+        # the nearest in time, only when it is near. A straggler late by L at a loop
+        # of period P has the wrong call P - L away: nearest-in-time is wrong from
+        # L > P/2 and taken here only below P/4.
+        return Match(best[2], "shape+time", detail + f"; clock error {err / 1e6:.3f} ms; "
+                     "no synchronization bounds it, nearest in time by far"), None
+    return None, (detail + f": causality and the clocks' error ({err / 1e6:.3f} ms) "
+                           "cannot tell them apart")
+
+
+def feasible_shift(ref: Stream, cand: Stream, pairs) -> tuple[float, float]:
+    """The shifts x of the candidate's clock (its times minus x) under which the pairing
+    breaks no causality: each rank entered a collective before the other observed its
+    completion. Unbounded where neither recorded a synchronization after its calls. The
+    outermost 1 % of the bounds on each side is left out: a synchronization that did
+    not wait on the collective's stream would make one bound too tight."""
+    lows, highs = [], []
+    for r, c in pairs:
+        if ref.observed[r] is not None:     # cand entered before ref observed the end
+            lows.append(cand.times[c] - ref.observed[r])
+        if cand.observed[c] is not None:    # ref entered before cand observed the end
+            highs.append(cand.observed[c] - ref.times[r])
+    lows.sort()
+    highs.sort()
+    trim = len(pairs) // 100
+    lo = lows[-1 - min(trim, len(lows) - 1)] if lows else float("-inf")
+    hi = highs[min(trim, len(highs) - 1)] if highs else float("inf")
+    return lo, hi
+
+
+def _why(cand) -> str:
+    dist, _, _, dt, _, (lo, hi) = cand
+    span = ("any shift" if lo == float("-inf") and hi == float("inf") else
+            "no shift" if lo > hi else f"shifts {lo / 1e6:+.3f}..{hi / 1e6:+.3f} ms")
+    return f"median entry gap {dt / 1e6:+.3f} ms, causal for {span}"
 
 
 def group_streams(streams: list[Stream], clocks: dict) -> tuple[list[Group], dict]:
@@ -272,14 +321,16 @@ def _read_streams(con, pending: list, known: dict) -> dict:
         with attached(con, bundle.db_path, "b"):
             rows = con.execute(
                 "SELECT e.pid, e.comm_handle, e.handle_seq, e.timestamp_ns, e.op, e.count, "
-                "e.datatype, e.redop, e.peer FROM b.nccl_events e WHERE e.comm_id_hash IS NULL "
-                "AND typeof(e.handle_seq) = 'integer' AND typeof(e.comm_handle) = 'integer' "
-                f"AND {pred} ORDER BY e.pid, e.comm_handle, e.handle_seq").fetchall()
+                "e.datatype, e.redop, e.peer, e.tid FROM b.nccl_events e WHERE "
+                "e.comm_id_hash IS NULL AND typeof(e.handle_seq) = 'integer' AND "
+                f"typeof(e.comm_handle) = 'integer' AND {pred} "
+                "ORDER BY e.pid, e.comm_handle, e.handle_seq").fetchall()
+            syncs = _syncs(con, bundle)
             env = {pid: (rank, ws) for pid, rank, ws in con.execute(
                 "SELECT pid, rank, world_size FROM b.processes WHERE typeof(pid) = 'integer'")
                 if rank is None or (isinstance(rank, int) and isinstance(ws, int)
                                     and 0 <= rank < ws)}
-        for pid, handle, hseq, ts, op, count, dtype, redop, peer in rows:
+        for pid, handle, hseq, ts, op, count, dtype, redop, peer, tid in rows:
             key = (node, pid, handle)
             s = streams.get(key)
             if s is None:
@@ -292,6 +343,7 @@ def _read_streams(con, pending: list, known: dict) -> dict:
             s.seqs.append(hseq)
             s.times.append(ts)
             s.shapes.append(shape(op, count, dtype, redop, peer))
+            s.observed.append(_next_return(syncs.get((pid, tid)), ts))
     # segments of one capture come in any order: keep every stream sorted by its counter
     for s in streams.values():
         if any(b < a for a, b in zip(s.seqs, s.seqs[1:])):
@@ -299,17 +351,20 @@ def _read_streams(con, pending: list, known: dict) -> dict:
             s.seqs = [s.seqs[i] for i in order]
             s.times = [s.times[i] for i in order]
             s.shapes = [s.shapes[i] for i in order]
+            s.observed = [s.observed[i] for i in order]
     return streams
 
 
-def _read_old_groups(con, offsets: dict, new_keys: set, known: dict) -> dict:
+def _read_old_groups(con, new_keys: set, known: dict) -> dict:
     """The rows of streams an earlier merge matched (fleet.db), numbered by their
-    final seq: references for the new streams."""
+    final seq, with their synchronizations: references for the new streams."""
     streams: dict = {}
+    syncs_of: dict = {}
+    apis = ", ".join(f"'{a}'" for a in SYNC_APIS)
     for h in sorted({v[0] for v in known.values()}):
-        for node, pid, handle, seq, mono, op, count, dtype, redop, peer in con.execute(
+        for node, pid, handle, seq, mono, op, count, dtype, redop, peer, tid in con.execute(
                 "SELECT node_id, pid, comm_handle, seq, mono_ns, op, count, datatype, "
-                "redop, peer FROM nccl_events WHERE comm_id_hash = ? ORDER BY seq", (h,)):
+                "redop, peer, tid FROM nccl_events WHERE comm_id_hash = ? ORDER BY seq", (h,)):
             key = (node, pid, handle)
             if key in new_keys or key not in known:
                 continue
@@ -317,10 +372,43 @@ def _read_old_groups(con, offsets: dict, new_keys: set, known: dict) -> dict:
             if s is None:
                 s = streams[key] = Stream(node, pid, handle, old=(h, 0))
                 s.rank, s.world_size = known[key][2:4]
+                syncs = syncs_of[key] = {}
+                for t, m, d in con.execute(
+                        f"SELECT tid, mono_ns, duration_ns FROM cuda_events WHERE node_id = ? "
+                        f"AND pid = ? AND api IN ({apis}) AND typeof(duration_ns) = 'integer'",
+                        (node, pid)):
+                    syncs.setdefault((pid, t), []).append((m, m + d))
+                for v in syncs.values():
+                    v.sort()
             s.seqs.append(seq)
-            s.times.append(mono + offsets.get(node, 0))
+            s.times.append(mono)
             s.shapes.append(shape(op, count, dtype, redop, peer))
+            s.observed.append(_next_return(syncs_of[key].get((pid, tid)), mono))
     return streams
+
+
+def _syncs(con, bundle, pid=None) -> dict:
+    """(pid, tid) -> sorted (entry, return) of the image's synchronizations."""
+    pred = row_predicate("cuda_events", bundle)
+    apis = ", ".join(f"'{a}'" for a in SYNC_APIS)
+    out: dict = {}
+    for p, t, ts, dur in con.execute(
+            "SELECT e.pid, e.tid, e.timestamp_ns, e.duration_ns FROM b.cuda_events e WHERE "
+            f"e.api IN ({apis}) AND typeof(e.duration_ns) = 'integer' AND {pred}"
+            + (" AND e.pid = ?" if pid is not None else ""),
+            () if pid is None else (pid,)):
+        out.setdefault((p, t), []).append((ts, ts + dur))
+    for v in out.values():
+        v.sort()
+    return out
+
+
+def _next_return(syncs: list | None, entry: int) -> int | None:
+    """The return of the first synchronization that started at or after ``entry``."""
+    if not syncs:
+        return None
+    i = bisect.bisect_left(syncs, (entry,))
+    return syncs[i][1] if i < len(syncs) else None
 
 
 def _read_known(con, pending: list) -> dict:
@@ -340,14 +428,17 @@ def _read_known(con, pending: list) -> dict:
                     continue
                 s = refs[h] = Stream(item["node_id"], pid, 0, old=(h, 0))
                 s.nranks = nranks
-                for seq, ts, op, count, dtype, redop, peer in con.execute(
+                syncs = _syncs(con, bundle, pid)
+                for seq, ts, op, count, dtype, redop, peer, tid in con.execute(
                         "SELECT e.seq, e.timestamp_ns, e.op, e.count, e.datatype, e.redop, "
-                        "e.peer FROM b.nccl_events e WHERE e.comm_id_hash = ? AND e.pid = ? "
-                        f"AND typeof(e.seq) = 'integer' AND {pred} ORDER BY e.seq", (h, pid)):
+                        "e.peer, e.tid FROM b.nccl_events e WHERE e.comm_id_hash = ? AND "
+                        f"e.pid = ? AND typeof(e.seq) = 'integer' AND {pred} ORDER BY e.seq",
+                        (h, pid)):
                     if not s.seqs or seq != s.seqs[-1]:
                         s.seqs.append(seq)
                         s.times.append(ts)
                         s.shapes.append(shape(op, count, dtype, redop, peer))
+                        s.observed.append(_next_return(syncs.get((pid, tid)), ts))
     return {(s.node_id, s.pid, ("known", h)): s for h, s in refs.items()}
 
 
@@ -368,7 +459,13 @@ def infer_late_attach(fl, pending: list) -> list[dict]:
     for s in list(streams.values()) + list(refs.values()):
         off = offsets.get(s.node_id, 0)
         s.times = [t + off for t in s.times]
-    refs.update(_read_old_groups(con, offsets, set(streams), known))
+        s.observed = [None if t is None else t + off for t in s.observed]
+    old = _read_old_groups(con, set(streams), known)
+    for s in old.values():
+        off = offsets.get(s.node_id, 0)
+        s.times = [t + off for t in s.times]
+        s.observed = [None if t is None else t + off for t in s.observed]
+    refs.update(old)
     # a stream an earlier merge placed keeps its offset: numbered as it was then
     for s in streams.values():
         if s.old is not None:

@@ -115,3 +115,23 @@ def test_sources_start_at_the_lowest_priority_then_return_to_normal():
     after = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
     assert inside == (os.SCHED_IDLE, 19)
     assert after == before
+
+
+def test_a_start_starved_at_idle_priority_goes_on_at_nice_19():
+    """SCHED_IDLE never runs while every CPU is busy: after starve_s the block goes on
+    under the normal policy at nice 19 (still the lowest), says so, and the thread gets
+    its own priority back after."""
+    import os
+    import time
+    from ingero_forensics.capture.runner import idle_priority
+    before = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    with idle_priority(starve_s=0.05) as prio:
+        first = os.sched_getscheduler(0)
+        time.sleep(0.3)
+        later = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    assert first == os.SCHED_IDLE
+    assert later == (os.SCHED_OTHER, 19) and prio.raised
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == before
+    with idle_priority(starve_s=5) as quick:
+        pass
+    assert not quick.raised

@@ -59,7 +59,7 @@ def test_all_late_streams_become_one_communicator(tmp_path):
     assert len(inferred) == 8
     assert len({r[0] for r in inferred}) == 1 and {r[1] for r in inferred} == {8}, inferred
     assert [r[2] for r in inferred] == list(range(8))
-    assert {r[4] for r in inferred} <= {"reference", "shape+time"}, inferred
+    assert {r[4] for r in inferred} <= {"reference", "shape+causality"}, inferred
     offsets = seq_offsets(db, fleet)
     assert len(offsets) == 1 and len(next(iter(offsets.values()))) == 1, offsets
     # seq 1 is the earliest call any of them saw (node 0 attached first, at 2 s)
@@ -123,8 +123,37 @@ def test_clocks_too_loose_to_tell_leave_streams_alone(tmp_path):
     assert log[0][0] == "warning" and "3 left alone" in log[0][1], log
 
 
-def _stream(node, seqs, times, shapes):
-    return Stream(node, 1, 1, seqs=list(seqs), times=list(times), shapes=list(shapes))
+def _stream(node, seqs, times, shapes, observed=None):
+    times = list(times)
+    return Stream(node, 1, 1, seqs=list(seqs), times=times, shapes=list(shapes),
+                  observed=list(observed) if observed is not None else [None] * len(times))
+
+
+def test_match_a_rank_over_half_a_step_late_by_causality():
+    """One all-reduce per 100 ms step; the candidate enters each 60 ms late, so the
+    previous step's call of the same shape is nearer in time (-40 ms) than its own
+    (+60 ms). Causality decides: every rank entered before any observed the completion
+    (the syncs return 5-6 ms after the late entry), which only the true offset allows."""
+    ms = 1_000_000
+    shapes = [("ALL_REDUCE", 100, "float32", "sum", None)] * 300
+    ref = _stream(1, range(1, 301), [k * 100 * ms for k in range(300)], shapes,
+                  [k * 100 * ms + 65 * ms for k in range(300)])
+    cand = _stream(2, range(1, 101), [(k + 100) * 100 * ms + 60 * ms for k in range(100)],
+                   shapes[:100], [(k + 100) * 100 * ms + 66 * ms for k in range(100)])
+    one_boot = {"error": {1: 0, 2: 0}, "boot": {1: "a", 2: "a"}}
+    m, why = match(ref, cand, one_boot)
+    assert m is not None and m.offset == 100 and m.basis == "shape+causality", (m, why)
+    # without the syncs the nearer call in time (-40 ms) would be the wrong one: not
+    # matched, and the reason says why
+    blind = _stream(2, cand.seqs, cand.times, cand.shapes)
+    bare = _stream(1, ref.seqs, ref.times, ref.shapes)
+    m, why = match(bare, blind, one_boot)
+    assert m is None and "cannot tell them apart" in why, (m, why)
+    # a rank 10 ms late needs no sync: the wrong call is 90 ms away
+    near = _stream(2, cand.seqs, [t - 50 * ms for t in cand.times], cand.shapes)
+    m, why = match(bare, near, one_boot)
+    assert m is not None and m.offset == 100 and m.basis == "shape+time", (m, why)
+    assert "nearest in time by far" in m.detail
 
 
 def test_match_unsynchronized_clocks_is_a_marked_choice():
