@@ -280,6 +280,7 @@ def group_streams(streams: list[Stream], clocks: dict) -> tuple[list[Group], dic
     fresh = sorted((s for s in streams if not s.old),
                    key=lambda s: (-len(s.seqs), s.node_id, s.pid, s.handle))
     indexes = {}
+    tried: dict = {}
     for s in fresh:
         reasons = []
         if len(s.seqs) < MIN_COMMON_CALLS:    # nothing to compare (and no work for it)
@@ -293,12 +294,16 @@ def group_streams(streams: list[Stream], clocks: dict) -> tuple[list[Group], dic
                 g.members[s.key] = (s, m.offset, m)
                 break
             reasons.append(why)
+            tried.setdefault(g.ref.key, why)    # the reference's side of the story
         else:
             g = Group(ref=s)
             g.members[s.key] = (s, 0, None)
             groups.append(g)
             if reasons:
                 why_not[s.key] = reasons[0]
+    for g in groups:
+        if len(g.members) == 1 and g.ref.key not in why_not and g.ref.key in tried:
+            why_not[g.ref.key] = tried[g.ref.key]
     return groups, why_not
 
 

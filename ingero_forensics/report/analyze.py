@@ -47,6 +47,7 @@ from ..merge.ranks import process_ranks
 from .commands import next_commands
 from .host import host_view
 from .hangs import find_hangs, hang_text
+from .lateattach import inferred_communicators, unmatched_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
                        Signal, alignment_rows, capture_cost, capture_issues, cause_series,
@@ -166,6 +167,9 @@ class Analysis:
     inventory: dict = field(default_factory=dict)
     #: ranks that never entered a collective their communicator's peers entered (hangs.py)
     hangs: list[dict] = field(default_factory=list)
+    #: communicators the merge inferred where the capture attached after their init
+    #: (lateattach.py): streams, basis, and why a stream was matched with nothing
+    inferred_communicators: list[dict] = field(default_factory=list)
     #: job ids of the traced processes (nodes.job_ids, processes.job_id)
     job_ids: list[str] = field(default_factory=list)
     #: first and last fleet time any node's capture saw (the title's span)
@@ -213,6 +217,8 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
                 "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone())
         with rec.figure("hangs"):
             a.hangs = find_hangs(rec, lambda: process_ranks(con))
+        with rec.figure("inferred_communicators"):
+            a.inferred_communicators = inferred_communicators(rec)
     finally:
         con.close()
     if a.hangs:
@@ -220,6 +226,9 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
         if rest.startswith("No straggler"):      # before the hang, that is
             rest = "Until then, no straggler" + rest[len("No straggler"):]
         a.verdict = hang_text(a.hangs, utc) + " " + rest
+    unmatched = unmatched_text(a.inferred_communicators)
+    if unmatched:
+        a.verdict += " " + unmatched
     a.sql = rec.finish()
     a.commands = next_commands(a)
     return a

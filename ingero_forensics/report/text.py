@@ -75,8 +75,15 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                        + "." + _bpf_cost(a)), ""]
     warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
             or r["causal_moved_us"]]
-    if warn or a.capture_issues:
+    inferred = a.inferred_communicators
+    if warn or a.capture_issues or inferred:
         lines += [h("Caveats"), ""]
+        for c in inferred:
+            lines.append(para(
+                f"communicator {c['comm_id_hash']} inferred (capture attached after its "
+                f"init): {c['streams']} streams on {', '.join(c['nodes'])}, "
+                + ("; ".join(c["basis"]) if c["matched"]
+                   else f"matched with nothing: {c['why_alone']}"), "- "))
         for r in warn:
             lines.append(f"- clock of {r['node']}: method {r['method']}, relative "
                          f"uncertainty {r['relative_uncertainty_us']} us"

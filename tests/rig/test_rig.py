@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import apsw
 import pytest
 
 from ingero_forensics.bundle.reader import open_bundle
@@ -180,3 +181,55 @@ def test_skew_moves_every_clock_reading_consistently(runs, tmp_path):
         drift = (skew.skewed(a.manifest["capture"]["end_mono_ns"])
                  - a.manifest["capture"]["end_mono_ns"]) - 5_000_000
         assert drift > 0   # 50 ppm over the run: the skew really drifts
+
+
+# -- a capture attached to a job already running (issue 17) ----------------------------------
+
+#: the job runs this long; the captures start LATE_ATTACH_S after it and need some
+#: seconds to compile at idle priority, so a few hundred collectives are seen
+LATE_JOB = "40s"
+LATE_ATTACH_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def late(rig, tmp_path_factory):
+    run = rig.run_scenario("cpu", steps=LATE_JOB, attach_after_s=LATE_ATTACH_S)
+    fleet, report = merge_and_report(run.all_bundles(), tmp_path_factory.mktemp("late"))
+    return run, fleet, report
+
+
+def test_late_attach_infers_the_world_communicator(late):
+    """The captures missed ncclCommInitRank: each rank's calls are matched to the others'
+    by shape and causality into one communicator, numbered alike (checked on the shared
+    clock: one seq is one collective on every rank), ranks from the environment."""
+    run, fleet, report = late
+    con = apsw.Connection(str(fleet), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        inferred = con.execute("SELECT n.name, i.streams, i.rank, i.env_rank, i.basis, "
+                               "i.detail FROM inferred_comms i JOIN nodes n USING (node_id) "
+                               "ORDER BY n.name").fetchall()
+        spread = con.execute(
+            "SELECT MAX(hi - lo) FROM (SELECT MAX(mono_ns) AS hi, MIN(mono_ns) AS lo FROM "
+            "nccl_events GROUP BY comm_id_hash, seq HAVING COUNT(*) = 4)").fetchone()[0]
+        steps = median_step_ns(run)
+    finally:
+        con.close()
+    print(inferred, spread, steps)
+    assert [r[0] for r in inferred] == sorted(run.bundles) and \
+        {r[1] for r in inferred} == {4}, inferred
+    assert [r[2] for r in inferred] == [r[3] for r in inferred] == [0, 1, 2, 3], inferred
+    # the entries of one (comm, seq) lie within one step on the shared CLOCK_MONOTONIC:
+    # an offset wrong by a step would put them a step apart
+    assert spread < steps, (spread, steps)
+    assert report.get("inferred_communicators"), report.keys()
+
+
+def test_late_attach_names_the_cpu_straggler(late):
+    run, fleet, report = late
+    named = verdict.stragglers(report)
+    assert [(s.node, s.cause) for s in named] == [(run.truth.node, "cpu")], \
+        verdict.summary(report)
+
+
+def median_step_ns(run) -> float:
+    return run.median_step_ms() * 1e6
