@@ -73,6 +73,13 @@ def _size(ctx, param, value):
               help="Fail (exit 1) when any eBPF source is off: with --check, after "
                    "printing; on a capture, at start (what was recorded is sealed). For "
                    "fleet roll-outs that must not go on with clock and host samples only.")
+@click.option("--start-priority", type=click.Choice(["idle", "normal"]), default="idle",
+              show_default=True,
+              help="CPU priority of the probe compile at start (about a CPU-second per "
+                   "source): idle (SCHED_IDLE and nice 19; a running job barely notices, "
+                   "but on a node whose CPUs are all busy the sources come on late: after "
+                   "30 s it goes on at nice 19) or normal (the capture's own priority: on "
+                   "in seconds, the job pays those CPU-seconds).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the run summary (or --check result) as JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
@@ -80,7 +87,8 @@ def _size(ctx, param, value):
 @handle_errors
 def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, segment_size,
          max_disk, clock_interval, host_interval, no_ebpf, lib_paths, tcp_probe,
-         tcp_probe_interval, compression_level, cmdline, check, strict, as_json, quiet):
+         tcp_probe_interval, compression_level, cmdline, check, strict, start_priority,
+         as_json, quiet):
     """Record this node's training processes into sealed bundles, with no network.
 
     Runs as root on every GPU node. Writes <node>+<UTC start>Z+<index>.bundle files
@@ -110,7 +118,8 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
         options=CaptureOptions(lib_paths=list(lib_paths), tcp_probe=tcp_probe,
                                tcp_probe_interval_ms=tcp_probe_interval),
         output="quiet" if quiet else ("tty" if is_tty() else "plain"),
-        compression_level=compression_level, strict=strict, cmdline=cmdline)
+        compression_level=compression_level, strict=strict, cmdline=cmdline,
+        idle_start=start_priority == "idle")
     if check:
         statuses = check_sources(config)
         if as_json:

@@ -66,6 +66,8 @@ class CaptureConfig:
     cmdline: str = "masked"
     #: --strict: stop at once (sealing what was recorded) when an eBPF source is off
     strict: bool = False
+    #: --start-priority idle: compile the probes at the lowest CPU priority
+    idle_start: bool = True
 
 
 @dataclass
@@ -120,6 +122,11 @@ class _Sink:
 #: CPU busy a compile at that priority would never end. After this long it goes on at
 #: nice 19 under the normal policy (about 1.5 % of a CPU against each busy task).
 IDLE_STARVE_S = 30.0
+
+
+@contextlib.contextmanager
+def _as_is():
+    yield _Priority()
 
 
 @dataclass
@@ -375,7 +382,7 @@ class _Loop:
             try:
                 # BCC compiles each program at start (about a CPU-second each): at the
                 # lowest priority, so a job already running barely notices
-                with idle_priority() as prio:
+                with (idle_priority() if cfg.idle_start else _as_is()) as prio:
                     s.start(ctx)
                 if prio.raised:
                     run.log("info", s.name, "slow_start", f"{s.name}: starting took over "

@@ -53,8 +53,11 @@ MIN_COMMON_CALLS = 4
 #: On clocks with a stated error, offsets whose anchor call lies this far in time from
 #: the candidate's are not tried.
 SEARCH_WINDOW_NS = 30 * 1_000_000_000
-#: Offsets tried per pair at most, nearest in time first.
+#: Offsets tried per pair at most, nearest in time first; each on PRECHECK_CALLS calls,
+#: the FULL_CHECKS nearest in time that pass on SAMPLE_CALLS.
 MAX_TRIES = 2000
+PRECHECK_CALLS = 16
+FULL_CHECKS = 8
 #: The clocks' error assumed for two nodes whose samples claim synchronization but
 #: carry no maxerror.
 DEFAULT_SYNC_ERROR_NS = 10_000_000
@@ -155,14 +158,15 @@ def pair_error(clocks: dict, a: int, b: int) -> int | None:
 
 # ------------------------------------------------------------------ matching
 
-def _common_sample(ref: Stream, cand: Stream, offset: int, index: dict):
+def _common_sample(ref: Stream, cand: Stream, offset: int, index: dict,
+                   limit: int = SAMPLE_CALLS):
     """(reference index, candidate index) pairs of calls in common at ``offset``,
-    evenly spaced, at most SAMPLE_CALLS."""
+    evenly spaced, at most ``limit``."""
     lo = bisect.bisect_left(cand.seqs, ref.seqs[0] - offset)
     hi = bisect.bisect_right(cand.seqs, ref.seqs[-1] - offset)
     if hi - lo <= 0:
         return []
-    step = max(1, (hi - lo) // SAMPLE_CALLS)
+    step = max(1, (hi - lo) // limit)
     out = []
     for i in range(lo, hi, step):
         j = index.get(cand.seqs[i] + offset)
@@ -193,9 +197,21 @@ def match(ref: Stream, cand: Stream, clocks: dict, index: dict | None = None):
                        bisect.bisect_right(ref.times, t0 + SEARCH_WINDOW_NS))
     tries = sorted((j for j in window if ref.shapes[j] == shape0),
                    key=lambda j: abs(ref.times[j] - t0))[:MAX_TRIES]
-    found = []          # (distance, |median dt|, offset, median dt, calls, interval)
+    # a first look at 16 calls each: a loop repeats its shapes every step, and of the
+    # offsets that pass, the true one lies within a step or so of the nearest in time
+    # (a rank is never a whole step late), so the nearest few get the full check
+    first = []
     for j in tries:
         offset = ref.seqs[j] - s0
+        pairs = _common_sample(ref, cand, offset, index, PRECHECK_CALLS)
+        if len(pairs) < MIN_COMMON_CALLS or any(ref.shapes[r] != cand.shapes[c]
+                                                for r, c in pairs):
+            continue
+        dt = statistics.median_low([cand.times[c] - ref.times[r] for r, c in pairs])
+        first.append((abs(dt), offset))
+    shaped = len(first)
+    found = []          # (distance, |median dt|, offset, median dt, calls, interval)
+    for _, offset in sorted(first)[:FULL_CHECKS]:
         pairs = _common_sample(ref, cand, offset, index)
         if len(pairs) < MIN_COMMON_CALLS:
             continue
@@ -219,7 +235,7 @@ def match(ref: Stream, cand: Stream, clocks: dict, index: dict | None = None):
         return Match(best[2], "shape", f"the only offset with the same shapes "
                                        f"({best[4]} calls compared)"), None
     second = found[1]
-    detail = (f"same shapes at {len(found)} offsets (the loop repeats); "
+    detail = (f"same shapes at {shaped} offsets (the loop repeats); "
               f"{_why(best)}; next {_why(second)}; {best[4]} calls compared")
     if err is None:
         return Match(best[2], "nearest in time (unsynchronized clocks)",

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from ingero_forensics import __version__
@@ -135,3 +137,32 @@ def test_a_start_starved_at_idle_priority_goes_on_at_nice_19():
     with idle_priority(starve_s=5) as quick:
         pass
     assert not quick.raised
+
+
+@pytest.mark.parametrize("idle", [True, False], ids=["idle", "normal"])
+def test_start_priority_option_decides_how_sources_start(tmp_path, idle):
+    """--start-priority idle (the default) starts every source at SCHED_IDLE and nice 19;
+    normal at the capture's own priority. A source records what it started at."""
+    import os
+    from ingero_forensics.capture.runner import CaptureConfig
+    from ingero_forensics.capture.runner import run_capture as run_in_process
+    from ingero_forensics.capture.source import Source
+
+    class PrioritySpy(Source):
+        name = "spy"
+        seen = None
+
+        def start(self, ctx):
+            PrioritySpy.seen = (os.sched_getscheduler(0),
+                                os.getpriority(os.PRIO_PROCESS, 0))
+
+        def poll(self, sink):
+            pass
+
+    own = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    run_in_process(CaptureConfig(bundle_dir=tmp_path / "b", node="prio-test", duration=0.3,
+                                 ebpf=False, output="quiet",
+                                 extra_sources=(PrioritySpy(),), idle_start=idle))
+    assert PrioritySpy.seen == ((os.SCHED_IDLE, 19) if idle else own)
+    r = CliRunner().invoke(main, ["--help"])
+    assert "--start-priority [idle|normal]" in r.output

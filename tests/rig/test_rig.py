@@ -10,6 +10,8 @@ degrade its straggler would make the report's verdict meaningless either way.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 
 import apsw
@@ -185,16 +187,19 @@ def test_skew_moves_every_clock_reading_consistently(runs, tmp_path):
 
 # -- a capture attached to a job already running (issue 17) ----------------------------------
 
-#: the job runs this long; the captures start LATE_ATTACH_S after it and need some
-#: seconds to compile at idle priority (20-40 s with the job on both cores), so a few
-#: hundred collectives are seen
-LATE_JOB = "60s"
+#: the job runs this long; the captures start LATE_ATTACH_S after it, so a few hundred
+#: collectives are seen
+LATE_JOB = "40s"
 LATE_ATTACH_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def late(rig, tmp_path_factory):
-    run = rig.run_scenario("cpu", steps=LATE_JOB, attach_after_s=LATE_ATTACH_S)
+    # what is tested here is the inference, not the idle-priority start (bench_rig
+    # --attach-after measures that): started at normal priority, the sources come on in
+    # seconds whatever else the machine runs
+    run = rig.run_scenario("cpu", steps=LATE_JOB, attach_after_s=LATE_ATTACH_S,
+                           capture_args=("--start-priority", "normal"))
     fleet, report = merge_and_report(run.all_bundles(), tmp_path_factory.mktemp("late"))
     return run, fleet, report
 
@@ -209,19 +214,27 @@ def test_late_attach_infers_the_world_communicator(late):
         inferred = con.execute("SELECT n.name, i.streams, i.rank, i.env_rank, i.basis, "
                                "i.detail FROM inferred_comms i JOIN nodes n USING (node_id) "
                                "ORDER BY n.name").fetchall()
-        spread = con.execute(
-            "SELECT MAX(hi - lo) FROM (SELECT MAX(mono_ns) AS hi, MIN(mono_ns) AS lo FROM "
-            "nccl_events GROUP BY comm_id_hash, seq HAVING COUNT(*) = 4)").fetchone()[0]
-        steps = median_step_ns(run)
+        rows = con.execute("SELECT comm_id_hash, seq, pid, mono_ns FROM nccl_events").fetchall()
     finally:
         con.close()
-    print(inferred, spread, steps)
+    # The truth, from the job itself: each rank's own step boundaries on the shared clock
+    # (its printed start and step times) say in which training step each of its calls
+    # was; one (comm, seq) must be one step on every rank. A rank numbered a step off
+    # (the straggler's calls are nearer the previous step's in time) breaks it.
+    rank_of = {pid: r for node, pids in run.pids.items() for pid in pids
+               for r, n in run.node_of_rank.items() if n == node}
+    ends = {r: list(itertools.accumulate(res["step_ns"], initial=res["start_mono_ns"]))
+            for r, res in run.results.items()}
+    steps: dict = {}
+    for h, seq, pid, mono in rows:
+        steps.setdefault((h, seq), set()).add(bisect.bisect(ends[rank_of[pid]], mono))
+    full = sum(1 for v in steps.values() if len(v) == 1)
+    print(inferred, full, len(steps))
+    assert full >= 100 and full == len(steps), \
+        [(k, v) for k, v in steps.items() if len(v) > 1][:5]
     assert [r[0] for r in inferred] == sorted(run.bundles) and \
         {r[1] for r in inferred} == {4}, inferred
     assert [r[2] for r in inferred] == [r[3] for r in inferred] == [0, 1, 2, 3], inferred
-    # the entries of one (comm, seq) lie within one step on the shared CLOCK_MONOTONIC:
-    # an offset wrong by a step would put them a step apart
-    assert spread < steps, (spread, steps)
     assert report.get("inferred_communicators"), report.keys()
 
 
@@ -231,6 +244,3 @@ def test_late_attach_names_the_cpu_straggler(late):
     assert [(s.node, s.cause) for s in named] == [(run.truth.node, "cpu")], \
         verdict.summary(report)
 
-
-def median_step_ns(run) -> float:
-    return run.median_step_ms() * 1e6
