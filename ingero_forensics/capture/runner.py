@@ -118,9 +118,10 @@ class _Sink:
         self.run.log(level, source, event, message, count)
 
 
-#: SCHED_IDLE runs only when a CPU has nothing else to do: on a node whose job keeps every
-#: CPU busy a compile at that priority would never end. After this long it goes on at
-#: nice 19 under the normal policy (about 1.5 % of a CPU against each busy task).
+#: SCHED_IDLE gets a CPU almost only when it has nothing else to do (a weight of 3
+#: against 1024 for each busy task): on a node whose job keeps every CPU busy a compile
+#: at that priority takes minutes. After this long it goes on at nice 19 under the normal
+#: policy (a weight of 15: about 1.5 % of a CPU against each busy task).
 IDLE_STARVE_S = 30.0
 
 
@@ -142,14 +143,6 @@ def idle_priority(starve_s: float = IDLE_STARVE_S):
     runs as it is."""
     state = _Priority()
     tid = threading.get_native_id()
-    try:
-        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
-        nice = os.getpriority(os.PRIO_PROCESS, tid)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
-    except (OSError, AttributeError):
-        yield state
-        return
 
     def raise_priority():
         try:
@@ -158,9 +151,20 @@ def idle_priority(starve_s: float = IDLE_STARVE_S):
             state.raised = True
         except OSError:
             pass
+    # started first: a thread inherits its creator's policy, and a timer at SCHED_IDLE
+    # would itself wait for an idle CPU
     timer = threading.Timer(starve_s, raise_priority)
     timer.daemon = True
-    timer.start()
+    try:
+        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+        nice = os.getpriority(os.PRIO_PROCESS, tid)
+        timer.start()
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (OSError, AttributeError):
+        timer.cancel()
+        yield state
+        return
     try:
         yield state
     finally:

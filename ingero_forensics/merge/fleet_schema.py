@@ -335,10 +335,18 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("node_id", "INTEGER", False, "", "The stream's node."),
         C("pid", "INTEGER", False, "", "The stream's process."),
         C("comm_handle", "INTEGER", False, "", "The stream's ncclComm_t in that process."),
-        C("seq_offset", "INTEGER", False, "", "seq = handle_seq + seq_offset: 1 is the "
-          "earliest call any stream of the communicator saw."),
-        C("streams", "INTEGER", False, "", "Streams matched into this communicator (1: "
-          "none matched; it is compared with nothing)."),
+        C("first_mono_ns", "INTEGER", False, MONO_UNIT, "Its first call: with the three "
+          "above it names the stream (a second capture run on the process counts from 1 "
+          "again and is another stream)."),
+        C("last_mono_ns", "INTEGER", False, MONO_UNIT, "Its last call merged so far."),
+        C("last_handle_seq", "INTEGER", False, "", "Its last handle_seq merged so far: a "
+          "later bundle whose counter goes on from here continues the stream."),
+        C("seq_offset", "INTEGER", False, "", "seq = handle_seq + seq_offset. 1 is the "
+          "earliest call any stream of the communicator saw when it was first inferred; a "
+          "stream merged later that attached earlier starts below 1. For a communicator "
+          "whose init another capture saw, its real seq."),
+        C("streams", "INTEGER", False, "", "Late streams in this communicator (1 and "
+          "basis alone: matched with nothing, compared with nothing)."),
         C("rank", "INTEGER", True, "", "Rank written on its rows: the process's RANK when "
           "the communicator has one stream per rank of WORLD_SIZE (the world "
           "communicator), else NULL."),
@@ -348,11 +356,13 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("env_world_size", "INTEGER", True, "", "WORLD_SIZE in its environment, if seen."),
         C("calls", "INTEGER", False, "calls", "Calls of the stream in this merge."),
         C("basis", "TEXT", False, "", "How it was placed: shape (the only offset with the "
-          "same calls), shape+time (the loop repeats; the nearest in time, clearly), "
-          "nearest in time (unsynchronized clocks) (a choice), reference (the stream the "
-          "others were matched to), earlier merge, alone (matched with nothing)."),
+          "same calls), shape+causality (the loop repeats; the only offset whose pairing "
+          "the clocks and causality allow), shape+time (no synchronization bounds it; the "
+          "nearest in time, by far), nearest in time (unsynchronized clocks) (a choice), "
+          "reference (the stream the others were matched to), earlier merge, alone "
+          "(matched with nothing)."),
         C("detail", "TEXT", False, "", "The numbers behind the basis, or why it was left alone."),
-    ), constraints=("UNIQUE (node_id, pid, comm_handle)",)),
+    ), constraints=("UNIQUE (node_id, pid, comm_handle, first_mono_ns)",)),
 )
 
 FLEET_TABLES: tuple[FleetTable, ...] = FLEET_ONLY + tuple(_bundle_derived())

@@ -8,29 +8,35 @@ every rank of a communicator makes the same collectives in the same order, so tw
 streams of one communicator show the same sequence of shapes (op, count, datatype,
 redop, root) once shifted by the right offset, at about the same time.
 
-The matching, per pair (a group's reference stream, a candidate stream):
+The matching, per pair (a group's member whose calls overlap the candidate's longest,
+a candidate stream; docs/merge.md, late attach, has the worked example):
 
 1. shapes: every offset at which the candidate's calls, sampled over their common span,
-   have the reference's shapes (point-to-point calls compare without their peer);
-2. time: of those offsets, the one whose calls come closest in time (median of the
-   differences), on clocks placed by their clock samples (nodes of one boot share
-   CLOCK_MONOTONIC exactly). A training loop repeats its shapes every step, so shapes
-   alone leave one candidate per step; the nearest wins when it stays the nearest
-   whatever the clocks' stated error (the next is further by more than twice it). The
-   nearest is not required to be near: a straggler enters its collectives late, by up
-   to half a step before the next step's call is nearer (it cannot be a whole step
-   late: the others' next step waits for its collective to complete). On clocks that
-   claim no synchronization the nearest is taken and marked as a choice.
+   have the member's shapes (point-to-point calls compare without their peer). A loop
+   repeats its shapes every step, so this leaves one offset per step.
+2. causality: every rank entered a collective before any rank observed its completion
+   (the return of its first synchronization after its own entry). For each offset the
+   pairs bound the shift between the two nodes' clocks from both sides; the clock
+   samples say the shift is 0 within their stated error. The offset is taken when it
+   is the only one whose causal shifts reach within that error of 0; none: no match.
+3. time, only when causality allows several (no synchronization recorded after one
+   side's calls): the nearest in time, and only when it is near (a straggler late by
+   more than half a step is nearer the previous step's call).
+4. clocks that claim no synchronization: the most causal, nearest offset, marked as a
+   choice.
 
-A process joins a communicator at most once. Each matched group gets an identity (16
-hex digits derived from its first stream, stable across incremental merges) and seq
-numbers that agree across its ranks, 1 at the earliest call any of them saw. The images
-(the merge's own decompressed copies) are rewritten before the sync points and the
-collectives are read from them, so the rest of the merge treats the inferred collectives
-like any other. fleet.db's ``inferred_comms`` says, per stream, what was inferred, on
-what basis, and why a stream could not be matched; the report marks the communicators.
-Global ranks come from the processes' environment (RANK, WORLD_SIZE): a group with a
-member per rank of WORLD_SIZE is the world communicator, whose ranks are the global ones.
+A process joins a communicator once at a time. Each group gets an identity (16 hex
+digits from its first stream, stable across incremental merges; or the real
+comm_id_hash where a capture saw the communicator's init) and seq numbers that agree
+across its ranks: 1 at the earliest call any of them saw when it was first inferred (a
+stream merged later that attached earlier starts below 1). The images (the merge's own
+decompressed copies) are rewritten before the sync points and the collectives are read
+from them, so the rest of the merge treats the inferred collectives like any other.
+fleet.db's ``inferred_comms`` says, per stream, what was inferred, on what basis, and
+why a stream could not be matched; the report marks the communicators. Global ranks
+come from the processes' environment (RANK, WORLD_SIZE): a group with one stream per
+rank of WORLD_SIZE is the world communicator, unless another group has the same
+processes (look-alike communicators in lockstep are matched as one).
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ SEARCH_WINDOW_NS = 30 * 1_000_000_000
 MAX_TRIES = 2000
 PRECHECK_CALLS = 16
 FULL_CHECKS = 8
+#: Beyond the clocks' stated error, how far an offset's causal shifts may lie from the
+#: clock samples' estimate (the 1 % trim and a wake-up's latency)
+CAUSAL_SLACK_NS = 1_000_000
 #: The clocks' error assumed for two nodes whose samples claim synchronization but
 #: carry no maxerror.
 DEFAULT_SYNC_ERROR_NS = 10_000_000
@@ -83,10 +92,16 @@ class Stream:
     #: the call's entry (same common time; None where none): it ended after the
     #: collective completed, so after every rank's entry into it
     observed: list = field(default_factory=list)
+    #: CLOCK_MONOTONIC of its first call (names the capture run: a second capture on the
+    #: same process counts from 1 again) and the raw span of this merge's rows
+    first_mono: int = 0
+    rows_span: tuple = (0, 0)
+    last_handle_seq: int = 0
+    clock_err: int | None = 0     # what its clock samples claim (place())
 
     @property
     def key(self):
-        return (self.node_id, self.pid, self.handle)
+        return (self.node_id, self.pid, self.handle, self.first_mono)
 
 
 @dataclass
@@ -120,39 +135,65 @@ def identity(node_name: str, pid: int, handle: int) -> str:
 
 # ------------------------------------------------------------------ the clocks, roughly
 
-def approximate_clocks(con) -> tuple[dict, dict]:
-    """Per node: (offset to add to CLOCK_MONOTONIC for a common time, and the error
-    that time claims: 0 between nodes of one boot, maxerror where synchronized, None
-    where the clock claims nothing). From fleet.db's clock samples and nodes."""
-    offsets, errors, boots = {}, {}, {}
-    rows = con.execute(
-        "SELECT c.node_id, n.boot_id, c.realtime_ns - (c.mono_before_ns + c.mono_after_ns) / 2, "
-        "c.synchronized, c.adj_maxerror_ns FROM clock_samples c JOIN nodes n USING (node_id) "
-        "WHERE typeof(c.realtime_ns) = 'integer'").fetchall()
+def approximate_clocks(con) -> dict:
+    """Per node, its clock samples as (mono, realtime - mono, claimed error or None),
+    sorted: the nodes of one boot share the first one's (CLOCK_MONOTONIC is one clock
+    there), and their relative error is 0. From fleet.db's clock samples and nodes."""
     per: dict[int, list] = {}
-    for node, boot, off, sync, maxerr in rows:
+    boots: dict[int, str] = {}
+    for node, boot, mono, off, sync, maxerr in con.execute(
+            "SELECT c.node_id, n.boot_id, (c.mono_before_ns + c.mono_after_ns) / 2, "
+            "c.realtime_ns - (c.mono_before_ns + c.mono_after_ns) / 2, c.synchronized, "
+            "c.adj_maxerror_ns FROM clock_samples c JOIN nodes n USING (node_id) "
+            "WHERE typeof(c.realtime_ns) = 'integer'"):
         boots[node] = boot
-        per.setdefault(node, []).append((off, sync, maxerr))
-    by_boot: dict[str, int] = {}
+        err = (maxerr if isinstance(maxerr, int) and maxerr >= 0 else DEFAULT_SYNC_ERROR_NS) \
+            if sync == 1 else None
+        per.setdefault(node, []).append((mono, off, err))
+    first_of_boot: dict[str, int] = {}
+    samples = {}
     for node in sorted(per):
-        samples = per[node]
-        first = by_boot.setdefault(boots[node], node)
-        offsets[node] = statistics.median_low([o for o, _, _ in per[first]])
-        synced = [m for _, s, m in samples if s == 1]
-        if len(synced) * 2 > len(samples):
-            errs = [m for m in synced if isinstance(m, int) and m >= 0]
-            errors[node] = (statistics.median_low(errs) if errs else DEFAULT_SYNC_ERROR_NS)
-        else:
-            errors[node] = None
-    return offsets, {"error": errors, "boot": boots}
+        samples[node] = sorted(per[first_of_boot.setdefault(boots[node], node)])
+    per_boot = {}
+    for b in boots.values():
+        per_boot[b] = per_boot.get(b, 0) + 1
+    return {"samples": samples, "boot": boots,
+            "shared_boot": {n: per_boot[b] > 1 for n, b in boots.items()}}
 
 
-def pair_error(clocks: dict, a: int, b: int) -> int | None:
-    """The error between two nodes' approximate times: None when either claims nothing."""
+def place(s: "Stream", clocks: dict) -> None:
+    """Move a stream's times (and observations) from its node's CLOCK_MONOTONIC to the
+    common time of the clock samples by one constant: CLOCK_MONOTONIC is smooth, so the
+    causal bounds between two streams stay a shift. The constant is the median of the
+    samples over the stream's span, and the error it claims the largest claim there plus
+    the spread of those samples (a clock stepped during the span is off by the step for
+    part of it). Streams of one boot share one constant: their relative error is 0."""
+    samples = clocks["samples"].get(s.node_id)
+    if not samples:
+        s.clock_err = None
+        return
+    if clocks.get("shared_boot", {}).get(s.node_id):
+        span = samples          # one clock for the whole boot: one constant
+    else:
+        monos = [m for m, _, _ in samples]
+        lo = bisect.bisect_left(monos, s.times[0])
+        hi = bisect.bisect_right(monos, s.times[-1])
+        span = samples[max(lo - 1, 0):hi + 1]
+    offs = [o for _, o, _ in span]
+    off = statistics.median_low(offs)
+    errs = [e for _, _, e in span]
+    s.clock_err = None if None in errs else max(errs) + (max(offs) - min(offs))
+    s.times = [t + off for t in s.times]
+    s.observed = [None if t is None else t + off for t in s.observed]
+
+
+def pair_error(clocks: dict, a: "Stream", b: "Stream") -> int | None:
+    """The error between two streams' common times: 0 on one boot, else the sum of what
+    their samples claim; None when either claims nothing."""
     boot = clocks["boot"]
-    if a in boot and boot.get(a) == boot.get(b):
+    if a.node_id in boot and boot.get(a.node_id) == boot.get(b.node_id):
         return 0
-    ea, eb = clocks["error"].get(a), clocks["error"].get(b)
+    ea, eb = getattr(a, "clock_err", None), getattr(b, "clock_err", None)
     return None if ea is None or eb is None else ea + eb
 
 
@@ -181,7 +222,7 @@ def match(ref: Stream, cand: Stream, clocks: dict, index: dict | None = None):
     index = index if index is not None else {s: i for i, s in enumerate(ref.seqs)}
     if not ref.seqs or not cand.seqs:
         return None, "no calls"
-    err = pair_error(clocks, ref.node_id, cand.node_id)
+    err = pair_error(clocks, ref, cand)
     # the anchor: a candidate call in the middle of the span both streams cover in time;
     # clocks that claim nothing may be seconds apart: then any time is tried, nearest first
     lo_t, hi_t = max(ref.times[0], cand.times[0]), min(ref.times[-1], cand.times[-1])
@@ -197,61 +238,94 @@ def match(ref: Stream, cand: Stream, clocks: dict, index: dict | None = None):
                        bisect.bisect_right(ref.times, t0 + SEARCH_WINDOW_NS))
     tries = sorted((j for j in window if ref.shapes[j] == shape0),
                    key=lambda j: abs(ref.times[j] - t0))[:MAX_TRIES]
-    # a first look at 16 calls each: a loop repeats its shapes every step, and of the
-    # offsets that pass, the true one lies within a step or so of the nearest in time
-    # (a rank is never a whole step late), so the nearest few get the full check
-    first = []
+    # A first look at 16 calls per offset, shapes and causality: only offsets that pass
+    # go on, the most causal and then nearest in time first, to the full check on 256.
+    # An offset with too few calls in common can be neither ruled out nor in: it keeps a
+    # match from being called unique by shape.
+    first, sparse = [], 0
     for j in tries:
         offset = ref.seqs[j] - s0
         pairs = _common_sample(ref, cand, offset, index, PRECHECK_CALLS)
-        if len(pairs) < MIN_COMMON_CALLS or any(ref.shapes[r] != cand.shapes[c]
-                                                for r, c in pairs):
+        if len(pairs) < MIN_COMMON_CALLS:
+            sparse += 1
+            continue
+        if any(ref.shapes[r] != cand.shapes[c] for r, c in pairs):
             continue
         dt = statistics.median_low([cand.times[c] - ref.times[r] for r, c in pairs])
-        first.append((abs(dt), offset))
+        first.append((_excess(_distance(ref, cand, pairs), err), abs(dt), offset))
     shaped = len(first)
     found = []          # (distance, |median dt|, offset, median dt, calls, interval)
-    for _, offset in sorted(first)[:FULL_CHECKS]:
+    for _, _, offset in sorted(first)[:FULL_CHECKS]:
         pairs = _common_sample(ref, cand, offset, index)
         if len(pairs) < MIN_COMMON_CALLS:
             continue
         if any(ref.shapes[r] != cand.shapes[c] for r, c in pairs):
             continue
         dt = statistics.median_low([cand.times[c] - ref.times[r] for r, c in pairs])
-        lo, hi = feasible_shift(ref, cand, pairs)
-        # two crystals drift apart over the calls compared: bounds that cross by less
-        # than that are one shift, give or take the drift
-        span = cand.times[pairs[-1][1]] - cand.times[pairs[0][1]]
-        if lo > hi and lo - hi <= span * DRIFT_BOUND_PPM * 1e-6:
-            lo, hi = hi, lo
-        dist = max(lo, -hi, 0) if lo <= hi else float("inf")
-        found.append((dist, abs(dt), offset, dt, len(pairs), (lo, hi)))
+        dist, interval = _distance(ref, cand, pairs, with_interval=True)
+        found.append((_excess(dist, err), abs(dt), offset, dt, len(pairs), interval))
     if not found:
         return None, ("no offset gives the same sequence of collectives (op, count, "
                       "datatype) as the others" + (" within 30 s" if err is not None else ""))
     found.sort()
     best = found[0]
-    if len(found) == 1:
-        return Match(best[2], "shape", f"the only offset with the same shapes "
-                                       f"({best[4]} calls compared)"), None
-    second = found[1]
-    detail = (f"same shapes at {shaped} offsets (the loop repeats); "
-              f"{_why(best)}; next {_why(second)}; {best[4]} calls compared")
     if err is None:
+        if len(found) == 1 and shaped == 1 and not sparse:
+            return Match(best[2], "shape", f"the only offset with the same shapes "
+                                           f"({best[4]} calls compared; {_why(best)})"), None
+        detail = (f"same shapes at {shaped} offsets; {_why(best)}; {best[4]} calls "
+                  "compared")
         return Match(best[2], "nearest in time (unsynchronized clocks)",
                      detail + "; the clocks claim no synchronization, so this is a choice"), None
-    if second[0] - best[0] > 2 * err:
-        return Match(best[2], "shape+causality", detail + f"; clock error "
-                                                           f"{err / 1e6:.3f} ms"), None
-    if best[0] == second[0] == 0 and best[1] + 2 * err < second[1] / 3:
+    # The clock samples place the candidate within err of the reference: an offset is
+    # plausible when some shift its causality allows lies within err of 0, and an
+    # offset whose causal shifts all lie further is impossible, however unique.
+    plausible = [f for f in found if f[0] <= CAUSAL_SLACK_NS]
+    if not plausible:
+        return None, (f"no offset is causal on these clocks: the nearest, {_why(best)}, "
+                      f"lies {best[0] / 1e6:.3f} ms beyond the clock error "
+                      f"({err / 1e6:.3f} ms)")
+    if len(found) == 1:
+        if shaped == 1 and not sparse:
+            return Match(best[2], "shape", f"the only offset with the same shapes "
+                                           f"({best[4]} calls compared; {_why(best)})"), None
+        return None, (f"one offset fits, but {sparse + shaped - 1} others have too few "
+                      "calls in common to be ruled out")
+    second = (plausible + [f for f in found if f not in plausible])[1]
+    detail = (f"same shapes at {shaped} offsets (the loop repeats); "
+              f"{_why(best)}; next {_why(second)}; {best[4]} calls compared; clock error "
+              f"{err / 1e6:.3f} ms")
+    if len(plausible) == 1:
+        return Match(best[2], "shape+causality", detail), None
+    plausible.sort(key=lambda f: f[1])
+    best, second = plausible[0], plausible[1]
+    if best[1] + 2 * err < second[1] / 3:
         # causality allows both (no synchronization recorded after one side's calls):
         # the nearest in time, only when it is near. A straggler late by L at a loop
         # of period P has the wrong call P - L away: nearest-in-time is wrong from
         # L > P/2 and taken here only below P/4.
-        return Match(best[2], "shape+time", detail + f"; clock error {err / 1e6:.3f} ms; "
-                     "no synchronization bounds it, nearest in time by far"), None
-    return None, (detail + f": causality and the clocks' error ({err / 1e6:.3f} ms) "
-                           "cannot tell them apart")
+        return Match(best[2], "shape+time", detail + "; no synchronization bounds it, "
+                     "nearest in time by far"), None
+    return None, detail + ": causality and the clocks' error cannot tell them apart"
+
+
+def _excess(dist: float, err: int | None) -> float:
+    """How far beyond the clocks' stated error an offset's causal shifts lie (its
+    distance from the estimate itself where the clocks claim nothing)."""
+    return dist if err is None else max(dist - err, 0)
+
+
+def _distance(ref: Stream, cand: Stream, pairs, with_interval: bool = False):
+    """How far the causal shifts of a pairing lie from the clock samples' estimate (0):
+    0 when it is among them, inf when none exists."""
+    lo, hi = feasible_shift(ref, cand, pairs)
+    # two crystals drift apart over the calls compared: bounds that cross by less
+    # than that are one shift, give or take the drift
+    span = cand.times[pairs[-1][1]] - cand.times[pairs[0][1]]
+    if lo > hi and lo - hi <= span * DRIFT_BOUND_PPM * 1e-6:
+        lo, hi = hi, lo
+    dist = max(lo, -hi, 0) if lo <= hi else float("inf")
+    return (dist, (lo, hi)) if with_interval else dist
 
 
 def feasible_shift(ref: Stream, cand: Stream, pairs) -> tuple[float, float]:
@@ -283,37 +357,56 @@ def _why(cand) -> str:
 
 def group_streams(streams: list[Stream], clocks: dict) -> tuple[list[Group], dict]:
     """Groups of matched streams (earlier merges' groups first, as they were) and, for
-    each stream left alone, why."""
+    each stream left alone, why. A stream is tried only on groups that share one of its
+    shapes (no quadratic search over unrelated streams), against the member whose calls
+    overlap its own the longest (an earlier merge's stream may have ended long ago)."""
     groups: list[Group] = []
     by_hash: dict[str, Group] = {}
+    by_shape: dict = {}         # shape -> {id(group): group} of the groups having it
+    offsets: dict = {}          # member key -> its offset to the group's numbering
+
+    def add(g: Group, s: Stream, off: int, m) -> None:
+        g.members[s.key] = (s, off, m)
+        offsets[s.key] = off
+        for sh in set(s.shapes):
+            by_shape.setdefault(sh, {})[id(g)] = g
+
     for s in sorted((s for s in streams if s.old), key=lambda s: s.old[0]):
         g = by_hash.get(s.old[0])
         if g is None:
             g = by_hash[s.old[0]] = Group(ref=s, comm_id_hash=s.old[0])
             groups.append(g)
-        g.members[s.key] = (s, 0, None)
+        add(g, s, 0, None)
     why_not: dict = {}
     fresh = sorted((s for s in streams if not s.old),
                    key=lambda s: (-len(s.seqs), s.node_id, s.pid, s.handle))
-    indexes = {}
+    indexes: dict = {}
     tried: dict = {}
     for s in fresh:
         reasons = []
         if len(s.seqs) < MIN_COMMON_CALLS:    # nothing to compare (and no work for it)
             reasons.append(f"{len(s.seqs)} calls: too few to compare")
-        for g in groups if not reasons else ():
-            if (s.node_id, s.pid) in g.processes():
+        candidates = [] if reasons else _groups_sharing_a_shape(s, by_shape)
+        for g in candidates:
+            # a process joins a communicator once at a time (another capture run of it
+            # may follow its first)
+            if any((m.node_id, m.pid) == (s.node_id, s.pid) and _overlap(m, s) >= 0
+                   for m, _, _ in g.members.values()):
                 continue
-            index = indexes.setdefault(g.ref.key, {q: i for i, q in enumerate(g.ref.seqs)})
-            m, why = match(g.ref, s, clocks, index)
+            other = max((m for m, _, _ in g.members.values()),
+                        key=lambda m: _overlap(m, s))
+            index = indexes.get(other.key)
+            if index is None:
+                index = indexes[other.key] = {q: i for i, q in enumerate(other.seqs)}
+            m, why = match(other, s, clocks, index)
             if m is not None:
-                g.members[s.key] = (s, m.offset, m)
+                add(g, s, m.offset + offsets[other.key], m)
                 break
             reasons.append(why)
             tried.setdefault(g.ref.key, why)    # the reference's side of the story
         else:
             g = Group(ref=s)
-            g.members[s.key] = (s, 0, None)
+            add(g, s, 0, None)
             groups.append(g)
             if reasons:
                 why_not[s.key] = reasons[0]
@@ -321,6 +414,20 @@ def group_streams(streams: list[Stream], clocks: dict) -> tuple[list[Group], dic
         if len(g.members) == 1 and g.ref.key not in why_not and g.ref.key in tried:
             why_not[g.ref.key] = tried[g.ref.key]
     return groups, why_not
+
+
+def _groups_sharing_a_shape(s: Stream, by_shape: dict) -> list:
+    out, seen = [], set()
+    for sh in dict.fromkeys(s.shapes):
+        for gid, g in by_shape.get(sh, {}).items():
+            if gid not in seen:
+                seen.add(gid)
+                out.append(g)
+    return out
+
+
+def _overlap(a: Stream, b: Stream) -> int:
+    return min(a.times[-1], b.times[-1]) - max(a.times[0], b.times[0])
 
 
 # ------------------------------------------------------------------ reading and writing
@@ -331,8 +438,12 @@ def _late_columns(bundle) -> bool:
 
 
 def _read_streams(con, pending: list, known: dict) -> dict:
-    """The late streams of the bundles being merged, from their images (times raw)."""
-    streams: dict = {}
+    """The late streams of the bundles being merged, from their images (times raw). A
+    process's calls on one handle are one stream per capture run: in time order, its
+    counter only rises; where it does not (a new capture counting from 1 again, or a
+    damaged bundle) a new stream begins."""
+    per_handle: dict = {}       # (node, pid, handle) -> [(ts, hseq, shape, observed, bid)]
+    env_of: dict = {}
     for item in pending:
         bundle = item["bundle"]
         if not _late_columns(bundle):
@@ -344,35 +455,44 @@ def _read_streams(con, pending: list, known: dict) -> dict:
                 "SELECT e.pid, e.comm_handle, e.handle_seq, e.timestamp_ns, e.op, e.count, "
                 "e.datatype, e.redop, e.peer, e.tid FROM b.nccl_events e WHERE "
                 "e.comm_id_hash IS NULL AND typeof(e.handle_seq) = 'integer' AND "
-                f"typeof(e.comm_handle) = 'integer' AND {pred} "
-                "ORDER BY e.pid, e.comm_handle, e.handle_seq").fetchall()
+                f"typeof(e.comm_handle) = 'integer' AND {pred}").fetchall()
+            if not rows:
+                continue
             syncs = _syncs(con, bundle)
-            env = {pid: (rank, ws) for pid, rank, ws in con.execute(
-                "SELECT pid, rank, world_size FROM b.processes WHERE typeof(pid) = 'integer'")
-                if rank is None or (isinstance(rank, int) and isinstance(ws, int)
-                                    and 0 <= rank < ws)}
+            for pid, rank, ws in con.execute(
+                    "SELECT pid, rank, world_size FROM b.processes WHERE "
+                    "typeof(pid) = 'integer'"):
+                if isinstance(rank, int) and isinstance(ws, int) and 0 <= rank < ws:
+                    env_of[(node, pid)] = (rank, ws)
         for pid, handle, hseq, ts, op, count, dtype, redop, peer, tid in rows:
-            key = (node, pid, handle)
-            s = streams.get(key)
-            if s is None:
-                s = streams[key] = Stream(node, pid, handle)
-                s.old = known[key][:2] if key in known else None
-                s.rank, s.world_size = env.get(pid, (None, None))
-            s.bundle_ids.add(item["bundle_id"])
-            if s.seqs and hseq == s.seqs[-1]:
-                continue            # a duplicate counter: keep the first
-            s.seqs.append(hseq)
-            s.times.append(ts)
-            s.shapes.append(shape(op, count, dtype, redop, peer))
-            s.observed.append(_next_return(syncs.get((pid, tid)), ts))
-    # segments of one capture come in any order: keep every stream sorted by its counter
-    for s in streams.values():
-        if any(b < a for a, b in zip(s.seqs, s.seqs[1:])):
-            order = sorted(range(len(s.seqs)), key=s.seqs.__getitem__)
-            s.seqs = [s.seqs[i] for i in order]
-            s.times = [s.times[i] for i in order]
-            s.shapes = [s.shapes[i] for i in order]
-            s.observed = [s.observed[i] for i in order]
+            per_handle.setdefault((node, pid, handle), []).append(
+                (ts, hseq, shape(op, count, dtype, redop, peer),
+                 _next_return(syncs.get((pid, tid)), ts), item["bundle_id"]))
+    streams: dict = {}
+    for (node, pid, handle), calls in per_handle.items():
+        calls.sort(key=lambda c: (c[0], c[1]))
+        run: list = []
+        for c in calls + [None]:
+            if c is not None and (not run or c[1] > run[-1][1]):
+                run.append(c)
+                continue
+            s = Stream(node, pid, handle, first_mono=run[0][0],
+                       rows_span=(run[0][0], run[-1][0]), last_handle_seq=run[-1][1])
+            s.rank, s.world_size = env_of.get((node, pid), (None, None))
+            for rec in known.get((node, pid, handle), ()):
+                # an earlier merge's stream this run continues: its numbering stays
+                if run[0][1] > rec["last_handle_seq"] and run[0][0] >= rec["last_mono_ns"]:
+                    s.old = (rec["comm_id_hash"], rec["seq_offset"])
+                    s.first_mono = rec["first_mono_ns"]
+                    break
+            for ts, hseq, sh, obs, bid in run:
+                s.seqs.append(hseq)
+                s.times.append(ts)
+                s.shapes.append(sh)
+                s.observed.append(obs)
+                s.bundle_ids.add(bid)
+            streams[s.key] = s
+            run = [c]
     return streams
 
 
@@ -382,43 +502,60 @@ def _read_old_groups(con, new_keys: set, known: dict) -> dict:
     streams: dict = {}
     syncs_of: dict = {}
     apis = ", ".join(f"'{a}'" for a in SYNC_APIS)
-    for h in sorted({v[0] for v in known.values()}):
+    by_hash: dict = {}
+    for recs in known.values():
+        for rec in recs:
+            by_hash.setdefault(rec["comm_id_hash"], []).append(rec)
+    for h, recs in sorted(by_hash.items()):
         for node, pid, handle, seq, mono, op, count, dtype, redop, peer, tid in con.execute(
                 "SELECT node_id, pid, comm_handle, seq, mono_ns, op, count, datatype, "
                 "redop, peer, tid FROM nccl_events WHERE comm_id_hash = ? ORDER BY seq", (h,)):
-            key = (node, pid, handle)
-            if key in new_keys or key not in known:
+            rec = next((r for r in recs if (r["node_id"], r["pid"], r["comm_handle"]) ==
+                        (node, pid, handle) and r["first_mono_ns"] <= mono <= r["last_mono_ns"]),
+                       None)
+            if rec is None:
+                continue
+            key = (node, pid, handle, rec["first_mono_ns"])
+            if key in new_keys:
                 continue
             s = streams.get(key)
             if s is None:
-                s = streams[key] = Stream(node, pid, handle, old=(h, 0))
-                s.rank, s.world_size = known[key][2:4]
-                syncs = syncs_of[key] = {}
-                for t, m, d in con.execute(
-                        f"SELECT tid, mono_ns, duration_ns FROM cuda_events WHERE node_id = ? "
-                        f"AND pid = ? AND api IN ({apis}) AND typeof(duration_ns) = 'integer'",
-                        (node, pid)):
-                    syncs.setdefault((pid, t), []).append((m, m + d))
-                for v in syncs.values():
-                    v.sort()
+                s = streams[key] = Stream(node, pid, handle, old=(h, 0),
+                                          first_mono=rec["first_mono_ns"])
+                s.rank, s.world_size = rec["env_rank"], rec["env_world_size"]
+                syncs = syncs_of[(node, pid)] = syncs_of.get((node, pid)) or {}
+                if not syncs:
+                    for t, m, d in con.execute(
+                            f"SELECT tid, mono_ns, duration_ns FROM cuda_events WHERE "
+                            f"node_id = ? AND pid = ? AND api IN ({apis}) AND "
+                            "typeof(duration_ns) = 'integer'", (node, pid)):
+                        syncs.setdefault((pid, t), []).append((m, m + d))
+                    for v in syncs.values():
+                        v.sort()
             s.seqs.append(seq)
             s.times.append(mono)
             s.shapes.append(shape(op, count, dtype, redop, peer))
-            s.observed.append(_next_return(syncs_of[key].get((pid, tid)), mono))
+            s.observed.append(_next_return(syncs_of[(node, pid)].get((pid, tid)), mono))
     return streams
 
 
-def _syncs(con, bundle, pid=None) -> dict:
-    """(pid, tid) -> sorted (entry, return) of the image's synchronizations."""
+def _sync_rows(con, bundle, pid=None):
+    """(pid, tid, entry, return) of the attached image's synchronizations."""
     pred = row_predicate("cuda_events", bundle)
     apis = ", ".join(f"'{a}'" for a in SYNC_APIS)
-    out: dict = {}
     for p, t, ts, dur in con.execute(
             "SELECT e.pid, e.tid, e.timestamp_ns, e.duration_ns FROM b.cuda_events e WHERE "
             f"e.api IN ({apis}) AND typeof(e.duration_ns) = 'integer' AND {pred}"
             + (" AND e.pid = ?" if pid is not None else ""),
-            () if pid is None else (pid,)):
-        out.setdefault((p, t), []).append((ts, ts + dur))
+            () if pid is None else (pid,)).fetchall():
+        yield p, t, ts, ts + dur
+
+
+def _syncs(con, bundle, pid=None) -> dict:
+    """(pid, tid) -> sorted (entry, return) of the image's synchronizations."""
+    out: dict = {}
+    for p, t, ts, end in _sync_rows(con, bundle, pid):
+        out.setdefault((p, t), []).append((ts, end))
     for v in out.values():
         v.sort()
     return out
@@ -434,33 +571,70 @@ def _next_return(syncs: list | None, entry: int) -> int | None:
 
 def _read_known(con, pending: list) -> dict:
     """One stream per communicator whose init a capture saw (its rows carry the real
-    comm_id_hash and seq): a late rank of it is numbered like its other ranks."""
-    refs: dict = {}
+    comm_id_hash and seq): a late rank of it is numbered like its other ranks. The
+    stream is one process's rows of it, from every bundle of this merge and from
+    fleet.db (an earlier merge may hold them)."""
+    chosen: dict = {}        # comm_id_hash -> (node_id, pid, nranks)
     for item in pending:
-        bundle = item["bundle"]
-        pred = row_predicate("nccl_events", bundle)
-        with attached(con, bundle.db_path, "b"):
-            comms = con.execute(
-                "SELECT e.comm_id_hash, MIN(e.pid), MAX(e.nranks) FROM b.nccl_events e WHERE "
-                f"e.comm_id_hash IS NOT NULL AND typeof(e.seq) = 'integer' AND {pred} "
-                "GROUP BY e.comm_id_hash").fetchall()
-            for h, pid, nranks in comms:
-                if h in refs:
-                    continue
-                s = refs[h] = Stream(item["node_id"], pid, 0, old=(h, 0))
-                s.nranks = nranks
-                syncs = _syncs(con, bundle, pid)
-                for seq, ts, op, count, dtype, redop, peer, tid in con.execute(
-                        "SELECT e.seq, e.timestamp_ns, e.op, e.count, e.datatype, e.redop, "
-                        "e.peer, e.tid FROM b.nccl_events e WHERE e.comm_id_hash = ? AND "
-                        f"e.pid = ? AND typeof(e.seq) = 'integer' AND {pred} ORDER BY e.seq",
-                        (h, pid)):
-                    if not s.seqs or seq != s.seqs[-1]:
-                        s.seqs.append(seq)
-                        s.times.append(ts)
-                        s.shapes.append(shape(op, count, dtype, redop, peer))
-                        s.observed.append(_next_return(syncs.get((pid, tid)), ts))
-    return {(s.node_id, s.pid, ("known", h)): s for h, s in refs.items()}
+        pred = row_predicate("nccl_events", item["bundle"])
+        with attached(con, item["bundle"].db_path, "b"):
+            for h, pid, nranks in con.execute(
+                    "SELECT e.comm_id_hash, MIN(e.pid), MAX(e.nranks) FROM b.nccl_events e "
+                    "WHERE e.comm_id_hash IS NOT NULL AND typeof(e.seq) = 'integer' AND "
+                    f"{pred} GROUP BY e.comm_id_hash"):
+                chosen.setdefault(h, (item["node_id"], pid, nranks))
+    inferred = {h for (h,) in con.execute("SELECT DISTINCT comm_id_hash FROM inferred_comms")}
+    for h, node, pid, nranks in con.execute(
+            "SELECT comm_id_hash, node_id, pid, nranks FROM nccl_events WHERE rowid IN "
+            "(SELECT MIN(rowid) FROM nccl_events WHERE comm_id_hash IS NOT NULL "
+            "GROUP BY comm_id_hash)"):
+        if h not in inferred:
+            chosen.setdefault(h, (node, pid, nranks))
+    apis = ", ".join(f"'{a}'" for a in SYNC_APIS)
+    refs: dict = {}
+    for h, (node, pid, nranks) in chosen.items():
+        calls = {}           # seq -> (raw time, shape, observed)
+        syncs: dict = {}
+        for t, m, d in con.execute(
+                f"SELECT tid, mono_ns, duration_ns FROM cuda_events WHERE node_id = ? AND "
+                f"pid = ? AND api IN ({apis}) AND typeof(duration_ns) = 'integer'",
+                (node, pid)):
+            syncs.setdefault((pid, t), []).append((m, m + d))
+        fleet_rows = con.execute(
+            "SELECT seq, mono_ns, op, count, datatype, redop, peer, tid FROM nccl_events "
+            "WHERE comm_id_hash = ? AND node_id = ? AND pid = ?", (h, node, pid)).fetchall()
+        image_rows = []
+        for item in pending:
+            if item["node_id"] != node:
+                continue
+            bundle = item["bundle"]
+            pred = row_predicate("nccl_events", bundle)
+            with attached(con, bundle.db_path, "b"):
+                image_rows += con.execute(
+                    "SELECT e.seq, e.timestamp_ns, e.op, e.count, e.datatype, e.redop, "
+                    "e.peer, e.tid FROM b.nccl_events e WHERE e.comm_id_hash = ? AND "
+                    f"e.pid = ? AND typeof(e.seq) = 'integer' AND {pred}", (h, pid)).fetchall()
+                for p_, t, ts, end in _sync_rows(con, bundle, pid):
+                    syncs.setdefault((p_, t), []).append((ts, end))
+        for v in syncs.values():
+            v.sort()
+        for seq, ts, op, count, dtype, redop, peer, tid in fleet_rows + image_rows:
+            if isinstance(seq, int) and seq not in calls:
+                calls[seq] = (ts, shape(op, count, dtype, redop, peer),
+                              _next_return(syncs.get((pid, tid)), ts))
+        if not calls:
+            continue
+        s = Stream(node, pid, 0, old=(h, 0), first_mono=-1)
+        s.handle = ("known", h)
+        s.nranks = nranks
+        for seq in sorted(calls):
+            ts, sh, obs = calls[seq]
+            s.seqs.append(seq)
+            s.times.append(ts)
+            s.shapes.append(sh)
+            s.observed.append(obs)
+        refs[s.key] = s
+    return refs
 
 
 def infer_late_attach(fl, pending: list) -> list[dict]:
@@ -469,33 +643,35 @@ def infer_late_attach(fl, pending: list) -> list[dict]:
     result in inferred_comms. Returns the pending items whose images changed (their sync
     points must be read again)."""
     con = fl.con
-    known = {(n, p, h): (c, o, r, w) for n, p, h, c, o, r, w in con.execute(
-        "SELECT node_id, pid, comm_handle, comm_id_hash, seq_offset, env_rank, "
-        "env_world_size FROM inferred_comms")}
+    known: dict = {}
+    cols = ("comm_id_hash", "node_id", "pid", "comm_handle", "first_mono_ns", "last_mono_ns",
+            "last_handle_seq", "seq_offset", "env_rank", "env_world_size")
+    for row in con.execute(f"SELECT {', '.join(cols)} FROM inferred_comms"):
+        rec = dict(zip(cols, row))
+        known.setdefault((rec["node_id"], rec["pid"], rec["comm_handle"]), []).append(rec)
     streams = _read_streams(con, pending, known)
     if not streams:
         return []
-    offsets, clocks = approximate_clocks(con)
+    clocks = approximate_clocks(con)
     refs = _read_known(con, pending)
+    refs.update(_read_old_groups(con, set(streams), known))
     for s in list(streams.values()) + list(refs.values()):
-        off = offsets.get(s.node_id, 0)
-        s.times = [t + off for t in s.times]
-        s.observed = [None if t is None else t + off for t in s.observed]
-    old = _read_old_groups(con, set(streams), known)
-    for s in old.values():
-        off = offsets.get(s.node_id, 0)
-        s.times = [t + off for t in s.times]
-        s.observed = [None if t is None else t + off for t in s.observed]
-    refs.update(old)
+        place(s, clocks)
     # a stream an earlier merge placed keeps its offset: numbered as it was then
     for s in streams.values():
         if s.old is not None:
             s.seqs = [q + s.old[1] for q in s.seqs]
-    everything = list(refs.values()) + list(streams.values())
-    groups, why_not = group_streams(everything, clocks)
+    groups, why_not = group_streams(list(refs.values()) + list(streams.values()), clocks)
     names = dict(con.execute("SELECT node_id, name FROM nodes"))
+    # communicators whose calls look alike in lockstep (the data-parallel groups of a 2-D
+    # layout) are matched as one, with one stream per process: two groups over the same
+    # processes say so, and then neither is taken for the world communicator
+    same_procs: dict = {}
+    for g in groups:
+        if len(g.members) > 1:
+            same_procs.setdefault(frozenset(g.processes()), []).append(g)
 
-    plan: dict = {}      # key -> (comm_id_hash, seq_offset, rank, nranks)
+    plan: dict = {}      # key -> (comm_id_hash, seq_offset, rank, nranks, rows span)
     records = []
     ranks_now = []       # an earlier merge's rows whose world communicator is now complete
     for g in groups:
@@ -505,26 +681,30 @@ def infer_late_attach(fl, pending: list) -> list[dict]:
                                       g.ref.pid, g.ref.handle)
             base = min(s.seqs[0] + off for s, off, _ in members)
         else:
-            base = 1        # an earlier merge's numbering stays
+            base = 1        # an earlier merge's (or the init's) numbering stays
+        seen_at_init = g.ref.nranks is not None
+        late = [s for s, _, _ in members if s.nranks is None]
+        twins = len(same_procs.get(frozenset(g.processes()), ())) > 1
         # the world communicator: one stream per rank of WORLD_SIZE (or a communicator
         # seen at init whose size is WORLD_SIZE), where the global rank is its rank
-        late = [s for s, _, _ in members if s.nranks is None]
-        size = g.ref.nranks or len(members)
-        world = (all(s.world_size == size and s.rank is not None for s in late)
-                 and len({s.rank for s in late}) == len(late)
-                 and (g.ref.nranks is not None or len(members) == size))
+        size = g.ref.nranks if seen_at_init else len(members)
+        world = (not twins and all(s.world_size == size and s.rank is not None for s in late)
+                 and len({s.rank for s in late}) == len(late))
         for s, off, m in members:
             rank, nranks = (s.rank, size) if world else (None, None)
             if s.nranks is not None:
                 continue        # a stream with its init: nothing to write
             if s.key not in streams:
                 if world:       # an earlier merge's rows: only their ranks may change
-                    ranks_now.append((rank, nranks, g.comm_id_hash) + s.key)
+                    ranks_now.append((rank, nranks, g.comm_id_hash) + s.key[:3])
                 continue
             final = (s.old[1] if s.old else 0) + off - base + 1
-            plan[s.key] = (g.comm_id_hash, final, rank, nranks)
+            plan[s.key] = (g.comm_id_hash, final, rank, nranks, s.rows_span)
             if m is not None:
                 basis, detail = m.basis, m.detail
+                if seen_at_init:
+                    detail = (f"joined communicator {g.comm_id_hash}, whose init a capture "
+                              f"saw; " + detail)
             elif s.old is not None:
                 basis, detail = "earlier merge", "matched when its first bundle was merged"
             elif len(members) > 1:
@@ -532,47 +712,48 @@ def infer_late_attach(fl, pending: list) -> list[dict]:
             else:
                 basis = "alone"
                 detail = why_not.get(s.key) or "no other stream of this shape to match"
-            records.append((g.comm_id_hash, s.node_id, s.pid, s.handle, final, len(members),
-                            rank, nranks, s.rank, s.world_size, len(s.seqs), basis, detail))
+            if twins:
+                detail += ("; another inferred communicator has the same processes (alike "
+                           "calls in lockstep are matched as one): ranks not assigned")
+            records.append({
+                "comm_id_hash": g.comm_id_hash, "node_id": s.node_id, "pid": s.pid,
+                "comm_handle": s.handle, "first_mono_ns": s.first_mono,
+                "last_mono_ns": s.rows_span[1], "last_handle_seq": s.last_handle_seq,
+                "seq_offset": final, "streams": len(late), "rank": rank, "nranks": nranks,
+                "env_rank": s.rank, "env_world_size": s.world_size, "calls": len(s.seqs),
+                "basis": basis, "detail": detail})
     with con:
-        con.execute("DELETE FROM inferred_comms WHERE (node_id, pid, comm_handle) IN "
-                    "(SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?))",
-                    (_json_keys(plan),))
-        con.executemany(
-            "INSERT INTO inferred_comms (comm_id_hash, node_id, pid, comm_handle, seq_offset, "
-            "streams, rank, nranks, env_rank, env_world_size, calls, basis, detail) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", records)
+        for r in records:
+            con.execute("DELETE FROM inferred_comms WHERE node_id = ? AND pid = ? AND "
+                        "comm_handle = ? AND first_mono_ns = ?",
+                        (r["node_id"], r["pid"], r["comm_handle"], r["first_mono_ns"]))
+        if records:
+            names_ = ", ".join(records[0])
+            marks = ", ".join(f":{k}" for k in records[0])
+            con.executemany(f"INSERT INTO inferred_comms ({names_}) VALUES ({marks})", records)
         con.executemany("UPDATE nccl_events SET rank = ?, nranks = ? WHERE comm_id_hash = ? "
                         "AND node_id = ? AND pid = ? AND comm_handle = ?", ranks_now)
         con.executemany("UPDATE inferred_comms SET rank = ?, nranks = ? WHERE "
                         "comm_id_hash = ? AND node_id = ? AND pid = ? AND comm_handle = ?",
                         ranks_now)
-        groups_of = {}
-        for g in groups:
-            groups_of[g.comm_id_hash] = len(g.members)
         con.executemany("UPDATE inferred_comms SET streams = ? WHERE comm_id_hash = ?",
-                        list((n, h) for h, n in groups_of.items()))
+                        [(sum(1 for s, _, _ in g.members.values() if s.nranks is None),
+                          g.comm_id_hash) for g in groups])
     changed = []
     for item in pending:
-        node = item["node_id"]
-        mine = {k: v for k, v in plan.items() if k[0] == node
-                and item["bundle_id"] in streams[k].bundle_ids}
+        mine = {k: v for k, v in plan.items()
+                if k[0] == item["node_id"] and item["bundle_id"] in streams[k].bundle_ids}
         if mine:
             _rewrite_image(item["bundle"].db_path, mine)
             changed.append(item)
-    matched = sum(1 for r in records if r[5] > 1)
-    fl.log("info" if matched == len(records) else "warning", "late_attach",
+    alone = sum(1 for r in records if r["basis"] == "alone")
+    joined = {r["comm_id_hash"] for r in records if r["basis"] != "alone"}
+    fl.log("info" if not alone else "warning", "late_attach",
            f"{len(records)} NCCL call streams seen without their communicator's init "
-           f"(capture attached after it): {matched} matched into "
-           f"{len({r[0] for r in records if r[5] > 1})} inferred communicators, "
-           f"{len(records) - matched} left alone (inferred_comms says why)",
+           f"(capture attached after it): {len(records) - alone} matched into "
+           f"{len(joined)} communicators, {alone} left alone (inferred_comms says why)",
            count=len(records))
     return changed
-
-
-def _json_keys(plan: dict) -> str:
-    import json
-    return json.dumps([list(k) for k in plan])
 
 
 def _rewrite_image(db_path, plan: dict) -> None:
@@ -586,11 +767,13 @@ def _rewrite_image(db_path, plan: dict) -> None:
         con.execute("PRAGMA journal_mode = OFF")
         con.execute("PRAGMA synchronous = OFF")
         with con:
+            # one capture run of the handle: its rows' time span (another run of the same
+            # process and handle counts from 1 again, at other times)
             con.executemany(
                 "UPDATE nccl_events SET comm_id_hash = ?, seq = handle_seq + ?, rank = ?, "
                 "nranks = ? WHERE pid = ? AND comm_handle = ? AND comm_id_hash IS NULL "
-                "AND typeof(handle_seq) = 'integer'",
-                [(h, off, rank, nranks, pid, handle)
-                 for (_, pid, handle), (h, off, rank, nranks) in plan.items()])
+                "AND typeof(handle_seq) = 'integer' AND timestamp_ns BETWEEN ? AND ?",
+                [(h, off, rank, nranks, pid, handle, lo, hi)
+                 for (_, pid, handle, _), (h, off, rank, nranks, (lo, hi)) in plan.items()])
     finally:
         con.close()

@@ -35,6 +35,9 @@ REALTIME_MARGIN_NS = 86_400 * 1_000_000_000
 ID_COLUMNS = ("pid", "tid", "owner_pid", "other_pid", "other_tid", "rank", "nranks",
               "local_rank", "world_size", "local_world_size", "node_rank", "cpu")
 _I64 = (-(1 << 63), (1 << 63) - 1)
+#: nccl_events.handle_seq counts calls from 1; beyond this (centuries of calls) a row is
+#: skipped, so the late-attach offsets computed from it cannot overflow
+HANDLE_SEQ_MAX = 1 << 48
 #: The storage classes a column of each declared type may hold (SQLite stores any value
 #: in any column; the readers of fleet.db rely on these).
 _STORAGE = {"INTEGER": "'integer'", "REAL": "'real', 'integer'", "TEXT": "'text'"}
@@ -68,6 +71,8 @@ def column_rules(table: str, bundle=None) -> list[ColumnRule]:
         r = rules[c.name] = ColumnRule(c.name, c.type, c.nullable, values=tuple(c.values or ()))
         if c.name in ID_COLUMNS:
             r.narrow(0, 4294967295)
+        if c.name == "handle_seq":      # a call counter from 1: offsets stay in int64
+            r.narrow(1, HANDLE_SEQ_MAX)
         if c.name in times or (c.name == "duration_ns" and table == "nccl_events"):
             assert c.type == "INTEGER", (table, c.name)
             # within TIME_BOUND (a duration not negative): both collective paths count

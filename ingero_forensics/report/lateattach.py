@@ -18,19 +18,22 @@ def inferred_communicators(con) -> list[dict]:
     if not table_exists(con, "inferred_comms"):
         return []
     out = []
-    for h, streams, nodes, ranks, bases, details, calls in con.execute(
+    for h, streams, nodes, ranks, env, bases, details, calls in con.execute(
             "SELECT i.comm_id_hash, MAX(i.streams), json_group_array(DISTINCT n.name), "
             "json_group_array(i.rank) FILTER (WHERE i.rank IS NOT NULL), "
+            "json_group_array(i.env_rank) FILTER (WHERE i.env_rank IS NOT NULL), "
             "json_group_array(DISTINCT i.basis), json_group_array(i.detail), SUM(i.calls) "
             "FROM inferred_comms i JOIN nodes n USING (node_id) "
             "GROUP BY i.comm_id_hash ORDER BY MAX(i.streams) DESC, i.comm_id_hash"):
         bases = sorted(json.loads(bases))
+        alone = bases == ["alone"]
         out.append({
             "comm_id_hash": h, "streams": streams, "nodes": sorted(json.loads(nodes)),
-            "ranks": sorted(json.loads(ranks or "[]")), "basis": bases, "calls": calls,
-            "matched": streams > 1,
+            "ranks": sorted(json.loads(ranks or "[]")),
+            "env_ranks": sorted(json.loads(env or "[]")), "basis": bases, "calls": calls,
+            "matched": not alone,
             "choice": any(b.startswith("nearest in time (unsynchronized") for b in bases),
-            "why_alone": json.loads(details)[0] if streams == 1 else None})
+            "why_alone": json.loads(details)[0] if alone else None})
     return out
 
 
@@ -40,7 +43,10 @@ def unmatched_text(comms: list[dict]) -> str:
     if not alone:
         return ""
     where = ", ".join(sorted({n for c in alone for n in c["nodes"]}))
-    return (f"{len(alone)} stream{'s' if len(alone) > 1 else ''} of NCCL calls on {where} "
-            "could not be matched to the other ranks' (the capture attached after the "
-            "communicator was created; see 'Communicators inferred'): those ranks are not "
-            "compared.")
+    ranks = sorted({r for c in alone for r in c["env_ranks"]})
+    who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on {where}"
+           if ranks else where)
+    return (f"{len(alone)} stream{'s' if len(alone) > 1 else ''} of NCCL calls "
+            f"({who}) could not be matched to the other ranks' (the capture attached after "
+            "the communicator was created; see 'Communicators inferred'): not compared "
+            "there.")

@@ -82,8 +82,9 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             lines.append(para(
                 f"communicator {c['comm_id_hash']} inferred (capture attached after its "
                 f"init): {c['streams']} streams on {', '.join(c['nodes'])}, "
-                + ("; ".join(c["basis"]) if c["matched"]
-                   else f"matched with nothing: {c['why_alone']}"), "- "))
+                + ("; ".join(c["basis"]) + (" (clocks unsynchronized: the match is a "
+                                             "choice)" if c["choice"] else "")
+                   if c["matched"] else f"matched with nothing: {c['why_alone']}"), "- "))
         for r in warn:
             lines.append(f"- clock of {r['node']}: method {r['method']}, relative "
                          f"uncertainty {r['relative_uncertainty_us']} us"

@@ -140,7 +140,7 @@ def test_match_a_rank_over_half_a_step_late_by_causality():
                   [k * 100 * ms + 65 * ms for k in range(300)])
     cand = _stream(2, range(1, 101), [(k + 100) * 100 * ms + 60 * ms for k in range(100)],
                    shapes[:100], [(k + 100) * 100 * ms + 66 * ms for k in range(100)])
-    one_boot = {"error": {1: 0, 2: 0}, "boot": {1: "a", 2: "a"}}
+    one_boot = {"samples": {}, "boot": {1: "a", 2: "a"}}
     m, why = match(ref, cand, one_boot)
     assert m is not None and m.offset == 100 and m.basis == "shape+causality", (m, why)
     # without the syncs the nearer call in time (-40 ms) would be the wrong one: not
@@ -163,7 +163,8 @@ def test_match_unsynchronized_clocks_is_a_marked_choice():
     ref = _stream(1, range(1, 401), [k * 10_000_000 for k in range(400)], shapes)
     cand = _stream(2, range(1, 201), [(k + 150) * 10_000_000 + 700_000 for k in range(200)],
                    shapes[150:350])
-    clocks = {"error": {1: None, 2: None}, "boot": {1: "a", 2: "b"}}
+    clocks = {"samples": {}, "boot": {1: "a", 2: "b"}}      # two boots, no claims
+    ref.clock_err = cand.clock_err = None
     m, why = match(ref, cand, clocks)
     assert m is not None and m.offset == 150 and m.basis.startswith("nearest"), (m, why)
     assert "choice" in m.detail
@@ -171,6 +172,7 @@ def test_match_unsynchronized_clocks_is_a_marked_choice():
     ref = _stream(1, range(1, 401), [k * 10_000_000 for k in range(400)], unique)
     cand = _stream(2, range(1, 101), [(k + 40) * 10_000_000 + 5_000_000_000
                                       for k in range(100)], unique[40:140])
+    ref.clock_err = cand.clock_err = None
     m, why = match(ref, cand, clocks)
     assert m is not None and m.offset == 40 and m.basis == "shape", (m, why)
 
@@ -184,5 +186,94 @@ def test_match_refuses_a_different_communicator(wrong):
     other = [(("ALL_GATHER",) + s[1:]) if wrong == "op" else (s[0], s[1] * 2) + s[2:]
              for s in shapes[100:200]]
     cand = _stream(2, range(1, 101), [(k + 100) * 10_000_000 for k in range(100)], other)
-    m, why = match(ref, cand, {"error": {1: 0, 2: 0}, "boot": {1: "a", 2: "a"}})
+    m, why = match(ref, cand, {"samples": {}, "boot": {1: "a", 2: "a"}})
     assert m is None and "no offset gives the same sequence" in why
+
+
+def _buckets(late_ns, steps, first_step):
+    """A DDP-like step: 20 gradient buckets of one size 2 ms apart, then the step-end
+    sync returning after every completion (loss.item())."""
+    ms = 1_000_000
+    seqs, times, obs = [], [], []
+    for step in range(first_step, first_step + steps):
+        for b in range(20):
+            seqs.append(len(seqs) + 1)
+            times.append(step * 100 * ms + 20 * ms + b * 2 * ms + late_ns)
+            obs.append(step * 100 * ms + 95 * ms)
+    return seqs, times, obs
+
+
+@pytest.mark.parametrize("late_ms", [6, 11, 17, 24])
+def test_match_many_alike_calls_per_step(late_ms):
+    """Twenty same-size buckets per step: hundreds of offsets have the same shapes and
+    the nearest in time is a neighbouring bucket; causality still finds the rank's own
+    calls (the first look ranks offsets by causality before time)."""
+    shape_ = ("ALL_REDUCE", 25 << 20, "float32", "sum", None)
+    ref = _stream(1, *_buckets(0, 100, 0)[:2], [shape_] * 2000, _buckets(0, 100, 0)[2])
+    seqs, times, obs = _buckets(late_ms * 1_000_000, 50, 30)
+    cand = _stream(2, seqs, times, [shape_] * len(seqs), obs)
+    m, why = match(ref, cand, {"samples": {}, "boot": {1: "a", 2: "a"}})
+    assert m is not None and m.offset == 600 and m.basis == "shape+causality", (m, why)
+
+
+def test_match_refuses_an_offset_no_causality_allows():
+    """One boot, so the shift between the clocks is 0; the candidate entered every call
+    25-35 ms after the reference had observed its completion: no offset is possible, and
+    the reason says so (rather than the only offset with these shapes)."""
+    ms = 1_000_000
+    shapes = [("ALL_REDUCE", 100 + k, "float32", "sum", None) for k in range(100)]
+    ref = _stream(1, range(1, 101), [k * 100 * ms for k in range(100)], shapes,
+                  [k * 100 * ms + 5 * ms for k in range(100)])
+    cand = _stream(2, range(1, 51), [(k + 20) * 100 * ms + 35 * ms for k in range(50)],
+                   shapes[20:70], [(k + 20) * 100 * ms + 40 * ms for k in range(50)])
+    m, why = match(ref, cand, {"samples": {}, "boot": {1: "a", 2: "a"}})
+    assert m is None and "no offset is causal on these clocks" in why, (m, why)
+
+
+def test_a_second_capture_run_is_another_stream(tmp_path, monkeypatch):
+    """The capture on one node is restarted mid-job: that process's counter starts at 1
+    again. Each run is its own stream, and both are numbered like the other ranks."""
+    from . import fleetgen
+    original = fleetgen._late_row
+    first: dict = {}
+
+    def restarted(row, seen):
+        pid = row[15]
+        first.setdefault(pid, row[0])
+        if pid == 1001 and row[0] - first[pid] > 3_000_000_000 and "done" not in first:
+            first["done"] = True
+            seen[pid] = 0
+        return original(row, seen)
+    monkeypatch.setattr(fleetgen, "_late_row", restarted)
+    fleet = make_fleet(tmp_path / "b", nodes=3, ranks_per_node=1, seconds=10, seed=6,
+                       step_ms=STEP_MS, shapes=3, segments=2,
+                       late_attach={0: 1.0, 1: 2.0, 2: 1.5}, retransmits=False)
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths, db)
+    runs = rows(db, "SELECT pid, basis FROM inferred_comms WHERE pid = 1001")
+    assert len(runs) == 2 and "alone" not in {b for _, b in runs}, runs
+    offsets = seq_offsets(db, fleet)
+    assert len(offsets) == 1 and len(next(iter(offsets.values()))) == 1, offsets
+
+
+def test_hostile_counter_values_are_skipped_with_one_line(tmp_path, monkeypatch):
+    """A handle_seq at the bottom of int64 (a hostile or damaged bundle): the rows are
+    skipped and counted like any invalid row, the merge goes on, no traceback."""
+    import subprocess
+    from . import fleetgen
+    original = fleetgen._late_row
+
+    def hostile(row, seen):
+        out = original(row, seen)
+        return out[:-1] + (-2 ** 63 + out[-1],) if row[15] == 1000 else out
+    monkeypatch.setattr(fleetgen, "_late_row", hostile)
+    fleet = make_fleet(tmp_path / "b", nodes=3, ranks_per_node=1, seconds=5, seed=6,
+                       step_ms=STEP_MS, shapes=3, late_attach={0: 1.0, 1: 2.0, 2: 1.5},
+                       retransmits=False)
+    db = tmp_path / "f.db"
+    p = subprocess.run(["ingero-merge", *map(str, fleet.paths), "-o", str(db)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "invalid rows of nccl_events skipped" in p.stderr
+    assert rows(db, "SELECT COUNT(*) FROM nccl_events WHERE pid = 1000")[0][0] == 0
+    assert rows(db, "SELECT COUNT(DISTINCT pid) FROM inferred_comms")[0][0] == 2

@@ -43,8 +43,8 @@ def test_streams_left_alone_are_said_to_be_left_out(tmp_path):
     assert len(a.inferred_communicators) == 3
     assert all(not c["matched"] and "cannot tell them apart" in c["why_alone"]
                for c in a.inferred_communicators)
-    assert "3 streams of NCCL calls on node-0, node-1, node-2 could not be matched" \
-        in a.verdict, a.verdict
+    assert "3 streams of NCCL calls (ranks 0, 1, 2 on node-0, node-1, node-2) could not " \
+        "be matched" in a.verdict, a.verdict
     assert a.stragglers == []
     page = render_html(a)
     assert "matched with nothing" in page
