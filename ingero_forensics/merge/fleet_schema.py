@@ -18,8 +18,9 @@ from ..bundle.schema import Column, C
 
 #: 2: clock_alignment causal bounds, collectives.completion_tight, sync_points.tight,
 #: cuda_events queued work (bundle format 1.1). 3: calls_in_flight (bundle format 1.1).
-#: An older fleet.db is not extended: merge its bundles again.
-FLEET_VERSION = 3
+#: 4: host_bins (merge/summaries.py). An older fleet.db is not extended: merge its
+#: bundles again.
+FLEET_VERSION = 4
 #: PRAGMA application_id of a fleet database: ASCII "INGM".
 FLEET_APPLICATION_ID = 0x494E474D
 
@@ -139,7 +140,8 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
     FleetTable("fleet_info", "Facts about the fleet database itself.", (
         C("key", "TEXT", False, "", "format_version, created_by, created_utc, updated_utc, "
           "alignment (JSON parameters of the last alignment, including sample_step: the k of "
-          "sync_points)."),
+          "sync_points), host_bins (JSON t0_ns and bin_ns of host_bins; absent without "
+          "collectives)."),
         C("value", "TEXT", False, "", "Value; JSON for structured values."),
     ), constraints=("PRIMARY KEY (key)",)),
     FleetTable("nodes", "One row per node: a (claimed name, hostname, boot_id) triple. Two "
@@ -313,6 +315,25 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "observations."),
     ), indexes=(("first_entry_ns",), ("last_node_id",)),
        constraints=("UNIQUE (comm_id_hash, seq)",)),
+    FleetTable("host_bins", "host_samples summed per node, metric, device and time bin of "
+               "the report (merge/summaries.py): the report's host figures read these "
+               "instead of every sample. Bins: fleet_info key host_bins gives t0_ns (the "
+               "first collective's entry) and bin_ns; a sample at t >= t0_ns is in bin "
+               "(t - t0_ns) / bin_ns, one before t0_ns in bin -1 - (t0_ns - t) / bin_ns. "
+               "Only the metrics the report reads, and of cpu.* metrics only the "
+               "whole-node rows (device NULL). Rewritten by every merge.", (
+        C("metric", "TEXT", False, "", "host_samples.metric."),
+        C("node_id", "INTEGER", False, "", "The node."),
+        C("device", "TEXT", True, "", "host_samples.device (NULL = whole node)."),
+        C("bin", "INTEGER", False, "", "Time bin (see above)."),
+        C("samples", "INTEGER", False, "", "Number of samples."),
+        C("total", "REAL", False, "per metric", "SUM(value): the mean over bins i to j is "
+          "SUM(total) / SUM(samples)."),
+        C("positive", "INTEGER", False, "", "Samples with value > 0 (gpu.throttle_reasons: "
+          "throttled)."),
+        C("lo", "REAL", False, "per metric", "MIN(value)."),
+        C("hi", "REAL", False, "per metric", "MAX(value)."),
+    ), indexes=(("metric", "bin"),)),
     FleetTable("merge_log", "What the merge did: inputs skipped and why, rows skipped, "
                "node name conflicts, already-merged bundles, liar clocks.", (
         C("id", "INTEGER", False, "", "Row id."),

@@ -190,12 +190,13 @@ def window_seconds(windows) -> float:
     return sum(e - s for s, e in windows) / 1e9 or 1.0
 
 
-def node_signals(con, target, node_ids, windows) -> list[Signal]:
+def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
     """Per-cause signals on the suspect vs the other nodes over the same windows.
 
     The score is a robust deviation: (suspect - median of others) / max(spread of others,
     a per-signal floor). The floor is the smallest difference an operator would call
     noticeable, so a flat fleet (spread ~ 0) cannot turn noise into a verdict.
+    bins: host_bins (binned.py), for the host metrics when they answer for windows.
     """
     secs = window_seconds(windows)
     others = [n for n in node_ids if n != target]
@@ -215,6 +216,7 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
                           round(dev / max(spread, floor, relative * abs(med)), 2)))
 
     w, p = window_clause(windows)
+    wb = bins.clause(windows) if bins is not None else None
 
     def per_node(sql, params=()):
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
@@ -238,18 +240,26 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
         agg = "MIN" if inverse else "MAX"
         # per node: the worst device's mean over the windows (GPU: one GPU may be the culprit);
         # CPU metrics: the whole-node row only
-        vals = per_node(
-            f"SELECT node_id, {agg}(v) FROM (SELECT node_id, device, AVG(value) v "
-            f"FROM host_samples WHERE {in_rowid_order('host_samples', 'metric = ? AND ' + w)} "
-            "AND (device IS NULL OR metric NOT LIKE 'cpu.%') GROUP BY node_id, device) "
-            "GROUP BY node_id", [metric] + p)
+        if wb is not None:
+            vals = per_node(bins.signal_sql(agg, wb[0]), [metric] + wb[1])
+        else:
+            vals = per_node(
+                f"SELECT node_id, {agg}(v) FROM (SELECT node_id, device, AVG(value) v "
+                f"FROM host_samples WHERE "
+                f"{in_rowid_order('host_samples', 'metric = ? AND ' + w)} "
+                "AND (device IS NULL OR metric NOT LIKE 'cpu.%') GROUP BY node_id, device) "
+                "GROUP BY node_id", [metric] + p)
         if vals:
             add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else ""),
                 vals, floor, inverse)
-    throttled = per_node(
-        "SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f FROM host_samples "
-        "WHERE " + in_rowid_order("host_samples", "metric = 'gpu.throttle_reasons' AND " + w)
-        + " GROUP BY node_id, device) GROUP BY node_id", p)
+    if wb is not None:
+        throttled = per_node(bins.throttled_sql(wb[0]), wb[1])
+    else:
+        throttled = per_node(
+            "SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f "
+            "FROM host_samples WHERE "
+            + in_rowid_order("host_samples", "metric = 'gpu.throttle_reasons' AND " + w)
+            + " GROUP BY node_id, device) GROUP BY node_id", p)
     if throttled:
         add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
     blocks = _source(con, "block_events", windows, "b")
@@ -328,8 +338,10 @@ def _sync_wait(con, w, p) -> dict[int, float]:
     return out
 
 
-def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[dict]]:
+def cited_evidence(con, cause, target, windows, nodes,
+                   bins=None) -> tuple[list[str], list[dict]]:
     w, p = window_clause(windows)
+    wb = bins.clause(windows) if bins is not None else None
     secs = window_seconds(windows)
     ev: list[str] = []
     top: list[dict] = []
@@ -374,20 +386,24 @@ def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[
             ev.append(f"{bg} other retransmits in the windows belong to background traffic "
                       "(not the job's connections) and are not counted.")
     elif cause == "memory":
-        for metric, mx in con.execute(
-                f"SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
-                f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
-                f"GROUP BY metric ORDER BY metric", [target] + p):
+        sql, params = (
+            (bins.memory_peaks_sql(wb[0]), wb[1]) if wb is not None else
+            ("SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
+             f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
+             "GROUP BY metric ORDER BY metric", p))
+        for metric, mx in con.execute(sql, [target] + params):
             top.append({"metric": metric, "peak": round(mx, 1)})
         if top:
             ev.append("Memory pressure on the node: " + ", ".join(
                 f"{t['metric']} peaked at {t['peak']}" for t in top) + ".")
     elif cause == "gpu":
-        for dev, clk, temp in con.execute(
-                f"SELECT device, AVG(CASE WHEN metric = 'gpu.sm_clock_mhz' THEN value END), "
-                f"AVG(CASE WHEN metric = 'gpu.temp_c' THEN value END) FROM host_samples "
-                f"WHERE node_id = ? AND metric IN ('gpu.sm_clock_mhz', 'gpu.temp_c') AND {w} "
-                f"GROUP BY device ORDER BY 2 ASC LIMIT 3", [target] + p):
+        sql, params = (
+            (bins.gpu_devices_sql(wb[0]), wb[1]) if wb is not None else
+            ("SELECT device, AVG(CASE WHEN metric = 'gpu.sm_clock_mhz' THEN value END), "
+             "AVG(CASE WHEN metric = 'gpu.temp_c' THEN value END) FROM host_samples "
+             "WHERE node_id = ? AND metric IN ('gpu.sm_clock_mhz', 'gpu.temp_c') "
+             f"AND {w} GROUP BY device ORDER BY 2 ASC LIMIT 3", p))
+        for dev, clk, temp in con.execute(sql, [target] + params):
             top.append({"gpu": dev, "sm_clock_mhz": round(clk or 0), "temp_c": round(temp or 0, 1)})
         if top:
             on = gpu_ranks(con, target, process_ranks(con, target))
@@ -433,18 +449,23 @@ def next_step(cause, node: str, top: list[dict]) -> str:
             "threads with a healthy node's.")
 
 
-def cause_series(con, cause, target, t0, bin_ns) -> dict:
-    """The cause's main metric over time: the suspect node vs the other nodes' median."""
+def cause_series(con, cause, target, t0, bin_ns, bins=None) -> dict:
+    """The cause's main metric over time: the suspect node vs the other nodes' median
+    (from host_bins when its bins are the report's)."""
     metric = {"cpu": "psi.cpu.some_pct", "io": "psi.io.some_pct",
               "memory": "psi.memory.some_pct", "network": "tcp.retrans_segs_per_s",
               "gpu": "gpu.sm_clock_mhz"}[cause]
     agg = "MIN" if cause == "gpu" else "MAX"
     per: dict[int, dict[int, float]] = defaultdict(dict)
-    for nid, b, v in con.execute(
+    if bins is not None and bins.aligned:
+        rows = con.execute(bins.series_sql(agg), [metric])
+    else:
+        rows = con.execute(
             f"SELECT node_id, (timestamp_ns - ?) / ?, {agg}(v) FROM (SELECT node_id, "
             "timestamp_ns, device, value v FROM host_samples WHERE "
             f"{in_rowid_order('host_samples', 'metric = ?')}) "
-            f"GROUP BY node_id, (timestamp_ns - ?) / ?", [t0, bin_ns, metric, t0, bin_ns]):
+            f"GROUP BY node_id, (timestamp_ns - ?) / ?", [t0, bin_ns, metric, t0, bin_ns])
+    for nid, b, v in rows:
         if b is not None and b >= 0:
             per[b][nid] = v
     series = []
@@ -518,14 +539,17 @@ def capture_issues(con, nodes) -> list[dict]:
     return out + unknown_coverage(con, nodes)
 
 
-def capture_cost(con, nodes, metric: str = "capture.cpu_pct") -> dict[str, float]:
+def capture_cost(con, nodes, metric: str = "capture.cpu_pct",
+                 bins=None) -> dict[str, float]:
     """Per node, the capture's own mean CPU use (% of one core, host_samples
     capture.cpu_pct): what tracing cost the node. With capture.bpf_cpu_pct: its BPF
-    programs' in-kernel run time, recorded only where the kernel kept it."""
-    return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(
-        "SELECT node_id, AVG(value) FROM host_samples WHERE "
-        + in_rowid_order("host_samples", f"metric = '{metric}'")
-        + " GROUP BY node_id ORDER BY node_id")}
+    programs' in-kernel run time, recorded only where the kernel kept it. bins:
+    host_bins, which hold every sample of these metrics in some bin."""
+    sql = (bins.whole_run_mean_sql(metric) if bins is not None else
+           "SELECT node_id, AVG(value) FROM host_samples WHERE "
+           + in_rowid_order("host_samples", f"metric = '{metric}'")
+           + " GROUP BY node_id ORDER BY node_id")
+    return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(sql)}
 
 
 def inventory(con) -> dict:
