@@ -1,6 +1,7 @@
 """host_bins (merge/summaries.py) hold what host_samples hold, summed per node, metric,
-device and report bin: checked against the raw rows of simulated fleets, fresh and after
-bundles are added to a fleet.db."""
+device and report bin; job_block_io and sync_waits the rows of block_events and
+cuda_events the report reads, in its order: checked against the raw rows of simulated
+fleets, fresh and after bundles are added to a fleet.db."""
 
 import json
 import math
@@ -10,7 +11,8 @@ import pytest
 
 from ingero_forensics.db import connect_readonly
 from ingero_forensics.merge import merge_bundles
-from ingero_forensics.merge.summaries import HOST_BIN_METRICS, default_bin_s
+from ingero_forensics.merge.summaries import (HOST_BIN_METRICS, JOB_BLOCK, SYNC_WAIT_APIS,
+                                              default_bin_s)
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
 
 
@@ -45,6 +47,21 @@ def check(db):
         got = {(m, n, d, b): (k, t, pos, lo, hi) for m, n, d, b, k, t, pos, lo, hi in
                con.execute("SELECT metric, node_id, device, bin, samples, total, positive, "
                            "lo, hi FROM host_bins")}
+        # the projections: the same rows as the filters on the raw tables, stored in the
+        # order the report samples them (read without ORDER BY: the key's order)
+        blocks = con.execute("SELECT node_id, timestamp_ns, block_id, duration_ns "
+                             "FROM job_block_io").fetchall()
+        assert blocks == sorted(con.execute(
+            "SELECT b.node_id, b.timestamp_ns, b.id, b.duration_ns FROM block_events b "
+            f"WHERE {JOB_BLOCK}").fetchall())
+        n_block = con.execute("SELECT COUNT(*) FROM block_events").fetchone()[0]
+        assert 0 < len(blocks) < n_block      # other tenants' and writeback left out
+        waits = con.execute("SELECT node_id, pid, cuda_id, timestamp_ns, duration_ns "
+                            "FROM sync_waits").fetchall()
+        apis = ", ".join("?" * len(SYNC_WAIT_APIS))
+        assert waits and waits == sorted(con.execute(
+            "SELECT node_id, pid, id, timestamp_ns, duration_ns FROM cuda_events "
+            f"WHERE duration_ns IS NOT NULL AND api IN ({apis})", SYNC_WAIT_APIS).fetchall())
     finally:
         con.close()
     assert got.keys() == want.keys()

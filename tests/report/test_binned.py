@@ -1,7 +1,7 @@
-"""The host figures from host_bins (report/binned.py) are the figures from host_samples:
-the same analysis with and without the summary, on fleets whose straggler windows are
-part of the run; a version-3 fleet.db (no host_bins) and other bins (--bin) are read
-from host_samples as before."""
+"""The figures from fleet.db 4's summaries (host_bins: report/binned.py; job_block_io and
+sync_waits: merge/summaries.py) are the figures from the raw tables: the same analysis
+with and without them, on fleets whose straggler windows are part of the run; a
+version-3 fleet.db (none of them) and other bins (--bin) are read as before."""
 
 import shutil
 
@@ -53,18 +53,30 @@ def test_host_bins_give_the_figures_of_host_samples(fleets, no_bins, fault, extr
     assert binned.cause_series["points"] and binned.capture_cost
 
 
-def test_version_3_fleet_db_reads_host_samples(fleets, tmp_path):
-    db, _ = fleets("gpu", extra=("--fault-window", "20:50", "--fault-window", "80:100"))
+@pytest.mark.parametrize("fault, extra", [
+    ("gpu", ("--fault-window", "20:50", "--fault-window", "80:100")),
+    ("io", ("--fault-window", "40:90")),
+])
+def test_version_3_fleet_db_reads_the_raw_tables(fleets, tmp_path, fault, extra):
+    db, _ = fleets(fault, extra=extra)
     old = tmp_path / "fleet.db"
     shutil.copy(db, old)
     con = apsw.Connection(str(old))
-    con.execute("DROP TABLE host_bins")
+    for t in ("host_bins", "job_block_io", "sync_waits"):
+        con.execute(f"DROP TABLE {t}")
     con.execute("DELETE FROM fleet_info WHERE key = 'host_bins'")
     con.execute("PRAGMA user_version = 3")
     con.close()
     a, b = analyze_fleet(db), analyze_fleet(old)
     assert figures(a) == figures(b)
-    assert "host_bins" not in host_statements(b) and "host_samples" in host_statements(b)
+    assert a.cause == fault and a.windows
+    new, raw = host_statements(a), host_statements(b)
+    assert "host_bins" not in raw and "host_samples" in raw
+    sig_a = "\n".join(e["sql"] for k, v in a.sql.items() if k.startswith("signals") for e in v)
+    sig_b = "\n".join(e["sql"] for k, v in b.sql.items() if k.startswith("signals") for e in v)
+    assert "job_block_io" in sig_a and "sync_waits" in sig_a and "host_bins" in new
+    assert "job_block_io" not in sig_b and "FROM block_events" in sig_b
+    assert "sync_waits" not in sig_b and "FROM cuda_events" in sig_b
 
 
 def test_other_bins_read_host_samples_for_windows(fleets):
