@@ -46,6 +46,7 @@ from .copying import (CACHE_MB, FLEET_PAGE_SIZE, PASS1_TABLES, PASS3_TABLES, Cor
 from .files import MergeError, check_fleet, expand_inputs, lock_output
 from .inflight import settle_in_flight
 from .lateattach import infer_late_attach
+from .summaries import write_summaries
 from .fleet_schema import (FLEET_TABLES_BY_NAME, FLEET_VERSION, all_index_ddl, fleet_ddl,
                            index_ddl)
 from .ranks import process_ranks
@@ -442,6 +443,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
             for stmt in all_index_ddl():
                 con.execute(stmt)
             settle_in_flight(con)
+            write_summaries(con)    # the report's host_bins, from every table now in
     except BaseException:
         job.interrupt()
         if fl.builder is not None:

@@ -18,8 +18,9 @@ from ..bundle.schema import Column, C
 
 #: 2: clock_alignment causal bounds, collectives.completion_tight, sync_points.tight,
 #: cuda_events queued work (bundle format 1.1). 3: calls_in_flight (bundle format 1.1).
-#: An older fleet.db is not extended: merge its bundles again.
-FLEET_VERSION = 3
+#: 4: host_bins, job_block_io, sync_waits (merge/summaries.py). An older fleet.db is not extended: merge its
+#: bundles again.
+FLEET_VERSION = 4
 #: PRAGMA application_id of a fleet database: ASCII "INGM".
 FLEET_APPLICATION_ID = 0x494E474D
 
@@ -41,6 +42,8 @@ class FleetTable:
     constraints: tuple[str, ...] = ()
     #: True for tables copied from bundles (same name and columns as in a bundle)
     from_bundle: bool = False
+    #: stored in its primary key's order (a WITHOUT ROWID table)
+    without_rowid: bool = False
 
     @property
     def column_names(self) -> tuple[str, ...]:
@@ -126,6 +129,12 @@ def _bundle_derived() -> list[FleetTable]:
         idx = [("node_id",)] if t.name in ("processes", "threads", "clock_samples",
                                             "capture_log", "nccl_comm_events") else []
         for ix in t.indexes:
+            if t.name == "nccl_events" and ix == ("comm_id_hash", "seq"):
+                # The report's lateness reads each collective's entries as (node, entry
+                # time): from the index alone, not from every node's pages of the table
+                # (64 nodes: 1.4 s instead of 3.5 s; the wider index builds in the same
+                # time, 8-9 s there). It still serves (comm_id_hash, seq) lookups.
+                ix = ix + ("node_id", "timestamp_ns")
             idx.append(("node_id",) + ix if "pid" in ix else ix)
         # Per-thread timelines, read node by node (ingero-export): without these, every
         # node's read scans the whole table (measured: 2.3x slower per node at 16 nodes).
@@ -139,7 +148,8 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
     FleetTable("fleet_info", "Facts about the fleet database itself.", (
         C("key", "TEXT", False, "", "format_version, created_by, created_utc, updated_utc, "
           "alignment (JSON parameters of the last alignment, including sample_step: the k of "
-          "sync_points)."),
+          "sync_points), host_bins (JSON t0_ns and bin_ns of host_bins; absent without "
+          "collectives)."),
         C("value", "TEXT", False, "", "Value; JSON for structured values."),
     ), constraints=("PRIMARY KEY (key)",)),
     FleetTable("nodes", "One row per node: a (claimed name, hostname, boot_id) triple. Two "
@@ -313,6 +323,45 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "observations."),
     ), indexes=(("first_entry_ns",), ("last_node_id",)),
        constraints=("UNIQUE (comm_id_hash, seq)",)),
+    FleetTable("host_bins", "host_samples summed per node, metric, device and time bin of "
+               "the report (merge/summaries.py): the report's host figures read these "
+               "instead of every sample. Bins: fleet_info key host_bins gives t0_ns (the "
+               "first collective's entry) and bin_ns; a sample at t >= t0_ns is in bin "
+               "(t - t0_ns) / bin_ns, one before t0_ns in bin -1 - (t0_ns - t) / bin_ns. "
+               "Only the metrics the report reads, and of cpu.* metrics only the "
+               "whole-node rows (device NULL). Rewritten by every merge.", (
+        C("metric", "TEXT", False, "", "host_samples.metric."),
+        C("node_id", "INTEGER", False, "", "The node."),
+        C("device", "TEXT", True, "", "host_samples.device (NULL = whole node)."),
+        C("bin", "INTEGER", False, "", "Time bin (see above)."),
+        C("samples", "INTEGER", False, "", "Number of samples."),
+        C("total", "REAL", False, "per metric", "SUM(value): the mean over bins i to j is "
+          "SUM(total) / SUM(samples)."),
+        C("positive", "INTEGER", False, "", "Samples with value > 0 (gpu.throttle_reasons: "
+          "throttled)."),
+        C("lo", "REAL", False, "per metric", "MIN(value)."),
+        C("hi", "REAL", False, "per metric", "MAX(value)."),
+    ), indexes=(("metric", "bin"),)),
+    FleetTable("job_block_io", "The block requests of the job's own processes (issued by "
+               "a traced process or one of its threads: processes, threads), in node and "
+               "time order: the columns ingero-report's block I/O figures read "
+               "(merge/summaries.py). Rewritten by every merge.", (
+        C("node_id", "INTEGER", False, "", "The node."),
+        C("timestamp_ns", "INTEGER", False, ALIGNED_UNIT, "block_events.timestamp_ns."),
+        C("block_id", "INTEGER", False, "", "block_events.id."),
+        C("duration_ns", "INTEGER", False, "ns", "block_events.duration_ns."),
+    ), constraints=("PRIMARY KEY (node_id, timestamp_ns, block_id)",), without_rowid=True),
+    FleetTable("sync_waits", "Waits of the traced processes for their own GPU work: the "
+               "cuda_events rows of cudaEventSynchronize, cuEventSynchronize, "
+               "cudaDeviceSynchronize and cuCtxSynchronize with a duration, per process in "
+               "row order: the columns ingero-report's GPU wait figure reads "
+               "(merge/summaries.py). Rewritten by every merge.", (
+        C("node_id", "INTEGER", False, "", "The node."),
+        C("pid", "INTEGER", False, "", "cuda_events.pid."),
+        C("cuda_id", "INTEGER", False, "", "cuda_events.id."),
+        C("timestamp_ns", "INTEGER", False, ALIGNED_UNIT, "cuda_events.timestamp_ns."),
+        C("duration_ns", "INTEGER", False, "ns", "cuda_events.duration_ns."),
+    ), constraints=("PRIMARY KEY (node_id, pid, cuda_id)",), without_rowid=True),
     FleetTable("merge_log", "What the merge did: inputs skipped and why, rows skipped, "
                "node name conflicts, already-merged bundles, liar clocks.", (
         C("id", "INTEGER", False, "", "Row id."),
@@ -381,7 +430,8 @@ def _column_ddl(table: FleetTable, col: Column) -> str:
 
 def table_ddl(table: FleetTable) -> str:
     parts = [_column_ddl(table, c) for c in table.columns] + list(table.constraints)
-    return f"CREATE TABLE {table.name} (\n  " + ",\n  ".join(parts) + "\n)"
+    return (f"CREATE TABLE {table.name} (\n  " + ",\n  ".join(parts) + "\n)"
+            + (" WITHOUT ROWID" if table.without_rowid else ""))
 
 
 def index_ddl(table: FleetTable) -> list[str]:
@@ -413,7 +463,8 @@ def render_markdown() -> str:
                 doc += " Values: " + ", ".join(f"`{v}`" for v in c.values) + "."
             out.append(f"| `{c.name}` | {c.type} | {'yes' if c.nullable else 'no'} | "
                        f"{c.unit} | {doc.replace('|', '/')} |")
-        extra = list(t.constraints) + [f"index ({', '.join(ix)})" for ix in t.indexes]
+        extra = list(t.constraints) + [f"index ({', '.join(ix)})" for ix in t.indexes] \
+            + (["WITHOUT ROWID"] if t.without_rowid else [])
         if extra:
             out.append("\nConstraints and indexes: " + "; ".join(extra) + ".")
         out.append("")

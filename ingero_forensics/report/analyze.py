@@ -44,9 +44,11 @@ from statistics import NormalDist
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..merge.ranks import process_ranks
+from ..merge.summaries import default_bin_s
 from .commands import next_commands
 from .host import host_view
 from .hangs import find_hangs, hang_text
+from .binned import HostBins
 from .lateattach import inferred_communicators, unmatched_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
@@ -282,10 +284,10 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     n_coll = span[2]
     n_ranks = len({r for _, rk in nodes.values() for r in rk})
     if bin_s is None:
-        # about 100 bins over the run, between 0.25 s and 10 s each
-        dur_s = ((span[1] or 0) - (span[0] or 0)) / 1e9
-        bin_s = min(10.0, max(0.25, dur_s / 100)) if dur_s > 0 else 1.0
+        bin_s = default_bin_s(span[0], span[1])   # the merge's host_bins use the same
     bin_ns = int(bin_s * 1e9)
+    # the host figures from host_bins when this fleet.db has them (binned.py)
+    hb = HostBins.open(con, span[0], bin_ns) if span[0] is not None else None
     a = Analysis(fleet=path.name, nodes=len(nodes), ranks=n_ranks, collectives=n_coll,
                  start_ns=span[0], end_ns=span[1], bin_ns=bin_ns, noise_ms=0.0)
     with con.figure("inventory"):
@@ -295,9 +297,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     with con.figure("capture_issues"):
         a.capture_issues = capture_issues(con, nodes)
     with con.figure("capture_cost"):
-        a.capture_cost = capture_cost(con, nodes)
+        a.capture_cost = capture_cost(con, nodes, bins=hb)
     with con.figure("capture_bpf_cost"):
-        a.capture_bpf_cost = capture_cost(con, nodes, "capture.bpf_cpu_pct")
+        a.capture_bpf_cost = capture_cost(con, nodes, "capture.bpf_cpu_pct", bins=hb)
     if first_row is None or len(nodes) < 2:
         a.inconclusive = True
         a.cause_confidence = "none"
@@ -411,7 +413,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
                                                      n_bins, n_coll)
     for st in a.stragglers:
-        _diagnose(con, st, list(nodes), nodes, network=False)
+        _diagnose(con, st, list(nodes), nodes, network=False, bins=hb)
     if network_suspect is not None and a.stragglers:
         # A lossy link delays the ranks downstream of it too: they start the next step
         # late and look late. Late nodes with no clear cause of their own are its
@@ -475,7 +477,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                             relative_uncertainty_ms=_pair_uncertainty_ms(network_suspect,
                                                                          rel_unc),
                             clock_caveat=False)
-        _diagnose(con, primary, list(nodes), nodes, network=True)
+        _diagnose(con, primary, list(nodes), nodes, network=True, bins=hb)
         if a.victims:
             primary.evidence.append(
                 ", ".join(a.victims) + (" arrived late too, with no cause of its own: "
@@ -489,7 +491,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
     a.next_step = primary.next_step
     with con.figure("cause_series"):
-        a.cause_series = cause_series(con, a.cause, primary.node_id, t0, bin_ns) if a.cause else {}
+        a.cause_series = (cause_series(con, a.cause, primary.node_id, t0, bin_ns, hb)
+                          if a.cause else {})
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
     a.verdict = _verdict(a, network_suspect is not None)
@@ -536,11 +539,11 @@ def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
     return round((mine + (median(peers) if peers else 0.0)) / 1e3, 3)
 
 
-def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
+def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None) -> None:
     """Score every cause on the straggler in its windows; name the best if it is clear."""
     windows = [(w.start_ns, w.end_ns) for w in st.windows]
     with con.figure(f"signals:{st.node_id}"):
-        st.signals = node_signals(con, st.node_id, node_ids, windows)
+        st.signals = node_signals(con, st.node_id, node_ids, windows, bins)
     scores = {c: max((s.score for s in st.signals if s.cause == c), default=0.0)
               for c in CAUSES}
     if network:
@@ -558,7 +561,8 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool) -> None:
     if st.clock_caveat and st.cause_confidence == "clear":
         st.cause_confidence = "weak"
     with con.figure(f"evidence:{st.node_id}"):
-        st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes)
+        st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes,
+                                                       bins)
     st.next_step = next_step(st.cause, st.node, st.top_offenders)
 
 

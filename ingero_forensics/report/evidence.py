@@ -17,9 +17,10 @@ import random
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import itemgetter, truediv
 
 from ..merge.ranks import process_ranks
+from ..merge.summaries import JOB_BLOCK, SYNC_WAIT_APIS
 from .capturelog import unknown_coverage
 from .gpus import gpu_ranks
 
@@ -190,12 +191,13 @@ def window_seconds(windows) -> float:
     return sum(e - s for s, e in windows) / 1e9 or 1.0
 
 
-def node_signals(con, target, node_ids, windows) -> list[Signal]:
+def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
     """Per-cause signals on the suspect vs the other nodes over the same windows.
 
     The score is a robust deviation: (suspect - median of others) / max(spread of others,
     a per-signal floor). The floor is the smallest difference an operator would call
     noticeable, so a flat fleet (spread ~ 0) cannot turn noise into a verdict.
+    bins: host_bins (binned.py), for the host metrics when they answer for windows.
     """
     secs = window_seconds(windows)
     others = [n for n in node_ids if n != target]
@@ -215,6 +217,7 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
                           round(dev / max(spread, floor, relative * abs(med)), 2)))
 
     w, p = window_clause(windows)
+    wb = bins.clause(windows) if bins is not None else None
 
     def per_node(sql, params=()):
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
@@ -238,30 +241,34 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
         agg = "MIN" if inverse else "MAX"
         # per node: the worst device's mean over the windows (GPU: one GPU may be the culprit);
         # CPU metrics: the whole-node row only
-        vals = per_node(
-            f"SELECT node_id, {agg}(v) FROM (SELECT node_id, device, AVG(value) v "
-            f"FROM host_samples WHERE {in_rowid_order('host_samples', 'metric = ? AND ' + w)} "
-            "AND (device IS NULL OR metric NOT LIKE 'cpu.%') GROUP BY node_id, device) "
-            "GROUP BY node_id", [metric] + p)
+        if wb is not None:
+            vals = per_node(bins.signal_sql(agg, wb[0]), [metric] + wb[1])
+        else:
+            vals = per_node(
+                f"SELECT node_id, {agg}(v) FROM (SELECT node_id, device, AVG(value) v "
+                f"FROM host_samples WHERE "
+                f"{in_rowid_order('host_samples', 'metric = ? AND ' + w)} "
+                "AND (device IS NULL OR metric NOT LIKE 'cpu.%') GROUP BY node_id, device) "
+                "GROUP BY node_id", [metric] + p)
         if vals:
             add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else ""),
                 vals, floor, inverse)
-    throttled = per_node(
-        "SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f FROM host_samples "
-        "WHERE " + in_rowid_order("host_samples", "metric = 'gpu.throttle_reasons' AND " + w)
-        + " GROUP BY node_id, device) GROUP BY node_id", p)
+    if wb is not None:
+        throttled = per_node(bins.throttled_sql(wb[0]), wb[1])
+    else:
+        throttled = per_node(
+            "SELECT node_id, MAX(f) FROM (SELECT node_id, device, AVG(value > 0) f "
+            "FROM host_samples WHERE "
+            + in_rowid_order("host_samples", "metric = 'gpu.throttle_reasons' AND " + w)
+            + " GROUP BY node_id, device) GROUP BY node_id", p)
     if throttled:
         add("gpu", "share of samples with clocks throttled (worst GPU)", throttled, 0.05)
-    blocks = _source(con, "block_events", windows, "b")
-    add("io", "block I/O latency p95 of the job's processes (ms)",
-        _block_p95(con, blocks, w, p), 2.0)
+    p95, total = _block_io(con, windows, w, p)
+    add("io", "block I/O latency p95 of the job's processes (ms)", p95, 2.0)
     # a fast disk asked for far more (a cold shard, O_DIRECT reads, fsyncs) stalls the
     # job without any slow request: the time its requests took, per second
     add("io", "block I/O time of the job's processes (ms per s)",
-        {k: v / 1e6 / secs for k, v in per_node(
-            f"SELECT b.node_id, SUM(b.duration_ns) FROM {blocks} WHERE "
-            f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {_JOB_IO} "
-            "GROUP BY b.node_id", p).items()}, 5.0, relative=0.1)
+        {k: v / 1e6 / secs for k, v in total.items()}, 5.0, relative=0.1)
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
@@ -271,11 +278,6 @@ def node_signals(con, target, node_ids, windows) -> list[Signal]:
     return out
 
 
-#: SQL: block request b was issued by one of its node's traced processes or their threads
-#: (row values against each table once, not a subquery per request).
-JOB_BLOCK = ("((b.node_id, b.pid) IN (SELECT node_id, pid FROM processes) OR "
-             "(b.node_id, b.tid) IN (SELECT node_id, tid FROM threads))")
-_JOB_IO = JOB_BLOCK
 
 
 def _source(con, table: str, windows, alias: str = "") -> str:
@@ -295,17 +297,31 @@ def _source(con, table: str, windows, alias: str = "") -> str:
     return f"{name} NOT INDEXED" if 3 * covered >= hi - lo else name
 
 
-def _block_p95(con, blocks, w, p) -> dict[int, float]:
-    """Per node, the p95 latency of block requests its job's processes issued (a traced
-    process or one of its threads); writeback and other tenants do not count."""
+def _block_io(con, windows, w, p) -> tuple[dict[int, float], dict[int, int]]:
+    """Per node, the p95 latency (ms) of block requests its job's processes issued (a
+    traced process or one of its threads; writeback and other tenants do not count),
+    and the sum of their durations (ns), from one read of the requests: the two
+    figures need the same rows (3 M requests at 64 nodes: 1.8 s a pass)."""
     # The reservoir's sample depends on the order values come in: each node's in time
-    # order (then row id), said in the ORDER BY, and fed node by node at C speed.
-    return {nid: quantile(Reservoir(SAMPLE, seed=nid).extend(map(itemgetter(1), rows)).values,
-                          0.95)
-            for nid, rows in itertools.groupby(con.execute(
-                f"SELECT b.node_id, b.duration_ns / 1e6 FROM {blocks} WHERE "
-                f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK} "
-                "ORDER BY b.node_id, b.timestamp_ns, b.id", p), key=itemgetter(0))}
+    # order (then row id), said in the ORDER BY, and fed node by node at C speed; ns to
+    # ms as SQLite's duration_ns / 1e6 does it (the integer made a double, divided).
+    # fleet.db 4 has these requests apart, in that order (merge/summaries.py).
+    if table_exists(con, "job_block_io"):
+        sql = ("SELECT node_id, duration_ns FROM job_block_io WHERE "
+               f"{w} ORDER BY node_id, timestamp_ns, block_id")
+    else:
+        sql = (f"SELECT b.node_id, b.duration_ns FROM "
+               f"{_source(con, 'block_events', windows, 'b')} WHERE "
+               f"{w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK} "
+               "ORDER BY b.node_id, b.timestamp_ns, b.id")
+    p95: dict[int, float] = {}
+    total: dict[int, int] = {}
+    for nid, rows in itertools.groupby(con.execute(sql, p), key=itemgetter(0)):
+        ns = array("q", map(itemgetter(1), rows))
+        total[nid] = sum(ns)
+        p95[nid] = quantile(Reservoir(SAMPLE, seed=nid).extend(
+            map(truediv, ns, itertools.repeat(1e6))).values, 0.95)
+    return p95, total
 
 
 def _sync_wait(con, w, p) -> dict[int, float]:
@@ -316,20 +332,27 @@ def _sync_wait(con, w, p) -> dict[int, float]:
     # process's waits are sampled at C speed. NOT INDEXED: the api filter leaves a
     # sixth of the table, read whole and in order (an index on node_id would fetch
     # those rows one by one).
+    # fleet.db 4 has these waits apart, in that order (merge/summaries.py).
+    if table_exists(con, "sync_waits"):
+        sql = ("SELECT node_id, pid, duration_ns / 1e6 FROM sync_waits "
+               f"WHERE {w} ORDER BY node_id, pid, cuda_id")
+    else:
+        sql = ("SELECT node_id, pid, duration_ns / 1e6 FROM cuda_events NOT INDEXED "
+               "WHERE duration_ns IS NOT NULL AND api IN ("
+               + ", ".join(f"'{a}'" for a in SYNC_WAIT_APIS) + f") AND {w} "
+               "ORDER BY node_id, pid, id")
     out: dict[int, float] = {}
-    for (nid, pid), rows in itertools.groupby(con.execute(
-            "SELECT node_id, pid, duration_ns / 1e6 FROM cuda_events NOT INDEXED "
-            "WHERE duration_ns IS NOT NULL AND api IN ('cudaEventSynchronize', "
-            f"'cuEventSynchronize', 'cudaDeviceSynchronize', 'cuCtxSynchronize') AND {w} "
-            "ORDER BY node_id, pid, id", p), key=itemgetter(0, 1)):
+    for (nid, pid), rows in itertools.groupby(con.execute(sql, p), key=itemgetter(0, 1)):
         sample = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid).extend(
             map(itemgetter(2), rows)).values
         out[nid] = max(out.get(nid, 0.0), median(sample))
     return out
 
 
-def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[dict]]:
+def cited_evidence(con, cause, target, windows, nodes,
+                   bins=None) -> tuple[list[str], list[dict]]:
     w, p = window_clause(windows)
+    wb = bins.clause(windows) if bins is not None else None
     secs = window_seconds(windows)
     ev: list[str] = []
     top: list[dict] = []
@@ -374,20 +397,24 @@ def cited_evidence(con, cause, target, windows, nodes) -> tuple[list[str], list[
             ev.append(f"{bg} other retransmits in the windows belong to background traffic "
                       "(not the job's connections) and are not counted.")
     elif cause == "memory":
-        for metric, mx in con.execute(
-                f"SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
-                f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
-                f"GROUP BY metric ORDER BY metric", [target] + p):
+        sql, params = (
+            (bins.memory_peaks_sql(wb[0]), wb[1]) if wb is not None else
+            ("SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
+             f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
+             "GROUP BY metric ORDER BY metric", p))
+        for metric, mx in con.execute(sql, [target] + params):
             top.append({"metric": metric, "peak": round(mx, 1)})
         if top:
             ev.append("Memory pressure on the node: " + ", ".join(
                 f"{t['metric']} peaked at {t['peak']}" for t in top) + ".")
     elif cause == "gpu":
-        for dev, clk, temp in con.execute(
-                f"SELECT device, AVG(CASE WHEN metric = 'gpu.sm_clock_mhz' THEN value END), "
-                f"AVG(CASE WHEN metric = 'gpu.temp_c' THEN value END) FROM host_samples "
-                f"WHERE node_id = ? AND metric IN ('gpu.sm_clock_mhz', 'gpu.temp_c') AND {w} "
-                f"GROUP BY device ORDER BY 2 ASC LIMIT 3", [target] + p):
+        sql, params = (
+            (bins.gpu_devices_sql(wb[0]), wb[1]) if wb is not None else
+            ("SELECT device, AVG(CASE WHEN metric = 'gpu.sm_clock_mhz' THEN value END), "
+             "AVG(CASE WHEN metric = 'gpu.temp_c' THEN value END) FROM host_samples "
+             "WHERE node_id = ? AND metric IN ('gpu.sm_clock_mhz', 'gpu.temp_c') "
+             f"AND {w} GROUP BY device ORDER BY 2 ASC LIMIT 3", p))
+        for dev, clk, temp in con.execute(sql, [target] + params):
             top.append({"gpu": dev, "sm_clock_mhz": round(clk or 0), "temp_c": round(temp or 0, 1)})
         if top:
             on = gpu_ranks(con, target, process_ranks(con, target))
@@ -433,18 +460,23 @@ def next_step(cause, node: str, top: list[dict]) -> str:
             "threads with a healthy node's.")
 
 
-def cause_series(con, cause, target, t0, bin_ns) -> dict:
-    """The cause's main metric over time: the suspect node vs the other nodes' median."""
+def cause_series(con, cause, target, t0, bin_ns, bins=None) -> dict:
+    """The cause's main metric over time: the suspect node vs the other nodes' median
+    (from host_bins when its bins are the report's)."""
     metric = {"cpu": "psi.cpu.some_pct", "io": "psi.io.some_pct",
               "memory": "psi.memory.some_pct", "network": "tcp.retrans_segs_per_s",
               "gpu": "gpu.sm_clock_mhz"}[cause]
     agg = "MIN" if cause == "gpu" else "MAX"
     per: dict[int, dict[int, float]] = defaultdict(dict)
-    for nid, b, v in con.execute(
+    if bins is not None and bins.aligned:
+        rows = con.execute(bins.series_sql(agg), [metric])
+    else:
+        rows = con.execute(
             f"SELECT node_id, (timestamp_ns - ?) / ?, {agg}(v) FROM (SELECT node_id, "
             "timestamp_ns, device, value v FROM host_samples WHERE "
             f"{in_rowid_order('host_samples', 'metric = ?')}) "
-            f"GROUP BY node_id, (timestamp_ns - ?) / ?", [t0, bin_ns, metric, t0, bin_ns]):
+            f"GROUP BY node_id, (timestamp_ns - ?) / ?", [t0, bin_ns, metric, t0, bin_ns])
+    for nid, b, v in rows:
         if b is not None and b >= 0:
             per[b][nid] = v
     series = []
@@ -518,14 +550,17 @@ def capture_issues(con, nodes) -> list[dict]:
     return out + unknown_coverage(con, nodes)
 
 
-def capture_cost(con, nodes, metric: str = "capture.cpu_pct") -> dict[str, float]:
+def capture_cost(con, nodes, metric: str = "capture.cpu_pct",
+                 bins=None) -> dict[str, float]:
     """Per node, the capture's own mean CPU use (% of one core, host_samples
     capture.cpu_pct): what tracing cost the node. With capture.bpf_cpu_pct: its BPF
-    programs' in-kernel run time, recorded only where the kernel kept it."""
-    return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(
-        "SELECT node_id, AVG(value) FROM host_samples WHERE "
-        + in_rowid_order("host_samples", f"metric = '{metric}'")
-        + " GROUP BY node_id ORDER BY node_id")}
+    programs' in-kernel run time, recorded only where the kernel kept it. bins:
+    host_bins, which hold every sample of these metrics in some bin."""
+    sql = (bins.whole_run_mean_sql(metric) if bins is not None else
+           "SELECT node_id, AVG(value) FROM host_samples WHERE "
+           + in_rowid_order("host_samples", f"metric = '{metric}'")
+           + " GROUP BY node_id ORDER BY node_id")
+    return {nodes.get(nid, ("?",))[0]: round(v, 2) for nid, v in con.execute(sql)}
 
 
 def inventory(con) -> dict:

@@ -6,6 +6,8 @@ import shutil
 import sqlite3
 import subprocess
 
+from ingero_forensics.merge.summaries import write_summaries
+
 from .conftest import build_fleet
 
 
@@ -34,6 +36,7 @@ def test_bpf_run_time_shown_only_where_recorded(tmp_path):
                     "bundle_id, mono_ns) VALUES (?, 'capture.bpf_cpu_pct', NULL, ?, ?, ?, ?)",
                     [(t0 + k * 1_000_000_000, v, node_id, bundle_id, k)
                      for k, v in enumerate((0.5, 0.7))])
+    write_summaries(con)     # as a merge of such bundles would (host_bins)
     con.commit()
     con.close()
     got = json.loads(report(with_bpf, "--json"))
