@@ -119,7 +119,16 @@ def test_nccl_rows_from_a_packed_record():
     (row,) = Sink.rows["nccl_events"]
     assert row[:15] == (100, 50, "REDUCE_SCATTER", 1, 4, "0000000000000abc", 3, 1000,
                         "float32", "avg", None, 7, 1000 * 4 * 4, 0, 0)
-    assert row[15:] == (11, 12, None)
+    # pid, tid, stack; the ncclComm_t; no handle_seq for a communicator whose init was seen
+    assert row[15:] == (11, 12, None, 0x1000, None)
+    # known = 2: a communicator first seen at a collective (the capture attached after its
+    # init): no hash, seq or rank; the per-handle counter goes to handle_seq
+    late = nccl.EVENT.pack(100, 50, 0, 0, 1000, 7, 0x2000, 5, 0, 11, 12, -1, 0, -1, -1,
+                           7, 4, -1, -1, -1, 0, 0, nccl.NCCL_OPS.index("ALL_REDUCE"), 2)
+    src.handle([late], Sink())
+    row = Sink.rows["nccl_events"][-1]
+    assert (row[3], row[4], row[5], row[6]) == (None, None, None, None)
+    assert row[-2:] == (0x2000, 5)
 
 
 def test_redop_names():
