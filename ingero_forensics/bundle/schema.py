@@ -358,6 +358,13 @@ TABLES: tuple[Table, ...] = (
         C("bytes", "INTEGER", True, "bytes", "As nccl_events.bytes or cuda_events.bytes."),
         C("device", "INTEGER", True, "", "CUDA device ordinal, when known."),
         _PID, _TID, _STACK,
+        Column("comm_handle", "INTEGER", True, "",
+               "NCCL calls: the ncclComm_t, as nccl_events.comm_handle.", required=False),
+        Column("handle_seq", "INTEGER", True, "",
+               "A collective on a communicator created before the capture attached "
+               "(comm_id_hash NULL): its handle_seq, as in nccl_events; the merge gives it "
+               "the inferred comm_id_hash and seq like the stream's other calls.",
+               required=False),
     ), indexes=(("pid", "tid", "timestamp_ns"),), required=False),
 )
 

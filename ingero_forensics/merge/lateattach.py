@@ -744,7 +744,10 @@ def infer_late_attach(fl, pending: list) -> list[dict]:
         mine = {k: v for k, v in plan.items()
                 if k[0] == item["node_id"] and item["bundle_id"] in streams[k].bundle_ids}
         if mine:
-            _rewrite_image(item["bundle"].db_path, mine)
+            _rewrite_image(item["bundle"].db_path, mine,
+                           in_flight="calls_in_flight" not in item["bundle"].absent_tables
+                           and column_or_null(item["bundle"], "calls_in_flight",
+                                              "handle_seq") != "NULL")
             changed.append(item)
     alone = sum(1 for r in records if r["basis"] == "alone")
     joined = {r["comm_id_hash"] for r in records if r["basis"] != "alone"}
@@ -756,9 +759,11 @@ def infer_late_attach(fl, pending: list) -> list[dict]:
     return changed
 
 
-def _rewrite_image(db_path, plan: dict) -> None:
+def _rewrite_image(db_path, plan: dict, in_flight: bool = False) -> None:
     """Write the inferred identities into the merge's own copy of a bundle (hardened:
-    no trigger stored in the file runs)."""
+    no trigger stored in the file runs); with ``in_flight``, also into its calls still
+    open at a seal or the stop (entered after the run's last completed call, so the span
+    of a run reaches up to the next run's first call)."""
     import apsw
 
     from ..db import harden
@@ -775,5 +780,19 @@ def _rewrite_image(db_path, plan: dict) -> None:
                 "AND typeof(handle_seq) = 'integer' AND timestamp_ns BETWEEN ? AND ?",
                 [(h, off, rank, nranks, pid, handle, lo, hi)
                  for (_, pid, handle, _), (h, off, rank, nranks, (lo, hi)) in plan.items()])
+            if in_flight:
+                starts: dict = {}
+                for (_, pid, handle, _), (*_, (lo, _hi)) in plan.items():
+                    starts.setdefault((pid, handle), []).append(lo)
+                rows = []
+                for (_, pid, handle, _), (h, off, rank, nranks, (lo, _hi)) in plan.items():
+                    later = [x for x in starts[(pid, handle)] if x > lo]
+                    rows.append((h, off, rank, nranks, pid, handle, lo,
+                                 min(later) - 1 if later else (1 << 62)))
+                con.executemany(
+                    "UPDATE calls_in_flight SET comm_id_hash = ?, seq = handle_seq + ?, "
+                    "rank = ?, nranks = ? WHERE pid = ? AND comm_handle = ? AND "
+                    "comm_id_hash IS NULL AND typeof(handle_seq) = 'integer' AND "
+                    "timestamp_ns BETWEEN ? AND ?", rows)
     finally:
         con.close()

@@ -113,9 +113,13 @@ def sample_rows(stack_a: int | None, stack_b: int | None) -> dict[str, list[tupl
         "calls_in_flight": [
             (T0 + 900, T0 + 60_000 * ms, "stop", "nccl", "ncclAllReduce", "ALL_REDUCE",
              "0123456789abcdef", 601, 3, 8, 1024, "float32", None, 0, 4096, None, 4242, 4250,
-             stack_a),
+             stack_a, 94_558_208_000, None),
             (T0 + 950, T0 + 60_000 * ms, "seal", "cuda", "cudaStreamSynchronize", None, None,
-             None, None, None, None, None, None, 7, None, 0, 4242, 4251, None),
+             None, None, None, None, None, None, 7, None, 0, 4242, 4251, None, None, None),
+            # a collective on a communicator created before the capture attached
+            (T0 + 990, T0 + 60_000 * ms, "stop", "nccl", "ncclAllReduce", "ALL_REDUCE",
+             None, None, None, None, 1024, "float32", None, 0, 4096, None, 4242, 4252, None,
+             94_558_300_160, 8),
         ],
     }
 

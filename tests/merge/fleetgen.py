@@ -52,7 +52,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                host_of=None, stacks=True, comm="00c0ffee00c0ffee",
                name_prefix="node", queued=0, claims=True, straggler_every=10,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
-               wakeup_rows=True, late_attach=None, shapes=1) -> Fleet:
+               wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
@@ -64,7 +64,9 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     seconds into the job when its capture attached, after the communicator's init: its
     collectives carry no comm_id_hash, seq or rank, only comm_handle and handle_seq
     counted from the attach, as the capture writes them. shapes: the collectives cycle
-    through this many element counts (a training step's buckets)."""
+    through this many element counts (a training step's buckets). late_in_flight: each
+    late process's last segment also records an ncclAllReduce still open at the stop,
+    entered 50 ms after its last call (its handle_seq the next one)."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -171,6 +173,14 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                            if _true(tr, row[0]) >= T_JOB + late_attach[ni] * 1e9]
                 if table == "nccl_events" and ni in (late_attach or {}):
                     sel = [_late_row(row, late_seen) for row in sel]
+                    if late_in_flight and k == segments - 1:
+                        for pid in sorted({row[15] for row in sel}):
+                            last = max(row for row in sel if row[15] == pid)
+                            w.add("calls_in_flight", (
+                                last[0] + 50_000_000, tr.mono(hi) - 1, "stop", "nccl",
+                                "ncclAllReduce", "ALL_REDUCE", None, None, None, None,
+                                last[7], "float32", None, 7, last[12], None, pid, pid, None,
+                                last[-2], late_seen[pid] + 1))
                 w.add_many(table, sel)
             for r in range(ranks_per_node):
                 rank = ni * ranks_per_node + r

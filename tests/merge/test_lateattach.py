@@ -277,3 +277,21 @@ def test_hostile_counter_values_are_skipped_with_one_line(tmp_path, monkeypatch)
     assert "invalid rows of nccl_events skipped" in p.stderr
     assert rows(db, "SELECT COUNT(*) FROM nccl_events WHERE pid = 1000")[0][0] == 0
     assert rows(db, "SELECT COUNT(DISTINCT pid) FROM inferred_comms")[0][0] == 2
+
+
+def test_calls_in_flight_of_a_late_communicator_get_its_identity(tmp_path):
+    """A collective still open at the stop on a communicator the capture saw only from
+    the attach: the merge numbers it like the stream's other calls (the next seq), so a
+    hang on it can be named."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=10, seed=8,
+                       step_ms=STEP_MS, shapes=4, late_attach={0: 1.0, 1: 2.0, 2: 1.5, 3: 3},
+                       retransmits=False, late_in_flight=True)
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths, db)
+    open_calls = rows(db, "SELECT f.pid, f.comm_id_hash, f.seq, (SELECT MAX(e.seq) FROM "
+                          "nccl_events e WHERE e.pid = f.pid), (SELECT DISTINCT e.comm_id_hash "
+                          "FROM nccl_events e WHERE e.pid = f.pid) FROM calls_in_flight f "
+                          "ORDER BY f.pid")
+    assert len(open_calls) == 4, open_calls
+    for pid, h, seq, last, h_rows in open_calls:
+        assert h == h_rows and seq == last + 1, open_calls

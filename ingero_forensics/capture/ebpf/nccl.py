@@ -477,5 +477,7 @@ class NcclSource(BccSource):
                          c.seq if known and c.kind == 0 else None,
                          c.rank if c.rank >= 0 else None, c.nranks if c.nranks >= 0 else None)
                         + args + (None, c.tgid, tid,
-                                  self.stack_row_id(sink, c.tgid, c.stack_id, c.ret_addr)))
+                                  self.stack_row_id(sink, c.tgid, c.stack_id, c.ret_addr),
+                                  signed64(c.comm) or None,
+                                  c.seq if c.known == 2 and c.kind == 0 else None))
         return rows
