@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ingero_forensics.merge.lateattach import Stream, group_streams  # noqa: E402
+from ingero_forensics.merge.lateattach import Stream, group_streams, shape  # noqa: E402
 
 MS = 1_000_000
 PER_STEP, STEP_NS = 4, 270 * MS
@@ -37,7 +38,7 @@ def streams(n: int, calls: int, seed: int = 1) -> list[Stream]:
             step, pos = divmod(start + i, PER_STEP)
             s.seqs.append(i + 1)
             s.times.append(step * STEP_NS + pos * 20 * MS + rng.randint(0, 2 * MS) + late)
-            s.shapes.append(("ALL_REDUCE", 100 + pos, "float32", "sum", None))
+            s.shapes.append(shape("ALL_REDUCE", 100 + pos, "float32", "sum", None))
             s.observed.append(step * STEP_NS + 170 * MS)
         out.append(s)
     return out
@@ -59,7 +60,9 @@ def main() -> None:
     sizes = sorted((len(g.members) for g in groups), reverse=True)
     print(f"late-attach matching: {args.streams} streams x {args.calls:,} calls in "
           f"{wall:.2f} s ({wall / args.streams * 1e3:.1f} ms per stream); groups "
-          f"{sizes[:4]}{' ...' if len(sizes) > 4 else ''}, left alone {len(why)}")
+          f"{sizes[:4]}{' ...' if len(sizes) > 4 else ''}, left alone {len(why)}; peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB (the "
+          "streams built in memory included)")
     if sizes != [args.streams]:
         sys.exit("not one communicator: the matching is wrong")
 

@@ -42,8 +42,10 @@ processes (look-alike communicators in lockstep are matched as one).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import statistics
+from array import array
 from dataclasses import dataclass, field
 
 from ..bundle.reader import column_or_null
@@ -71,6 +73,8 @@ CAUSAL_SLACK_NS = 1_000_000
 #: carry no maxerror.
 DEFAULT_SYNC_ERROR_NS = 10_000_000
 _P2P = ("SEND", "RECV")
+#: Stream.observed where no synchronization followed the call
+NO_OBS = -(1 << 63)
 
 
 @dataclass
@@ -80,8 +84,10 @@ class Stream:
     pid: int
     handle: int
     bundle_ids: set = field(default_factory=set)
-    seqs: list = field(default_factory=list)     # handle_seq (or final seq, if old)
-    times: list = field(default_factory=list)    # approximate common time, ns
+    # per call, in counter order; arrays of int64 and interned shape tuples: a fleet's
+    # late calls are millions (32 bytes each here, about 260 as Python objects)
+    seqs: array = field(default_factory=lambda: array("q"))   # handle_seq (or final seq)
+    times: array = field(default_factory=lambda: array("q"))  # approximate common time, ns
     shapes: list = field(default_factory=list)
     old: tuple | None = None      # (comm_id_hash, seq_offset): numbered already (a
     #                               communicator whose init was seen, or an earlier merge)
@@ -89,15 +95,21 @@ class Stream:
     world_size: int | None = None
     nranks: int | None = None     # a communicator whose init was seen: its size
     #: per call, the return of the process's first synchronization that started after
-    #: the call's entry (same common time; None where none): it ended after the
+    #: the call's entry (same common time; NO_OBS where none): it ended after the
     #: collective completed, so after every rank's entry into it
-    observed: list = field(default_factory=list)
+    observed: array = field(default_factory=lambda: array("q"))
     #: CLOCK_MONOTONIC of its first call (names the capture run: a second capture on the
     #: same process counts from 1 again) and the raw span of this merge's rows
     first_mono: int = 0
     rows_span: tuple = (0, 0)
     last_handle_seq: int = 0
     clock_err: int | None = 0     # what its clock samples claim (place())
+
+    def __post_init__(self):
+        # lists (tests, callers) become arrays; None: no observation
+        self.seqs = array("q", self.seqs)
+        self.times = array("q", self.times)
+        self.observed = array("q", (NO_OBS if o is None else o for o in self.observed))
 
     @property
     def key(self):
@@ -121,6 +133,7 @@ class Group:
         return {(s.node_id, s.pid) for s, _, _ in self.members.values()}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def shape(op, count, datatype, redop, peer):
     """What every rank of a communicator passes alike (a p2p call's peer differs)."""
     if op in _P2P:
@@ -183,8 +196,8 @@ def place(s: "Stream", clocks: dict) -> None:
     off = statistics.median_low(offs)
     errs = [e for _, _, e in span]
     s.clock_err = None if None in errs else max(errs) + (max(offs) - min(offs))
-    s.times = [t + off for t in s.times]
-    s.observed = [None if t is None else t + off for t in s.observed]
+    s.times = array("q", (t + off for t in s.times))
+    s.observed = array("q", (t if t == NO_OBS else t + off for t in s.observed))
 
 
 def pair_error(clocks: dict, a: "Stream", b: "Stream") -> int | None:
@@ -199,7 +212,7 @@ def pair_error(clocks: dict, a: "Stream", b: "Stream") -> int | None:
 
 # ------------------------------------------------------------------ matching
 
-def _common_sample(ref: Stream, cand: Stream, offset: int, index: dict,
+def _common_sample(ref: Stream, cand: Stream, offset: int, index=None,
                    limit: int = SAMPLE_CALLS):
     """(reference index, candidate index) pairs of calls in common at ``offset``,
     evenly spaced, at most ``limit``."""
@@ -210,7 +223,9 @@ def _common_sample(ref: Stream, cand: Stream, offset: int, index: dict,
     step = max(1, (hi - lo) // limit)
     out = []
     for i in range(lo, hi, step):
-        j = index.get(cand.seqs[i] + offset)
+        q = cand.seqs[i] + offset
+        j = bisect.bisect_left(ref.seqs, q)
+        j = j if j < len(ref.seqs) and ref.seqs[j] == q else None
         if j is not None:
             out.append((j, i))
     return out
@@ -219,7 +234,6 @@ def _common_sample(ref: Stream, cand: Stream, offset: int, index: dict,
 def match(ref: Stream, cand: Stream, clocks: dict, index: dict | None = None):
     """(Match, None) or (None, why not): the offset that puts ``cand`` on ``ref``'s
     numbering."""
-    index = index if index is not None else {s: i for i, s in enumerate(ref.seqs)}
     if not ref.seqs or not cand.seqs:
         return None, "no calls"
     err = pair_error(clocks, ref, cand)
@@ -336,9 +350,9 @@ def feasible_shift(ref: Stream, cand: Stream, pairs) -> tuple[float, float]:
     not wait on the collective's stream would make one bound too tight."""
     lows, highs = [], []
     for r, c in pairs:
-        if ref.observed[r] is not None:     # cand entered before ref observed the end
+        if ref.observed[r] != NO_OBS:     # cand entered before ref observed the end
             lows.append(cand.times[c] - ref.observed[r])
-        if cand.observed[c] is not None:    # ref entered before cand observed the end
+        if cand.observed[c] != NO_OBS:    # ref entered before cand observed the end
             highs.append(cand.observed[c] - ref.times[r])
     lows.sort()
     highs.sort()
@@ -380,7 +394,6 @@ def group_streams(streams: list[Stream], clocks: dict) -> tuple[list[Group], dic
     why_not: dict = {}
     fresh = sorted((s for s in streams if not s.old),
                    key=lambda s: (-len(s.seqs), s.node_id, s.pid, s.handle))
-    indexes: dict = {}
     tried: dict = {}
     for s in fresh:
         reasons = []
@@ -395,10 +408,7 @@ def group_streams(streams: list[Stream], clocks: dict) -> tuple[list[Group], dic
                 continue
             other = max((m for m, _, _ in g.members.values()),
                         key=lambda m: _overlap(m, s))
-            index = indexes.get(other.key)
-            if index is None:
-                index = indexes[other.key] = {q: i for i, q in enumerate(other.seqs)}
-            m, why = match(other, s, clocks, index)
+            m, why = match(other, s, clocks)
             if m is not None:
                 add(g, s, m.offset + offsets[other.key], m)
                 break
@@ -442,7 +452,7 @@ def _read_streams(con, pending: list, known: dict) -> dict:
     process's calls on one handle are one stream per capture run: in time order, its
     counter only rises; where it does not (a new capture counting from 1 again, or a
     damaged bundle) a new stream begins."""
-    per_handle: dict = {}       # (node, pid, handle) -> [(ts, hseq, shape, observed, bid)]
+    per_handle: dict = {}       # (node, pid, handle) -> (ts, hseq, shapes, observed, bid)
     env_of: dict = {}
     for item in pending:
         bundle = item["bundle"]
@@ -465,34 +475,38 @@ def _read_streams(con, pending: list, known: dict) -> dict:
                 if isinstance(rank, int) and isinstance(ws, int) and 0 <= rank < ws:
                     env_of[(node, pid)] = (rank, ws)
         for pid, handle, hseq, ts, op, count, dtype, redop, peer, tid in rows:
-            per_handle.setdefault((node, pid, handle), []).append(
-                (ts, hseq, shape(op, count, dtype, redop, peer),
-                 _next_return(syncs.get((pid, tid)), ts), item["bundle_id"]))
+            cols = per_handle.get((node, pid, handle))
+            if cols is None:
+                cols = per_handle[(node, pid, handle)] = (
+                    array("q"), array("q"), [], array("q"), array("q"))
+            cols[0].append(ts)
+            cols[1].append(hseq)
+            cols[2].append(shape(op, count, dtype, redop, peer))
+            cols[3].append(_next_return(syncs.get((pid, tid)), ts))
+            cols[4].append(item["bundle_id"])
+        del rows
     streams: dict = {}
-    for (node, pid, handle), calls in per_handle.items():
-        calls.sort(key=lambda c: (c[0], c[1]))
-        run: list = []
-        for c in calls + [None]:
-            if c is not None and (not run or c[1] > run[-1][1]):
-                run.append(c)
-                continue
-            s = Stream(node, pid, handle, first_mono=run[0][0],
-                       rows_span=(run[0][0], run[-1][0]), last_handle_seq=run[-1][1])
+    for (node, pid, handle), (ts, hseq, shapes, obs, bids) in per_handle.items():
+        order = sorted(range(len(ts)), key=lambda i: (ts[i], hseq[i]))
+        cuts = [k for k in range(1, len(order)) if hseq[order[k]] <= hseq[order[k - 1]]]
+        for lo, hi in zip([0] + cuts, cuts + [len(order)]):
+            run = order[lo:hi]
+            first, last = run[0], run[-1]
+            s = Stream(node, pid, handle, first_mono=ts[first],
+                       rows_span=(ts[first], ts[last]), last_handle_seq=hseq[last])
             s.rank, s.world_size = env_of.get((node, pid), (None, None))
             for rec in known.get((node, pid, handle), ()):
                 # an earlier merge's stream this run continues: its numbering stays
-                if run[0][1] > rec["last_handle_seq"] and run[0][0] >= rec["last_mono_ns"]:
+                if hseq[first] > rec["last_handle_seq"] and ts[first] >= rec["last_mono_ns"]:
                     s.old = (rec["comm_id_hash"], rec["seq_offset"])
                     s.first_mono = rec["first_mono_ns"]
                     break
-            for ts, hseq, sh, obs, bid in run:
-                s.seqs.append(hseq)
-                s.times.append(ts)
-                s.shapes.append(sh)
-                s.observed.append(obs)
-                s.bundle_ids.add(bid)
+            s.seqs = array("q", (hseq[i] for i in run))
+            s.times = array("q", (ts[i] for i in run))
+            s.shapes = [shapes[i] for i in run]
+            s.observed = array("q", (obs[i] for i in run))
+            s.bundle_ids = {bids[i] for i in run}
             streams[s.key] = s
-            run = [c]
     return streams
 
 
@@ -561,12 +575,13 @@ def _syncs(con, bundle, pid=None) -> dict:
     return out
 
 
-def _next_return(syncs: list | None, entry: int) -> int | None:
-    """The return of the first synchronization that started at or after ``entry``."""
+def _next_return(syncs: list | None, entry: int) -> int:
+    """The return of the first synchronization that started at or after ``entry``
+    (NO_OBS where none did)."""
     if not syncs:
-        return None
+        return NO_OBS
     i = bisect.bisect_left(syncs, (entry,))
-    return syncs[i][1] if i < len(syncs) else None
+    return syncs[i][1] if i < len(syncs) else NO_OBS
 
 
 def _read_known(con, pending: list) -> dict:
@@ -660,7 +675,7 @@ def infer_late_attach(fl, pending: list) -> list[dict]:
     # a stream an earlier merge placed keeps its offset: numbered as it was then
     for s in streams.values():
         if s.old is not None:
-            s.seqs = [q + s.old[1] for q in s.seqs]
+            s.seqs = array("q", (q + s.old[1] for q in s.seqs))
     groups, why_not = group_streams(list(refs.values()) + list(streams.values()), clocks)
     names = dict(con.execute("SELECT node_id, name FROM nodes"))
     # communicators whose calls look alike in lockstep (the data-parallel groups of a 2-D
