@@ -48,7 +48,8 @@ from ..errors import IngeroError
 #: name that is also a word must not rewrite a metric or API name the report reads).
 SKIP_COLUMNS = frozenset({"comm_id_hash", "parent_hash", "hash", "sha256", "segment_id",
                           "hist_log2"})
-SKIP_TABLE_COLUMNS = frozenset({("host_samples", "metric"), ("event_stats", "name"),
+SKIP_TABLE_COLUMNS = frozenset({("host_samples", "metric"), ("host_bins", "metric"),
+                                ("event_stats", "name"),
                                 ("cuda_events", "api"), ("calls_in_flight", "api")})
 NODE_PREFIX = "nodeid-"
 HOME_DIRS = ("home", "Users", "scratch", "u", "homes")

@@ -64,7 +64,7 @@ def test_what_analysis_needs_is_kept(redacted, sensitive_fleet):
     a = apsw.Connection(str(sensitive_fleet), flags=apsw.SQLITE_OPEN_READONLY)
     b = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READONLY)
     for table in ("nccl_events", "cuda_events", "collectives", "clock_alignment",
-                  "host_samples", "sync_points"):
+                  "host_samples", "host_bins", "sync_points"):
         q = f"SELECT * FROM {table} ORDER BY 1"
         assert list(a.execute(q)) == list(b.execute(q)), table
     assert [r[0] for r in b.execute("SELECT name FROM nodes ORDER BY node_id")] == [
