@@ -617,6 +617,9 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
     info = system.enforce(trust, rate)
     for nid, b in info.items():
         a = result[nid]
+        # a line the tight observations placed keeps their bound, widened by how far
+        # causality moved it: truth within u of the fit is within u + moved of the line
+        fitted = a.relative_uncertainty_ns if a.method == "collectives" else None
         ca, cb = system.corr.get(nid, (0.0, 0.0))
         if ca or cb:
             # sub-microsecond settling is rounding, not a broken clock
@@ -641,6 +644,9 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
                 a.relative_uncertainty_ns = None
             else:
                 a.relative_uncertainty_ns = math.ceil(max(b.early_ns, b.late_ns))
+            if fitted is not None:
+                a.relative_uncertainty_ns = min(a.relative_uncertainty_ns or math.inf,
+                                                fitted + a.causal_moved_ns)
             if a.method == "clock_samples" and a.uncertainty_ns is not None:
                 # honest claims bound it too: two clocks within u of UTC are within 2u
                 a.relative_uncertainty_ns = min(a.relative_uncertainty_ns or math.inf,

@@ -380,6 +380,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     n_bins = len(bins)
     min_bins = max(MIN_LATE_BINS, int(0.02 * n_bins))
     rel_unc = {r["node_id"]: r.get("relative_uncertainty_us") for r in a.alignment}
+    clock_of = dict(con.execute("SELECT node_id, boot_id FROM nodes"))
     ranks_of = process_ranks(con)
     for nl in sorted(a.lateness, key=lambda x: -x.cost_s):
         if nl.late_bins < min_bins or nl.cost_share < MIN_COST_SHARE:
@@ -398,7 +399,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             windows=windows, lateness_ms=round(lat, 3), late_bins=nl.late_bins,
             peak_ms=round(median([bins[b][nl.node_id][2] for b in late_bins[nl.node_id]]), 3),
             cost_s=nl.cost_s, cost_share=nl.cost_share,
-            relative_uncertainty_ms=_pair_uncertainty_ms(nl.node_id, rel_unc),
+            relative_uncertainty_ms=_pair_uncertainty_ms(nl.node_id, rel_unc, clock_of),
             clock_caveat=False))
     for st in a.stragglers:
         u = st.relative_uncertainty_ms
@@ -474,8 +475,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                             windows=windows, lateness_ms=0.0, peak_ms=0.0, late_bins=0,
                             cost_s=0.0,
                             cost_share=0.0,
-                            relative_uncertainty_ms=_pair_uncertainty_ms(network_suspect,
-                                                                         rel_unc),
+                            relative_uncertainty_ms=_pair_uncertainty_ms(
+                                network_suspect, rel_unc, clock_of),
                             clock_caveat=False)
         _diagnose(con, primary, list(nodes), nodes, network=True, bins=hb)
         if a.victims:
@@ -529,14 +530,26 @@ def _no_comparison_text(a: Analysis, nodes) -> str:
             "do not overlap in time). " + what)
 
 
-def _pair_uncertainty_ms(node_id, rel_unc) -> float | None:
-    """The node's relative alignment uncertainty plus its peers' typical one (ms); None
-    when the node's is unknown."""
+def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:
+    """How far the node's clock may be from its typical peer's (ms): the median over its
+    peers of the pair's uncertainty, the sum of both nodes' relative uncertainties, or 0
+    for a peer on the same clock (one boot: the merge aligns them as one clock). None when
+    the node's is unknown and a peer has another clock."""
+    clock_of = clock_of or {}
     mine = rel_unc.get(node_id)
-    if mine is None:
+    pairs = []
+    for n, v in rel_unc.items():
+        if n == node_id:
+            continue
+        if clock_of.get(n) is not None and clock_of.get(n) == clock_of.get(node_id):
+            pairs.append(0.0)
+        elif mine is None:
+            return None
+        elif v is not None:
+            pairs.append(mine + v)
+    if mine is None and not pairs:
         return None
-    peers = [v for n, v in rel_unc.items() if n != node_id and v is not None]
-    return round((mine + (median(peers) if peers else 0.0)) / 1e3, 3)
+    return round((median(pairs) if pairs else mine) / 1e3, 3)
 
 
 def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None) -> None:

@@ -93,3 +93,36 @@ def test_wrong_unsynchronized_clocks_without_tight_observations(tmp_path):
     con = apsw.Connection(str(tmp_path / "f.db"))
     assert con.execute("SELECT SUM(completion_tight) FROM collectives").fetchone()[0] == 0
     con.close()
+
+
+def test_a_fitted_line_moved_by_causality_keeps_its_bound():
+    """Two clocks the tight observations placed (relative uncertainty 300 us each) where
+    node 2 then enters 200 us after node 1 observed the completion: causality moves a
+    line by about that much. Node 1 always enters 50 ms early, so the causal room on
+    that side is 50 ms; the moved node's uncertainty is its fit's plus the move, not
+    the room."""
+    from ingero_forensics.merge.align import NodeAlignment, NodeInput, _apply_causal
+
+    def fitted(nid):
+        return NodeAlignment(
+            node_id=nid, method="collectives", offset_ns=0, slope=0.0, drift_ppm=0.0,
+            uncertainty_ns=None, relative_uncertainty_ns=300_000, component=1,
+            sync_points=100, sync_points_used=100, residual_ns=100_000, clock_samples=0,
+            steps=0, claimed_error_ns=None, max_correction_ns=None, exceeds_claim=False,
+            segments=[], pre_offset_ns=0)
+
+    def groups():
+        for k in range(100):
+            t = 10**12 + k * 100_000_000
+            done = t + 50_000_000            # node 2 enters at `done`: 50 ms after node 1
+            yield (("c", k), True, [(1, t, done - 200_000, done - 200_000),
+                                    (2, done, done + 500_000, done + 500_000)])
+
+    result = {1: fitted(1), 2: fitted(2)}
+    _apply_causal(result, {1: NodeInput(1), 2: NodeInput(2)}, groups, 1000)
+    moved = [a for a in result.values() if a.causal_moved_ns]
+    assert len(moved) == 1 and 190_000 <= moved[0].causal_moved_ns <= 400_000, result
+    (a,) = moved
+    assert a.method == "causal"
+    assert max(a.causal_early_ns, a.causal_late_ns) > 40_000_000       # the loose side
+    assert a.relative_uncertainty_ns == 300_000 + a.causal_moved_ns

@@ -122,6 +122,10 @@ def test_clock_caveat_when_lateness_is_near_the_uncertainty():
     u = _pair_uncertainty_ms(2, rel)                # its own plus the peers' median
     assert u == pytest.approx(1.0)
     assert _pair_uncertainty_ms(4, {4: None, 1: 3.0}) is None
+    # a peer on the node's own clock (one boot) is exactly aligned with it
+    assert _pair_uncertainty_ms(2, rel, {1: "boot-a", 2: "boot-b", 3: "boot-b"}) == \
+        pytest.approx(0.45)                          # median of 0.9 and 0 ms
+    assert _pair_uncertainty_ms(4, {4: None, 1: 3.0}, {4: "b", 1: "b"}) == 0.0
     assert CLOCK_MARGIN * u > 2.0                    # 2 ms late would carry the caveat
 
 

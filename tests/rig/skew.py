@@ -9,8 +9,9 @@ machine of its own (the merge aligns nodes of one boot as one clock). The mappin
 
     skewed(m) = m + offset_ns + (m - anchor_ns) * ppm / 1e6
 
-and ``SkewMap.true`` inverts it, so a test can put every aligned event back on the true
-clock. The rewritten database is resealed with the bundle writer's ``seal_spool``: its
+Durations the node measured grow with its rate, so an interval's end is the skewed
+end. ``SkewMap.true`` inverts the mapping, so a test can put every aligned event back on
+the true clock. The rewritten database is resealed with the bundle writer's ``seal_spool``: its
 manifest is rebuilt from meta, sha256 and row counts included, and the result passes
 ``ingero-merge --integrity full`` like any sealed bundle.
 """
@@ -41,6 +42,17 @@ COUPLED = (
 #: clock_samples.ref_offset_ns: chrony's is system minus reference (the system clock
 #: moved: +shift), ptp's is PHC minus CLOCK_REALTIME (-shift)
 REF_OFFSETS = (("chrony", 1), ("ptp", -1))
+#: intervals the node measured with the same clock: (table, column, the interval's start,
+#: its end); a fast clock makes them longer too, so a span's end stays skewed(end) and the
+#: spans that end at one instant (a sched switch-in's off_cpu and runq_delay) still do
+DURATIONS = (
+    ("nccl_events", "duration_ns", "timestamp_ns", "timestamp_ns + duration_ns"),
+    ("nccl_comm_events", "duration_ns", "timestamp_ns", "timestamp_ns + duration_ns"),
+    ("cuda_events", "duration_ns", "timestamp_ns", "timestamp_ns + duration_ns"),
+    ("cuda_events", "queue_gap_ns", "timestamp_ns - queue_gap_ns", "timestamp_ns"),
+    ("sched_events", "duration_ns", "timestamp_ns", "timestamp_ns + duration_ns"),
+    ("block_events", "duration_ns", "timestamp_ns", "timestamp_ns + duration_ns"),
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,12 @@ def skew_bundle(src, out_dir, skew: SkewMap) -> Path:
             for table, col, ref, sign in COUPLED:
                 con.execute(f"UPDATE {table} SET {col} = {skew.sql_delta(col, ref, sign)} "
                             f"WHERE {col} IS NOT NULL")
+            for table, col, start, end in DURATIONS:
+                if col not in {r[1] for r in con.execute(f"PRAGMA table_xinfo({table})")}:
+                    continue
+                grow = f"({skew.sql_delta('0', end)}) - ({skew.sql_delta('0', start)})"
+                con.execute(f"UPDATE {table} SET {col} = {col} + {grow} "
+                            f"WHERE {col} IS NOT NULL AND timestamp_ns IS NOT NULL")
             for source, sign in REF_OFFSETS:
                 con.execute(f"UPDATE clock_samples SET ref_offset_ns = "
                             f"{skew.sql_delta('ref_offset_ns', MID, sign)} "

@@ -27,16 +27,12 @@ from .skew import mono_columns, skew_node
 pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
 
 MAX_ALIGNMENT_ERROR_US = 100.0
-#: (role, clock offset in ns) of the skewed variants; both drift 50 ppm. Known gap
-#: (issue 16, left open): a CPU-starved node also leaves its syncs late, so with its
-#: clock rewritten too its tight observations place it milliseconds off while the merge
-#: states a ~0.1 ms uncertainty; its lateness still names it, with the right cause.
-SKEWS = (pytest.param("straggler", 37_000_000, marks=pytest.mark.xfail(
-             reason="the straggler's own sync returns are late because it is preempted "
-                    "while runnable, which says nothing about when the completion came and "
-                    "is not corrected; its error has come within 5 % of the stated "
-                    "uncertainty (6.3 of 6.6 ms; issue 16 note)", strict=False)),
-         ("bystander", -23_000_000))
+#: (role, clock offset in ns) of the skewed variants; both drift 50 ppm
+SKEWS = (("straggler", 37_000_000), ("bystander", -23_000_000))
+#: what a stated relative uncertainty may be at most and still name a 10 ms straggler
+#: clearly; the rig's ranks observe one completion up to ~1.5 ms apart (ring position on
+#: 2 loaded cores), which bounds how well collectives alone can place a clock here
+MAX_STATED_UNCERTAINTY_US = 5_000.0
 
 
 def show(scenario, outcome) -> str:
@@ -145,16 +141,18 @@ def test_skewed_clock_recovered(runs, role, offset_ns, tmp_path):
     stated = {a["node"]: a["relative_uncertainty_us"] for a in report["alignment"]}
     print(f"skewed {node} by {offset_ns / 1e6} ms, 50 ppm: alignment error (us) {errors}; "
           f"stated relative uncertainty (us) {stated}; verdict {verdict.summary(report)}")
-    # the 37 or 23 ms offset is gone: what remains is within the completion jitter
-    assert errors[node] < abs(offset_ns) / 1e3 / 5, errors
-    typical = sorted(v for v in stated.values() if v is not None)[len(stated) // 2]
-    for name, err in errors.items():
-        assert stated[name] is not None and err <= stated[name] + typical, (errors, stated)
+    # the 37 or 23 ms offset is gone, and the merge says how close it got: the true
+    # error is within the stated uncertainty, which is small enough to be useful
+    assert stated[node] is not None and errors[node] <= stated[node], (errors, stated)
+    assert stated[node] <= MAX_STATED_UNCERTAINTY_US, stated
     one_kernel = [errors[n] for n in errors if n != node]
     assert max(one_kernel) - min(one_kernel) <= MAX_ALIGNMENT_ERROR_US, errors
+    # the straggler is named with its cause and without a clock caveat: nodes of one
+    # boot are one clock, so only the skewed node's own uncertainty counts against it
     named = verdict.stragglers(report)
     assert [(s.node, s.cause) for s in named] == [(o.run.truth.node, "cpu")], \
         verdict.summary(report)
+    assert report["cause_confidence"] == "clear", verdict.summary(report)
 
 
 def test_skew_moves_every_clock_reading_consistently(runs, tmp_path):
@@ -173,6 +171,12 @@ def test_skew_moves_every_clock_reading_consistently(runs, tmp_path):
                 assert len(orig) == len(new)
                 assert all(n is None if v is None else abs(skew.true(n) - v) <= 1
                            for v, n in zip(orig, new)), (table, col)
+        # a measured interval grows with the clock's rate: its end is the skewed end
+        for table in ("sched_events", "cuda_events", "nccl_events"):
+            sql = f"SELECT timestamp_ns, duration_ns FROM {table} ORDER BY rowid"
+            pairs = zip(a.con.execute(sql), b.con.execute(sql))
+            assert all(abs(skew.true(t1 + d1) - (t0 + d0)) <= 2
+                       for (t0, d0), (t1, d1) in pairs if d0 is not None), table
         sql = ("SELECT mono_before_ns, mono_after_ns, realtime_ns FROM clock_samples "
                "ORDER BY rowid")
         for (b0, a0, r0), (b1, a1, r1) in zip(a.con.execute(sql), b.con.execute(sql)):
