@@ -5,9 +5,11 @@ Floor: the cost of EMPTY BPF programs (return 0) on the same shim functions, at 
     pattern (a pair on ncclAllReduce, entry-only on cudaLaunchKernel). That is the trap
     cost no probe body can remove; the capture's overhead is reported against it.
 (a) Overhead on the traced job: the shim rank_job loop (tests/fixtures) calls
-    cudaLaunchKernel + ncclAllReduce with calibrated CPU work in between, at 10k and 100k
-    calls/s (sum of both), capture off vs empty probes (floor) vs on (NCCL + CUDA
-    sources); ratios of elapsed times.
+    cudaLaunchKernel (1 or 19 times) + ncclAllReduce with calibrated CPU work in between,
+    at 10k and 100k calls/s (all calls), capture off vs empty probes on every call (floor)
+    vs on (NCCL + CUDA sources), counting every launch (--launch-budget 0) and with the
+    default --launch-budget (launch probes on for a share of the stats intervals);
+    ratios of elapsed times. Runs last at least 5 s (two on/off cycles) so the sampled state shows.
 (b) The highest sustained NCCL event rate (one ring buffer record per ncclAllReduce) with
     zero lost events, from the loop with no work between calls and rising poll load.
 (c) CPU of the capture side (ring buffer read, unpack, rows) at about 10k events/s.
@@ -78,13 +80,18 @@ class Targets:
 
 
 class Capture:
-    """NCCL + CUDA sources polled every 50 ms from a thread, like ingero-capture."""
+    """NCCL + CUDA sources polled every 50 ms from a thread, like ingero-capture.
+    ``budget``: --launch-budget (launches/s before sampling; 0 counts every one). Stats
+    intervals are 0.25 s here (1 s in the capture) so that a run of a few seconds shows
+    the sampled steady state; the switches then cost four times what they would."""
 
     stacks = True
+    STATS_INTERVAL_S = 0.25
 
-    def __init__(self, fx):
+    def __init__(self, fx, budget: int = CaptureOptions.launch_budget):
         self.opts = CaptureOptions(lib_paths=[str(fx.libnccl), str(fx.libcudart)],
-                                   stacks=self.stacks)
+                                   stacks=self.stacks, launch_budget=budget,
+                                   stats_interval_s=self.STATS_INTERVAL_S)
         self.targets = Targets()
         self.sources = [NcclSource(self.opts), CudaSource(self.opts)]
         self.sink = CountingSink()
@@ -134,9 +141,11 @@ class EmptyProbes:
         self.bpf.cleanup()
 
 
-def run_loop(fx, iters: int, units: int, capture: Capture | None = None) -> float:
-    """Seconds the traced loop took (its own clock, from go to done)."""
-    p = subprocess.Popen([str(fx.rank_job), "loop", str(iters), str(units)],
+def run_loop(fx, iters: int, units: int, capture: Capture | None = None,
+             launches: int = 1) -> float:
+    """Seconds the traced loop took (its own clock, from go to done); each iteration is
+    ``launches`` cudaLaunchKernel calls and one ncclAllReduce."""
+    p = subprocess.Popen([str(fx.rank_job), "loop", str(iters), str(units), str(launches)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     if capture is not None:
@@ -149,12 +158,13 @@ def run_loop(fx, iters: int, units: int, capture: Capture | None = None) -> floa
     return res["elapsed_ns"] / 1e9
 
 
-def calibrate(fx, calls_per_s: float, iters: int) -> int:
-    """Spin units per iteration giving calls_per_s (2 calls per iteration) untraced."""
+def calibrate(fx, calls_per_s: float, iters: int, launches: int = 1) -> int:
+    """Spin units per iteration giving calls_per_s (launches + 1 calls per iteration)
+    untraced."""
     units = 1000
     for _ in range(6):
-        t = min(run_loop(fx, iters, units) for _ in range(2))
-        rate = 2 * iters / t
+        t = min(run_loop(fx, iters, units, launches=launches) for _ in range(2))
+        rate = (launches + 1) * iters / t
         units = max(0, int(units * rate / calls_per_s))
     return units
 
@@ -167,32 +177,38 @@ def floor(fx, iters: int, repeats: int) -> dict:
         for pattern in EmptyProbes.PATTERNS:
             with EmptyProbes(fx, pattern):
                 runs[pattern].append(run_loop(fx, iters, 0))
-        with Capture(fx) as cap:
+        with Capture(fx, budget=0) as cap:
             runs.setdefault("capture_on", []).append(run_loop(fx, iters, 0, cap))
     base = min(runs["off"])
     return {k: {"best_us": (min(v) - base) / iters * 1e6,
                 "worst_us": (max(v) - base) / iters * 1e6} for k, v in runs.items() if k != "off"}
 
 
-def overhead(fx, calls_per_s: float, seconds: float, repeats: int) -> dict:
-    iters = int(calls_per_s * seconds / 2)
-    units = calibrate(fx, calls_per_s, max(1000, iters // 5))
-    off, empty, on = [], [], []
+def overhead(fx, calls_per_s: float, seconds: float, repeats: int, launches: int = 1) -> dict:
+    """Elapsed time of the loop off, under empty probes (the floor), under the capture
+    with every launch counted (--launch-budget 0) and with the default budget."""
+    per_iter = launches + 1
+    iters = int(calls_per_s * seconds / per_iter)
+    units = calibrate(fx, calls_per_s, max(1000, iters // 5), launches)
+    runs = {"off": [], "empty": [], "all": [], "budget": []}
     for _ in range(repeats):   # interleaved so drifting machine load hits all alike
-        off.append(run_loop(fx, iters, units))
+        runs["off"].append(run_loop(fx, iters, units, launches=launches))
         with EmptyProbes(fx, "capture"):
-            empty.append(run_loop(fx, iters, units))
+            runs["empty"].append(run_loop(fx, iters, units, launches=launches))
+        with Capture(fx, budget=0) as cap:
+            runs["all"].append(run_loop(fx, iters, units, cap, launches))
         with Capture(fx) as cap:
-            on.append(run_loop(fx, iters, units, cap))
-    t_off, t_empty, t_on = (statistics.median(x) for x in (off, empty, on))
-    pct = [100 * (b / a - 1) for a, b in zip(off, on)]   # per interleaved round
-    return {"target_calls_per_s": calls_per_s, "calls": 2 * iters,
-            "rate_off": 2 * iters / t_off, "elapsed_off_s": t_off, "elapsed_on_s": t_on,
-            "elapsed_floor_s": t_empty, "floor_pct": 100 * (t_empty / t_off - 1),
-            "ratio_on_off": t_on / t_off, "overhead_pct": 100 * (t_on / t_off - 1),
-            "overhead_pct_rounds": pct,
-            "per_call_us": (t_on - t_off) / (2 * iters) * 1e6,
-            "above_floor_us": (t_on - t_empty) / (2 * iters) * 1e6}
+            runs["budget"].append(run_loop(fx, iters, units, cap, launches))
+        cuda = cap.sources[1]
+    t = {k: statistics.median(v) for k, v in runs.items()}
+    pct = lambda k: [100 * (b / a - 1) for a, b in zip(runs["off"], runs[k])]  # noqa: E731
+    return {"target_calls_per_s": calls_per_s, "launches_per_collective": launches,
+            "calls": per_iter * iters, "rate_off": per_iter * iters / t["off"],
+            "elapsed_s": t, "floor_pct": 100 * (t["empty"] / t["off"] - 1),
+            "all_pct": 100 * (t["all"] / t["off"] - 1), "all_pct_rounds": pct("all"),
+            "budget_pct": 100 * (t["budget"] / t["off"] - 1),
+            "budget_pct_rounds": pct("budget"),
+            "launch_share": cuda.duty.share, "intervals_off": cuda.intervals_off}
 
 
 def max_rate(fx, seconds: float) -> dict:
@@ -201,7 +217,7 @@ def max_rate(fx, seconds: float) -> dict:
     for target in (20_000, 50_000, 100_000, 200_000, 300_000, 400_000):
         iters = int(target * seconds / 2)
         units = calibrate(fx, target, max(1000, iters // 5)) if target < 400_000 else 0
-        with Capture(fx) as cap:
+        with Capture(fx, budget=0) as cap:
             t = run_loop(fx, iters, units, cap)
         nccl = cap.sources[0]
         rate = iters / t   # one NCCL record per iteration
@@ -217,7 +233,7 @@ def capture_cpu(fx, seconds: float) -> dict:
     """Capture-side CPU while the loop makes ~10k NCCL events/s (20k calls/s)."""
     iters = int(10_000 * seconds)
     units = calibrate(fx, 20_000, max(1000, iters // 5))
-    with Capture(fx) as cap:
+    with Capture(fx, budget=0) as cap:
         c0, w0 = time.process_time(), time.monotonic()
         t = run_loop(fx, iters, units, cap)
         c1, w1 = time.process_time(), time.monotonic()
@@ -230,6 +246,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="shorter runs, fewer repeats")
     ap.add_argument("--no-stacks", action="store_true", help="capture without user stacks")
     ap.add_argument("--overhead-only", action="store_true", help="only (a)")
+    ap.add_argument("--rates", default="10000,100000",
+                    help="(a): calls/s to measure, comma-separated (default 10000,100000)")
+    ap.add_argument("--launches", default="1,19",
+                    help="(a): launches per collective, comma-separated (default 1,19)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the top-speed floor")
     a = ap.parse_args()
     Capture.stacks = not a.no_stacks
     if os.geteuid() != 0:
@@ -238,7 +259,34 @@ def main():
     secs, reps = (1.0, 3) if a.quick else (3.0, 5)
     print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}"
           f"{'; stacks off' if a.no_stacks else ''}")
-    f = floor(fx, 100_000 if a.quick else 200_000, reps)
+    if not a.no_floor:
+        print_floor(fx, 100_000 if a.quick else 200_000, reps)
+    budget = CaptureOptions.launch_budget
+    for launches in map(int, a.launches.split(",")):
+        mix = f"{launches} launch{'es' if launches > 1 else ''} per collective"
+        for rate in map(int, a.rates.split(",")):
+            r = overhead(fx, rate, max(secs, 5.0), reps, launches)
+            rounds = lambda k: ", ".join(f"{p:+.1f}" for p in r[k])  # noqa: E731
+            e = r["elapsed_s"]
+            print(f"(a) {rate:>7,} calls/s, {mix}: off {e['off']:.3f} s; empty probes on "
+                  f"every call (floor) {r['floor_pct']:+.2f} %; capture counting every launch "
+                  f"{r['all_pct']:+.2f} % (rounds {rounds('all_pct_rounds')}); capture with "
+                  f"--launch-budget {budget} {r['budget_pct']:+.2f} % (rounds "
+                  f"{rounds('budget_pct_rounds')}; launch probes on for "
+                  f"{r['launch_share']:.0%} of the intervals, {r['intervals_off']} off)",
+                  flush=True)
+    if a.overhead_only:
+        return
+    m = max_rate(fx, secs)
+    print(f"(b) highest loss-free NCCL event rate tested: {m.get('nccl_events_per_s', 0):,.0f}/s "
+          f"(target step {m.get('target_calls_per_s')})")
+    c = capture_cpu(fx, secs * 2)
+    print(f"(c) capture CPU at {c['nccl_events_per_s']:,.0f} NCCL events/s: "
+          f"{c['capture_cpu_pct']:.1f} % of one CPU ({c['rows']} rows, {c['lost']} lost)")
+
+
+def print_floor(fx, iters: int, reps: int) -> None:
+    f = floor(fx, iters, reps)
     for k, label in (("entry", "empty uprobe on both (2 traps)"),
                      ("pair", "empty uprobe+uretprobe on both (4 traps)"),
                      ("capture", "empty probes, capture's pattern (3 traps)"),
@@ -248,21 +296,6 @@ def main():
     floor_10k = f["capture"]["best_us"] * 5_000 / 1e4   # % of a second at 5k iterations/s
     print(f"floor at 10k calls/s: {floor_10k:.2f} % of the traced thread; "
           f"capture at top speed = {f['capture_on']['best_us'] / f['capture']['best_us']:.2f} x floor")
-    for rate in (10_000, 100_000):
-        r = overhead(fx, rate, secs, reps)
-        rounds = ", ".join(f"{p:+.1f}" for p in r["overhead_pct_rounds"])
-        print(f"(a) {rate:>7,} calls/s: off {r['elapsed_off_s']:.3f} s, empty probes "
-              f"{r['elapsed_floor_s']:.3f} s ({r['floor_pct']:+.2f} %), on {r['elapsed_on_s']:.3f} s, "
-              f"ratio {r['ratio_on_off']:.4f} ({r['overhead_pct']:+.2f} %; rounds {rounds}), "
-              f"{r['per_call_us']:.2f} us per call traced, {r['above_floor_us']:.2f} above the floor")
-    if a.overhead_only:
-        return
-    m = max_rate(fx, secs)
-    print(f"(b) highest loss-free NCCL event rate tested: {m.get('nccl_events_per_s', 0):,.0f}/s "
-          f"(target step {m.get('target_calls_per_s')})")
-    c = capture_cpu(fx, secs * 2)
-    print(f"(c) capture CPU at {c['nccl_events_per_s']:,.0f} NCCL events/s: "
-          f"{c['capture_cpu_pct']:.1f} % of one CPU ({c['rows']} rows, {c['lost']} lost)")
 
 
 if __name__ == "__main__":

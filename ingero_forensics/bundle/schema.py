@@ -203,6 +203,11 @@ TABLES: tuple[Table, ...] = (
         C("max_ns", "INTEGER", True, "ns", "Longest duration."),
         C("hist_log2", "TEXT", True, "", "JSON array: element i counts durations in "
           "[2^i, 2^(i+1)) ns; trailing zeros omitted."),
+        Column("observed_ns", "INTEGER", True, "ns",
+               "How long within the interval the probes counted, when they were off for "
+               "part of it (kernel launches above the capture's --launch-budget): 0 for an "
+               "interval not counted at all (one row per API, count 0, which says nothing "
+               "about the rate). NULL: counted throughout.", required=False),
     )),
     Table("tcp_events", "TCP retransmits (and optional tcp_probe samples) seen by the kernel.", (
         _id(), _TS,

@@ -59,6 +59,13 @@ def _size(ctx, param, value):
               show_default=True, metavar="MS",
               help="Milliseconds between two tcp_probe rows of one connection "
                    "(needs --tcp-probe).")
+@click.option("--launch-budget", type=click.IntRange(min=0), default=5000, show_default=True,
+              metavar="CALLS_PER_S",
+              help="Kernel launches the capture counts per second before it samples them. "
+                   "Each launch costs the job one uprobe trap (about 0.5-1 us); above this "
+                   "rate (all traced processes together) the launch probes are on for only "
+                   "a share of the 1 s stats intervals (budget / rate, at least 2 %), and "
+                   "event_stats.observed_ns marks the others. 0: count every launch.")
 @click.option("--level", "compression_level", type=click.IntRange(1, 19), default=3,
               show_default=True, help="zstd level used when sealing.")
 @click.option("--check", is_flag=True,
@@ -87,8 +94,8 @@ def _size(ctx, param, value):
 @handle_errors
 def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, segment_size,
          max_disk, clock_interval, host_interval, no_ebpf, lib_paths, tcp_probe,
-         tcp_probe_interval, compression_level, cmdline, check, strict, start_priority,
-         as_json, quiet):
+         tcp_probe_interval, launch_budget, compression_level, cmdline, check, strict,
+         start_priority, as_json, quiet):
     """Record this node's training processes into sealed bundles, with no network.
 
     Runs as root on every GPU node. Writes <node>+<UTC start>Z+<index>.bundle files
@@ -116,7 +123,8 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
         max_disk=max_disk, clock_interval=clock_interval, host_interval=host_interval,
         ebpf=not no_ebpf,
         options=CaptureOptions(lib_paths=list(lib_paths), tcp_probe=tcp_probe,
-                               tcp_probe_interval_ms=tcp_probe_interval),
+                               tcp_probe_interval_ms=tcp_probe_interval,
+                               launch_budget=launch_budget),
         output="quiet" if quiet else ("tty" if is_tty() else "plain"),
         compression_level=compression_level, strict=strict, cmdline=cmdline,
         idle_start=start_priority == "idle")

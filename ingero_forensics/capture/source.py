@@ -62,6 +62,7 @@ class CaptureOptions:
     stacks: bool = True
     ring_pages: int = 256                                # per ring/perf buffer
     stats_interval_s: float = 1.0                        # event_stats aggregation interval
+    launch_budget: int = 5000                            # launch traps/s before sampling (0: never)
 
 
 @dataclass

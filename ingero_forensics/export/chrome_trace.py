@@ -1346,12 +1346,20 @@ class _Exporter:
         groups = self.stats_sql(self.opts.kinds)
         if groups is None:
             return
+        # sampled launch counts (event_stats.observed_ns, fleet.db 5): a rate over the
+        # time they counted; an interval not counted at all gives no sample
+        span = "interval_end_ns - interval_start_ns"
+        having = ""
+        if "observed_ns" in {r[1] for r in self.con.execute("PRAGMA table_info(event_stats)")}:
+            span = f"COALESCE(MAX(observed_ns), {span})"
+            having = " HAVING COALESCE(MAX(observed_ns), 1) > 0"
         sql = (f"SELECT node_id, source, '\"ts\":' || {_ts('interval_start_ns')} || "
                "',\"name\":' || json_quote(source || ' ' || name || ' calls/s') || "
                "',\"cat\":\"' || source || '\",\"args\":{\"value\":' || "
-               "printf('%!.15g', SUM(count) * 1e9 / max(1, interval_end_ns - interval_start_ns)) "
+               f"printf('%!.15g', SUM(count) * 1e9 / max(1, {span})) "
                "|| '}}' "
-               f"{groups} ORDER BY node_id, source, name, interval_start_ns, interval_end_ns")
+               f"{groups}{having} ORDER BY node_id, source, name, interval_start_ns, "
+               "interval_end_ns")
         pid_of = {n_.node_id: n_.pid for n_ in self.nodes_all}
         for node_id, source, body in self.con.execute(sql, self.params):
             sink.add(f'{{"ph":"C","pid":{pid_of[node_id]},"tid":0,{body}')

@@ -18,9 +18,10 @@ from ..bundle.schema import Column, C
 
 #: 2: clock_alignment causal bounds, collectives.completion_tight, sync_points.tight,
 #: cuda_events queued work (bundle format 1.1). 3: calls_in_flight (bundle format 1.1).
-#: 4: host_bins, job_block_io, sync_waits (merge/summaries.py). An older fleet.db is not extended: merge its
-#: bundles again.
-FLEET_VERSION = 4
+#: 4: host_bins, job_block_io, sync_waits (merge/summaries.py), inferred_comms (late
+#: attach). 5: event_stats.observed_ns (sampled launch counts). An older fleet.db is not
+#: extended: merge its bundles again.
+FLEET_VERSION = 5
 #: PRAGMA application_id of a fleet database: ASCII "INGM".
 FLEET_APPLICATION_ID = 0x494E474D
 

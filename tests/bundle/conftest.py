@@ -60,8 +60,15 @@ def sample_rows(stack_a: int | None, stack_b: int | None) -> dict[str, list[tupl
         ],
         "event_stats": [
             (T0, T0 + 1000 * ms, "cuda", "cudaLaunchKernel", 4242, 4250, stack_b, 1830,
-             9_150_000, 61_000, json.dumps([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 1700, 118])),
-            (T0, T0 + 1000 * ms, "sched", "runq_delay", None, None, None, 40, None, None, None),
+             9_150_000, 61_000, json.dumps([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 1700, 118]),
+             None),
+            (T0, T0 + 1000 * ms, "sched", "runq_delay", None, None, None, 40, None, None, None,
+             None),
+            # launches counted part of the time (--launch-budget), then an interval off
+            (T0 + 1000 * ms, T0 + 2000 * ms, "cuda", "cuLaunchKernel", 4242, 4250, None, 77,
+             None, None, None, 250 * ms),
+            (T0 + 2000 * ms, T0 + 3000 * ms, "cuda", "cuLaunchKernel", None, None, None, 0,
+             None, None, None, 0),
         ],
         "tcp_events": [
             (T0 + 20 * ms, "tcp_retransmit_skb", 4, "10.0.0.7", "10.0.0.9", 43512, 29500,

@@ -166,3 +166,24 @@ def test_start_priority_option_decides_how_sources_start(tmp_path, idle):
     assert PrioritySpy.seen == ((os.SCHED_IDLE, 19) if idle else own)
     r = CliRunner().invoke(main, ["--help"])
     assert "--start-priority [idle|normal]" in r.output
+
+
+@pytest.mark.parametrize("args, budget", [((), 5000), (("--launch-budget", "0"), 0),
+                                          (("--launch-budget", "250"), 250)])
+def test_launch_budget_option_reaches_the_sources(tmp_path, monkeypatch, args, budget):
+    """--launch-budget (default 5000 launches/s) is what the CUDA source samples above;
+    0 counts every launch; a negative budget is a usage error."""
+    import ingero_forensics.capture.cli as cli
+
+    seen = {}
+
+    def fake_run(config, reporter=None):
+        seen["budget"] = config.options.launch_budget
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "run_capture", fake_run)
+    r = CliRunner().invoke(main, ["--bundle", str(tmp_path), "--node", "n1", *args])
+    assert r.exit_code == 0, r.output
+    assert seen["budget"] == budget
+    bad = CliRunner().invoke(main, ["--bundle", str(tmp_path), "--launch-budget", "-1"])
+    assert bad.exit_code == 2 and "--launch-budget" in bad.output

@@ -310,3 +310,48 @@ def test_devtools_trace_engine_loads_it(fleet, tmp_path, name):
     assert got["processNames"]["1"] == "node-00 (ranks 0-1)"
     named = {(t["pid"], t["tid"]): t["name"] for t in got["threads"]}
     assert named[(1, 1000)] == "rank 0 · python (tid 1000)"
+
+
+def test_sampled_launch_counts_are_rates_over_the_time_they_counted(fleet, tmp_path):
+    """event_stats.observed_ns (the capture's --launch-budget): a counter is the count
+    over the time the probes counted, and an interval they did not count (observed_ns
+    0, count 0) gives no counter sample rather than a false zero."""
+    import shutil
+
+    import apsw
+
+    path = tmp_path / "sampled.db"
+    shutil.copyfile(fleet[0], path)
+    con = apsw.Connection(str(path))
+    try:
+        (t0, t1), = con.execute("SELECT interval_start_ns, interval_end_ns FROM event_stats "
+                                "WHERE node_id = 1 ORDER BY interval_start_ns LIMIT 1")
+        first, second = (t0, t1), (t1, 2 * t1 - t0)
+        con.execute("DELETE FROM event_stats WHERE node_id = 1 AND interval_start_ns IN (?, ?)",
+                    (first[0], second[0]))
+        span = first[1] - first[0]
+        for (a, b), count, observed, pid in ((first, 300, span // 4, 1000),
+                                             (second, 0, 0, None)):
+            con.execute("INSERT INTO event_stats (node_id, bundle_id, mono_ns, "
+                        "interval_start_ns, interval_end_ns, source, name, pid, tid, count, "
+                        "observed_ns) VALUES (1, 1, 1, ?, ?, 'cuda', 'cudaLaunchKernel', ?, ?, "
+                        "?, ?)", (a, b, pid, pid, count, observed))
+    finally:
+        con.close()
+    doc = export(path, tmp_path)
+    node1 = next(e["pid"] for e in doc["traceEvents"]
+                 if e["ph"] == "M" and e.get("name") == "process_name"
+                 and e["args"]["name"].startswith("node-00"))
+    launches = sorted((e["ts"], e["args"]["value"]) for e in doc["traceEvents"]
+                      if e["ph"] == "C" and e["pid"] == node1
+                      and e["name"] == "cuda cudaLaunchKernel calls/s")
+    # the first interval: 300 launches in the quarter it counted; the second: none shown
+    assert launches[0][1] == pytest.approx(300 * 4e9 / span)
+    assert launches[1][0] - launches[0][0] == pytest.approx(2 * span / 1e3), launches[:3]
+    con = connect_readonly(path)
+    try:
+        (intervals,), = con.execute("SELECT COUNT(DISTINCT interval_start_ns) FROM event_stats "
+                                    "WHERE node_id = 1 AND name = 'cudaLaunchKernel'")
+    finally:
+        con.close()
+    assert len(launches) == intervals - 1

@@ -11,6 +11,7 @@ import pytest
 
 from ingero_forensics.db import connect_readonly
 from ingero_forensics.merge import merge_bundles
+from ingero_forensics.merge.fleet_schema import FLEET_VERSION
 from ingero_forensics.merge.summaries import (HOST_BIN_METRICS, JOB_BLOCK, SYNC_WAIT_APIS,
                                               default_bin_s)
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
@@ -36,7 +37,7 @@ def raw_bins(con, t0, bin_ns):
 def check(db):
     con = connect_readonly(db)
     try:
-        assert con.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert con.execute("PRAGMA user_version").fetchone()[0] == FLEET_VERSION
         p = json.loads(con.execute("SELECT value FROM fleet_info WHERE key = 'host_bins'"
                                    ).fetchone()[0])
         first, last = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) "

@@ -24,7 +24,10 @@ registers each, which moves sharedMem and stream onto the stack.
 
 from __future__ import annotations
 
+import math
+import queue
 import struct
+import threading
 import time
 
 from ...bundle.schema import MEMCPY_KINDS
@@ -104,15 +107,28 @@ struct event {
     u8 kind; u8 has; u8 layer; u8 pad[1];
 };
 
-/* Stream work a thread enqueued since its last collective or synchronization. A thread
- * with no entry has queued nothing since (the common case costs one failed lookup). */
-struct queued { u64 last_ts; u32 ops; u32 pad; };
+/* The launch probes are detached for whole stats intervals above --launch-budget. User
+ * space bumps launch_gen[0] at every switch, odd while they are off: a thread whose
+ * count restarted in another generation, or that counts while they are off, may have
+ * launched unseen, so its next sync's queued work is unknown. */
+BPF_ARRAY(launch_gen, u32, 1);
+
+static __always_inline u32 launch_generation(void) {
+    int zero = 0;
+    u32 *g = launch_gen.lookup(&zero);
+    return g ? *g : 0;
+}
+
+/* Stream work a thread enqueued since its last collective or synchronization, and the
+ * launch generation it started counting in. A thread with no entry has queued nothing
+ * since the attach. */
+struct queued { u64 last_ts; u32 ops; u32 gen; };
 BPF_HASH(queued, u32, struct queued, 65536);
 
 static __always_inline void note_queued(u32 tid, u64 ts) {
     struct queued *q = queued.lookup(&tid);
     if (q) { q->ops++; q->last_ts = ts; return; }
-    struct queued nq = {.last_ts = ts, .ops = 1};
+    struct queued nq = {.last_ts = ts, .ops = 1, .gen = launch_generation()};
     queued.update(&tid, &nq);
 }
 
@@ -121,7 +137,8 @@ int mark_nccl(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_target(id >> 32)) return 0;
     u32 tid = id;
-    queued.delete(&tid);
+    struct queued nq = {.gen = launch_generation()};
+    queued.update(&tid, &nq);
     return 0;
 }
 
@@ -153,16 +170,23 @@ static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 stac
     struct call c = {};
     c.ts = bpf_ktime_get_ns();
     u32 tid = id;
+    u8 known = 0;
     if (role == ROLE_QUEUE) {
         note_queued(tid, c.ts);
     } else if (role == ROLE_SYNC) {
+        u32 gen = launch_generation();
         struct queued *q = queued.lookup(&tid);
         if (q) {
-            c.qops = q->ops; c.qgap = c.ts - q->last_ts;
-            queued.delete(&tid);
+            known = q->gen == gen && !(gen & 1);
+            if (known && q->ops) { c.qops = q->ops; c.qgap = c.ts - q->last_ts; }
+            q->ops = 0; q->gen = gen;
+        } else {
+            known = gen == 0;     /* launches never switched off: nothing queued */
+            struct queued nq = {.gen = gen};
+            queued.update(&tid, &nq);
         }
     }
-    c.api = api; c.layer = layer; c.has = has | (role == ROLE_SYNC ? HAS_QUEUED : 0);
+    c.api = api; c.layer = layer; c.has = has | (known ? HAS_QUEUED : 0);
     c.stream = stream; c.bytes = bytes; c.kind = kind; c.device = device;
     c.tgid = id >> 32;    /* read from user space for a call still open (in_flight) */
     c.stack_id = -1;
@@ -228,6 +252,53 @@ def entry_functions() -> str:
     return "".join(out)
 
 
+#: Launch probes stay on for at least this share of the stats intervals, however high
+#: the rate: the counts and the tight synchronizations (docs/merge.md) keep a sample.
+MIN_LAUNCH_SHARE = 0.02
+#: Stats intervals per on/off cycle, at least: a switch costs the traced processes a
+#: little (the kernel rewrites the probed code page in each), so they are kept rare.
+MIN_CYCLE_INTERVALS = 10
+
+
+class LaunchDuty:
+    """Which stats intervals count kernel launches (--launch-budget).
+
+    A launch costs the job one uprobe trap (about 0.65 us on a VM), the one cost the
+    capture cannot shrink by doing less in the probe. Above ``budget`` launches/s (all
+    traced processes together, as measured in the last interval that counted), the launch
+    probes are detached for whole stats intervals: in each cycle of at least
+    MIN_CYCLE_INTERVALS they are on for the first ``share = budget / rate`` of them (one
+    at least) and off for the rest. Whole intervals, so that a training step seen while
+    they are on is seen whole: its synchronization's queued work is known, and the merge
+    can use it as a tight observation."""
+
+    def __init__(self, budget: float):
+        self.budget = budget
+        self.share = 1.0
+        self._plan: list[bool] = []
+
+    def next_on(self, counted: int, seconds: float, was_on: bool) -> bool:
+        """Whether the next interval counts, given this one's count (if it counted)."""
+        if self.budget <= 0:
+            return True
+        if was_on and seconds > 0:
+            rate = counted / seconds
+            self.share = 1.0 if rate <= self.budget else max(MIN_LAUNCH_SHARE,
+                                                             self.budget / rate)
+            if self.share >= 1.0:
+                self._plan = []
+        if self._plan:
+            return self._plan.pop(0)
+        if self.share >= 1.0:
+            return True
+        cycle = max(MIN_CYCLE_INTERVALS, math.ceil(1.0 / self.share))
+        on = max(1, round(self.share * cycle))
+        self._plan = [True] * on + [False] * (cycle - on)
+        if was_on:          # the interval that just counted opens the cycle
+            self._plan.pop(0)
+        return self._plan.pop(0)
+
+
 class CudaSource(BccSource):
     name = "cuda"
     stat_source = "cuda"
@@ -239,6 +310,15 @@ class CudaSource(BccSource):
         super().__init__(options)
         self.libs = LibraryTracker(("cudart", "cuda", "nccl"), options.lib_paths)
         self._last_scan = 0.0
+        self.duty = LaunchDuty(getattr(options, "launch_budget", 0))
+        self.launch_probes: list[tuple[bytes, bytes, bytes]] = []   # (path, sym, fn)
+        self.launches_on = True
+        self._generation = 0
+        self._off_names: set[str] = set()    # launch APIs seen: rows for an interval off
+        self.intervals_off = 0
+        self._stopping = False
+        self._switcher: threading.Thread | None = None
+        self._switches: queue.SimpleQueue | None = None
 
     def program(self, ctx: CaptureContext) -> str:
         consts = (f"#define ROLE_QUEUE {ROLE_QUEUE}\n#define ROLE_SYNC {ROLE_SYNC}\n"
@@ -265,10 +345,18 @@ class CudaSource(BccSource):
             for i, (sym, lib, *_rest) in enumerate(APIS):
                 if lib != kind:
                     continue
+                fn = f"api_{i}".encode()
                 try:
-                    self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=f"api_{i}".encode())
-                    if _rest[0]:   # kept one by one: duration needs the return
-                        self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret_fn)
+                    if not _rest[0]:       # a launch: switched with the duty cycle
+                        self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn)
+                        self.launch_probes.append((path.encode(), sym.encode(), fn))
+                        if not self.launches_on:
+                            self.bpf.detach_uprobe(name=path.encode(), sym=sym.encode())
+                        ok += 1
+                        continue
+                    self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn)
+                    # kept one by one: duration needs the return
+                    self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret_fn)
                     ok += 1
                 except Exception:
                     missing.append(sym)
@@ -300,10 +388,66 @@ class CudaSource(BccSource):
             self._last_scan = now
             self._attach_new(self.ctx.targets.pids())
 
+    def _switch_launches(self, on: bool) -> None:
+        """Attach or detach every launch probe, on the switcher thread: a detach waits
+        for the kernel's RCU grace period (about 0.1 s here, under 1 ms of CPU), which
+        would stall the ring buffer's polling."""
+        if on == self.launches_on:
+            return
+        self.launches_on = on
+        if self._switcher is None:
+            self._switches = queue.SimpleQueue()
+            self._switcher = threading.Thread(target=self._switch_loop, daemon=True,
+                                              name="ingero-launch-probes")
+            self._switcher.start()
+        self._switches.put(on)
+
+    def _switch_loop(self) -> None:
+        # The generation moves on both sides of the gap, in this order, so a count that
+        # spans it, or runs inside it, is marked unknown (see PROGRAM).
+        while (on := self._switches.get()) is not None:
+            if not on:
+                self._bump_generation()
+            for path, sym, fn in list(self.launch_probes):
+                try:
+                    if on:
+                        self.bpf.attach_uprobe(name=path, sym=sym, fn_name=fn)
+                    else:
+                        self.bpf.detach_uprobe(name=path, sym=sym)
+                except Exception as e:   # a library gone with its last process
+                    self.notes.append(("warning", f"launch probe {sym.decode()} on "
+                                                  f"{path.decode()}: {e}"))
+            if on:
+                self._bump_generation()
+
+    def close(self) -> None:
+        if self._switcher is not None:
+            self._switches.put(None)
+            self._switcher.join()
+            self._switcher = None
+        super().close()
+
+    def _bump_generation(self) -> None:
+        """Odd while the launch probes are off, even while on (see PROGRAM)."""
+        self._generation = (self._generation + 1) & 0xFFFFFFFF
+        gen = self.bpf[b"launch_gen"]
+        gen[gen.Key(0)] = gen.Leaf(self._generation)
+
     def flush_stats(self, sink: RowSink, now: int) -> None:
-        """Drain the launch counts into event_stats (entry-only: a count, no duration)."""
+        """Drain the launch counts into event_stats (entry-only: a count, no duration),
+        then decide whether the next interval counts launches (LaunchDuty). An interval
+        that did not count gets a row per launch API with count 0 and observed_ns 0."""
         rows = []
+        counted = 0
+        was_on = self.launches_on
+        if not was_on:
+            for name in sorted(self._off_names):
+                rows.append((self._stats_start, now, self.stat_source, name, None, None,
+                             None, 0, None, None, None, 0))
+            self.intervals_off += 1
         for k, v in drain(self.bpf[b"launches"]):
+            if not was_on:
+                continue        # calls in the microseconds before the detach: no sample
             stack_id = None
             if v.stack_id >= 0 and self.symbolizer:
                 frames = self.symbolizer.frames(k.site.tgid, v.stack_id, k.site.ret)
@@ -313,10 +457,27 @@ class CudaSource(BccSource):
             rows.append((self._stats_start, now, self.stat_source, API_NAMES[k.api],
                          k.site.tgid or None, k.tid or None, stack_id, int(v.count),
                          None, None, None))
+            counted += int(v.count)
+            self._off_names.add(API_NAMES[k.api])
         if rows:
             sink.add_many("event_stats", rows)
             self.events += len(rows)
+        share = self.duty.share
+        on = self.duty.next_on(counted, (now - self._stats_start) / 1e9, was_on)
+        if self.duty.share != share and (self.duty.share == 1.0 or share == 1.0):
+            self.notes.append(("info", (
+                f"kernel launches: {counted / max((now - self._stats_start) / 1e9, 1e-9):,.0f}"
+                f"/s, above --launch-budget {self.duty.budget:,.0f}/s: launch probes on for "
+                f"{self.duty.share:.0%} of the stats intervals (event_stats.observed_ns 0 "
+                "marks the others)") if self.duty.share < 1.0 else
+                "kernel launches back under --launch-budget: launch probes on throughout"))
+        if on != self.launches_on and self.launch_probes and not self._stopping:
+            self._switch_launches(on)
         self._stats_start = now
+
+    def stop(self, sink: RowSink) -> None:
+        self._stopping = True
+        super().stop(sink)
 
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
         rows = []

@@ -48,7 +48,13 @@ class ListSink:
         self.lock = threading.Lock()
 
     def add(self, table, row):
-        cols = TABLES_BY_NAME[table].data_columns
+        t = TABLES_BY_NAME[table]
+        cols = t.data_columns
+        # like the bundle writer: optional trailing columns (added within format 1) may
+        # be left out, and are NULL
+        optional = {c.name for c in t.columns if not c.required}
+        if len(row) < len(cols) and set(cols[len(row):]) <= optional:
+            row = tuple(row) + (None,) * (len(cols) - len(row))
         assert len(row) == len(cols), f"{table}: {len(row)} values for {len(cols)} columns"
         with self.lock:
             self.rows.setdefault(table, []).append(row)

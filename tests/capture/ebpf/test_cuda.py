@@ -4,6 +4,7 @@ calls sleep a configured time) and the real libcudart.so.12 from the wheel via c
 from __future__ import annotations
 
 import textwrap
+import time
 from collections import Counter
 
 import pytest
@@ -154,3 +155,61 @@ def test_real_libcudart_arguments(ebpf_ok, tmp_path):
                    ("cudaMemcpy", 777, "DtoH", None, out["memcpy"], pid),
                    ("cudaStreamSynchronize", None, None, 0x99, out["sync"], pid)]
     assert out["malloc"] != 0   # no GPU: the calls failed after entry
+
+
+# -- kernel launches above --launch-budget --------------------------------------------------
+
+#: train_job's launches per step: 4 forward, 6 backward, 8 optimizer kernels
+TRAIN_LAUNCHES = 18
+
+
+def test_launches_sampled_above_the_budget(ebpf_ok, tmp_path, fixtures):
+    """train_job makes about 700 launches/s; with a budget of 100/s the launch probes are
+    detached for most stats intervals. The intervals that count give the true rate; the
+    others are marked (observed_ns 0, count 0); a synchronization whose queued work the
+    capture could not see (its step crossed a switch) says NULL, and every one that
+    gives a count gives the true one: 4 before the forward pass's event sync, 8 before
+    the optimizer's sync, 1 (the loss copy) before loss.item()'s."""
+    idfile = tmp_path / "ids"
+    make_ids(idfile)
+    job = Job(lambda r: [str(fixtures.train_job), "0", "1", str(idfile), "6s", str(tmp_path)],
+              1)
+    opts = options(lib_paths=[str(fixtures.libcudart), str(fixtures.libnccl)],
+                   stats_interval_s=0.25, launch_budget=100)
+    try:
+        with Running(CudaSource(opts), StaticTargets(job.pids), opts) as run:
+            (result,) = job.go()
+            time.sleep(0.3)
+        job.finish()
+    finally:
+        job.kill()
+    sink = run.sink
+    stats = [s for s in sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]
+    off = [s for s in stats if s["observed_ns"] == 0]
+    counted = [s for s in stats if s["observed_ns"] is None]
+    assert off and counted, stats
+    assert all(s["count"] == 0 and s["pid"] is None for s in off)
+    intervals = {(s["interval_start_ns"], s["interval_end_ns"]) for s in counted}
+    job_start, job_end = result["start_mono_ns"], result["end_mono_ns"]
+    inside = {iv for iv in intervals if job_start <= iv[0] and iv[1] <= job_end}
+    assert inside, (intervals, job_start, job_end)
+    rate = sum(s["count"] for s in counted if (s["interval_start_ns"], s["interval_end_ns"])
+               in inside) / (sum(b - a for a, b in inside) / 1e9)
+    true_rate = result["steps"] * TRAIN_LAUNCHES / ((job_end - job_start) / 1e9)
+    assert 0.7 * true_rate <= rate <= 1.3 * true_rate, (rate, true_rate)
+    # most intervals are off: at most the budget's share, plus the first one
+    assert len(intervals) <= len(off) / 2 + 2, (len(intervals), len(off))
+    expect = {"forward": 4, "optimizer_step": 8, "report_loss": 1}
+    seen = {"known": 0, "unknown": 0}
+    for r in sink.dicts("cuda_events"):
+        if not r["api"].endswith("Synchronize"):
+            continue
+        caller = [f["symbol"] for f in sink.stack(r["stack_id"])][1]
+        if r["queued_ops"] is None:
+            seen["unknown"] += 1
+            assert r["queue_gap_ns"] is None
+        else:
+            seen["known"] += 1
+            assert r["queued_ops"] == expect[caller], (caller, r)
+    assert seen["known"] >= 3 and seen["unknown"] >= 3, seen
+    assert any("launch probes on for" in m for _l, _s, _e, m, _c in sink.logs), sink.logs

@@ -156,3 +156,29 @@ def test_tcp_event_unpacks_ipv4():
                          0, 0)
     assert struct.unpack_from("<Q", rec)[0] == 5
     assert tcp.TCP_STATES[1] == "ESTABLISHED"
+
+
+def test_launch_duty_cycles_above_the_budget():
+    """--launch-budget: under it every interval counts; above it, cycles of at least ten
+    intervals count the first share (budget / rate, one at least, 2 % at the least) and
+    skip the rest; a rate back under the budget counts everything again at once."""
+    def run(duty, rate, n):
+        out, was_on = [], True
+        for _ in range(n):
+            was_on = duty.next_on(int(rate) if was_on else 0, 1.0, was_on)
+            out.append(was_on)
+        return out
+
+    assert all(run(cuda.LaunchDuty(0), 1e6, 30))                  # 0: no budget
+    assert all(run(cuda.LaunchDuty(5000), 4000, 30))
+    # the interval that measured the rate (on) opens the first cycle
+    ten = run(cuda.LaunchDuty(5000), 50_000, 40)                   # share 10 %
+    assert ten[:10] == [False] * 9 + [True] and sum(ten) == 4, ten
+    half = run(cuda.LaunchDuty(5000), 10_000, 20)
+    assert half[:10] == [True] * 4 + [False] * 5 + [True] and sum(half) == 10, half
+    tiny = cuda.LaunchDuty(100)
+    assert sum(run(tiny, 1e7, 100)) == 2 and tiny.share == cuda.MIN_LAUNCH_SHARE
+    back = cuda.LaunchDuty(5000)
+    run(back, 50_000, 3)
+    assert back.next_on(1000, 1.0, True) and back.share == 1.0
+    assert all(run(back, 1000, 10))
