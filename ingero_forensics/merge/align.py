@@ -644,8 +644,10 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
                 a.relative_uncertainty_ns = None
             else:
                 a.relative_uncertainty_ns = math.ceil(max(b.early_ns, b.late_ns))
-            if fitted is not None:
-                a.relative_uncertainty_ns = min(a.relative_uncertainty_ns or math.inf,
+            if fitted is not None and a.causal_moved_ns <= fitted:
+                # (moved further than the fit's bound: that bound was wrong, drop it)
+                room = a.relative_uncertainty_ns
+                a.relative_uncertainty_ns = min(math.inf if room is None else room,
                                                 fitted + a.causal_moved_ns)
             if a.method == "clock_samples" and a.uncertainty_ns is not None:
                 # honest claims bound it too: two clocks within u of UTC are within 2u

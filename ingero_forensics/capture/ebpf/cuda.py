@@ -25,6 +25,7 @@ registers each, which moves sharedMem and stream onto the stack.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import struct
 import threading
@@ -32,7 +33,7 @@ import time
 
 from ...bundle.schema import MEMCPY_KINDS
 from ..source import CaptureContext, RowSink
-from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, drain, signed64
+from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, drain, mono_ns, signed64
 from .libs import LibraryTracker
 
 # (symbol, library kind, kept one by one?, stack?, stream, bytes, memcpy kind, device)
@@ -120,15 +121,25 @@ static __always_inline u32 launch_generation(void) {
 }
 
 /* Stream work a thread enqueued since its last collective or synchronization, and the
- * launch generation it started counting in. A thread with no entry has queued nothing
- * since the attach. */
-struct queued { u64 last_ts; u32 ops; u32 gen; };
+ * launch generation it started counting in. While the probes were never switched
+ * (generation 0) a restart deletes the entry, so a thread with none has queued nothing;
+ * after that a restart keeps one per thread (removed when its process exits), and a
+ * thread with none (or whose insert failed) is unknown. */
+struct queued { u64 last_ts; u32 ops; u32 gen; u32 tgid; u32 pad; };
 BPF_HASH(queued, u32, struct queued, 65536);
 
-static __always_inline void note_queued(u32 tid, u64 ts) {
+static __always_inline void note_queued(u64 id, u64 ts) {
+    u32 tid = id;
     struct queued *q = queued.lookup(&tid);
     if (q) { q->ops++; q->last_ts = ts; return; }
-    struct queued nq = {.last_ts = ts, .ops = 1, .gen = launch_generation()};
+    struct queued nq = {.last_ts = ts, .ops = 1, .gen = launch_generation(), .tgid = id >> 32};
+    queued.update(&tid, &nq);
+}
+
+static __always_inline void restart_count(u64 id, u32 gen) {
+    u32 tid = id;
+    if (gen == 0) { queued.delete(&tid); return; }
+    struct queued nq = {.gen = gen, .tgid = id >> 32};
     queued.update(&tid, &nq);
 }
 
@@ -136,9 +147,7 @@ static __always_inline void note_queued(u32 tid, u64 ts) {
 int mark_nccl(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_target(id >> 32)) return 0;
-    u32 tid = id;
-    struct queued nq = {.gen = launch_generation()};
-    queued.update(&tid, &nq);
+    restart_count(id, launch_generation());
     return 0;
 }
 
@@ -172,19 +181,17 @@ static __always_inline int entry(struct pt_regs *ctx, u32 api, u8 layer, u8 stac
     u32 tid = id;
     u8 known = 0;
     if (role == ROLE_QUEUE) {
-        note_queued(tid, c.ts);
+        note_queued(id, c.ts);
     } else if (role == ROLE_SYNC) {
         u32 gen = launch_generation();
         struct queued *q = queued.lookup(&tid);
         if (q) {
             known = q->gen == gen && !(gen & 1);
             if (known && q->ops) { c.qops = q->ops; c.qgap = c.ts - q->last_ts; }
-            q->ops = 0; q->gen = gen;
         } else {
-            known = gen == 0;     /* launches never switched off: nothing queued */
-            struct queued nq = {.gen = gen};
-            queued.update(&tid, &nq);
+            known = gen == 0;     /* never switched: no entry is nothing queued */
         }
+        restart_count(id, gen);
     }
     c.api = api; c.layer = layer; c.has = has | (known ? HAS_QUEUED : 0);
     c.stream = stream; c.bytes = bytes; c.kind = kind; c.device = device;
@@ -311,14 +318,24 @@ class CudaSource(BccSource):
         self.libs = LibraryTracker(("cudart", "cuda", "nccl"), options.lib_paths)
         self._last_scan = 0.0
         self.duty = LaunchDuty(getattr(options, "launch_budget", 0))
-        self.launch_probes: list[tuple[bytes, bytes, bytes]] = []   # (path, sym, fn)
-        self.launches_on = True
+        # Launch probes: (path, sym, fn), the path one that stays valid (/proc/self/fd/N
+        # of a descriptor held open: the /proc/<pid>/root path a library was found by
+        # goes with that process); those attached now; the descriptors.
+        self.launch_probes: list[tuple[bytes, bytes, bytes]] = []
+        self._launch_attached: set[tuple[bytes, bytes, bytes]] = set()
+        self._launch_fds: list[int] = []
+        self._probe_lock = threading.Lock()   # launch_probes, _launch_attached, BCC's uprobes
+        self.launches_on = True               # wanted by the duty cycle (poll thread)
+        # since when every launch probe has counted (mono ns; 0: from the start), None
+        # while they are not all on; set by the switcher
+        self._on_since: int | None = 0
         self._generation = 0
         self._off_names: set[str] = set()    # launch APIs seen: rows for an interval off
         self.intervals_off = 0
         self._stopping = False
         self._switcher: threading.Thread | None = None
         self._switches: queue.SimpleQueue | None = None
+        self._switch_notes: queue.SimpleQueue = queue.SimpleQueue()
 
     def program(self, ctx: CaptureContext) -> str:
         consts = (f"#define ROLE_QUEUE {ROLE_QUEUE}\n#define ROLE_SYNC {ROLE_SYNC}\n"
@@ -348,10 +365,7 @@ class CudaSource(BccSource):
                 fn = f"api_{i}".encode()
                 try:
                     if not _rest[0]:       # a launch: switched with the duty cycle
-                        self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn)
-                        self.launch_probes.append((path.encode(), sym.encode(), fn))
-                        if not self.launches_on:
-                            self.bpf.detach_uprobe(name=path.encode(), sym=sym.encode())
+                        self._add_launch_probe(path, sym.encode(), fn)
                         ok += 1
                         continue
                     self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn)
@@ -388,6 +402,33 @@ class CudaSource(BccSource):
             self._last_scan = now
             self._attach_new(self.ctx.targets.pids())
 
+    def _add_launch_probe(self, path: str, sym: bytes, fn: bytes) -> None:
+        """Attach a launch probe through a path that stays valid; left attached only if
+        the probes are counting now (raises if the library lacks the symbol)."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        probe = (f"/proc/self/fd/{fd}".encode(), sym, fn)
+        with self._probe_lock:
+            try:
+                self.bpf.attach_uprobe(name=probe[0], sym=sym, fn_name=fn)
+            except Exception:
+                os.close(fd)
+                raise
+            self._launch_fds.append(fd)
+            self.launch_probes.append(probe)
+            self._launch_attached.add(probe)
+            if self._on_since is None:     # off now: the next switch on attaches it
+                self._detach(probe)
+
+    def _detach(self, probe) -> bool:
+        try:
+            self.bpf.detach_uprobe(name=probe[0], sym=probe[1])
+        except Exception as e:
+            self._switch_notes.put(("warning", f"launch probe {probe[1].decode()}: cannot "
+                                    f"detach ({e}); it keeps counting, unused"))
+            return False
+        self._launch_attached.discard(probe)
+        return True
+
     def _switch_launches(self, on: bool) -> None:
         """Attach or detach every launch probe, on the switcher thread: a detach waits
         for the kernel's RCU grace period (about 0.1 s here, under 1 ms of CPU), which
@@ -395,6 +436,8 @@ class CudaSource(BccSource):
         if on == self.launches_on:
             return
         self.launches_on = on
+        if not on:
+            self._on_since = None     # the next interval is off, however long the detach
         if self._switcher is None:
             self._switches = queue.SimpleQueue()
             self._switcher = threading.Thread(target=self._switch_loop, daemon=True,
@@ -403,22 +446,36 @@ class CudaSource(BccSource):
         self._switches.put(on)
 
     def _switch_loop(self) -> None:
-        # The generation moves on both sides of the gap, in this order, so a count that
-        # spans it, or runs inside it, is marked unknown (see PROGRAM).
+        # The generation goes odd before the first detach and even only once every probe
+        # is attached again: a count that spans a gap, or runs inside one, or any count
+        # while a probe could not be attached, is unknown (see PROGRAM).
         while (on := self._switches.get()) is not None:
-            if not on:
+            with self._probe_lock:
+                if not on:
+                    self._on_since = None
+                    if self._generation % 2 == 0:
+                        self._bump_generation()
+                    for probe in list(self._launch_attached):
+                        self._detach(probe)
+                    continue
+                failed = []
+                for probe in self.launch_probes:
+                    if probe in self._launch_attached:
+                        continue
+                    try:
+                        self.bpf.attach_uprobe(name=probe[0], sym=probe[1], fn_name=probe[2])
+                        self._launch_attached.add(probe)
+                    except Exception as e:
+                        failed.append(f"{probe[1].decode()} ({e})")
+                if failed:
+                    # not counting: intervals stay marked off, syncs unknown; the next
+                    # cycle tries again
+                    self._switch_notes.put(("warning", "launch probes could not be attached "
+                                            "again: " + "; ".join(failed) + "; launches are "
+                                            "not counted until they can be"))
+                    continue
                 self._bump_generation()
-            for path, sym, fn in list(self.launch_probes):
-                try:
-                    if on:
-                        self.bpf.attach_uprobe(name=path, sym=sym, fn_name=fn)
-                    else:
-                        self.bpf.detach_uprobe(name=path, sym=sym)
-                except Exception as e:   # a library gone with its last process
-                    self.notes.append(("warning", f"launch probe {sym.decode()} on "
-                                                  f"{path.decode()}: {e}"))
-            if on:
-                self._bump_generation()
+                self._on_since = mono_ns()
 
     def close(self) -> None:
         if self._switcher is not None:
@@ -426,6 +483,21 @@ class CudaSource(BccSource):
             self._switcher.join()
             self._switcher = None
         super().close()
+        for fd in self._launch_fds:
+            os.close(fd)
+        self._launch_fds.clear()
+
+    def on_exit_target(self, pid: int) -> None:
+        super().on_exit_target(pid)
+        if self.bpf is not None and self._generation:
+            # entries are kept per thread once the probes have switched: drop the
+            # process's own, so that thread churn cannot fill the map
+            q = self.bpf[b"queued"]
+            for k in [k for k, v in q.items() if v.tgid == pid]:
+                try:
+                    del q[k]
+                except KeyError:
+                    pass
 
     def _bump_generation(self) -> None:
         """Odd while the launch probes are off, even while on (see PROGRAM)."""
@@ -439,7 +511,12 @@ class CudaSource(BccSource):
         that did not count gets a row per launch API with count 0 and observed_ns 0."""
         rows = []
         counted = 0
-        was_on = self.launches_on
+        while not self._switch_notes.empty():
+            self.notes.append(self._switch_notes.get())
+        on_since = self._on_since
+        was_on = on_since is not None
+        # probes that came on during the interval counted only since then
+        observed = now - on_since if was_on and on_since > self._stats_start else None
         if not was_on:
             for name in sorted(self._off_names):
                 rows.append((self._stats_start, now, self.stat_source, name, None, None,
@@ -456,17 +533,18 @@ class CudaSource(BccSource):
                 self.symbolizer.failed += 1
             rows.append((self._stats_start, now, self.stat_source, API_NAMES[k.api],
                          k.site.tgid or None, k.tid or None, stack_id, int(v.count),
-                         None, None, None))
+                         None, None, None, observed))
             counted += int(v.count)
             self._off_names.add(API_NAMES[k.api])
         if rows:
             sink.add_many("event_stats", rows)
             self.events += len(rows)
         share = self.duty.share
-        on = self.duty.next_on(counted, (now - self._stats_start) / 1e9, was_on)
+        seconds = (observed if observed is not None else now - self._stats_start) / 1e9
+        on = self.duty.next_on(counted, seconds, was_on)
         if self.duty.share != share and (self.duty.share == 1.0 or share == 1.0):
             self.notes.append(("info", (
-                f"kernel launches: {counted / max((now - self._stats_start) / 1e9, 1e-9):,.0f}"
+                f"kernel launches: {counted / max(seconds, 1e-9):,.0f}"
                 f"/s, above --launch-budget {self.duty.budget:,.0f}/s: launch probes on for "
                 f"{self.duty.share:.0%} of the stats intervals (event_stats.observed_ns 0 "
                 "marks the others)") if self.duty.share < 1.0 else

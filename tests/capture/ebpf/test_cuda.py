@@ -3,7 +3,9 @@ calls sleep a configured time) and the real libcudart.so.12 from the wheel via c
 
 from __future__ import annotations
 
+import shutil
 import textwrap
+import threading
 import time
 from collections import Counter
 
@@ -186,15 +188,22 @@ def test_launches_sampled_above_the_budget(ebpf_ok, tmp_path, fixtures):
     sink = run.sink
     stats = [s for s in sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]
     off = [s for s in stats if s["observed_ns"] == 0]
-    counted = [s for s in stats if s["observed_ns"] is None]
+    counted = [s for s in stats if s["observed_ns"] != 0]
     assert off and counted, stats
     assert all(s["count"] == 0 and s["pid"] is None for s in off)
-    intervals = {(s["interval_start_ns"], s["interval_end_ns"]) for s in counted}
+    # an interval whose probes came back on during it counted from then on (observed_ns)
+    seen_ns = {(s["interval_start_ns"], s["interval_end_ns"]):
+               s["observed_ns"] or s["interval_end_ns"] - s["interval_start_ns"]
+               for s in counted}
+    intervals = set(seen_ns)
+    assert all(0 < v <= b - a for (a, b), v in seen_ns.items()), seen_ns
     job_start, job_end = result["start_mono_ns"], result["end_mono_ns"]
     inside = {iv for iv in intervals if job_start <= iv[0] and iv[1] <= job_end}
     assert inside, (intervals, job_start, job_end)
+    # probes attached again after a switch count (attached through a path that stays valid)
+    assert any(s["observed_ns"] and s["count"] > 0 for s in counted), counted
     rate = sum(s["count"] for s in counted if (s["interval_start_ns"], s["interval_end_ns"])
-               in inside) / (sum(b - a for a, b in inside) / 1e9)
+               in inside) / (sum(seen_ns[iv] for iv in inside) / 1e9)
     true_rate = result["steps"] * TRAIN_LAUNCHES / ((job_end - job_start) / 1e9)
     assert 0.7 * true_rate <= rate <= 1.3 * true_rate, (rate, true_rate)
     # most intervals are off: at most the budget's share, plus the first one
@@ -213,3 +222,72 @@ def test_launches_sampled_above_the_budget(ebpf_ok, tmp_path, fixtures):
             assert r["queued_ops"] == expect[caller], (caller, r)
     assert seen["known"] >= 3 and seen["unknown"] >= 3, seen
     assert any("launch probes on for" in m for _l, _s, _e, m, _c in sink.logs), sink.logs
+
+
+def _sampled_train_job(fixtures, tmp_path, job_dir, during=None):
+    """train_job from job_dir (its shims beside it) for 6 s under a CudaSource with a
+    budget of 100 launches/s and 0.25 s intervals; ``during(source)`` runs once the job
+    is going. Returns the sink."""
+    idfile = tmp_path / "ids"
+    make_ids(idfile)
+    job = Job(lambda r: [str(job_dir / "train_job"), "0", "1", str(idfile), "6s",
+                         str(tmp_path)], 1)
+    opts = options(lib_paths=[str(job_dir / "libcudart.so.12"), str(job_dir / "libnccl.so.2")],
+                   stats_interval_s=0.25, launch_budget=100)
+    source = CudaSource(opts)
+    try:
+        with Running(source, StaticTargets(job.pids), opts) as run:
+            if during:
+                threading.Thread(target=during, args=(source,), daemon=True).start()
+            job.go()
+            time.sleep(0.3)
+        job.finish()
+    finally:
+        job.kill()
+    return run.sink
+
+
+def _copy_job(fixtures, to):
+    to.mkdir()
+    for f in (fixtures.train_job, fixtures.libcudart, fixtures.libnccl, fixtures.libcuda):
+        shutil.copy2(f, to / f.name)
+    return to
+
+
+def test_launch_probes_come_back_after_their_library_path_is_gone(ebpf_ok, tmp_path, fixtures):
+    """The probes are attached again through a descriptor the source holds, not through
+    the path the library was found by: renamed away (or the /proc/PID/root path of a
+    process that exited), the launches are still counted after every switch."""
+    job_dir = _copy_job(fixtures, tmp_path / "a")
+    sink = _sampled_train_job(fixtures, tmp_path, job_dir,
+                              during=lambda _s: (time.sleep(0.5),
+                                                 job_dir.rename(tmp_path / "b")))
+    stats = [s for s in sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]
+    first_off = min(s["interval_start_ns"] for s in stats if s["observed_ns"] == 0)
+    later = [s for s in stats if s["interval_start_ns"] > first_off and s["count"] > 0]
+    assert later and all(s["observed_ns"] != 0 for s in later), stats
+    assert not [m for _l, _s, _e, m, _c in sink.logs if "could not be attached" in m]
+
+
+def test_a_launch_probe_that_cannot_come_back_leaves_launches_unknown(ebpf_ok, tmp_path,
+                                                                      fixtures):
+    """If a launch probe cannot be attached again, the capture says so, marks every
+    interval after as not counted, and no synchronization after the switch claims to
+    know what was queued before it."""
+    def break_attach(source):
+        real = source.bpf.attach_uprobe
+
+        def attach(*a, **kw):
+            if kw.get("fn_name") in {p[2] for p in source.launch_probes}:
+                raise Exception("could not determine address of symbol cudaLaunchKernel")
+            return real(*a, **kw)
+        source.bpf.attach_uprobe = attach
+
+    sink = _sampled_train_job(fixtures, tmp_path, fixtures.build, during=break_attach)
+    stats = [s for s in sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]
+    first_off = min(s["interval_start_ns"] for s in stats if s["observed_ns"] == 0)
+    assert all(s["observed_ns"] == 0 for s in stats if s["interval_start_ns"] > first_off)
+    syncs = [r for r in sink.dicts("cuda_events") if r["api"].endswith("Synchronize")
+             and r["timestamp_ns"] > first_off]
+    assert syncs and all(r["queued_ops"] is None for r in syncs)
+    assert [m for _l, _s, _e, m, _c in sink.logs if "could not be attached again" in m]
