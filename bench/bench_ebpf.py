@@ -9,7 +9,8 @@ Floor: the cost of EMPTY BPF programs (return 0) on the same shim functions, at 
     at 10k and 100k calls/s (all calls), capture off vs empty probes on every call (floor)
     vs on (NCCL + CUDA sources), counting every launch (--launch-budget 0) and with the
     default --launch-budget (launch probes on for a share of the stats intervals);
-    ratios of elapsed times. Runs last at least 5 s (two on/off cycles) so the sampled state shows.
+    ratios of elapsed times. Runs last at least 5 s (--seconds; two on/off cycles of the
+    bench's 0.25 s intervals, --stats-interval) so the sampled state shows.
 (b) The highest sustained NCCL event rate (one ring buffer record per ncclAllReduce) with
     zero lost events, from the loop with no work between calls and rising poll load.
 (c) CPU of the capture side (ring buffer read, unpack, rows) at about 10k events/s.
@@ -251,21 +252,27 @@ def main():
     ap.add_argument("--launches", default="1,19",
                     help="(a): launches per collective, comma-separated (default 1,19)")
     ap.add_argument("--no-floor", action="store_true", help="skip the top-speed floor")
+    ap.add_argument("--stats-interval", type=float, default=Capture.STATS_INTERVAL_S,
+                    help="(a): the captures' stats interval, s (default 0.25; the capture's "
+                         "own is 1.0, which needs runs of 20 s or more: --seconds)")
+    ap.add_argument("--seconds", type=float, default=5.0,
+                    help="(a): length of each run, at least (default 5)")
     a = ap.parse_args()
     Capture.stacks = not a.no_stacks
+    Capture.STATS_INTERVAL_S = a.stats_interval
     if os.geteuid() != 0:
         sys.exit("bench_ebpf: needs root")
     fx = build_fixtures()
     secs, reps = (1.0, 3) if a.quick else (3.0, 5)
     print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}"
-          f"{'; stacks off' if a.no_stacks else ''}")
+          f"{'; stacks off' if a.no_stacks else ''}; stats interval {a.stats_interval} s")
     if not a.no_floor:
         print_floor(fx, 100_000 if a.quick else 200_000, reps)
     budget = CaptureOptions.launch_budget
     for launches in map(int, a.launches.split(",")):
         mix = f"{launches} launch{'es' if launches > 1 else ''} per collective"
         for rate in map(int, a.rates.split(",")):
-            r = overhead(fx, rate, max(secs, 5.0), reps, launches)
+            r = overhead(fx, rate, max(secs, a.seconds), reps, launches)
             rounds = lambda k: ", ".join(f"{p:+.1f}" for p in r[k])  # noqa: E731
             e = r["elapsed_s"]
             print(f"(a) {rate:>7,} calls/s, {mix}: off {e['off']:.3f} s; empty probes on "
