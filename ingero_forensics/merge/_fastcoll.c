@@ -861,7 +861,9 @@ static int agg_group(Agg *a, Merge *m, Err *e)
             nranks = have_nranks && nranks > c->nranks ? nranks : c->nranks;
             have_nranks = 1;
         }
-        a->keys[nkeys++] = c->flags & F_RANK ? c->rank : -1 - r->node;
+        /* a rank, else the process (node, pid): an inferred communicator's rows have none */
+        a->keys[nkeys++] = c->flags & F_RANK ? c->rank
+                           : -1 - (((int64_t)r->node << 32) | (int64_t)(uint32_t)c->pid);
         if (!nent || at < first)
             first = at;
         if (!nent || pre > last_pre)

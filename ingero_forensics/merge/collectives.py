@@ -51,7 +51,7 @@ STAGING_DDL = (
     # and nranks NULL unless integers
     "CREATE TABLE IF NOT EXISTS ent (node_id INTEGER, bundle_id INTEGER, id INTEGER, "
     "comm_id_hash TEXT, seq INTEGER, rank INTEGER, mono_ns INTEGER, op TEXT, bytes INTEGER, "
-    "nranks INTEGER)",
+    "nranks INTEGER, pid INTEGER)",
 )
 
 
@@ -174,7 +174,8 @@ class CollectiveJob:
             with attached(con, image, "b"), con:
                 con.execute("INSERT INTO ent SELECT ?, ?, id, comm_id_hash, seq, "
                             f"{int_or_null('rank')}, "
-                            f"timestamp_ns, op, {int_or_null('bytes')}, {int_or_null('nranks')} "
+                            f"timestamp_ns, op, {int_or_null('bytes')}, {int_or_null('nranks')}, "
+                            f"{int_or_null('pid')} "
                             "FROM b.nccl_events e WHERE typeof(e.comm_id_hash) = 'text' AND "
                             f"typeof(e.seq) = 'integer' AND {self.valid_for(bundle_id)}",
                             (node_id, bundle_id))
@@ -193,7 +194,8 @@ class CollectiveJob:
                              (MIN(e.op) <> MAX(e.op) OR COALESCE(MIN(e.bytes) <> MAX(e.bytes), 0))
                                  AS mismatch,
                              MAX(e.nranks) AS nranks,
-                             COUNT(DISTINCT COALESCE(e.rank, -1 - e.node_id)) AS ranks_seen,
+                             COUNT(DISTINCT COALESCE(e.rank, -1 - (e.node_id * 4294967296
+                                   + (COALESCE(e.pid, 0) & 4294967295)))) AS ranks_seen,
                              MAX(e.bytes) AS bytes, MIN({a_ent}) AS first_entry,
                              MAX(e.mono_ns + p.pre) AS last_pre
                       FROM ent e JOIN temp.node_params p USING (node_id)

@@ -307,7 +307,8 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
             fl.collectives_seen = con.execute(
                 "SELECT COUNT(*) FROM (SELECT DISTINCT comm_id_hash, seq FROM st.sp)").fetchone()[0]
             con.execute("INSERT INTO st.ent SELECT node_id, bundle_id, id, comm_id_hash, seq, "
-                        f"{_int('rank')}, mono_ns, op, {_int('bytes')}, {_int('nranks')} "
+                        f"{_int('rank')}, mono_ns, op, {_int('bytes')}, {_int('nranks')}, "
+                        f"{_int('pid')} "
                         "FROM main.nccl_events e WHERE typeof(comm_id_hash) = 'text' "
                         "AND typeof(seq) = 'integer'")
     # The next bundles are verified, decompressed and their sync points extracted by

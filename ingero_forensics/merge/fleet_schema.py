@@ -303,7 +303,9 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("op_mismatch", "INTEGER", False, "", "1 if ranks recorded different ops or sizes "
           "for this (comm_id_hash, seq)."),
         C("nranks", "INTEGER", True, "", "Communicator size (largest recorded)."),
-        C("ranks_seen", "INTEGER", False, "", "Distinct ranks with an nccl_events row for it."),
+        C("ranks_seen", "INTEGER", False, "", "Distinct ranks with an nccl_events row for it "
+          "(distinct processes where rows have no rank: a communicator inferred after a "
+          "late attach)."),
         C("bytes", "INTEGER", True, "bytes", "Largest bytes recorded."),
         C("first_entry_ns", "INTEGER", False, ALIGNED_UNIT, "Earliest entry over ranks."),
         C("last_entry_ns", "INTEGER", False, ALIGNED_UNIT, "Latest entry over ranks."),

@@ -32,6 +32,13 @@ MAX_DETAILED = 8
 #: Last CUDA calls shown per stopped rank.
 LAST_CALLS = 5
 
+#: SQL: the size of collective c's communicator. Recorded at init; for a communicator
+#: inferred from captures attached later (docs/merge.md, late attach) only its world
+#: communicator has one, so for the others it is the most processes any of its
+#: collectives was seen on: a process that stops entering is then still one fewer.
+SIZE_SQL = ("COALESCE(c.nranks, (SELECT MAX(x.ranks_seen) FROM collectives x "
+            "WHERE x.comm_id_hash = c.comm_id_hash))")
+
 __all__ = ["HANG_MARGIN_NS", "find_hangs", "hang_text"]
 
 
@@ -60,16 +67,17 @@ def find_hangs(con, ranks_of) -> list[dict]:
     (node_id, pid) -> global rank (merge.ranks.process_ranks; called only if a rank
     stopped: it reads every nccl_events row)."""
     starts = con.execute(
-        "SELECT c.comm_id_hash, c.seq, c.op, c.nranks, c.ranks_seen, c.first_entry_ns, "
+        f"SELECT c.comm_id_hash, c.seq, c.op, {SIZE_SQL}, c.nranks IS NULL, c.ranks_seen, "
+        "c.first_entry_ns, "
         "(SELECT MAX(x.seq) FROM collectives x WHERE x.comm_id_hash = c.comm_id_hash), "
         "(SELECT MAX(x.last_entry_ns) FROM collectives x "
         "WHERE x.comm_id_hash = c.comm_id_hash), (SELECT MAX(last_utc_ns) FROM nodes) "
         "FROM collectives c JOIN collectives p ON p.comm_id_hash = c.comm_id_hash "
-        "AND p.seq = c.seq - 1 WHERE c.nranks IS NOT NULL AND c.ranks_seen < c.nranks "
+        f"AND p.seq = c.seq - 1 WHERE c.ranks_seen < {SIZE_SQL} "
         "AND c.ranks_seen < p.ranks_seen ORDER BY c.first_entry_ns").fetchall()
     out: list[dict] = []
     global_rank: dict | None = None
-    for comm, seq, op, nranks, seen, first, max_seq, last_entry, capture_end in starts:
+    for comm, seq, op, nranks, inferred, seen, first, max_seq, last_entry, capture_end in starts:
         for nid, node, pid, rank, last_ts, last_op in con.execute(
                 "SELECT p.node_id, nd.name, p.pid, p.rank, p.timestamp_ns, p.op "
                 "FROM nccl_events p JOIN nodes nd USING (node_id) "
@@ -82,7 +90,8 @@ def find_hangs(con, ranks_of) -> list[dict]:
                 global_rank = ranks_of()
             out.append({"node": node, "node_id": nid, "pid": pid,
                         "rank": global_rank.get((nid, pid), rank), "comm_rank": rank,
-                        "comm_id_hash": comm, "nranks": nranks, "missed_seq": seq,
+                        "comm_id_hash": comm, "nranks": nranks,
+                        "size_inferred": bool(inferred), "missed_seq": seq,
                         "missed_op": op, "peers_entered": seen,
                         "peers_entered_ns": first, "peers_last_seq": max_seq,
                         "quiet_s": round(max(0, (capture_end or 0) - last_entry) / 1e9, 1),
@@ -106,13 +115,14 @@ def _stalls(con, ranks_of) -> list[dict]:
     waiting rank is named, inside what and since when."""
     out: list[dict] = []
     global_rank: dict | None = None
-    for comm, seq, op, nranks, seen, first, capture_end, gap in con.execute(
-            "SELECT c.comm_id_hash, c.seq, c.op, c.nranks, c.ranks_seen, c.first_entry_ns, "
+    for comm, seq, op, nranks, inferred, seen, first, capture_end, gap in con.execute(
+            f"SELECT c.comm_id_hash, c.seq, c.op, {SIZE_SQL}, c.nranks IS NULL, c.ranks_seen, "
+            "c.first_entry_ns, "
             "(SELECT MAX(last_utc_ns) FROM nodes), (SELECT MAX(g) FROM (SELECT "
             "x.first_entry_ns - LAG(x.first_entry_ns) OVER (ORDER BY x.seq) AS g "
             "FROM collectives x WHERE x.comm_id_hash = c.comm_id_hash)) "
-            "FROM collectives c WHERE c.nranks IS NOT NULL "
-            "AND c.ranks_seen = c.nranks AND c.seq = (SELECT MAX(x.seq) FROM collectives x "
+            f"FROM collectives c WHERE c.ranks_seen = {SIZE_SQL} "
+            "AND c.seq = (SELECT MAX(x.seq) FROM collectives x "
             "WHERE x.comm_id_hash = c.comm_id_hash) ORDER BY c.first_entry_ns").fetchall():
         for nid, node, pid, rank, last_ts, api, since in con.execute(
                 "SELECT p.node_id, nd.name, p.pid, p.rank, p.timestamp_ns, f.api, "
@@ -127,7 +137,8 @@ def _stalls(con, ranks_of) -> list[dict]:
                 global_rank = ranks_of()
             out.append({"node": node, "node_id": nid, "pid": pid,
                         "rank": global_rank.get((nid, pid), rank), "comm_rank": rank,
-                        "comm_id_hash": comm, "nranks": nranks, "missed_seq": seq,
+                        "comm_id_hash": comm, "nranks": nranks,
+                        "size_inferred": bool(inferred), "missed_seq": seq,
                         "missed_op": op, "peers_entered": seen, "peers_entered_ns": first,
                         "peers_last_seq": seq,
                         "quiet_s": round(max(0, (capture_end or 0) - since) / 1e9, 1),
@@ -187,6 +198,14 @@ def _doing(con, h: dict) -> None:
         h["stack"] = _frames(frames)
 
 
+def _ranks(h: dict) -> str:
+    """The communicator's ranks in words: an inferred one's size is the most seen."""
+    if h.get("size_inferred"):
+        return (f"{h['nranks']} ranks seen (its size is not known: a communicator inferred "
+                "from captures attached after its init)")
+    return f"{h['nranks']} ranks"
+
+
 def hang_text(hangs: list[dict], utc) -> str:
     """The verdict's lead for a hang; ``utc`` formats a fleet time."""
     h = hangs[0]
@@ -198,7 +217,7 @@ def hang_text(hangs: list[dict], utc) -> str:
     if h.get("stall"):
         stalled = sorted({x["rank"] for x in hangs if x["comm_id_hash"] == h["comm_id_hash"]})
         return (f"The job hung inside {h['missed_op']} seq {h['missed_seq']} of communicator "
-                f"{h['comm_id_hash']}: all {h['nranks']} ranks entered it from "
+                f"{h['comm_id_hash']}: all {_ranks(h)} entered it from "
                 f"{utc(h['peers_entered_ns'])} and no collective of it started after; "
                 f"{'rank' if len(stalled) == 1 else 'ranks'} "
                 f"{', '.join(map(str, stalled))} still had a call open when the capture "
@@ -212,14 +231,14 @@ def hang_text(hangs: list[dict], utc) -> str:
                 f"of communicator {h['comm_id_hash']} since {utc(inside['since_ns'])} "
                 f"(its {inside['api']} call had not returned when the capture last saw it, "
                 f"at {utc(inside['observed_ns'])}); {h['peers_entered']} of its "
-                f"{h['nranks']} ranks returned from that collective from "
+                f"{_ranks(h)} returned from that collective from "
                 f"{utc(h['peers_entered_ns'])}, then no collective of it started for "
                 f"{h['quiet_s']:,.1f} s. Its last completed collective was {h['last_op']} "
                 f"seq {h['last_seq']} at {utc(h['last_ns'])}")
     else:
         text = (f"The job hung: {who} never entered {h['missed_op']} seq {h['missed_seq']} "
                 f"of communicator {h['comm_id_hash']}, which {h['peers_entered']} of its "
-                f"{h['nranks']} ranks entered from {utc(h['peers_entered_ns'])} (they went "
+                f"{_ranks(h)} entered from {utc(h['peers_entered_ns'])} (they went "
                 f"on to seq {h['peers_last_seq']}, then no collective of it started for "
                 f"{h['quiet_s']:,.1f} s until the capture stopped). Its last collective was "
                 f"{h['last_op']} seq {h['last_seq']} at {utc(h['last_ns'])}")

@@ -85,3 +85,41 @@ def test_the_rank_that_stopped_is_named(hung_fleet):
 def test_no_hang_in_a_run_that_ends(fleets):
     db, _ = fleets("cpu")
     assert analyze_fleet(db).hangs == []
+
+
+class _NoRankWriter(fleetgen.BundleWriter):
+    def add_many(self, table, rows):
+        if table == "nccl_events":
+            rows = [tuple(r[:3]) + (None, None) + tuple(r[5:]) for r in rows]
+        return super().add_many(table, rows)
+
+
+class InferredStoppingWriter(StoppingWriter, _NoRankWriter):
+    """The same hang (StoppingWriter picks the rows) on a communicator whose rows carry
+    no rank and no size (_NoRankWriter writes them so), as the merge leaves a
+    communicator it inferred from captures attached after its init (one that is not the
+    world communicator): two of its processes on each node."""
+
+
+def test_a_hang_on_a_communicator_of_unknown_size_is_named(tmp_path):
+    """Without a recorded size, the most processes any of the communicator's collectives
+    was seen on stands for it (processes, not nodes: two ranks share each node here), so
+    the process that stops is still one fewer, and the verdict says the size is not
+    known."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fleetgen, "BundleWriter", InferredStoppingWriter)
+    try:
+        fleet = fleetgen.make_fleet(tmp_path / "b", nodes=4, ranks_per_node=2, seconds=10,
+                                    seed=3, retransmits=False)
+    finally:
+        mp.undo()
+    merge_bundles(fleet.paths, tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    assert [h["pid"] for h in a.hangs] == [1000 + STOP_RANK, 1000 + LATER_RANK], a.hangs
+    h = a.hangs[0]
+    assert h["node"] == "node-2" and h["size_inferred"] and h["nranks"] == 8
+    assert (h["last_seq"], h["missed_seq"], h["peers_entered"]) == (STOP_SEQ, STOP_SEQ + 1, 7)
+    assert "7 of its 8 ranks seen (its size is not known" in a.verdict, a.verdict
+    # the merge's SQL path counts processes the same way as its C path
+    merge_bundles(fleet.paths, tmp_path / "sql.db", accel=False)
+    assert analyze_fleet(tmp_path / "sql.db").hangs == a.hangs
