@@ -287,7 +287,10 @@ def test_a_launch_probe_that_cannot_come_back_leaves_launches_unknown(ebpf_ok, t
     stats = [s for s in sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]
     first_off = min(s["interval_start_ns"] for s in stats if s["observed_ns"] == 0)
     assert all(s["observed_ns"] == 0 for s in stats if s["interval_start_ns"] > first_off)
+    # the switcher thread detaches just after the interval turns off (until then the
+    # probes still count, and a sync may know its queue); give it half a second
     syncs = [r for r in sink.dicts("cuda_events") if r["api"].endswith("Synchronize")
-             and r["timestamp_ns"] > first_off]
-    assert syncs and all(r["queued_ops"] is None for r in syncs)
+             and r["timestamp_ns"] > first_off + 500_000_000]
+    assert syncs and all(r["queued_ops"] is None for r in syncs), [
+        (r["timestamp_ns"] - first_off, r["queued_ops"]) for r in syncs if r["queued_ops"]]
     assert [m for _l, _s, _e, m, _c in sink.logs if "could not be attached again" in m]
