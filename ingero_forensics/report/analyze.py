@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import math
 from array import array
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -63,6 +64,9 @@ TRANSFER_SAMPLE = 5_000
 MIN_LATE_BINS = 3
 #: ... and the others must have waited for it at least this share of the run.
 MIN_COST_SHARE = 0.01
+#: The spread of all cells is taken for the jitter unless it is more than this many
+#: times what the nodes vary by on their own (fleet_noise_ms).
+NOISE_SPLIT = 3.0
 #: Lateness under this is never a late cell, however quiet the fleet.
 LATE_FLOOR_MS = 1.0
 #: At most this chance, over all cells of the run, that noise alone makes a late cell
@@ -137,6 +141,12 @@ class Analysis:
     bin_ns: int
     noise_ms: float
     threshold_ms: float = 0.0
+    #: where noise_ms comes from: "fleet" (the spread of every node's lateness) or
+    #: "per_node" (each node's own variation: the nodes' steady offsets were larger)
+    noise_basis: str = "fleet"
+    #: two nodes, one later in nearly every bin but not beyond the jitter that its own
+    #: lateness sets: {node, later_bins, bins, median_ms}; the verdict is "Cannot tell"
+    pair_limited: dict | None = None
     straggler: str | None = None
     straggler_node_id: int | None = None
     straggler_ranks: list[int] = field(default_factory=list)
@@ -236,6 +246,60 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     return a
 
 
+def _mad(vals) -> float:
+    """1.4826 x the median absolute deviation: sigma, for Gaussian values."""
+    if not vals:
+        return 0.0
+    m = median(vals)
+    return median([abs(v - m) for v in vals]) * 1.4826
+
+
+def fleet_noise_ms(cell: dict, lates=()) -> tuple[float, str]:
+    """The fleet's normal jitter from the (bin, node) -> mean lateness cells, and what it
+    was taken from. The spread of all cells is robust while fewer than half of them are
+    shifted, which a straggler among three or more nodes never does (the median arrival
+    is a healthy node's). With two nodes, or half the nodes late at once, every cell
+    moves with the fault and that spread is the fault itself: a node 20 ms late for the
+    whole run would set the bar above its own lateness. So when the spread of all cells
+    is more than NOISE_SPLIT times what the nodes vary by on their own (each cell against
+    its node's median, or against the same node's previous bin, which a fault that comes
+    and goes does not inflate, or the spread of single collectives' lateness ``lates``,
+    which a fault that delays a step's first collective leaves to the rest of the step),
+    the jitter is that variation instead."""
+    pooled = _mad(list(cell.values()))
+    by_node: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for (b, n), v in cell.items():
+        by_node[n].append((b, v))
+    if median([len(v) for v in by_node.values()]) < 2 * MIN_LATE_BINS:
+        return pooled, "fleet"      # too few bins per node to know how each one varies
+    within, steps = [], []
+    for series in by_node.values():
+        series.sort()
+        m = median([v for _, v in series])
+        within += [v - m for _, v in series]
+        steps += [(v1 - v0) / math.sqrt(2) for (b0, v0), (b1, v1) in zip(series, series[1:])]
+    own = min(_mad(within), _mad(steps), _mad(lates) if len(lates) else math.inf)
+    if pooled > NOISE_SPLIT * own:
+        return own, "per_node"
+    return pooled, "fleet"
+
+
+def _later_in_most_bins(cell: dict, nodes: dict) -> dict | None:
+    """Of two nodes, the one that arrived later in so many time bins that chance cannot
+    explain it (one-sided sign test at p < 0.001 for either node), by more than
+    LATE_FLOOR_MS at its median bin; None when neither did."""
+    by_node: dict[int, list[float]] = defaultdict(list)
+    for (_, n), v in cell.items():
+        by_node[n].append(v)
+    for nid, vals in by_node.items():
+        n, k = len(vals), sum(1 for v in vals if v > 0)
+        tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+        if n >= 2 * MIN_LATE_BINS and 2 * tail < 0.001 and median(vals) > LATE_FLOOR_MS:
+            return {"node": nodes[nid][0], "later_bins": k, "bins": n,
+                    "median_ms": round(median(vals), 3)}
+    return None
+
+
 def late_threshold_ms(noise_ms: float, cells: int) -> float:
     """The lateness a (node, bin) cell must exceed: a Gaussian tail bound over every
     cell of the run at FALSE_CELL_RATE, in units of the fleet's robust spread."""
@@ -326,12 +390,19 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         arrivals = json.loads(arrivals)
         if len(arrivals) < 2:
             continue
-        med = median([t for _, t in arrivals])
+        if len(arrivals) == 2:
+            # two nodes: each against the other (the median, their midpoint, would show
+            # half of what the early one waited)
+            (n0, a0), (n1, a1) = arrivals
+            ref = {n0: a1, n1: a0}
+        else:
+            med = median([t for _, t in arrivals])
+            ref = None
         b = (first - t0) // bin_ns
         cells = bins[b]
         times.append(first)
         for nid, t in arrivals:
-            late_ms = (t - med) / 1e6
+            late_ms = (t - (med if ref is None else ref[nid])) / 1e6
             node_lates[nid].append(late_ms)
             acc = cells.get(nid)
             if acc is None:
@@ -351,9 +422,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 
     # robust noise over all (bin, node) means; the threshold grows with their number
     cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k, _) in per.items()}
-    vals = list(cell.values())
-    med_all = median(vals)
-    mad = median([abs(v - med_all) for v in vals]) * 1.4826
+    mad, a.noise_basis = fleet_noise_ms(cell, [v for r in per_node.values() for v in r.values])
     a.noise_ms = round(mad, 3)
     threshold = late_threshold_ms(mad, len(cell))
     a.threshold_ms = round(threshold, 3)
@@ -454,6 +523,23 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 "observed a collective's completion tightly, and the clocks' own claims do "
                 f"not bound them), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
                 "lateness table shows what each node's clock says; see the clock section.")
+            with con.figure("slow_collectives"):
+                a.slow_collectives = slow_collectives(con)
+            return a
+        one_sided = _later_in_most_bins(cell, nodes) if len(nodes) == 2 else None
+        if one_sided is not None:
+            # Two nodes only, one of them later nearly always, but by amounts that vary as
+            # much as they are large: with no third node, that spread is all the "jitter"
+            # there is to compare with, so neither "straggler" nor "no straggler" is known.
+            a.pair_limited = one_sided
+            a.cause_confidence = "none"
+            a.verdict = (
+                f"Cannot tell whether {one_sided['node']} is a straggler: it arrived after "
+                f"the other node in {one_sided['later_bins']} of {one_sided['bins']} time "
+                f"bins (by {one_sided['median_ms']:.1f} ms at the median), but by amounts "
+                f"that vary as much as they are large ({a.noise_ms:.2f} ms), and with two "
+                "nodes there is no third to tell the fleet's normal jitter from its "
+                "lateness. Look at its timeline and host figures below.")
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
@@ -639,13 +725,14 @@ def _rank_text(ranks) -> str:
     return "ranks " + ", ".join(map(str, ranks))
 
 
-def _straggler_text(st: Straggler, noise_ms: float) -> str:
+def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
     secs = sum(w.end_ns - w.start_ns for w in st.windows) / 1e9
+    whom = "the other node" if nodes == 2 else "the median node"
     text = (f"{st.node} ({_rank_text(st.late_ranks or st.ranks)}) is a straggler: it arrived "
-            f"at collectives {st.lateness_ms:.1f} ms after the median node, on average, in "
+            f"at collectives {st.lateness_ms:.1f} ms after {whom}, on average, in "
             f"{_windows_text(st.windows)} totalling {secs:.0f} s (fleet jitter "
-            f"{noise_ms:.2f} ms); the other nodes waited {st.cost_s:.1f} s for it "
-            f"({st.cost_share:.1%} of the run).")
+            f"{noise_ms:.2f} ms); the other {'node' if nodes == 2 else 'nodes'} waited "
+            f"{st.cost_s:.1f} s for it ({st.cost_share:.1%} of the run).")
     if st.clock_caveat:
         u = st.relative_uncertainty_ms
         text += (" Its lateness is not well above the clock alignment uncertainty between "
@@ -673,7 +760,7 @@ def _verdict(a: Analysis, network: bool) -> str:
         if a.cause and a.cause_confidence == "clear":
             return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
         return lead
-    texts = [_straggler_text(st, a.noise_ms) for st in a.stragglers]
+    texts = [_straggler_text(st, a.noise_ms, a.nodes) for st in a.stragglers]
     if len(texts) > 1:
         return f"{len(texts)} stragglers. " + " ".join(texts)
     return texts[0]

@@ -94,6 +94,54 @@ def test_two_independent_stragglers_are_both_named(tmp_path):
     assert a.verdict.startswith("2 stragglers.")
 
 
+@pytest.mark.parametrize("fault,ranks,seed,window", [
+    ("cpu", 4, 70, None), ("gpu", 8, 149, None), ("cpu", 4, 108, "0:150"),
+    ("memory", 2, 74, None), ("io", 1, 106, "0:100")])
+def test_two_node_stragglers_are_named(tmp_path, fault, ranks, seed, window):
+    """Two nodes: each node's lateness is against the other, so the straggler's whole-run
+    fault moves every cell and the spread of all cells is the fault itself (it said "No
+    straggler" for these, with a jitter of half the lateness and more). The jitter is then
+    what each node varies by on its own, and the straggler is named with its cause."""
+    truth, db = _simulate(tmp_path, nodes=2, ranks_per_node=ranks, steps=200, fault=fault,
+                          seed=seed, **({"fault_windows": [tuple(map(int, window.split(":")))]}
+                                        if window else {}))
+    a = analyze_fleet(db)
+    assert [(s.node, s.cause) for s in a.stragglers] == \
+        [(truth["fault"]["straggler"], fault)], a.verdict
+    assert a.cause_confidence == "clear", a.verdict
+    st = a.stragglers[0]
+    assert st.cost_share >= 0.01 and "after the other node" in a.verdict, a.verdict
+    # the lateness is what the other node waited, not half of it (the pair's midpoint)
+    (early,) = [n for n in a.lateness if n.name != st.node]
+    assert early.median_ms == pytest.approx(-max(n.median_ms for n in a.lateness))
+
+
+def test_two_clean_nodes_name_no_straggler(tmp_path):
+    for seed, ranks in ((31, 4), (32, 1), (33, 8), (34, 2)):
+        truth, db = _simulate(tmp_path / str(seed), nodes=2, ranks_per_node=ranks,
+                              steps=200, fault="none", seed=seed)
+        a = analyze_fleet(db)
+        assert not a.stragglers and a.pair_limited is None, (seed, a.verdict)
+        assert a.verdict.startswith("No straggler"), (seed, a.verdict)
+
+
+def test_two_nodes_one_later_by_as_much_as_it_varies_cannot_tell(tmp_path):
+    """One rank per node, I/O stalls of 15 to 130 ms on one of them in every step: it is
+    later in 98 of 100 bins, but by amounts whose spread is as large as they are, and with
+    two nodes nothing else says what the fleet's jitter is. Not "No straggler"."""
+    truth, db = _simulate(tmp_path, nodes=2, ranks_per_node=1, steps=200, fault="io",
+                          seed=72, ntp_step=True)
+    a = analyze_fleet(db)
+    late = truth["fault"]["straggler"]
+    assert a.stragglers or a.pair_limited, a.verdict
+    if not a.stragglers:
+        assert a.pair_limited["node"] == late and a.pair_limited["later_bins"] >= 90
+        assert a.verdict.startswith(f"Cannot tell whether {late} is a straggler")
+        assert a.cause_confidence == "none"
+    else:
+        assert a.stragglers[0].node == late
+
+
 @pytest.mark.parametrize("every", [1, 10])
 def test_lateness_within_clock_uncertainty_is_not_a_verdict(tmp_path, every):
     """No tight completion observation (every sync behind queued kernels) and clocks

@@ -50,8 +50,8 @@ class Runs:
         return self._done[scenario]
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
+def skip_without_rig() -> None:
+    """pytest.skip unless this machine can run the rig (eBPF, root, iproute2)."""
     reason = ebpf_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -59,6 +59,11 @@ def rig(tmp_path_factory):
         pytest.skip("the rig needs root (network namespaces, tc)")
     if missing_tools():
         pytest.skip(f"the rig needs {', '.join(missing_tools())} (apt install iproute2 util-linux)")
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    skip_without_rig()
     with Rig(tmp_path_factory.mktemp("rig")) as r:
         yield r
 
