@@ -254,50 +254,58 @@ def _mad(vals) -> float:
     return median([abs(v - m) for v in vals]) * 1.4826
 
 
-def fleet_noise_ms(cell: dict, lates=()) -> tuple[float, str]:
+def fleet_noise_ms(cell: dict) -> tuple[float, str]:
     """The fleet's normal jitter from the (bin, node) -> mean lateness cells, and what it
     was taken from. The spread of all cells is robust while fewer than half of them are
     shifted, which a straggler among three or more nodes never does (the median arrival
-    is a healthy node's). With two nodes, or half the nodes late at once, every cell
-    moves with the fault and that spread is the fault itself: a node 20 ms late for the
-    whole run would set the bar above its own lateness. So when the spread of all cells
-    is more than NOISE_SPLIT times what the nodes vary by on their own (each cell against
-    its node's median, or against the same node's previous bin, which a fault that comes
-    and goes does not inflate, or the spread of single collectives' lateness ``lates``,
-    which a fault that delays a step's first collective leaves to the rest of the step),
-    the jitter is that variation instead."""
+    is a healthy node's). With two nodes every cell moves with the fault and that spread
+    is the fault itself: a node 20 ms late for the whole run would set the bar above its
+    own lateness. So, with two nodes, when the spread of all cells is more than
+    NOISE_SPLIT times what the nodes vary by on their own (each cell against its node's
+    median, or against the node's previous cell, which a fault that comes and goes does
+    not inflate; the smaller), the jitter is that variation instead."""
     pooled = _mad(list(cell.values()))
     by_node: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for (b, n), v in cell.items():
         by_node[n].append((b, v))
-    if median([len(v) for v in by_node.values()]) < 2 * MIN_LATE_BINS:
-        return pooled, "fleet"      # too few bins per node to know how each one varies
+    if len(by_node) != 2 or min(len(v) for v in by_node.values()) < 2 * MIN_LATE_BINS:
+        return pooled, "fleet"
     within, steps = [], []
     for series in by_node.values():
         series.sort()
         m = median([v for _, v in series])
         within += [v - m for _, v in series]
-        steps += [(v1 - v0) / math.sqrt(2) for (b0, v0), (b1, v1) in zip(series, series[1:])]
-    own = min(_mad(within), _mad(steps), _mad(lates) if len(lates) else math.inf)
+        steps += [(v1 - v0) / math.sqrt(2) for (_, v0), (_, v1) in zip(series, series[1:])]
+    own = min(_mad(within), _mad(steps))
     if pooled > NOISE_SPLIT * own:
         return own, "per_node"
     return pooled, "fleet"
 
 
-def _later_in_most_bins(cell: dict, nodes: dict) -> dict | None:
+def _later_in_most_bins(cell: dict, nodes: dict, late_bins: dict,
+                        min_bins: int) -> dict | None:
     """Of two nodes, the one that arrived later in so many time bins that chance cannot
-    explain it (one-sided sign test at p < 0.001 for either node), by more than
-    LATE_FLOOR_MS at its median bin; None when neither did."""
+    explain it (one-sided sign test, p < 0.001), by more than LATE_FLOOR_MS at its median
+    bin, and yet late beyond the bar in fewer than ``min_bins`` bins; None otherwise."""
     by_node: dict[int, list[float]] = defaultdict(list)
     for (_, n), v in cell.items():
         by_node[n].append(v)
     for nid, vals in by_node.items():
         n, k = len(vals), sum(1 for v in vals if v > 0)
-        tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
-        if n >= 2 * MIN_LATE_BINS and 2 * tail < 0.001 and median(vals) > LATE_FLOOR_MS:
-            return {"node": nodes[nid][0], "later_bins": k, "bins": n,
-                    "median_ms": round(median(vals), 3)}
+        if n < 2 * MIN_LATE_BINS or len(late_bins.get(nid, ())) >= min_bins or \
+                median(vals) <= LATE_FLOOR_MS or _sign_tail(n, k) >= 0.001:
+            continue
+        return {"node": nodes[nid][0], "later_bins": k, "bins": n,
+                "median_ms": round(median(vals), 3)}
     return None
+
+
+def _sign_tail(n: int, k: int) -> float:
+    """P(at least k of n fair coin flips come up heads): exact to 200 flips, the normal
+    approximation (with continuity correction) beyond."""
+    if n <= 200:
+        return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+    return 0.5 * math.erfc((k - 0.5 - n / 2) / math.sqrt(n / 4) / math.sqrt(2))
 
 
 def late_threshold_ms(noise_ms: float, cells: int) -> float:
@@ -422,7 +430,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 
     # robust noise over all (bin, node) means; the threshold grows with their number
     cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k, _) in per.items()}
-    mad, a.noise_basis = fleet_noise_ms(cell, [v for r in per_node.values() for v in r.values])
+    mad, a.noise_basis = fleet_noise_ms(cell)
     a.noise_ms = round(mad, 3)
     threshold = late_threshold_ms(mad, len(cell))
     a.threshold_ms = round(threshold, 3)
@@ -526,7 +534,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
-        one_sided = _later_in_most_bins(cell, nodes) if len(nodes) == 2 else None
+        one_sided = (_later_in_most_bins(cell, nodes, late_bins, min_bins)
+                     if len(nodes) == 2 else None)
         if one_sided is not None:
             # Two nodes only, one of them later nearly always, but by amounts that vary as
             # much as they are large: with no third node, that spread is all the "jitter"
@@ -539,7 +548,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 f"bins (by {one_sided['median_ms']:.1f} ms at the median), but by amounts "
                 f"that vary as much as they are large ({a.noise_ms:.2f} ms), and with two "
                 "nodes there is no third to tell the fleet's normal jitter from its "
-                "lateness. Look at its timeline and host figures below.")
+                "lateness. The lateness table shows both nodes.")
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
