@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from ingero_forensics.db import connect_readonly
+from ingero_forensics.report import analyze_fleet
 
 from .traceval import validate
 
@@ -29,7 +30,13 @@ def test_simulated_fleet_exports_valid_trace(tmp_path):
     v = validate(doc)
     con = connect_readonly(fleet)
     q = lambda sql: con.execute(sql).fetchone()[0]  # noqa: E731
-    assert v["counts"]["X"] == (
+    # the report names node-00 (the cpu fault: a two-node fleet) and the export marks its
+    # windows, one slice each
+    a = analyze_fleet(fleet)
+    assert a.straggler == json.loads((sim / "truth.json").read_text())["fault"]["straggler"]
+    findings = [e for e in doc["traceEvents"] if e.get("cat") == "finding"]
+    assert len(findings) == len(a.windows) >= 1
+    assert v["counts"]["X"] == len(findings) + (
         q("SELECT COUNT(*) FROM nccl_events") + q("SELECT COUNT(*) FROM nccl_comm_events")
         + q("SELECT COUNT(*) FROM cuda_events WHERE duration_ns IS NOT NULL")
         + q("SELECT COUNT(*) FROM sched_events") + q("SELECT COUNT(*) FROM block_events")
