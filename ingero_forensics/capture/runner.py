@@ -598,11 +598,23 @@ class _Loop:
         raise IngeroError(f"sealing a segment failed: {type(err).__name__}: {err}")
 
     def finish(self) -> None:
-        """Final polls, last process rows, seal synchronously."""
+        """Final polls, last process rows, seal synchronously; the sources let go of
+        their probes only then (detaching them takes seconds: a SIGTERM's grace period
+        should see the bundle sealed, not the kernel's detaches)."""
+        try:
+            self._finish()
+        finally:
+            for s in self.sources:
+                try:
+                    s.release()
+                except Exception as e:  # noqa: BLE001 - the bundle is sealed; say it
+                    self.run.rep.message("warning", s.name, f"{s.name} failed to detach: {e}")
+
+    def _finish(self) -> None:
         run = self.run
         for s in self.sources:
             try:
-                s.stop(run.sink)
+                s.drain(run.sink)
             except DiskFullError:
                 raise
             except Exception as e:  # noqa: BLE001

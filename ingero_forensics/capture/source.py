@@ -98,6 +98,14 @@ class Source(ABC):
         """Final poll and detach. The default polls once more."""
         self.poll(sink)
 
+    def drain(self, sink: RowSink) -> None:
+        """The final rows, for the last seal; what takes long to let go of is kept for
+        ``release``. The default is ``stop``."""
+        self.stop(sink)
+
+    def release(self) -> None:
+        """Let go of what ``drain`` kept (eBPF probes), after the last seal."""
+
     def record_in_flight(self, sink: RowSink, why: str) -> None:
         """Record the calls open now (entered, not returned) in calls_in_flight; called
         before a segment is sealed (why="seal"). Sources that trace calls override it

@@ -281,6 +281,10 @@ class BccSource(Source):
             self.flush_stats(sink, now)
 
     def stop(self, sink: RowSink) -> None:
+        self.drain(sink)
+        self.release()
+
+    def drain(self, sink: RowSink) -> None:
         if self.bpf is None:
             return
         self.poll(sink)
@@ -292,6 +296,11 @@ class BccSource(Source):
             msg += (f", {self.symbolizer.failed} stacks not recorded (stack map full or "
                     "process gone before symbolization)")
         sink.log("info", self.name, "source_off", msg)
+
+    def release(self) -> None:
+        # Detaching a uprobe waits for the kernel (about 0.1 s each, one at a time: 4 to 5 s
+        # for the nccl and cuda sources' 70-odd probes), which is why the runner seals
+        # the last segment first and releases after.
         self.close()
 
     def record_in_flight(self, sink: RowSink, why: str) -> None:

@@ -553,9 +553,9 @@ class CudaSource(BccSource):
             self._switch_launches(on)
         self._stats_start = now
 
-    def stop(self, sink: RowSink) -> None:
+    def drain(self, sink: RowSink) -> None:
         self._stopping = True
-        super().stop(sink)
+        super().drain(sink)
 
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
         rows = []
