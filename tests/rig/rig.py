@@ -58,6 +58,9 @@ while os.path.exists(rig):
 """
 #: A capture outlives a killed test run by this much at most.
 CAPTURE_MAX_S = 900
+#: The capture's stderr line for a sealed segment (the last one on SIGTERM comes before
+#: the probes' detaches).
+SEALED = "capture: sealed "
 #: tbf on the straggler's side of its link: a rate well under what the ring moves per
 #: step, a burst of two packets and a 1 ms queue, so packets are dropped and TCP
 #: retransmits (a 100 ms queue would only delay them).
@@ -173,6 +176,8 @@ class Rig:
         for n in self.nodes:
             n.ranks = [n.index * ranks_per_node + i for i in range(ranks_per_node)]
         self._procs: list[subprocess.Popen] = []
+        #: captures that sealed and are detaching their probes: (node, process, log)
+        self._exiting: list[tuple[str, subprocess.Popen, Path]] = []
         self._made: list[str] = []
         self._closed = False
         self._runs = 0
@@ -203,21 +208,30 @@ class Rig:
             run(*ns, "link", "set", n.veth, "up")
             run(*ns, "link", "set", "lo", "up")
 
-    def close(self) -> None:
+    def close(self, check: bool = False) -> None:
+        """Stop what is left and delete the namespaces; ``check``: the last scenario's
+        captures must have exited 0 (RigError otherwise, once everything is gone)."""
         if self._closed:
             return
         self._closed = True
+        error = None
+        try:
+            self.reap_captures()
+        except RigError as e:
+            error = e
         for p in self._procs:
             stop_process(p)
         for ns in reversed(self._made):
             run("ip", "netns", "del", ns, check=False)
         atexit.unregister(self.close)
+        if check and error is not None:
+            raise error
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(check=exc_type is None)
 
     def _spawn(self, argv: list[str], **kw) -> subprocess.Popen:
         p = subprocess.Popen(argv, **kw)
@@ -257,6 +271,7 @@ class Rig:
         Returns the bundles, the truth and the job's own timings."""
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
+        self.reap_captures()
         self._runs += 1
         out = self.workdir / f"{self._runs:02d}-{scenario}"
         out.mkdir(parents=True)
@@ -308,9 +323,11 @@ class Rig:
         finally:
             if fault_off is not None:
                 fault_off()
+            detaching = [cap for _, cap, _ in self._exiting]
             for p in local:
-                stop_process(p)
-            self._procs = [p for p in self._procs if p not in local]
+                if p not in detaching:
+                    stop_process(p)
+            self._procs = [p for p in self._procs if p not in local or p in detaching]
         return RunResult(
             scenario=scenario, truth=self.truth(scenario),
             bundle_dirs={name: out / "bundles" / name for name in caps},
@@ -376,16 +393,40 @@ class Rig:
         return lambda: None   # none; io is the straggler's loader mode (heavy)
 
     def _stop_captures(self, caps) -> dict[str, str]:
-        """SIGTERM: each capture seals its bundle. Returns their stderr logs."""
+        """SIGTERM: each capture seals its bundle, then detaches its probes, which takes
+        the kernel seconds (docs/capture.md). Returns their stderr logs once every bundle
+        is sealed; the processes finish their detaches meanwhile, and ``reap_captures``
+        checks their exit codes before the next scenario starts."""
+        sealed_before = {name: log.read_text().count(SEALED) for name, (_, log) in caps.items()}
         for cap, _log in caps.values():
             cap.send_signal(signal.SIGTERM)
         stderr = {}
+        end = time.monotonic() + 120
         for name, (cap, log) in caps.items():
-            rc = cap.wait(timeout=120)
-            stderr[name] = log.read_text()
-            if rc:
-                raise RigError(f"capture of {name} exited {rc}: {stderr[name][-2000:]}")
+            while True:
+                stderr[name] = log.read_text()
+                if stderr[name].count(SEALED) > sealed_before[name] or cap.poll() is not None:
+                    break
+                if time.monotonic() > end:
+                    raise RigError(f"capture of {name} did not seal in 120 s: "
+                                   f"{stderr[name][-2000:]}")
+                time.sleep(0.05)
+            if cap.poll():
+                raise RigError(f"capture of {name} exited {cap.returncode}: "
+                               f"{stderr[name][-2000:]}")
+            self._exiting.append((name, cap, log))
         return stderr
+
+    def reap_captures(self) -> None:
+        """Wait for the captures stopped by the last scenario; each must exit 0."""
+        exiting, self._exiting = self._exiting, []
+        for name, cap, log in exiting:
+            try:
+                rc = cap.wait(timeout=120)
+            finally:
+                self._procs = [p for p in self._procs if p is not cap]
+            if rc:
+                raise RigError(f"capture of {name} exited {rc}: {log.read_text()[-2000:]}")
 
     def _start_capture(self, n: Node, pids: list[int], out: Path,
                        extra: tuple[str, ...]) -> tuple[subprocess.Popen, Path]:
