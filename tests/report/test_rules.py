@@ -181,6 +181,11 @@ def test_lateness_within_clock_uncertainty_is_not_a_verdict(tmp_path, every):
     if every == 1:
         assert a.clock_limited and a.straggler is None
         assert a.verdict.startswith("Cannot tell") and "No straggler" not in a.verdict
+        # the page too (its title said "no straggler" until the two-node change)
+        from ingero_forensics.report import build_report
+        build_report(tmp_path / "f.db", tmp_path / "r.html")
+        html = (tmp_path / "r.html").read_text()
+        assert "· cannot tell</title>" in html and 'class="verdict unsure"' in html
     else:
         assert not a.clock_limited and a.straggler == "node-1" and not a.clock_caveat
         assert a.stragglers[0].relative_uncertainty_ms * 3 < a.stragglers[0].peak_ms
