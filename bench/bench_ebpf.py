@@ -14,11 +14,15 @@ Floor: the cost of EMPTY BPF programs (return 0) on the same shim functions, at 
 (b) The highest sustained NCCL event rate (one ring buffer record per ncclAllReduce) with
     zero lost events, from the loop with no work between calls and rising poll load.
 (c) CPU of the capture side (ring buffer read, unpack, rows) at about 10k events/s.
+(d) --attach: attaching and detaching uprobes, one perf event each (BCC) against
+    uprobe_multi links (capture/ebpf/uprobes.py): entry + return probes on every exported
+    nccl* function of the real libnccl.so.2 (the nvidia-nccl-cu12 wheel in .venv; the shim
+    if absent), then the NCCL and CUDA sources' own release (detach) in both modes.
 
 Rows go to a counting sink here, not to a bundle: (c) is the eBPF sources' own cost; the
 bundle writer's is measured by the capture's benchmark.
 
-Usage: python bench/bench_ebpf.py [--quick] [--no-stacks] [--overhead-only]
+Usage: python bench/bench_ebpf.py [--quick] [--no-stacks] [--overhead-only] [--attach]
 """
 
 from __future__ import annotations
@@ -242,11 +246,68 @@ def capture_cpu(fx, seconds: float) -> dict:
             "rows": cap.sink.rows, "lost": cap.sink.lost}
 
 
+def real_or_shim_nccl(fx) -> Path:
+    wheel = list((ROOT / ".venv").glob("lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2"))
+    return wheel[0] if wheel else Path(fx.libnccl)
+
+
+def attach_times(fx) -> dict:
+    """(d): seconds to attach and detach the same uprobes both ways."""
+    from ingero_forensics.capture.ebpf._bcc import import_bcc
+    from ingero_forensics.capture.ebpf.uprobes import Uprobes, dispatch_programs
+    bcc = import_bcc()
+    lib = real_or_shim_nccl(fx)
+    syms = sorted({line.split()[-1] for line in subprocess.run(
+        ["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+        check=True).stdout.splitlines() if line.split()[-1].startswith("nccl")})
+    calls = {i: "0" for i in range(len(syms))}
+    bpf = bcc.BPF(text=(dispatch_programs("e", calls) + "int r(struct pt_regs *ctx) { return 0; }").encode())
+    out = {"library": str(lib), "functions": len(syms), "probes": 2 * len(syms)}
+    t0 = time.perf_counter()
+    for i, sym in enumerate(syms):
+        bpf.attach_uprobe(name=str(lib).encode(), sym=sym.encode(), fn_name=f"e_{i}".encode())
+        bpf.attach_uretprobe(name=str(lib).encode(), sym=sym.encode(), fn_name=b"r")
+    t1 = time.perf_counter()
+    for sym in syms:
+        bpf.detach_uprobe(name=str(lib).encode(), sym=sym.encode())
+        bpf.detach_uretprobe(name=str(lib).encode(), sym=sym.encode())
+    t2 = time.perf_counter()
+    up = Uprobes(bcc, bpf, env={})
+    offs = [up.offset(str(lib), s) for s in syms]
+    t3 = time.perf_counter()
+    up.link(str(lib), "e_multi", offs, list(range(len(syms))))
+    up.link(str(lib), "r", offs, [0] * len(syms), ret=True)
+    t4 = time.perf_counter()
+    up.close()
+    t5 = time.perf_counter()
+    bpf.cleanup()
+    out.update(perf_attach_s=t1 - t0, perf_detach_s=t2 - t1, links_attach_s=t4 - t3,
+               links_detach_s=t5 - t4)
+    for mode in ("perf", "multi"):
+        os.environ["INGERO_UPROBES"] = mode
+        try:
+            with Capture(fx) as cap:
+                time.sleep(0.2)
+                cap.stop_flag.set()
+                cap.thread.join()
+                for src in cap.sources:
+                    src.drain(cap.sink)
+                t0 = time.perf_counter()
+                for src in cap.sources:
+                    src.release()
+                out[f"sources_release_{mode}_s"] = time.perf_counter() - t0
+                cap.sources = []
+        finally:
+            os.environ.pop("INGERO_UPROBES", None)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="shorter runs, fewer repeats")
     ap.add_argument("--no-stacks", action="store_true", help="capture without user stacks")
     ap.add_argument("--overhead-only", action="store_true", help="only (a)")
+    ap.add_argument("--attach", action="store_true", help="only (d): attach and detach times")
     ap.add_argument("--rates", default="10000,100000",
                     help="(a): calls/s to measure, comma-separated (default 10000,100000)")
     ap.add_argument("--launches", default="1,19",
@@ -263,6 +324,16 @@ def main():
     if os.geteuid() != 0:
         sys.exit("bench_ebpf: needs root")
     fx = build_fixtures()
+    if a.attach:
+        d = attach_times(fx)
+        print(f"(d) {d['probes']} uprobes (entry + return on {d['functions']} nccl* functions of "
+              f"{d['library']}): one perf event each: attach {d['perf_attach_s']:.3f} s, "
+              f"detach {d['perf_detach_s']:.3f} s; 2 uprobe_multi links: attach "
+              f"{d['links_attach_s']:.3f} s, detach {d['links_detach_s']:.3f} s "
+              f"({d['perf_detach_s'] / max(d['links_detach_s'], 1e-9):.0f}x faster)")
+        print(f"(d) NCCL + CUDA sources on the shims, release (detach) after the drain: perf "
+              f"events {d['sources_release_perf_s']:.2f} s, links {d['sources_release_multi_s']:.2f} s")
+        return
     secs, reps = (1.0, 3) if a.quick else (3.0, 5)
     print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}"
           f"{'; stacks off' if a.no_stacks else ''}; stats interval {a.stats_interval} s")

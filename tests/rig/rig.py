@@ -393,8 +393,8 @@ class Rig:
         return lambda: None   # none; io is the straggler's loader mode (heavy)
 
     def _stop_captures(self, caps) -> dict[str, str]:
-        """SIGTERM: each capture seals its bundle, then detaches its probes, which takes
-        the kernel seconds (docs/capture.md). Returns their stderr logs once every bundle
+        """SIGTERM: each capture seals its bundle, then detaches its probes (under a second
+        with uprobe_multi links, seconds with perf events: docs/capture.md). Returns their stderr logs once every bundle
         is sealed; the processes finish their detaches meanwhile, and ``reap_captures``
         checks their exit codes before the next scenario starts."""
         sealed_before = {name: log.read_text().count(SEALED) for name, (_, log) in caps.items()}

@@ -20,6 +20,7 @@ from abc import abstractmethod
 
 from ..source import CaptureContext, RowSink, Source, SourceStatus, SourceUnavailable
 from ._bcc import check_environment, environment_problem, import_bcc
+from .uprobes import Probe, Uprobes
 
 HIST_SLOTS = 40   # 2^40 ns is 18 minutes: anything longer lands in the last slot
 
@@ -215,6 +216,8 @@ class BccSource(Source):
         self.bpf = None
         self.ctx: CaptureContext | None = None
         self.symbolizer: Symbolizer | None = None
+        self.uprobes: Uprobes | None = None
+        self._perf_programs: list[str] = []
         self._raw: list[bytes] = []
         self._lost_reported = 0
         self._stats_start = 0
@@ -266,7 +269,9 @@ class BccSource(Source):
         if not self._announced:
             self._announced = True
             # the capture logs source_on itself; this says what exactly got attached
-            sink.log("info", self.name, "attached", "; ".join(self.attached) or "attached")
+            how = self.uprobes.describe() if self.uprobes else ""
+            sink.log("info", self.name, "attached",
+                     "; ".join(self.attached + ([how] if how else [])) or "attached")
         self.bpf.ring_buffer_consume()
         raw, self._raw = self._raw, []
         if raw:
@@ -298,9 +303,9 @@ class BccSource(Source):
         sink.log("info", self.name, "source_off", msg)
 
     def release(self) -> None:
-        # Detaching a uprobe waits for the kernel (about 0.1 s each, one at a time: 4 to 5 s
-        # for the nccl and cuda sources' 70-odd probes), which is why the runner seals
-        # the last segment first and releases after.
+        # Detaching waits for the kernel: one wait per uprobe_multi link, but about 0.1 s
+        # per probe, one at a time, for perf-event uprobes (9-10 s for the nccl and cuda
+        # sources' 70-odd probes): the runner seals the last segment first, releases after.
         self.close()
 
     def record_in_flight(self, sink: RowSink, why: str) -> None:
@@ -376,15 +381,32 @@ class BccSource(Source):
                                         "see the verifier log above; report it with the kernel "
                                         "version") from None
 
-    def attach_libraries(self, ctx: CaptureContext, functions: list[str], waiting: str) -> None:
+    def attach_libraries(self, ctx: CaptureContext, perf_programs: list[str],
+                         link_programs: list[str], waiting: str) -> None:
         """Uprobe sources: load the programs, then attach to the libraries the targets map
-        now (``_attach_new``; later ones as processes appear). ``waiting`` is the attach
-        note while no target maps the library yet."""
-        self.load_functions(functions)
+        now (``_attach_new``; later ones as processes appear). ``link_programs`` are what
+        uprobe_multi links run, ``perf_programs`` what one perf event per probe runs
+        (uprobes.py); ``waiting`` is the attach note while no target maps the library."""
+        self.uprobes = Uprobes(self.bcc, self.bpf)
+        self.uprobes.load(link_programs)
+        self._perf_programs = perf_programs
+        if self.uprobes.mode == "perf":
+            self.load_functions(perf_programs)
         self.symbolizer = Symbolizer(self.bcc, self.bpf[b"stacks"]) if self.options.stacks else None
         self._attach_new(ctx.targets.pids())
         if not self.attached:
             self.attached.append(waiting)
+
+    def attach_probes(self, path: str, probes: list[Probe]) -> list[str]:
+        """Attach ``probes`` on the library at ``path``; returns those not attached, with why."""
+        was = self.uprobes.mode
+        missing = self.uprobes.attach(path, probes)
+        if self.uprobes.mode == "perf" and was != "perf":
+            self.load_functions(self._perf_programs)    # verified before the first attach
+        for note in self.uprobes.notes:
+            self.notes.append(("warning", note))
+        self.uprobes.notes.clear()
+        return missing
 
     def _on_record(self, _ctx, data, size) -> None:
         self._raw.append(ctypes.string_at(data, size))
@@ -450,6 +472,9 @@ class BccSource(Source):
         return sink.add_stack(frames) if frames else None
 
     def close(self) -> None:
+        if self.uprobes is not None:
+            self.uprobes.close()
+            self.uprobes = None
         if self.bpf is not None:
             try:
                 self.bpf.cleanup()

@@ -35,6 +35,7 @@ from ...bundle.schema import MEMCPY_KINDS
 from ..source import CaptureContext, RowSink
 from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, drain, mono_ns, signed64
 from .libs import LibraryTracker
+from .uprobes import Probe, dispatch_programs
 
 # (symbol, library kind, kept one by one?, stack?, stream, bytes, memcpy kind, device)
 # C expressions; None = the call has no such argument.
@@ -243,20 +244,65 @@ EVENT = struct.Struct("<6Q2I3i2I3Bx")
 ROLE_OTHER, ROLE_QUEUE, ROLE_SYNC = 0, 1, 2
 
 
-def entry_functions() -> str:
-    out = []
+def entry_calls() -> tuple[dict[int, str], dict[int, str]]:
+    """The entry probes' C calls by API index (the attach cookie of a link): the calls
+    kept one by one, and the kernel launches (counted in the kernel)."""
+    kept, launches = {}, {}
     for i, (sym, lib, keep, stack, stream, nbytes, kind, device) in enumerate(APIS):
         if not keep:   # a launch: no argument is read, each would be a user-memory access
-            out.append(f"int api_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
-                       f"    return count_launch(ctx, bpf_get_current_pid_tgid(), {i});\n}}\n")
+            launches[i] = f"count_launch(ctx, bpf_get_current_pid_tgid(), {i})"
             continue
         has = ((HAS_STREAM if stream else 0) | (HAS_BYTES if nbytes else 0)
                | (HAS_KIND if kind else 0) | (HAS_DEVICE if device else 0))
         role = ROLE_QUEUE if sym in QUEUEING else ROLE_SYNC if sym in SYNCS else ROLE_OTHER
-        out.append(f"int api_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
-                   f"    return entry(ctx, {i}, {LAYER[lib]}, {int(stack)}, {has}, "
-                   f"{stream or 0}, {nbytes or 0}, {kind or 0}, {device or 0}, {role});\n}}\n")
-    return "".join(out)
+        kept[i] = (f"entry(ctx, {i}, {LAYER[lib]}, {int(stack)}, {has}, {stream or 0}, "
+                   f"{nbytes or 0}, {kind or 0}, {device or 0}, {role})")
+    return kept, launches
+
+
+def entry_functions() -> str:
+    """``api_{i}`` per API (perf-event uprobes), ``api_multi`` and ``launch_multi`` for
+    links (uprobes.py)."""
+    kept, launches = entry_calls()
+    return dispatch_programs("api", kept) + dispatch_programs("api", launches, "launch_multi")
+
+
+class LaunchProbes:
+    """The launch probes of one library, switched on and off together by the duty cycle:
+    one uprobe_multi link, or (perf mode) one perf event each. ``path`` stays valid
+    (/proc/self/fd/N of a descriptor the source holds: the /proc/<pid>/root path a
+    library was found by goes with that process)."""
+
+    def __init__(self, source, path: str, launches: list[tuple[int, str, int | None]]):
+        self.source, self.path = source, path
+        self.launches = launches                # (API index, symbol, file offset)
+        self.fd: int | None = None
+        self.label = ", ".join(sym for _i, sym, _o in launches)
+
+    def attach(self) -> None:
+        up = self.source.uprobes
+        if up.mode == "multi":
+            self.fd = up.link(self.path, "launch_multi", [o for _i, _s, o in self.launches],
+                              [i for i, _s, _o in self.launches])
+            return
+        done = []
+        try:
+            for i, sym, _o in self.launches:
+                self.source.bpf.attach_uprobe(name=self.path.encode(), sym=sym.encode(),
+                                              fn_name=f"api_{i}".encode())
+                done.append(sym)
+        except Exception:
+            for sym in done:
+                self.source.bpf.detach_uprobe(name=self.path.encode(), sym=sym.encode())
+            raise
+
+    def detach(self) -> None:
+        if self.fd is not None:
+            self.source.uprobes.unlink(self.fd)
+            self.fd = None
+            return
+        for _i, sym, _o in self.launches:
+            self.source.bpf.detach_uprobe(name=self.path.encode(), sym=sym.encode())
 
 
 #: Launch probes stay on for at least this share of the stats intervals, however high
@@ -318,13 +364,11 @@ class CudaSource(BccSource):
         self.libs = LibraryTracker(("cudart", "cuda", "nccl"), options.lib_paths)
         self._last_scan = 0.0
         self.duty = LaunchDuty(getattr(options, "launch_budget", 0))
-        # Launch probes: (path, sym, fn), the path one that stays valid (/proc/self/fd/N
-        # of a descriptor held open: the /proc/<pid>/root path a library was found by
-        # goes with that process); those attached now; the descriptors.
-        self.launch_probes: list[tuple[bytes, bytes, bytes]] = []
-        self._launch_attached: set[tuple[bytes, bytes, bytes]] = set()
+        # Launch probes, per library; those attached now; the descriptors their paths hold
+        self.launch_probes: list[LaunchProbes] = []
+        self._launch_attached: set[LaunchProbes] = set()
         self._launch_fds: list[int] = []
-        self._probe_lock = threading.Lock()   # launch_probes, _launch_attached, BCC's uprobes
+        self._probe_lock = threading.Lock()   # launch_probes, _launch_attached, the uprobes
         self.launches_on = True               # wanted by the duty cycle (poll thread)
         # since when every launch probe has counted (mono ns; 0: from the start), None
         # while they are not all on; set by the switcher
@@ -350,6 +394,7 @@ class CudaSource(BccSource):
     def attach(self, ctx: CaptureContext) -> None:
         self.attach_libraries(
             ctx, [f"api_{i}" for i in range(len(APIS))] + ["ret_runtime", "ret_driver", "mark_nccl"],
+            ["api_multi", "launch_multi", "ret_runtime", "ret_driver", "mark_nccl"],
             "no libcudart/libcuda yet: waiting for target processes to map them")
 
     def _attach_new(self, pids) -> None:
@@ -357,41 +402,26 @@ class CudaSource(BccSource):
             if kind == "nccl":
                 self._attach_marks(path)
                 continue
-            ok, missing = 0, []
-            ret_fn = b"ret_runtime" if kind == "cudart" else b"ret_driver"
-            for i, (sym, lib, *_rest) in enumerate(APIS):
-                if lib != kind:
-                    continue
-                fn = f"api_{i}".encode()
-                try:
-                    if not _rest[0]:       # a launch: switched with the duty cycle
-                        self._add_launch_probe(path, sym.encode(), fn)
-                        ok += 1
-                        continue
-                    self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn)
-                    # kept one by one: duration needs the return
-                    self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret_fn)
-                    ok += 1
-                except Exception:
-                    missing.append(sym)
-            msg = f"uprobes on {path}: {ok} functions"
+            ret_fn = "ret_runtime" if kind == "cudart" else "ret_driver"
+            # kept one by one: duration needs the return
+            kept = [Probe(sym, f"api_{i}", "api_multi", i, ret_fn)
+                    for i, (sym, lib, keep, *_r) in enumerate(APIS) if lib == kind and keep]
+            launches = [(i, sym) for i, (sym, lib, keep, *_r) in enumerate(APIS)
+                        if lib == kind and not keep]
+            missing = self.attach_probes(path, kept) + self._add_launch_probes(path, launches)
+            msg = f"uprobes on {path}: {len(kept) + len(launches) - len(missing)} functions"
             if missing:
-                msg += f" (absent: {', '.join(missing)})"
+                msg += f" (not attached: {'; '.join(missing)})"
             self.attached.append(msg)
             if self._announced:
                 self.notes.append(("info", msg))
 
     def _attach_marks(self, path: str) -> None:
         """Return probes on libnccl that restart each thread's queued count."""
-        ok = 0
-        for sym in NCCL_MARKS:
-            try:
-                self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(),
-                                          fn_name=b"mark_nccl")
-                ok += 1
-            except Exception:
-                pass
-        msg = f"queued-work marks on {path}: {ok} functions"
+        missing = self.attach_probes(path, [Probe(sym, ret="mark_nccl") for sym in NCCL_MARKS])
+        msg = f"queued-work marks on {path}: {len(NCCL_MARKS) - len(missing)} functions"
+        if missing:
+            msg += f" (not attached: {'; '.join(missing)})"
         self.attached.append(msg)
         if self._announced:
             self.notes.append(("info", msg))
@@ -402,31 +432,43 @@ class CudaSource(BccSource):
             self._last_scan = now
             self._attach_new(self.ctx.targets.pids())
 
-    def _add_launch_probe(self, path: str, sym: bytes, fn: bytes) -> None:
-        """Attach a launch probe through a path that stays valid; left attached only if
-        the probes are counting now (raises if the library lacks the symbol)."""
+    def _add_launch_probes(self, path: str, launches: list[tuple[int, str]]) -> list[str]:
+        """Attach a library's launch probes through a path that stays valid; left
+        attached only if the probes are counting now. Returns those not attached, with why."""
+        if not launches:
+            return []
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        probe = (f"/proc/self/fd/{fd}".encode(), sym, fn)
+        stable = f"/proc/self/fd/{fd}"
+        found, missing = [], []
+        for i, sym in launches:
+            try:
+                found.append((i, sym, self.uprobes.offset(stable, sym)))
+            except Exception:
+                missing.append(f"{sym} (not in the library)")
+        probes = LaunchProbes(self, stable, found)
         with self._probe_lock:
             try:
-                self.bpf.attach_uprobe(name=probe[0], sym=sym, fn_name=fn)
-            except Exception:
+                if not found:
+                    raise OSError("no launch symbol")
+                probes.attach()
+            except Exception as e:
                 os.close(fd)
-                raise
+                return missing + [f"{sym} (launch probe refused: {e})" for _i, sym, _o in found]
             self._launch_fds.append(fd)
-            self.launch_probes.append(probe)
-            self._launch_attached.add(probe)
+            self.launch_probes.append(probes)
+            self._launch_attached.add(probes)
             if self._on_since is None:     # off now: the next switch on attaches it
-                self._detach(probe)
+                self._detach(probes)
+        return missing
 
-    def _detach(self, probe) -> bool:
+    def _detach(self, probes: LaunchProbes) -> bool:
         try:
-            self.bpf.detach_uprobe(name=probe[0], sym=probe[1])
+            probes.detach()
         except Exception as e:
-            self._switch_notes.put(("warning", f"launch probe {probe[1].decode()}: cannot "
-                                    f"detach ({e}); it keeps counting, unused"))
+            self._switch_notes.put(("warning", f"launch probes {probes.label}: cannot "
+                                    f"detach ({e}); they keep counting, unused"))
             return False
-        self._launch_attached.discard(probe)
+        self._launch_attached.discard(probes)
         return True
 
     def _switch_launches(self, on: bool) -> None:
@@ -463,10 +505,10 @@ class CudaSource(BccSource):
                     if probe in self._launch_attached:
                         continue
                     try:
-                        self.bpf.attach_uprobe(name=probe[0], sym=probe[1], fn_name=probe[2])
+                        probe.attach()
                         self._launch_attached.add(probe)
                     except Exception as e:
-                        failed.append(f"{probe[1].decode()} ({e})")
+                        failed.append(f"{probe.label} ({e})")
                 if failed:
                     # not counting: intervals stay marked off, syncs unknown; the next
                     # cycle tries again

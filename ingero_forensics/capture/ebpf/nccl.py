@@ -28,6 +28,7 @@ from ...bundle.schema import NCCL_COMM_APIS, NCCL_DATATYPES, NCCL_OPS, NCCL_REDO
 from ..source import CaptureContext, RowSink
 from .base import SITE_STACKS, UPROBE_ARG_C, BccSource, signed64
 from .hashing import hex_hash
+from .uprobes import Probe, dispatch_programs
 from .libs import LibraryTracker
 
 #: (symbol, op index in NCCL_OPS, C expressions for count, dtype, redop, peer, comm, stream)
@@ -232,15 +233,15 @@ static __always_inline int init_by_value(struct pt_regs *ctx, u8 api) {
     c->known = hash_unique_id(PT_REGS_SP(ctx) + 8, &c->hash);
     return 0;
 }
-int on_init_rank(struct pt_regs *ctx) { return init_by_value(ctx, __API_ncclCommInitRank__); }
-int on_init_rank_config(struct pt_regs *ctx) {
+static __always_inline int on_init_rank(struct pt_regs *ctx) { return init_by_value(ctx, __API_ncclCommInitRank__); }
+static __always_inline int on_init_rank_config(struct pt_regs *ctx) {
     return init_by_value(ctx, __API_ncclCommInitRankConfig__);
 }
 
 /* ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId,
  *                          ncclUniqueId *commIds, ncclConfig_t *config): all ranks get the
  * same id array; the first id names the communicator. */
-int on_init_rank_scalable(struct pt_regs *ctx) {
+static __always_inline int on_init_rank_scalable(struct pt_regs *ctx) {
     struct call *c = comm_entry(__API_ncclCommInitRankScalable__);
     if (!c) return 0;
     c->out = PT_REGS_PARM1(ctx);
@@ -253,7 +254,7 @@ int on_init_rank_scalable(struct pt_regs *ctx) {
 
 /* ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist): one process, no
  * unique id; the hash is made from the process and the call time. */
-int on_init_all(struct pt_regs *ctx) {
+static __always_inline int on_init_all(struct pt_regs *ctx) {
     struct call *c = comm_entry(__API_ncclCommInitAll__);
     if (!c) return 0;
     c->out = PT_REGS_PARM1(ctx);
@@ -264,7 +265,7 @@ int on_init_all(struct pt_regs *ctx) {
 }
 
 /* ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *) */
-int on_split(struct pt_regs *ctx) {
+static __always_inline int on_split(struct pt_regs *ctx) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     struct call *c = comm_entry(__API_ncclCommSplit__);
     if (!c) return 0;
@@ -299,10 +300,10 @@ static __always_inline int end_comm(struct pt_regs *ctx, u8 api) {
     }
     return 0;
 }
-int on_destroy(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommDestroy__); }
-int on_abort(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommAbort__); }
+static __always_inline int on_destroy(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommDestroy__); }
+static __always_inline int on_abort(struct pt_regs *ctx) { return end_comm(ctx, __API_ncclCommAbort__); }
 
-int on_group_start(struct pt_regs *ctx) {
+static __always_inline int on_group_start(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_target(id >> 32)) return 0;
     u32 tid = id, one = 1;
@@ -310,7 +311,7 @@ int on_group_start(struct pt_regs *ctx) {
     if (d) (*d)++; else group_depth.update(&tid, &one);
     return 0;
 }
-int on_group_end(struct pt_regs *ctx) {
+static __always_inline int on_group_end(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     if (!is_target(id >> 32)) return 0;
     u32 tid = id;
@@ -343,14 +344,28 @@ for _sym, _op, *_ in COLLECTIVES:
     _OP_API.setdefault(_op, _sym)
 
 
-def collective_program() -> str:
-    """The per-symbol entry functions, generated from COLLECTIVES."""
-    out = []
-    for i, (sym, op, count, dtype, redop, peer, comm, stream) in enumerate(COLLECTIVES):
-        out.append(f"int coll_{i}(struct pt_regs *ctx) {{ /* {sym} */\n"
-                   f"    return coll_entry(ctx, {NCCL_OPS.index(op)}, {count}, (int){dtype}, "
-                   f"(int){redop}, (int){peer}, {comm}, {stream});\n}}\n")
-    return "".join(out)
+def entry_calls() -> dict[int, str]:
+    """The entry probes' C calls by cookie: the collectives of COLLECTIVES, then the
+    communicator and group functions."""
+    calls = {i: f"coll_entry(ctx, {NCCL_OPS.index(op)}, {count}, (int){dtype}, (int){redop}, "
+                f"(int){peer}, {comm}, {stream})"
+             for i, (sym, op, count, dtype, redop, peer, comm, stream) in enumerate(COLLECTIVES)}
+    for j, (_sym, fn) in enumerate(COMM_PROBES + GROUP_PROBES):
+        calls[len(COLLECTIVES) + j] = f"{fn}(ctx)"
+    return calls
+
+
+def probes() -> list[Probe]:
+    """Every libnccl function probed, with its entry and return programs."""
+    out = [Probe(sym, f"nccl_entry_{i}", "nccl_entry_multi", i, "nccl_return")
+           for i, (sym, *_rest) in enumerate(COLLECTIVES)]
+    for j, (sym, _fn) in enumerate(COMM_PROBES + GROUP_PROBES):
+        i = len(COLLECTIVES) + j
+        ret = None
+        if j < len(COMM_PROBES):
+            ret = "nccl_return_all" if sym == "ncclCommInitAll" else "nccl_return"
+        out.append(Probe(sym, f"nccl_entry_{i}", "nccl_entry_multi", i, ret))
+    return out
 
 
 def redop_name(v: int) -> str | None:
@@ -370,7 +385,7 @@ class NcclSource(BccSource):
         self._last_scan = 0.0
 
     def program(self, ctx: CaptureContext) -> str:
-        text = PROGRAM + collective_program()
+        text = PROGRAM + dispatch_programs("nccl_entry", entry_calls())
         for api, idx in API_INDEX.items():
             text = text.replace(f"__API_{api}__", str(idx))
         return (text.replace("__SITE_STACKS__", SITE_STACKS).replace("__STACK_ENTRIES__", "16384")
@@ -382,37 +397,22 @@ class NcclSource(BccSource):
         return not getattr(ctx.targets, "auto", False)
 
     def attach(self, ctx: CaptureContext) -> None:
+        every = probes()
         self.attach_libraries(
-            ctx, [f"coll_{i}" for i in range(len(COLLECTIVES))]
-            + [fn for _, fn in COMM_PROBES + GROUP_PROBES] + ["nccl_return", "nccl_return_all"],
+            ctx, [p.entry for p in every] + ["nccl_return", "nccl_return_all"],
+            ["nccl_entry_multi", "nccl_return", "nccl_return_all"],
             "no libnccl yet: waiting for target processes to map it")
 
     def _attach_new(self, pids) -> None:
+        every = probes()
         for _kind, path in self.libs.new_libraries(pids):
-            ok, missing = 0, []
-            for i, (sym, *_rest) in enumerate(COLLECTIVES):
-                ok += self._probe(path, sym, f"coll_{i}", "nccl_return", missing)
-            for sym, fn in COMM_PROBES:
-                ret = "nccl_return_all" if sym == "ncclCommInitAll" else "nccl_return"
-                ok += self._probe(path, sym, fn, ret, missing)
-            for sym, fn in GROUP_PROBES:
-                ok += self._probe(path, sym, fn, None, missing)
-            msg = f"uprobes on {path}: {ok} functions"
+            missing = self.attach_probes(path, every)
+            msg = f"uprobes on {path}: {len(every) - len(missing)} functions"
             if missing:
-                msg += f" (absent: {', '.join(missing)})"
+                msg += f" (not attached: {'; '.join(missing)})"
             self.attached.append(msg)
             if self._announced:
                 self.notes.append(("info", msg))
-
-    def _probe(self, path: str, sym: str, entry: str, ret: str | None, missing: list) -> int:
-        try:
-            self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=entry.encode())
-            if ret:
-                self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret.encode())
-        except Exception:
-            missing.append(sym)
-            return 0
-        return 1
 
     def housekeeping(self, sink: RowSink) -> None:
         now = time.monotonic()

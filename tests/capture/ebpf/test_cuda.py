@@ -254,14 +254,20 @@ def _copy_job(fixtures, to):
     return to
 
 
-def test_launch_probes_come_back_after_their_library_path_is_gone(ebpf_ok, tmp_path, fixtures):
+@pytest.mark.parametrize("uprobes", ["multi", "perf"])
+def test_launch_probes_come_back_after_their_library_path_is_gone(ebpf_ok, tmp_path, fixtures,
+                                                                   uprobes, monkeypatch):
     """The probes are attached again through a descriptor the source holds, not through
     the path the library was found by: renamed away (or the /proc/PID/root path of a
-    process that exited), the launches are still counted after every switch."""
+    process that exited), the launches are still counted after every switch. Both ways
+    of attaching: uprobe_multi links and one perf event per probe."""
+    monkeypatch.setenv("INGERO_UPROBES", uprobes)
     job_dir = _copy_job(fixtures, tmp_path / "a")
     sink = _sampled_train_job(fixtures, tmp_path, job_dir,
                               during=lambda _s: (time.sleep(0.5),
                                                  job_dir.rename(tmp_path / "b")))
+    assert any(m.endswith("uprobe_multi links") if uprobes == "multi" else "one perf event" in m
+               for _l, _s, e, m, _c in sink.logs if e == "attached"), sink.logs
     stats = [s for s in sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]
     first_off = min(s["interval_start_ns"] for s in stats if s["observed_ns"] == 0)
     later = [s for s in stats if s["interval_start_ns"] > first_off and s["count"] > 0]
@@ -269,18 +275,30 @@ def test_launch_probes_come_back_after_their_library_path_is_gone(ebpf_ok, tmp_p
     assert not [m for _l, _s, _e, m, _c in sink.logs if "could not be attached" in m]
 
 
+@pytest.mark.parametrize("uprobes", ["multi", "perf"])
 def test_a_launch_probe_that_cannot_come_back_leaves_launches_unknown(ebpf_ok, tmp_path,
-                                                                      fixtures):
+                                                                      fixtures, uprobes,
+                                                                      monkeypatch):
     """If a launch probe cannot be attached again, the capture says so, marks every
     interval after as not counted, and no synchronization after the switch claims to
-    know what was queued before it."""
+    know what was queued before it. The kernel's refusal is made where the source meets
+    the kernel: the uprobe_multi link, or BCC's perf-event attach."""
+    monkeypatch.setenv("INGERO_UPROBES", uprobes)
+
     def break_attach(source):
-        real = source.bpf.attach_uprobe
+        real_link, real_attach = source.uprobes.link, source.bpf.attach_uprobe
+        launch_fns = {f"api_{i}".encode() for p in source.launch_probes for i, _s, _o in p.launches}
+
+        def link(path, prog, *a, **kw):
+            if prog == "launch_multi":
+                raise OSError(22, "uprobe_multi link: Invalid argument")
+            return real_link(path, prog, *a, **kw)
 
         def attach(*a, **kw):
-            if kw.get("fn_name") in {p[2] for p in source.launch_probes}:
+            if kw.get("fn_name") in launch_fns:
                 raise Exception("could not determine address of symbol cudaLaunchKernel")
-            return real(*a, **kw)
+            return real_attach(*a, **kw)
+        source.uprobes.link = link
         source.bpf.attach_uprobe = attach
 
     sink = _sampled_train_job(fixtures, tmp_path, fixtures.build, during=break_attach)

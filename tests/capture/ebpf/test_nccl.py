@@ -199,7 +199,11 @@ def real_lib(package: str, name: str) -> str:
     pytest.skip(f"{name} not found in the nvidia wheels (pip install {package})")
 
 
-def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path):
+@pytest.mark.parametrize("uprobes", ["multi", "perf"])
+def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path, uprobes, monkeypatch):
+    """On the real libnccl, through uprobe_multi links (each entry found by its attach
+    cookie) and through one perf event per probe alike."""
+    monkeypatch.setenv("INGERO_UPROBES", uprobes)
     lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
     out, sink, pid = run_real_library(NcclSource, REAL_NCCL_SCRIPT, lib, tmp_path,
                                       "nccl_events", 2)
@@ -214,7 +218,9 @@ def test_real_libnccl_arguments_and_unique_id_hash(ebpf_ok, tmp_path):
         ("ALL_REDUCE", 12345, "float32", "max", None, 0x77, out["ar"], None),
         ("SEND", 99, "int64", None, 5, 0x78, out["send"], None)]
     assert out["ar"] != 0   # really failed after entry (no GPU, NULL comm)
-    assert any(lib in m for _l, _s, ev, m, _c in sink.logs if ev == "attached")
+    (attached,) = [m for _l, _s, ev, m, _c in sink.logs if ev == "attached"]
+    assert lib in attached
+    assert attached.endswith("uprobe_multi links" if uprobes == "multi" else "(INGERO_UPROBES=perf)")
 
 
 REAL_NCCL_LATE_SCRIPT = textwrap.dedent(r"""
