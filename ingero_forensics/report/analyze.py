@@ -51,6 +51,8 @@ from .host import host_view
 from .hangs import find_hangs, hang_text
 from .binned import HostBins
 from .lateattach import inferred_communicators, unmatched_text
+from .together import EarlyHalf, add_to_cell
+from .wording import no_comparison_text, verdict_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
                        Signal, alignment_rows, capture_cost, capture_issues, cause_series,
@@ -128,6 +130,11 @@ class Straggler:
     signals: list[Signal] = field(default_factory=list)
     top_offenders: list[dict] = field(default_factory=list)
     next_step: str = ""
+    #: what its lateness is measured against: "median" (the median arrival; the other
+    #: node's with two nodes) or "early_half" (late together with other nodes: together.py)
+    reference: str = "median"
+    late_with: list[str] = field(default_factory=list)   # early_half: the others late with it
+    jitter_ms: float | None = None    # early_half: the early half's own jitter
 
 
 @dataclass
@@ -380,7 +387,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 a.start_ns, a.end_ns = con.execute(
                     "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone()
         a.host = host_view(con)
-        a.verdict = _no_comparison_text(a, nodes)
+        a.verdict = no_comparison_text(a, nodes)
         return a
 
     # -- 1. lateness per (collective, node) ------------------------------------------
@@ -392,6 +399,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     transfers: dict[int, array] = defaultdict(lambda: array("d"))
     last_count: dict[int, int] = defaultdict(int)
     costly: dict[int, list[tuple[int, float]]] = defaultdict(list)   # node -> (t, late ms)
+    early = EarlyHalf() if len(nodes) >= 3 else None     # nodes late together
     times = array("q")
     for _, first, last_node, completion, last_entry, arrivals in itertools.chain([first_row],
                                                                                 rows):
@@ -409,16 +417,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         b = (first - t0) // bin_ns
         cells = bins[b]
         times.append(first)
+        if early is not None and len(arrivals) >= 3:
+            early.add(b, first, arrivals)
         for nid, t in arrivals:
             late_ms = (t - (med if ref is None else ref[nid])) / 1e6
             node_lates[nid].append(late_ms)
-            acc = cells.get(nid)
-            if acc is None:
-                cells[nid] = [late_ms, 1, late_ms]
-            else:
-                acc[0] += late_ms
-                acc[1] += 1
-                acc[2] = max(acc[2], late_ms)
+            add_to_cell(cells, nid, late_ms)
             if late_ms > COST_FLOOR_MS:
                 costly[nid].append((first, late_ms))
         last_count[last_node] += 1
@@ -462,14 +466,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     for nl in sorted(a.lateness, key=lambda x: -x.cost_s):
         if nl.late_bins < min_bins or nl.cost_share < MIN_COST_SHARE:
             continue
-        windows = _join_bins(sorted(late_bins[nl.node_id]), t0, bin_ns, cell, nl.node_id)
-        # a short blip far weaker than the fault itself is a hiccup, not a window;
-        # repeated short stalls of similar size are all kept
-        peak = max(w.lateness_ms for w in windows)
-        windows = [w for w in windows
-                   if w.end_ns - w.start_ns >= 3 * bin_ns or w.lateness_ms >= 0.5 * peak]
-        secs = sum(w.end_ns - w.start_ns for w in windows)
-        lat = sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in windows) / max(secs, 1)
+        windows, lat = _straggler_windows(late_bins[nl.node_id], t0, bin_ns, cell, nl.node_id)
         a.stragglers.append(Straggler(
             node=nl.name, node_id=nl.node_id, ranks=nl.ranks,
             late_ranks=_late_ranks(con, nl.node_id, windows, ranks_of),
@@ -478,6 +475,27 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             cost_s=nl.cost_s, cost_share=nl.cost_share,
             relative_uncertainty_ms=_pair_uncertainty_ms(nl.node_id, rel_unc, clock_of),
             clock_caveat=False))
+    if early is not None:
+        # half the fleet or more late at the same collectives: the median was theirs
+        together, spread = early.late_nodes(
+            threshold_of=late_threshold_ms, min_bins=min_bins,
+            min_cost_ns=MIN_COST_SHARE * run_ns, skip={st.node_id for st in a.stragglers},
+            cost_of=lambda pts, jitter: _cost_ns(pts, times, jitter), cost_floor_ms=COST_FLOOR_MS)
+        table = {nl.node_id: nl for nl in a.lateness}
+        for lt in sorted(together, key=lambda x: -x.cost_ns):
+            name, ranks = nodes[lt.node_id]
+            windows, lat = _straggler_windows(lt.late_bins, t0, bin_ns, lt.cells, lt.node_id)
+            nl = table[lt.node_id]    # the table shows the figures that named it
+            nl.late_bins = len(lt.late_bins)
+            nl.cost_s, nl.cost_share = round(lt.cost_ns / 1e9, 3), round(lt.cost_ns / run_ns, 4)
+            a.stragglers.append(Straggler(
+                node=name, node_id=lt.node_id, ranks=ranks,
+                late_ranks=_late_ranks(con, lt.node_id, windows, ranks_of),
+                windows=windows, lateness_ms=round(lat, 3), late_bins=nl.late_bins,
+                peak_ms=round(lt.peak_ms, 3), cost_s=nl.cost_s, cost_share=nl.cost_share,
+                relative_uncertainty_ms=_pair_uncertainty_ms(lt.node_id, rel_unc, clock_of),
+                clock_caveat=False, reference="early_half", jitter_ms=round(spread, 3),
+                late_with=sorted(nodes[o.node_id][0] for o in together if o is not lt)))
     for st in a.stragglers:
         u = st.relative_uncertainty_ms
         st.clock_caveat = u is None or st.peak_ms <= CLOCK_MARGIN * u
@@ -491,7 +509,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
                                                      n_bins, n_coll)
     for st in a.stragglers:
-        _diagnose(con, st, list(nodes), nodes, network=False, bins=hb)
+        # nodes late together are each compared with the healthy nodes, not each other
+        peers = [n for n in nodes if nodes[n][0] not in st.late_with]
+        _diagnose(con, st, peers, nodes, network=False, bins=hb)
     if network_suspect is not None and a.stragglers:
         # A lossy link delays the ranks downstream of it too: they start the next step
         # late and look late. Late nodes with no clear cause of their own are its
@@ -591,7 +611,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                           if a.cause else {})
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
-    a.verdict = _verdict(a, network_suspect is not None)
+    a.verdict = verdict_text(a, network_suspect is not None)
     return a
 
 
@@ -600,29 +620,6 @@ def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
         return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
 
 
-def _no_comparison_text(a: Analysis, nodes) -> str:
-    """Why no node can be compared with another, what is missing and how to get it."""
-    if not nodes:
-        return ("The fleet database holds no nodes: merge the bundles of the job's nodes "
-                "into it (ingero-merge node*.bundle -o fleet.db).")
-    what = ("What the capture shows is below: host signals, the job connections' "
-            "retransmits, where the traced processes waited.")
-    if not a.inventory.get("nccl_events"):
-        return ("Not enough data to name a straggler: no NCCL collectives were captured "
-                "(nccl_events is empty), and a straggler is found by comparing when nodes "
-                "arrive at collectives. Check that the capture found the training "
-                "processes (those that map libnccl; ingero-capture --check shows which "
-                "sources would run) and that no nccl source is listed under \"What the "
-                "capture could not see\". " + what)
-    if len(nodes) == 1:
-        name, ranks = next(iter(nodes.values()))
-        return (f"Not enough data to name a straggler: one node, {name} "
-                f"({_rank_text(ranks)}), and a straggler is a node the others wait for. "
-                "Capture every node of the job (ingero-capture on each) and merge their "
-                "bundles (ingero-merge) to compare them. " + what)
-    return ("Not enough data to name a straggler: no collective was seen on two or more "
-            "nodes (each node's ranks are in communicators of their own, or the captures "
-            "do not overlap in time). " + what)
 
 
 def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:
@@ -706,6 +703,18 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins,
     return None, []
 
 
+def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node) -> tuple[list[Window], float]:
+    """A straggler's windows from its late bins, and its mean lateness in them."""
+    windows = _join_bins(sorted(late), t0, bin_ns, cell, node)
+    # a short blip far weaker than the fault itself is a hiccup, not a window;
+    # repeated short stalls of similar size are all kept
+    peak = max(w.lateness_ms for w in windows)
+    windows = [w for w in windows
+               if w.end_ns - w.start_ns >= 3 * bin_ns or w.lateness_ms >= 0.5 * peak]
+    secs = sum(w.end_ns - w.start_ns for w in windows)
+    return windows, sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in windows) / max(secs, 1)
+
+
 def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node) -> list[Window]:
     out: list[Window] = []
     run: list[int] = []
@@ -718,58 +727,3 @@ def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node) -> list[Windo
         if b is not None:
             run.append(b)
     return out
-
-
-def _windows_text(windows) -> str:
-    return "1 window" if len(windows) == 1 else f"{len(windows)} windows"
-
-
-def _rank_text(ranks) -> str:
-    if not ranks:
-        return "its ranks"
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
-
-
-def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
-    secs = sum(w.end_ns - w.start_ns for w in st.windows) / 1e9
-    whom = "the other node" if nodes == 2 else "the median node"
-    text = (f"{st.node} ({_rank_text(st.late_ranks or st.ranks)}) is a straggler: it arrived "
-            f"at collectives {st.lateness_ms:.1f} ms after {whom}, on average, in "
-            f"{_windows_text(st.windows)} totalling {secs:.0f} s (fleet jitter "
-            f"{noise_ms:.2f} ms); the other {'node' if nodes == 2 else 'nodes'} waited "
-            f"{st.cost_s:.1f} s for it ({st.cost_share:.1%} of the run).")
-    if st.clock_caveat:
-        u = st.relative_uncertainty_ms
-        text += (" Its lateness is not well above the clock alignment uncertainty between "
-                 "it and its peers (" + ("unbounded" if u is None else f"{u:.2f} ms") +
-                 "): clock error cannot be ruled out.")
-    if st.cause and st.cause_confidence == "clear":
-        text += f" Root cause: {CAUSE_TITLES[st.cause]}."
-    elif st.cause:
-        text += f" Most likely cause: {CAUSE_TITLES[st.cause]} (weak evidence)."
-    else:
-        text += " The captured signals do not single out a cause; see the scores below."
-    if st.cause and st.next_step:
-        text += f" Next step: {st.next_step}"
-    return text
-
-
-def _verdict(a: Analysis, network: bool) -> str:
-    if network:
-        secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
-        late = ("no rank arrived markedly late" if not a.victims else
-                ", ".join(a.victims) + " arrived late only for want of its data")
-        lead = (f"Collectives were slow for every rank in {_windows_text(a.windows)} "
-                f"totalling {secs:.0f} s while {late}; {a.straggler}'s own job connections "
-                "retransmit: its network is the suspect.")
-        if a.cause and a.cause_confidence == "clear":
-            return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
-        return lead
-    texts = [_straggler_text(st, a.noise_ms, a.nodes) for st in a.stragglers]
-    if len(texts) > 1:
-        return f"{len(texts)} stragglers. " + " ".join(texts)
-    return texts[0]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import textwrap
 
-from .analyze import CAUSE_TITLES, Analysis, _rank_text
+from .analyze import CAUSE_TITLES, Analysis
+from .wording import rank_text
 from .render import report_title
 
 
@@ -49,7 +50,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             cause = CAUSE_TITLES[st.cause] if st.cause else "cannot tell"
             if st.cause and st.cause_confidence != "clear":
                 cause += " (weak)"
-            rows.append([st.node, _rank_text(st.late_ranks or st.ranks),
+            rows.append([st.node, rank_text(st.late_ranks or st.ranks),
                          f"{st.lateness_ms:.1f}", f"{st.cost_s:.1f} s ({st.cost_share:.1%})",
                          cause, "cannot rule out clock error" if st.clock_caveat else "ok"])
         lines += _table(rows, markdown) + [""]

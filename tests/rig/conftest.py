@@ -50,6 +50,23 @@ class Runs:
         return self._done[scenario]
 
 
+def scenario_runs(rig: Rig, steps: int):
+    """get(scenario) -> Outcome, each scenario run once on ``rig``, its captures started
+    at normal priority (the idle-priority start is measured by bench_rig; this keeps the
+    rig's CI time down), merged and reported."""
+    done: dict[str, Outcome] = {}
+
+    def get(scenario: str) -> Outcome:
+        if scenario not in done:
+            run = rig.run_scenario(scenario, steps=steps,
+                                   capture_args=("--start-priority", "normal"))
+            fleet, report = merge_and_report(run.all_bundles(),
+                                             rig.workdir / f"merged-{scenario}")
+            done[scenario] = Outcome(run, fleet, report)
+        return done[scenario]
+    return get
+
+
 def skip_without_rig() -> None:
     """pytest.skip unless this machine can run the rig (eBPF, root, iproute2)."""
     reason = ebpf_skip_reason()

@@ -95,6 +95,7 @@ class Truth:
     node: str | None
     ranks: tuple[int, ...]
     cause: str | None
+    nodes: tuple[str, ...] = ()     # every degraded node (node is the first)
 
 
 @dataclass
@@ -157,17 +158,21 @@ class Node:
 class Rig:
     """Namespaces, veths and a bridge for ``nodes`` nodes of ``ranks_per_node`` ranks.
 
-    ``straggler`` is the index of the node that scenarios other than "none" degrade.
+    ``straggler`` is the index of the node that scenarios other than "none" degrade, or a
+    tuple of indices: those nodes all at once (one CPU hog shared by their ranks, each
+    node's own loader or link).
     """
 
     def __init__(self, workdir: Path, nodes: int = 4, ranks_per_node: int = 1,
-                 straggler: int = 2, fixtures: Fixtures | None = None):
-        if not 1 < nodes < 200 or not 0 <= straggler < nodes:
-            raise ValueError("need 2..199 nodes and a straggler among them")
+                 straggler: int | tuple[int, ...] = 2, fixtures: Fixtures | None = None):
+        self.stragglers = straggler if isinstance(straggler, tuple) else (straggler,)
+        if not 1 < nodes < 200 or not self.stragglers or \
+                not all(0 <= k < nodes for k in self.stragglers):
+            raise ValueError("need 2..199 nodes and the stragglers among them")
         self.workdir = Path(workdir)
         self.fixtures = fixtures or build_fixtures()
         self.ranks_per_node = ranks_per_node
-        self.straggler = straggler
+        self.straggler = self.stragglers[0]
         tag = f"{PREFIX}{os.getpid()}"
         short = f"ir{os.getpid() % 100000}"
         self.bridge_ns = f"{tag}-br"
@@ -258,7 +263,8 @@ class Rig:
         if scenario == "none":
             return Truth(scenario, None, (), None)
         node = self.nodes[self.straggler]
-        return Truth(scenario, node.name, tuple(node.ranks), CAUSE[scenario])
+        return Truth(scenario, node.name, tuple(node.ranks), CAUSE[scenario],
+                     tuple(self.nodes[k].name for k in self.stragglers))
 
     # -- one scenario --------------------------------------------------------------------
     def run_scenario(self, scenario: str, steps: int | str = 200, settle_s: float = 1.5,
@@ -347,18 +353,19 @@ class Rig:
         idfile.write_bytes(struct.pack("<H", ROOT_PORT + self._runs) +
                            bytes(int(x) for x in self.nodes[0].addr.split(".")) +
                            os.urandom(122))
-        straggler = self.nodes[self.straggler]
+        stragglers = [self.nodes[k] for k in self.stragglers]
         ranks: dict[int, subprocess.Popen] = {}
         for n in self.nodes:
             loader = out / "loader" / n.name
             loader.mkdir(parents=True)
-            heavy = ["heavy"] if scenario == "io" and n is straggler else []
+            heavy = ["heavy"] if scenario == "io" and n in stragglers else []
             for lr, r in enumerate(n.ranks):
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world_size),
                            LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(self.ranks_per_node),
                            NODE_RANK=str(n.index))
                 pin = []
-                if n is straggler:
+                if n in stragglers and (scenario == "cpu" or len(stragglers) == 1):
+                    # (several stragglers share the hog's CPU only when it is the fault)
                     # the host threads on the hog's CPU, the "GPU" threads off it
                     pin = ["taskset", "-c", str(self.straggler_cpu())]
                     env["INGERO_SHIM_DEVICE_CPUS"] = ",".join(map(str, self.device_cpus()))
@@ -377,7 +384,6 @@ class Rig:
 
     def _fault_on(self, scenario: str, local: list):
         """Switch the scenario's fault on; return the function that switches it off."""
-        straggler = self.nodes[self.straggler]
         if scenario == "cpu":
             # at nice -10 (about ten times a rank's weight): the contention is then the
             # same on every run, whatever else the machine does and however the
@@ -387,9 +393,12 @@ class Rig:
             local.append(hog)
             return lambda: stop_process(hog)
         if scenario == "network":
-            tc = ["tc", "-n", straggler.netns, "qdisc"]
-            run(*tc, "add", "dev", straggler.veth, "root", "tbf", *TBF)
-            return lambda: run(*tc, "del", "dev", straggler.veth, "root", check=False)
+            links = [(["tc", "-n", self.nodes[k].netns, "qdisc"], self.nodes[k].veth)
+                     for k in self.stragglers]
+            for tc, veth in links:
+                run(*tc, "add", "dev", veth, "root", "tbf", *TBF)
+            return lambda: [run(*tc, "del", "dev", veth, "root", check=False)
+                            for tc, veth in links]
         return lambda: None   # none; io is the straggler's loader mode (heavy)
 
     def _stop_captures(self, caps) -> dict[str, str]:

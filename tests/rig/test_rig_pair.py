@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from . import measure, verdict
-from .conftest import Outcome, merge_and_report, skip_without_rig
+from .conftest import scenario_runs, skip_without_rig
 from .rig import Rig
 
 pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
@@ -27,20 +27,8 @@ STEPS = 80
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     skip_without_rig()
-    done: dict[str, Outcome] = {}
     with Rig(tmp_path_factory.mktemp("pair"), nodes=2, straggler=1) as rig:
-        def get(scenario):
-            if scenario not in done:
-                # started at normal priority (as the late-attach test does): the idle-
-                # priority start is measured by bench_rig, and this keeps the rig's CI
-                # time down
-                run = rig.run_scenario(scenario, steps=STEPS,
-                                       capture_args=("--start-priority", "normal"))
-                fleet, report = merge_and_report(run.all_bundles(),
-                                                 rig.workdir / f"merged-{scenario}")
-                done[scenario] = Outcome(run, fleet, report)
-            return done[scenario]
-        yield get
+        yield scenario_runs(rig, STEPS)
 
 
 @pytest.mark.parametrize("scenario", ["cpu", "io"])

@@ -1,0 +1,94 @@
+"""The report's words: the verdict, each straggler's sentence, and why no node could be
+compared. analyze.py decides; this says it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .evidence import CAUSE_TITLES
+
+if TYPE_CHECKING:
+    from .analyze import Analysis, Straggler
+
+
+def no_comparison_text(a: Analysis, nodes) -> str:
+    """Why no node can be compared with another, what is missing and how to get it."""
+    if not nodes:
+        return ("The fleet database holds no nodes: merge the bundles of the job's nodes "
+                "into it (ingero-merge node*.bundle -o fleet.db).")
+    what = ("What the capture shows is below: host signals, the job connections' "
+            "retransmits, where the traced processes waited.")
+    if not a.inventory.get("nccl_events"):
+        return ("Not enough data to name a straggler: no NCCL collectives were captured "
+                "(nccl_events is empty), and a straggler is found by comparing when nodes "
+                "arrive at collectives. Check that the capture found the training "
+                "processes (those that map libnccl; ingero-capture --check shows which "
+                "sources would run) and that no nccl source is listed under \"What the "
+                "capture could not see\". " + what)
+    if len(nodes) == 1:
+        name, ranks = next(iter(nodes.values()))
+        return (f"Not enough data to name a straggler: one node, {name} "
+                f"({rank_text(ranks)}), and a straggler is a node the others wait for. "
+                "Capture every node of the job (ingero-capture on each) and merge their "
+                "bundles (ingero-merge) to compare them. " + what)
+    return ("Not enough data to name a straggler: no collective was seen on two or more "
+            "nodes (each node's ranks are in communicators of their own, or the captures "
+            "do not overlap in time). " + what)
+
+
+def _windows_text(windows) -> str:
+    return "1 window" if len(windows) == 1 else f"{len(windows)} windows"
+
+
+def rank_text(ranks) -> str:
+    if not ranks:
+        return "its ranks"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
+    secs = sum(w.end_ns - w.start_ns for w in st.windows) / 1e9
+    whom = "the other node" if nodes == 2 else "the median node"
+    if st.reference == "early_half":
+        whom = (f"the earliest half of the nodes (late together with "
+                f"{', '.join(st.late_with)}, so the median arrival was no healthy node's)")
+    text = (f"{st.node} ({rank_text(st.late_ranks or st.ranks)}) is a straggler: it arrived "
+            f"at collectives {st.lateness_ms:.1f} ms after {whom}, on average, in "
+            f"{_windows_text(st.windows)} totalling {secs:.0f} s (fleet jitter "
+            f"{noise_ms if st.jitter_ms is None else st.jitter_ms:.2f} ms); the other {'node' if nodes == 2 else 'nodes'} waited "
+            f"{st.cost_s:.1f} s for it ({st.cost_share:.1%} of the run).")
+    if st.clock_caveat:
+        u = st.relative_uncertainty_ms
+        text += (" Its lateness is not well above the clock alignment uncertainty between "
+                 "it and its peers (" + ("unbounded" if u is None else f"{u:.2f} ms") +
+                 "): clock error cannot be ruled out.")
+    if st.cause and st.cause_confidence == "clear":
+        text += f" Root cause: {CAUSE_TITLES[st.cause]}."
+    elif st.cause:
+        text += f" Most likely cause: {CAUSE_TITLES[st.cause]} (weak evidence)."
+    else:
+        text += " The captured signals do not single out a cause; see the scores below."
+    if st.cause and st.next_step:
+        text += f" Next step: {st.next_step}"
+    return text
+
+
+def verdict_text(a: Analysis, network: bool) -> str:
+    if network:
+        secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
+        late = ("no rank arrived markedly late" if not a.victims else
+                ", ".join(a.victims) + " arrived late only for want of its data")
+        lead = (f"Collectives were slow for every rank in {_windows_text(a.windows)} "
+                f"totalling {secs:.0f} s while {late}; {a.straggler}'s own job connections "
+                "retransmit: its network is the suspect.")
+        if a.cause and a.cause_confidence == "clear":
+            return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
+        return lead
+    texts = [_straggler_text(st, a.noise_ms, a.nodes) for st in a.stragglers]
+    if len(texts) > 1:
+        return f"{len(texts)} stragglers. " + " ".join(texts)
+    return texts[0]
