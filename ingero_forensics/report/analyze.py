@@ -517,9 +517,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         # late and look late. Late nodes with no clear cause of their own are its
         # victims; a node with a clear cause of its own is a straggler of its own.
         kept = []
+        suspect_name = nodes[network_suspect][0]
         for st in a.stragglers:
-            if st.node_id == network_suspect or (st.cause not in (None, "network")
-                                                 and st.cause_confidence == "clear"):
+            if suspect_name in st.late_with:     # late at the suspect's own collectives
+                a.victims.append(st.node)
+            elif st.node_id == network_suspect or (st.cause not in (None, "network")
+                                                   and st.cause_confidence == "clear"):
                 kept.append(st)
             else:
                 a.victims.append(st.node)

