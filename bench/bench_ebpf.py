@@ -9,7 +9,9 @@ Floor: the cost of EMPTY BPF programs (return 0) on the same shim functions, at 
     at 10k and 100k calls/s (all calls), capture off vs empty probes on every call (floor)
     vs on (NCCL + CUDA sources), counting every launch (--launch-budget 0) and with the
     default --launch-budget (launch probes on for a share of the stats intervals);
-    ratios of elapsed times. Runs last at least 5 s (--seconds; two on/off cycles of the
+    ratios of elapsed times, and of the calling thread's CPU time (a trap is spent in
+    that thread; the elapsed time also holds waits for a CPU that the capture's own
+    threads took, which a 2-core VM has and a GPU node's many cores mostly have not). Runs last at least 5 s (--seconds; two on/off cycles of the
     bench's 0.25 s intervals, --stats-interval) so the sampled state shows.
 (b) The highest sustained NCCL event rate (one ring buffer record per ncclAllReduce) with
     zero lost events, from the loop with no work between calls and rising poll load.
@@ -150,6 +152,13 @@ def run_loop(fx, iters: int, units: int, capture: Capture | None = None,
              launches: int = 1) -> float:
     """Seconds the traced loop took (its own clock, from go to done); each iteration is
     ``launches`` cudaLaunchKernel calls and one ncclAllReduce."""
+    return run_loop_times(fx, iters, units, capture, launches)[0]
+
+
+def run_loop_times(fx, iters: int, units: int, capture: Capture | None = None,
+                   launches: int = 1) -> tuple[float, float]:
+    """(elapsed, CPU) seconds of the loop's calling thread: the probes' traps are spent
+    in it; waits for a CPU that another process took are in the elapsed time only."""
     p = subprocess.Popen([str(fx.rank_job), "loop", str(iters), str(units), str(launches)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
@@ -160,7 +169,7 @@ def run_loop(fx, iters: int, units: int, capture: Capture | None = None,
     res = json.loads(p.stdout.readline())
     p.stdin.close()
     p.wait()
-    return res["elapsed_ns"] / 1e9
+    return res["elapsed_ns"] / 1e9, res["cpu_ns"] / 1e9
 
 
 def calibrate(fx, calls_per_s: float, iters: int, launches: int = 1) -> int:
@@ -196,23 +205,36 @@ def overhead(fx, calls_per_s: float, seconds: float, repeats: int, launches: int
     iters = int(calls_per_s * seconds / per_iter)
     units = calibrate(fx, calls_per_s, max(1000, iters // 5), launches)
     runs = {"off": [], "empty": [], "all": [], "budget": []}
+    cpu = {k: [] for k in runs}
     for _ in range(repeats):   # interleaved so drifting machine load hits all alike
-        runs["off"].append(run_loop(fx, iters, units, launches=launches))
-        with EmptyProbes(fx, "capture"):
-            runs["empty"].append(run_loop(fx, iters, units, launches=launches))
-        with Capture(fx, budget=0) as cap:
-            runs["all"].append(run_loop(fx, iters, units, cap, launches))
-        with Capture(fx) as cap:
-            runs["budget"].append(run_loop(fx, iters, units, cap, launches))
-        cuda = cap.sources[1]
+        for k in runs:
+            if k == "off":
+                t = run_loop_times(fx, iters, units, launches=launches)
+            elif k == "empty":
+                with EmptyProbes(fx, "capture"):
+                    t = run_loop_times(fx, iters, units, launches=launches)
+            else:
+                with Capture(fx, budget=0 if k == "all" else CaptureOptions.launch_budget) as cap:
+                    t = run_loop_times(fx, iters, units, cap, launches)
+                if k == "budget":
+                    cuda = cap.sources[1]
+            runs[k].append(t[0])
+            cpu[k].append(t[1])
     t = {k: statistics.median(v) for k, v in runs.items()}
-    pct = lambda k: [100 * (b / a - 1) for a, b in zip(runs["off"], runs[k])]  # noqa: E731
+    c = {k: statistics.median(v) for k, v in cpu.items()}
+    pct = lambda d, k: [100 * (b / a - 1) for a, b in zip(d["off"], d[k])]  # noqa: E731
     return {"target_calls_per_s": calls_per_s, "launches_per_collective": launches,
             "calls": per_iter * iters, "rate_off": per_iter * iters / t["off"],
             "elapsed_s": t, "floor_pct": 100 * (t["empty"] / t["off"] - 1),
-            "all_pct": 100 * (t["all"] / t["off"] - 1), "all_pct_rounds": pct("all"),
+            "all_pct": 100 * (t["all"] / t["off"] - 1), "all_pct_rounds": pct(runs, "all"),
             "budget_pct": 100 * (t["budget"] / t["off"] - 1),
-            "budget_pct_rounds": pct("budget"),
+            "budget_pct_rounds": pct(runs, "budget"),
+            # the calling thread's CPU time: what the traps cost it, without the waits
+            # for a CPU that the capture's own threads took on a small machine
+            "cpu_s": c, "cpu_floor_pct": 100 * (c["empty"] / c["off"] - 1),
+            "cpu_all_pct": 100 * (c["all"] / c["off"] - 1),
+            "cpu_budget_pct": 100 * (c["budget"] / c["off"] - 1),
+            "cpu_budget_pct_rounds": pct(cpu, "budget"),
             "launch_share": cuda.duty.share, "intervals_off": cuda.intervals_off}
 
 
@@ -352,6 +374,10 @@ def main():
                   f"--launch-budget {budget} {r['budget_pct']:+.2f} % (rounds "
                   f"{rounds('budget_pct_rounds')}; launch probes on for "
                   f"{r['launch_share']:.0%} of the intervals, {r['intervals_off']} off)",
+                  flush=True)
+            print(f"    the calling thread's CPU time: floor {r['cpu_floor_pct']:+.2f} %; every "
+                  f"launch {r['cpu_all_pct']:+.2f} %; --launch-budget {budget} "
+                  f"{r['cpu_budget_pct']:+.2f} % (rounds {rounds('cpu_budget_pct_rounds')})",
                   flush=True)
     if a.overhead_only:
         return

@@ -51,7 +51,7 @@ from .host import host_view
 from .hangs import find_hangs, hang_text
 from .binned import HostBins
 from .lateattach import inferred_communicators, unmatched_text
-from .together import EarlyHalf, add_to_cell
+from .together import EarlyHalf, early_half_ref
 from .wording import no_comparison_text, verdict_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
@@ -327,9 +327,15 @@ def _cost_ns(points, times, jitter_ms: float) -> float:
     the collectives in time order. ``points``: (collective time, lateness ms) of the
     collectives where it was late by more than COST_FLOOR_MS (at most that elsewhere:
     excess 0); ``times``: every collective's time, sorted."""
+    return rises_ns(sorted((bisect.bisect_left(times, t), late) for t, late in points),
+                    jitter_ms)
+
+
+def rises_ns(points, jitter_ms: float) -> float:
+    """_cost_ns of points given as (position of the collective in time order, lateness
+    ms), sorted."""
     total, prev_x, prev_k = 0.0, 0.0, None
-    for t, late in sorted(points):
-        k = bisect.bisect_left(times, t)
+    for k, late in points:
         if prev_k is None or k != prev_k + 1:
             prev_x = 0.0          # a collective in between where it was on time
         x = max(0.0, late - jitter_ms)
@@ -400,6 +406,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     last_count: dict[int, int] = defaultdict(int)
     costly: dict[int, list[tuple[int, float]]] = defaultdict(list)   # node -> (t, late ms)
     early = EarlyHalf() if len(nodes) >= 3 else None     # nodes late together
+    node_index: dict[int, array] = defaultdict(lambda: array("l"))   # for early
     times = array("q")
     for _, first, last_node, completion, last_entry, arrivals in itertools.chain([first_row],
                                                                                 rows):
@@ -412,17 +419,26 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             (n0, a0), (n1, a1) = arrivals
             ref = {n0: a1, n1: a0}
         else:
-            med = median([t for _, t in arrivals])
+            ts = sorted(t for _, t in arrivals)
+            med = median(ts)
             ref = None
         b = (first - t0) // bin_ns
         cells = bins[b]
         times.append(first)
-        if early is not None and len(arrivals) >= 3:
-            early.add(b, first, arrivals)
+        if early is not None:
+            ci = early.add(b, first, 0.0 if ref else (med - early_half_ref(ts)) / 1e6)
         for nid, t in arrivals:
             late_ms = (t - (med if ref is None else ref[nid])) / 1e6
             node_lates[nid].append(late_ms)
-            add_to_cell(cells, nid, late_ms)
+            if early is not None:
+                node_index[nid].append(ci)
+            acc = cells.get(nid)
+            if acc is None:
+                cells[nid] = [late_ms, 1, late_ms]
+            else:
+                acc[0] += late_ms
+                acc[1] += 1
+                acc[2] = max(acc[2], late_ms)
             if late_ms > COST_FLOOR_MS:
                 costly[nid].append((first, late_ms))
         last_count[last_node] += 1
@@ -430,7 +446,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             transfers[b].append((completion - last_entry) / 1e6)
     per_node = {nid: Reservoir(SAMPLE, seed=nid).extend(v) for nid, v in node_lates.items()}
     transfer = {b: Reservoir(TRANSFER_SAMPLE, seed=b).extend(v) for b, v in transfers.items()}
-    del node_lates, transfers
+    del transfers
 
     # robust noise over all (bin, node) means; the threshold grows with their number
     cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k, _) in per.items()}
@@ -478,9 +494,10 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     if early is not None:
         # half the fleet or more late at the same collectives: the median was theirs
         together, spread = early.late_nodes(
+            cell, node_lates, node_index, t0=t0, bin_ns=bin_ns,
             threshold_of=late_threshold_ms, min_bins=min_bins,
             min_cost_ns=MIN_COST_SHARE * run_ns, skip={st.node_id for st in a.stragglers},
-            cost_of=lambda pts, jitter: _cost_ns(pts, times, jitter), cost_floor_ms=COST_FLOOR_MS)
+            cost_of=rises_ns, cost_floor_ms=COST_FLOOR_MS)
         table = {nl.node_id: nl for nl in a.lateness}
         for lt in sorted(together, key=lambda x: -x.cost_ns):
             name, ranks = nodes[lt.node_id]
@@ -496,6 +513,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 relative_uncertainty_ms=_pair_uncertainty_ms(lt.node_id, rel_unc, clock_of),
                 clock_caveat=False, reference="early_half", jitter_ms=round(spread, 3),
                 late_with=sorted(nodes[o.node_id][0] for o in together if o is not lt)))
+    del node_lates, node_index
     for st in a.stragglers:
         u = st.relative_uncertainty_ms
         st.clock_caveat = u is None or st.peak_ms <= CLOCK_MARGIN * u

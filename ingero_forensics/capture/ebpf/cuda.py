@@ -277,14 +277,21 @@ class LaunchProbes:
         self.source, self.path = source, path
         self.launches = launches                # (API index, symbol, file offset)
         self.fd: int | None = None
+        self.perf = False        # the link was refused here (another tracer's uprobe)
         self.label = ", ".join(sym for _i, sym, _o in launches)
 
     def attach(self) -> None:
         up = self.source.uprobes
-        if up.mode == "multi":
-            self.fd = up.link(self.path, "launch_multi", [o for _i, _s, o in self.launches],
-                              [i for i, _s, _o in self.launches])
-            return
+        if up.mode == "multi" and not self.perf:
+            try:
+                self.fd = up.link(self.path, "launch_multi",
+                                  [o for _i, _s, o in self.launches],
+                                  [i for i, _s, _o in self.launches])
+                return
+            except OSError as e:
+                self.perf = True
+                up.notes.append(f"launch probes ({self.label}): uprobe_multi link refused "
+                                f"({e.strerror}); one perf event each")
         done = []
         try:
             for i, sym, _o in self.launches:
@@ -454,6 +461,9 @@ class CudaSource(BccSource):
             except Exception as e:
                 os.close(fd)
                 return missing + [f"{sym} (launch probe refused: {e})" for _i, sym, _o in found]
+            for note in self.uprobes.notes:
+                self.notes.append(("warning", note))
+            self.uprobes.notes.clear()
             self._launch_fds.append(fd)
             self.launch_probes.append(probes)
             self._launch_attached.add(probes)
