@@ -330,6 +330,9 @@ def main():
     ap.add_argument("--no-stacks", action="store_true", help="capture without user stacks")
     ap.add_argument("--overhead-only", action="store_true", help="only (a)")
     ap.add_argument("--attach", action="store_true", help="only (d): attach and detach times")
+    ap.add_argument("--uprobes", choices=["multi", "perf"], default=None,
+                    help="how the captures attach their uprobes (INGERO_UPROBES; default: "
+                         "uprobe_multi links where the kernel has them)")
     ap.add_argument("--rates", default="10000,100000",
                     help="(a): calls/s to measure, comma-separated (default 10000,100000)")
     ap.add_argument("--launches", default="1,19",
@@ -342,6 +345,8 @@ def main():
                     help="(a): length of each run, at least (default 5)")
     a = ap.parse_args()
     Capture.stacks = not a.no_stacks
+    if a.uprobes:
+        os.environ["INGERO_UPROBES"] = a.uprobes
     Capture.STATS_INTERVAL_S = a.stats_interval
     if os.geteuid() != 0:
         sys.exit("bench_ebpf: needs root")
@@ -358,7 +363,8 @@ def main():
         return
     secs, reps = (1.0, 3) if a.quick else (3.0, 5)
     print(f"eBPF bench on {os.uname().release}, {os.cpu_count()} CPUs; medians of {reps}"
-          f"{'; stacks off' if a.no_stacks else ''}; stats interval {a.stats_interval} s")
+          f"{'; stacks off' if a.no_stacks else ''}; stats interval {a.stats_interval} s; "
+          f"uprobes {a.uprobes or 'default'}")
     if not a.no_floor:
         print_floor(fx, 100_000 if a.quick else 200_000, reps)
     budget = CaptureOptions.launch_budget
