@@ -408,9 +408,10 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     finished = []
 
     def finish_collectives():
-        """The collectives, sync points, alignment and node facts: they need the
-        collectives thread's results but none of the big tables, so pass 3 runs this
-        when the main thread would otherwise wait for the table builder."""
+        """The collectives, sync points and alignment: they need the collectives
+        thread's results but none of the big tables, so pass 3 runs this when the main
+        thread would otherwise wait for the table builder. Not the node facts: a node's
+        ranks may come from nccl_events, which the builder may still hold."""
         if finished:
             return
         finished.append(True)
@@ -429,7 +430,6 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                     a.violations_before, a.violations_after = results.violations.get(nid,
                                                                                      (0, 0))
                 write_alignment(con, params)
-                _update_nodes(con)
         finally:
             con.execute("DETACH DATABASE st")
             con.execute("DETACH DATABASE cp")
@@ -443,6 +443,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         with con:
             for stmt in all_index_ddl():
                 con.execute(stmt)
+            _update_nodes(con)      # every table is in: nccl_events too
             settle_in_flight(con)
             write_summaries(con)    # the report's host_bins, from every table now in
     except BaseException:

@@ -52,7 +52,8 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                host_of=None, stacks=True, comm="00c0ffee00c0ffee",
                name_prefix="node", queued=0, claims=True, straggler_every=10,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
-               wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False) -> Fleet:
+               wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False,
+               rank_env=True) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
@@ -66,7 +67,9 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     counted from the attach, as the capture writes them. shapes: the collectives cycle
     through this many element counts (a training step's buckets). late_in_flight: each
     late process's last segment also records an ncclAllReduce still open at the stop,
-    entered 50 ms after its last call (its handle_seq the next one)."""
+    entered 50 ms after its last call (its handle_seq the next one). rank_env=False: the
+    processes carry no rank environment (RANK, WORLD_SIZE, ...): their ranks are only in
+    the collectives."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -184,9 +187,10 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                 w.add_many(table, sel)
             for r in range(ranks_per_node):
                 rank = ni * ranks_per_node + r
+                env = (rank, r, nranks, ranks_per_node, ni) if rank_env else (None,) * 5
                 w.add("processes", (1000 + rank, 12345, "python3", "/usr/bin/python3",
-                                    '["python3","train.py"]', rank, r, nranks, ranks_per_node,
-                                    ni, "job-42", "{}", tr.mono(lo), tr.mono(hi - 1), None))
+                                    '["python3","train.py"]', *env, "job-42", "{}",
+                                    tr.mono(lo), tr.mono(hi - 1), None))
             ts = lo
             while ts < hi:
                 e = tr.clock_error(ts)

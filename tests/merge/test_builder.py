@@ -115,3 +115,30 @@ def test_result_does_not_depend_on_which_thread_is_slower(small_fleet, tmp_path,
     assert not res.skipped
     assert _summary(db) == want
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.db"]      # no scratch left
+
+
+def test_node_ranks_from_the_collectives_wait_for_the_builder(tmp_path, monkeypatch):
+    """Processes without a rank environment and no communicator events: a node's ranks
+    come from its collectives, which the builder holds. With the builder slow, the main
+    thread writes the collectives and alignment while waiting; the node facts must still
+    see every nccl_events row (they read none before)."""
+    fleet = make_fleet(tmp_path / "b", nodes=3, ranks_per_node=2, seconds=3, seed=32,
+                       rank_env=False)
+    real_copy = core.TableBuilder._copy
+
+    def copy(self, table):
+        out = real_copy(self, table)
+        if table == "nccl_events":
+            time.sleep(0.5)         # the main thread reaches its idle work first
+        return out
+    monkeypatch.setattr(core.TableBuilder, "_copy", copy)
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths, db)
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        assert con.execute("SELECT COUNT(*) FROM processes WHERE rank IS NOT NULL"
+                           ).fetchone() == (0,)
+        ranks = dict(con.execute("SELECT name, ranks FROM nodes"))
+    finally:
+        con.close()
+    assert ranks == {f"node-{i}": f"[{2 * i}, {2 * i + 1}]" for i in range(3)}
