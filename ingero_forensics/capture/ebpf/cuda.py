@@ -295,8 +295,7 @@ class LaunchProbes:
         done = []
         try:
             for i, sym, _o in self.launches:
-                self.source.bpf.attach_uprobe(name=self.path.encode(), sym=sym.encode(),
-                                              fn_name=f"api_{i}".encode())
+                up.perf_uprobe(self.path, sym, f"api_{i}")
                 done.append(sym)
         except Exception:
             for sym in done:

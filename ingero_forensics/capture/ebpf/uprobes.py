@@ -15,6 +15,14 @@ Return probes share one program per family already.
 The mode is chosen at the first attach: links unless $INGERO_UPROBES is ``perf``, or the
 kernel refuses them (older than 6.6, or a BCC that cannot load a program for them); then
 perf events for the rest of the run, and the source's attach message says why.
+
+Perf-event uprobes are made here too (``perf_uprobe``), not by BCC's attach_uprobe: BCC
+releases up to at least 0.26 (Debian 12) declare libbcc's ``bpf_attach_uprobe`` with 6
+of its 7 arguments, so each call passes whatever lies on the stack as the USDT
+reference counter's file offset (0x6 on this VM, per dmesg). The kernel then refuses
+every other tracer's uprobe on that function ("ref_ctr_offset mismatch": bpftrace, perf
+probe, a second capture), and were the value to fall in a writable mapping of the
+library, it would increment two bytes there in every traced process.
 """
 
 from __future__ import annotations
@@ -41,6 +49,11 @@ COOKIE_C = r"""
 static u64 (*ingero_attach_cookie)(void *ctx) = (void *)174;
 #endif
 """
+#: libbcc's bpf_attach_uprobe(prog_fd, attach_type, ev_name, binary_path, offset, pid,
+#: ref_ctr_offset): attach_type 0 entry, 1 return (libbcc >= 0.10)
+_ATTACH_UPROBE_C = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
+                                    ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int,
+                                    ctypes.c_uint32)
 #: errors that mean "this kernel cannot link uprobes": fall back to perf events
 UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.E2BIG, errno.EPERM)
 
@@ -215,16 +228,38 @@ class Uprobes:
             raise
         return missing
 
+    # -- perf events -------------------------------------------------------------------
+    def perf_uprobe(self, path: str, sym: str, fn_name: str, ret: bool = False) -> None:
+        """One perf-event uprobe (``ret``: a return probe), as BCC's attach_uprobe makes
+        it but with no reference counter (see the module's docstring); BCC's cleanup and
+        detach_uprobe know it. Raises as BCC does when the kernel refuses it."""
+        bcc, bpf = self.bcc, self.bpf
+        try:
+            c_attach = _ATTACH_UPROBE_C(ctypes.cast(bcc.libbcc.lib.bpf_attach_uprobe,
+                                                    ctypes.c_void_p).value)
+            path_b, addr = bcc.BPF._check_path_symbol(path.encode(), sym.encode(), None, -1)
+            evname, add_fd = bpf._get_uprobe_evname, bpf._add_uprobe_fd
+        except AttributeError:      # a BCC with other internals: its own call
+            attach = bpf.attach_uretprobe if ret else bpf.attach_uprobe
+            attach(name=path.encode(), sym=sym.encode(), fn_name=fn_name.encode())
+            return
+        if hasattr(bpf, "_check_probe_quota"):
+            bpf._check_probe_quota(1)
+        fn = bpf.load_func(fn_name.encode(), bcc.BPF.KPROBE)
+        ev_name = evname(b"r" if ret else b"p", path_b, addr, -1)
+        fd = c_attach(fn.fd, int(ret), ev_name, path_b, addr, -1, 0)
+        if fd < 0:
+            raise Exception(f"Failed to attach BPF to {'uretprobe' if ret else 'uprobe'}")
+        add_fd(ev_name, fd)
+
     def _attach_perf(self, path: str, probes: list[Probe]) -> list[str]:
         missing = []
         for p in probes:
             try:
                 if p.entry:
-                    self.bpf.attach_uprobe(name=path.encode(), sym=p.sym.encode(),
-                                           fn_name=p.entry.encode())
+                    self.perf_uprobe(path, p.sym, p.entry)
                 if p.ret:
-                    self.bpf.attach_uretprobe(name=path.encode(), sym=p.sym.encode(),
-                                              fn_name=p.ret.encode())
+                    self.perf_uprobe(path, p.sym, p.ret, ret=True)
             except Exception:
                 try:
                     self.offset(path, p.sym)

@@ -282,24 +282,24 @@ def test_a_launch_probe_that_cannot_come_back_leaves_launches_unknown(ebpf_ok, t
     """If a launch probe cannot be attached again, the capture says so, marks every
     interval after as not counted, and no synchronization after the switch claims to
     know what was queued before it. The kernel's refusal is made where the source meets
-    the kernel: the uprobe_multi link, or BCC's perf-event attach."""
+    the kernel: the uprobe_multi link, or the perf-event attach."""
     monkeypatch.setenv("INGERO_UPROBES", uprobes)
 
     def break_attach(source):
-        real_link, real_attach = source.uprobes.link, source.bpf.attach_uprobe
-        launch_fns = {f"api_{i}".encode() for p in source.launch_probes for i, _s, _o in p.launches}
+        real_link, real_attach = source.uprobes.link, source.uprobes.perf_uprobe
+        launch_fns = {f"api_{i}" for p in source.launch_probes for i, _s, _o in p.launches}
 
         def link(path, prog, *a, **kw):
             if prog == "launch_multi":
                 raise OSError(22, "uprobe_multi link: Invalid argument")
             return real_link(path, prog, *a, **kw)
 
-        def attach(*a, **kw):
-            if kw.get("fn_name") in launch_fns:
-                raise Exception("could not determine address of symbol cudaLaunchKernel")
-            return real_attach(*a, **kw)
+        def attach(path, sym, fn_name, *a, **kw):
+            if fn_name in launch_fns:
+                raise Exception("Failed to attach BPF to uprobe")
+            return real_attach(path, sym, fn_name, *a, **kw)
         source.uprobes.link = link
-        source.bpf.attach_uprobe = attach
+        source.uprobes.perf_uprobe = attach
 
     sink = _sampled_train_job(fixtures, tmp_path, fixtures.build, during=break_attach)
     stats = [s for s in sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]

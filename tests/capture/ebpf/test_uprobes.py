@@ -101,6 +101,49 @@ def test_a_librarys_uprobes_are_a_few_links(ebpf_ok, fixtures, tmp_path):
     assert all("perf event" in m for m in _attached(tmp_path / "perf").values())
 
 
+def _other_tracer_uprobe(bcc, fn_fd, path: bytes, sym: bytes, ref_ctr_offset: int,
+                         ev_name: bytes) -> int:
+    """A uprobe placed as another tracer would (libbcc's real 7-argument call); its fd,
+    negative if the kernel refused it."""
+    _, offset = bcc.BPF._check_path_symbol(path, sym, None, -1)
+    attach = bcc.libbcc.lib.bpf_attach_uprobe   # the C signature: ref_ctr_offset last
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
+                             ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_uint32)
+    return proto(ctypes.cast(attach, ctypes.c_void_p).value)(
+        fn_fd, 0, ev_name, path, offset, -1, ref_ctr_offset)
+
+
+@pytest.mark.ebpf
+def test_perf_event_uprobes_leave_the_function_to_other_tracers(ebpf_ok, fixtures, tmp_path):
+    """A capture's perf-event uprobes carry no reference counter: BCC's own attach_uprobe
+    (0.26) passes stack garbage as one (0x6 here), and the kernel then refuses any other
+    tracer's uprobe on that function (bpftrace, perf probe: 'ref_ctr_offset mismatch').
+    With the capture's probes on, another uprobe without a counter attaches."""
+    from ingero_forensics.capture.ebpf._bcc import import_bcc
+    bcc = import_bcc()
+    other = bcc.BPF(text=b"int other(struct pt_regs *ctx) { return 0; }")
+    fn = other.load_func(b"other", bcc.BPF.KPROBE)
+    target, cap = _capture(fixtures, tmp_path / "b", {"INGERO_UPROBES": "perf"})
+    fds = []
+    try:
+        for sym in (b"ncclAllReduce", b"ncclCommInitRank"):        # an entry, an entry+return
+            fds.append(_other_tracer_uprobe(bcc, fn.fd, str(fixtures.libnccl).encode(), sym, 0,
+                                            b"p_ingero_test_" + sym))
+        fds.append(_other_tracer_uprobe(bcc, fn.fd, str(fixtures.libcudart).encode(),
+                                        b"cudaLaunchKernel", 0, b"p_ingero_test_launch"))
+    finally:
+        for fd, ev in zip(fds, (b"ncclAllReduce", b"ncclCommInitRank", b"launch")):
+            if fd >= 0:
+                os.close(fd)
+                bcc.libbcc.lib.bpf_detach_uprobe(b"p_ingero_test_" + ev)
+        other.cleanup()
+        _stop(target, cap)
+    assert all(fd >= 0 for fd in fds), f"another tracer's uprobes refused: {fds}"
+    attached = _attached(tmp_path / "b")
+    assert all("one perf event per uprobe" in m for m in attached.values()), attached
+    assert "not attached" not in attached["nccl"], attached
+
+
 @pytest.mark.ebpf
 def test_a_library_another_tracer_probes_falls_back_to_perf_events(ebpf_ok, fixtures, tmp_path):
     """Another tracer holds a uprobe on ncclAllReduce with a USDT-style reference counter
@@ -112,14 +155,9 @@ def test_a_library_another_tracer_probes_falls_back_to_perf_events(ebpf_ok, fixt
     from ingero_forensics.capture.ebpf._bcc import import_bcc
     bcc = import_bcc()
     other = bcc.BPF(text=b"int other(struct pt_regs *ctx) { return 0; }")
-    path = str(fixtures.libnccl).encode()
-    _, offset = bcc.BPF._check_path_symbol(path, b"ncclAllReduce", None, -1)
     fn = other.load_func(b"other", bcc.BPF.KPROBE)
-    attach = bcc.libbcc.lib.bpf_attach_uprobe   # the C signature: ref_ctr_offset last
-    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
-                             ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_uint32)
-    fd = proto(ctypes.cast(attach, ctypes.c_void_p).value)(
-        fn.fd, 0, b"p_ingero_test_other", path, offset, -1, 2)
+    fd = _other_tracer_uprobe(bcc, fn.fd, str(fixtures.libnccl).encode(), b"ncclAllReduce", 2,
+                              b"p_ingero_test_other")
     assert fd >= 0, "could not place the other tracer's uprobe"
     try:
         target, cap = _capture(fixtures, tmp_path / "b")
