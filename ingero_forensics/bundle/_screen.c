@@ -9,10 +9,10 @@
  *                           strict decoder defines it), else 0. reader.py _check_text.
  *  ingero_row_ok(spec, v, ...)
  *                           1 when every value obeys its column's rule in spec, else 0:
- *                           the per-row checks of merge/core.py _valid_predicate and
- *                           _in_window in one call instead of a dozen opcodes per column.
+ *                           the per-row rules of merge/screen.py (column_rules) in one
+ *                           call instead of a dozen opcodes per column.
  *
- * spec (built by merge/core.py row_spec, one token per value, ';' between):
+ * spec (built by merge/screen.py rules_spec, one token per value, ';' between):
  *     K N lo , hi [ = e1 | e2 ... ]
  * K: storage classes allowed: 'i' integer, 'r' real or integer, 't' text.
  * N: '1' NULL allowed, '0' not.  lo,hi: an inclusive int64 range for integers ('' = none).
@@ -347,7 +347,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_screen",
-    "Row screens for untrusted bundles as SQL functions (see merge/core.py).", -1, methods,
+    "Row screens for untrusted bundles as SQL functions (see merge/screen.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__screen(void)

@@ -33,8 +33,6 @@ import apsw
 
 from .. import __version__
 from .. import accel as _accel
-from ..bundle.container import read_manifest
-from ..bundle.reader import open_bundle
 from ..db import harden
 from ..errors import BundleError
 from . import align
@@ -49,20 +47,17 @@ from .lateattach import infer_late_attach
 from .summaries import write_summaries
 from .fleet_schema import (FLEET_TABLES_BY_NAME, FLEET_VERSION, all_index_ddl, fleet_ddl,
                            index_ddl)
-from .ranks import process_ranks
+from .nodes import Conflict, node_summary, resolve_node, update_nodes
+from .opening import extract_sync, prefetch
 from .screen import row_predicate
 from .stacks import canonical_stack, stack_hash
 from .syncpoints import (SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, attached,
-                         extract_fleet_sync_points, extract_sync_points, image_runs, image_uri,
-                         write_runs)
+                         extract_fleet_sync_points, image_uri, write_runs)
 
 #: A synchronization shorter than this did not wait (the rank arrived after completion).
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
 DEFAULT_MIN_LATENCY_NS = 1_000
-#: Threads that verify, decompress and extract sync points ahead of the copying thread
-#: (zstd, sha256 and SQLite release the GIL, so they run on other cores).
-PREFETCH_THREADS = 2
 
 
 @dataclass
@@ -313,7 +308,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         "AND typeof(seq) = 'integer'")
     # The next bundles are verified, decompressed and their sync points extracted by
     # helper threads while this one is recorded (zstd, sha256 and SQLite release the GIL).
-    with contextlib.closing(_prefetch(entries, known_sha, tmpdir, integrity,
+    with contextlib.closing(prefetch(entries, known_sha, tmpdir, integrity,
                                       min_wait_ns, fl.fastcoll)) as stream:
         for shown, path, err, opened in stream:
             if err:
@@ -335,7 +330,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                 continue
             try:
                 con.execute("BEGIN")
-                node_id = _resolve_node(fl, bundle.manifest, shown, res)
+                node_id = resolve_node(fl, bundle.manifest, shown, res)
                 bundle_id = _insert_bundle(fl, bundle, node_id, sha)
                 attached = False
                 try:
@@ -354,11 +349,11 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                         con.execute("ROLLBACK")
                     if attached:
                         con.execute("DETACH DATABASE b")
-            except (apsw.Error, ValueError, _Conflict) as e:
+            except (apsw.Error, ValueError, Conflict) as e:
                 if not con.getautocommit():
                     con.execute("ROLLBACK")
                 bundle.close()
-                skip(shown, str(e) if isinstance(e, _Conflict) else
+                skip(shown, str(e) if isinstance(e, Conflict) else
                      f"cannot merge ({type(e).__name__}: {e})")
                 progress(2)
                 continue
@@ -378,7 +373,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     # every bundle is open, before anything reads sync points from the images
     for item in infer_late_attach(fl, pending):
         try:
-            _extract_sync(item["bundle"], min_wait_ns, fl.fastcoll)
+            extract_sync(item["bundle"], min_wait_ns, fl.fastcoll)
         except (apsw.Error, RuntimeError) as e:
             raise MergeError(f"{item['shown']}: cannot read its events after the late-attach "
                              f"inference ({type(e).__name__}: {e})") from None
@@ -443,7 +438,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         with con:
             for stmt in all_index_ddl():
                 con.execute(stmt)
-            _update_nodes(con)      # every table is in: nccl_events too
+            update_nodes(con)      # every table is in: nccl_events too
             settle_in_flight(con)
             write_summaries(con)    # the report's host_bins, from every table now in
     except BaseException:
@@ -476,7 +471,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
     con.executemany("INSERT OR REPLACE INTO fleet_info VALUES (?, ?)",
                     [(k, json.dumps(v)) for k, v in info.items()])
     con.execute("COMMIT")
-    res.nodes = _node_summary(con)
+    res.nodes = node_summary(con)
 
 
 def _nccl_predicates(pending: list):
@@ -662,170 +657,8 @@ def _copy_tables(fl: _Fleet, item: dict, tables, params: dict) -> None:
                 fl.con, t, item["bundle"], node_id, bundle_id, params[node_id])
 
 
-def _open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
-    """(sha, Bundle) or (sha, None) when already merged, or the BundleError. The Bundle
-    carries its sync points: ``run_paths`` (the C path: run files of collective rows) or
-    ``sync_path`` (the SQL path: a scratch database); close() removes them."""
-    try:
-        sha = read_manifest(path)["database"]["sha256"]
-        if sha in known_sha:
-            return sha, None
-        bundle = open_bundle(path, tmpdir=tmpdir, integrity=integrity)
-    except BundleError as e:
-        return e
-    bundle.con.close()
-    bundle.con = None
-    bundle.sync_path, bundle.run_paths = None, []
-    try:
-        _extract_sync(bundle, min_wait_ns, fastcoll)
-    except (apsw.Error, RuntimeError) as e:
-        bundle.close()
-        return BundleError(path, f"cannot read its events ({type(e).__name__}: {e})")
-    return sha, bundle
-
-
-def _extract_sync(bundle, min_wait_ns, fastcoll) -> None:
-    """Read the image's sync points and collective entries (again, after the late-attach
-    inference rewrote it: the files of an earlier read are removed first)."""
-    owned = _owned_files(bundle)
-    for f in bundle.run_paths + ([bundle.sync_path] if bundle.sync_path else []):
-        owned.remove(f)
-        Path(f).unlink(missing_ok=True)
-    bundle.sync_path, bundle.run_paths = None, []
-    if fastcoll is not None:
-        tables = bundle.manifest["tables"]
-        rows = (tables.get("nccl_events") or 0) + (tables.get("cuda_events") or 0)
-        bundle.run_paths, bundle.collectives_seen = image_runs(
-            fastcoll, bundle.db_path, bundle.db_path,
-            bundle_predicate(bundle, "nccl_events"),
-            rows, min_wait_ns)
-        owned.extend(bundle.run_paths)
-    else:
-        sync_path = Path(f"{bundle.db_path}.sync")
-        owned.append(sync_path)
-        bundle.collectives_seen = extract_sync_points(bundle.db_path, sync_path, min_wait_ns)
-        bundle.sync_path = sync_path
-
-
-def _owned_files(bundle) -> list:
-    """Scratch files removed with the bundle's image when it is closed."""
-    if not hasattr(bundle, "scratch"):
-        bundle.scratch = []
-        close = bundle.close
-
-        def close_all():
-            close()
-            for f in bundle.scratch:
-                try:
-                    os.unlink(f)
-                except FileNotFoundError:
-                    pass
-        bundle.close = close_all
-    return bundle.scratch
-
-
-def _prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
-    """Yield (shown, path, err, opened) in input order, with the next bundles opened in
-    PREFETCH_THREADS helper threads. known_sha is read again by the caller: a bundle may
-    repeat within one run. On exit (error, interrupt) bundles opened ahead are closed,
-    removing their temporary files."""
-    todo = list(entries)
-    pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="ingero-open")
-    futures = {}
-
-    def submit(i):
-        if i < len(todo) and not todo[i][2]:
-            futures[i] = pool.submit(_open_one, todo[i][1], set(known_sha), tmpdir,
-                                     integrity, min_wait_ns, fastcoll)
-    try:
-        for i in range(PREFETCH_THREADS):
-            submit(i)
-        for i, (shown, path, err) in enumerate(todo):
-            fut = futures.pop(i, None)
-            opened = fut.result() if fut is not None else None
-            submit(i + PREFETCH_THREADS)
-            yield shown, path, err, opened
-    finally:
-        for fut in futures.values():
-            fut.cancel()
-        pool.shutdown(wait=True)
-        for fut in futures.values():
-            if not fut.cancelled() and fut.exception() is None:
-                r = fut.result()
-                if isinstance(r, tuple) and r[1] is not None:
-                    r[1].close()
-
-
 def _attach(con, db_path, name: str = "b") -> None:
     con.execute(f"ATTACH DATABASE ? AS {name}", (image_uri(db_path),))
-
-
-def _resolve_node(fl: _Fleet, m: dict, shown: str, res: MergeResult) -> int:
-    con = fl.con
-    h = m["host"]
-    key = (m["node"], h["hostname"], h["boot_id"])
-    row = con.execute("SELECT node_id FROM nodes WHERE claimed_name = ? AND hostname = ? "
-                      "AND boot_id = ?", key).fetchone()
-    if row:
-        _check_same_boot(con, row[0], m)
-        return row[0]
-    name = m["node"]
-    taken = {r[0] for r in con.execute("SELECT name FROM nodes WHERE name = ? OR name LIKE ?",
-                                       (name, name + "#%"))}
-    if name in taken:
-        k = 2
-        while f"{name}#{k}" in taken:
-            k += 1
-        new = f"{name}#{k}"
-        other = con.execute("SELECT hostname, boot_id FROM nodes WHERE name = ?",
-                            (name,)).fetchone()
-        why = "another host" if other and other[0] != h["hostname"] else "another boot"
-        msg = (f"node name {name!r} is already used by {why} (host {other[0] if other else '?'}"
-               f"); this bundle (host {h['hostname']}, boot {h['boot_id'][:8]}) becomes "
-               f"node {new!r}")
-        fl.log("warning", "node_name_conflict", msg, input=shown)
-        res.warnings.append(f"{shown}: {msg}")
-        name = new
-    con.execute("INSERT INTO nodes (name, claimed_name, hostname, boot_id, kernel_release, "
-                "tool_version, ranks, job_ids, bundles) VALUES (?, ?, ?, ?, ?, ?, '[]', '[]', 0)",
-                (name, m["node"], h["hostname"], h["boot_id"], h.get("kernel_release"),
-                 h.get("tool_version")))
-    return con.last_insert_rowid()
-
-
-class _Conflict(Exception):
-    """A bundle that claims a node, host and boot already merged but cannot be another
-    segment of it: it is skipped with this reason."""
-
-
-#: Segments of one capture follow each other; their windows may touch at a rotation.
-OVERLAP_TOLERANCE_NS = 1_000_000_000
-
-
-def _check_same_boot(con, node_id: int, m: dict) -> None:
-    """A bundle of a node, host and boot already in fleet.db is one more segment of it
-    only if it is not a version of a segment merged (same segment id, other data) and
-    its capture window does not overlap one merged (one boot has one clock and one
-    capture per node: an overlap is a second capture or altered data, which merged as
-    one node made its alignment meaningless)."""
-    seg = m["segment"]["id"]
-    cap = m["capture"]
-    row = con.execute("SELECT file_name FROM bundles WHERE node_id = ? AND segment_id = ?",
-                      (node_id, seg)).fetchone()
-    if row:
-        raise _Conflict(f"segment {seg} of node {m['node']} (host {m['host']['hostname']}, "
-                        f"same boot) is already merged from {row[0]} with other data: "
-                        "altered or re-sealed; not merged")
-    row = con.execute(
-        "SELECT file_name, capture_start_mono_ns, capture_end_mono_ns FROM bundles "
-        "WHERE node_id = ? AND capture_start_mono_ns < ? AND capture_end_mono_ns > ?",
-        (node_id, cap["end_mono_ns"] - OVERLAP_TOLERANCE_NS,
-         cap["start_mono_ns"] + OVERLAP_TOLERANCE_NS)).fetchone()
-    if row:
-        raise _Conflict(f"capture window overlaps {row[0]} of node {m['node']} (host "
-                        f"{m['host']['hostname']}, same boot) by more than "
-                        f"{OVERLAP_TOLERANCE_NS // 10**9} s: a second capture or altered "
-                        "data, not another segment; not merged")
 
 
 def _insert_bundle(fl: _Fleet, bundle, node_id: int, sha: str) -> int:
@@ -911,52 +744,3 @@ def _collectives(con, every: int) -> None:
                 "mono_ns, wait_ns, used, tight) SELECT node_id, bundle_id, comm_id_hash, seq, "
                 "pid, tid, mono_ns, wait_ns, used, tight FROM st.sp WHERE seq % ? = 0 "
                 "ORDER BY comm_id_hash, seq, node_id, bundle_id, pid, tid, mono_ns, id", (every,))
-
-
-def _update_nodes(con) -> None:
-    for (nid,) in con.execute("SELECT node_id FROM nodes").fetchall():
-        ranks = sorted(set(process_ranks(con, nid).values()))
-        jobs = sorted({j for (j,) in con.execute(
-            "SELECT DISTINCT job_id FROM processes WHERE node_id = ? AND job_id IS NOT NULL",
-            (nid,)) if isinstance(j, str)})
-        for (mj,) in con.execute("SELECT json_extract(manifest, '$.job_ids') FROM bundles "
-                                 "WHERE node_id = ?", (nid,)):
-            try:
-                jobs = sorted(set(jobs) | {str(j) for j in json.loads(mj or "[]")})
-            except (ValueError, TypeError):
-                pass
-        con.execute("""UPDATE nodes SET ranks = ?, job_ids = ?,
-              bundles = (SELECT COUNT(*) FROM bundles WHERE node_id = ?),
-              first_mono_ns = (SELECT MIN(capture_start_mono_ns) FROM bundles WHERE node_id = ?),
-              last_mono_ns = (SELECT MAX(capture_end_mono_ns) FROM bundles WHERE node_id = ?)
-            WHERE node_id = ?""", (json.dumps(ranks), json.dumps(jobs), nid, nid, nid, nid))
-    con.execute("""UPDATE nodes SET
-          first_utc_ns = (SELECT a.offset_ns + nodes.first_mono_ns +
-                          CAST(ROUND(nodes.first_mono_ns * a.slope) AS INTEGER)
-                          FROM clock_alignment a WHERE a.node_id = nodes.node_id),
-          last_utc_ns = (SELECT a.offset_ns + nodes.last_mono_ns +
-                         CAST(ROUND(nodes.last_mono_ns * a.slope) AS INTEGER)
-                         FROM clock_alignment a WHERE a.node_id = nodes.node_id)""")
-
-
-def _node_summary(con) -> list[dict]:
-    out = []
-    rows = con.execute("SELECT n.node_id, n.name, n.hostname, n.ranks, n.bundles, a.method, "
-                       "a.offset_ns, a.drift_ppm, a.uncertainty_ns, a.sync_points_used, "
-                       "a.violations_before, a.violations_after, a.exceeds_claim, a.steps "
-                       "FROM nodes n LEFT JOIN clock_alignment a USING (node_id) "
-                       "ORDER BY n.node_id").fetchall()
-    per_node_rows: dict[int, dict] = {}
-    for nid, rows_json in con.execute("SELECT node_id, rows FROM bundles"):
-        for t, n in json.loads(rows_json).items():
-            d = per_node_rows.setdefault(nid, {})
-            d[t] = d.get(t, 0) + n
-    for (nid, name, host, ranks, nb, method, off, drift, unc, used, vb, va, exc,
-         steps) in rows:
-        out.append({"node_id": nid, "name": name, "hostname": host, "ranks": json.loads(ranks),
-                    "bundles": nb, "rows": per_node_rows.get(nid, {}),
-                    "alignment": {"method": method, "offset_ns": off, "drift_ppm": drift,
-                                  "uncertainty_ns": unc, "sync_points_used": used,
-                                  "violations_before": vb, "violations_after": va,
-                                  "exceeds_claim": bool(exc), "steps": steps}})
-    return out
