@@ -52,7 +52,8 @@ from .hangs import find_hangs, hang_text
 from .binned import HostBins
 from .lateattach import inferred_communicators, unmatched_text
 from .together import EarlyHalf, early_half_ref
-from .wording import no_comparison_text, verdict_text
+from .coverage import uncaptured_ranks, uncaptured_text
+from .wording import bins_limited_text, no_comparison_text, rank_text, verdict_text
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
                        Signal, alignment_rows, capture_cost, capture_issues, cause_series,
@@ -154,6 +155,13 @@ class Analysis:
     #: two nodes, one later in nearly every bin but not beyond the jitter that its own
     #: lateness sets: {node, later_bins, bins, median_ms}; the verdict is "Cannot tell"
     pair_limited: dict | None = None
+    #: the run has fewer time bins than a straggler must be late in, and a node late in
+    #: them cost the others enough: {nodes, bins, min_bins, bin_s}; "Cannot tell"
+    bins_limited: dict | None = None
+    #: most collectives of the job's largest communicator lack ranks that no capture
+    #: saw (coverage.py): {comm_id_hash, nranks, ranks_seen, collectives, short,
+    #: missing}; "no straggler" cannot be said, and a named one comes with a caveat
+    uncaptured: dict | None = None
     straggler: str | None = None
     straggler_node_id: int | None = None
     straggler_ranks: list[int] = field(default_factory=list)
@@ -557,6 +565,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             row["suspect_ms"] = round(per[primary.node_id][0] / per[primary.node_id][1], 3)
         a.timeline.append(row)
 
+    with con.figure("uncaptured_ranks"):
+        a.uncaptured = uncaptured_ranks(con)
     if primary is None and network_suspect is None:
         unc = sorted(v for v in rel_unc.values() if v is not None)
         worst = None if len(unc) < len(rel_unc) else (unc[-1] / 1e3 if unc else 0.0)
@@ -593,11 +603,26 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
+        late = sorted((nl for nl in a.lateness if nl.late_bins and nl.cost_share >= MIN_COST_SHARE),
+                      key=lambda nl: -nl.cost_share)
+        if n_bins < min_bins and late:
+            # the bins rule cannot pass in a run this short: a node late in all of its bins
+            # and costly is not "no straggler"
+            a.bins_limited = {"nodes": [nl.name for nl in late], "bins": n_bins,
+                              "min_bins": min_bins, "bin_s": bin_ns / 1e9}
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
                      f"{a.threshold_ms:.2f} ms in at least {min_bins} time bins and costing "
                      f"the others at least {MIN_COST_SHARE:.0%} of the run), and collectives "
                      "are not slow for everyone.")
+        if a.bins_limited:
+            nl = late[0]
+            a.verdict = bins_limited_text(a, nl, span_s=run_ns / 1e9)
+        elif a.uncaptured:
+            a.verdict = ("Cannot tell whether a node is a straggler. "
+                         + uncaptured_text(a.uncaptured, rank_text) + " No captured node "
+                         "arrives late at collectives beyond the fleet's normal jitter "
+                         f"({a.noise_ms:.2f} ms).")
         a.cause_confidence = "none"
         with con.figure("slow_collectives"):
             a.slow_collectives = slow_collectives(con)
@@ -633,6 +658,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
     a.verdict = verdict_text(a, network_suspect is not None)
+    if a.uncaptured:
+        a.verdict += " " + uncaptured_text(a.uncaptured, rank_text)
     return a
 
 

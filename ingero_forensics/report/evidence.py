@@ -364,7 +364,10 @@ def cited_evidence(con, cause, target, windows, nodes,
                 [target] + p):
             top.append({"task": comm or "?", "pid": opid, "spans": n, "total_ms": round(tot / 1e6, 1)})
         if top:
-            total_s = sum(t["total_ms"] for t in top) / 1e3
+            # the total over every task, not the five the table lists
+            total_s = (con.execute(f"SELECT SUM(duration_ns) FROM sched_events WHERE "
+                                   f"node_id = ? AND kind = 'runq_delay' AND {w}",
+                                   [target] + p).fetchone()[0] or 0) / 1e9
             ev.append(f"Its traced threads waited {total_s:,.1f} s in the run queue during the "
                       f"windows (summed over threads), most of it behind {top[0]['task']} "
                       f"(pid {top[0]['pid']}).")
@@ -387,10 +390,16 @@ def cited_evidence(con, cause, target, windows, nodes,
                 f"GROUP BY saddr, daddr, dport ORDER BY COUNT(*) DESC LIMIT 5", [target] + p):
             top.append({"from": sa, "to": da, "port": dp, "retransmits": n})
         if top:
-            total = sum(t["retransmits"] for t in top)
+            # every connection counts, not only the five the table lists
+            total, peers = con.execute(
+                f"SELECT COUNT(*), COUNT(DISTINCT daddr) FROM tcp_events WHERE node_id = ? "
+                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w}",
+                [target] + p).fetchone()
+            shown = sorted({t['to'] for t in top})
+            more = f" and {peers - len(shown)} more" if peers > len(shown) else ""
             ev.append(f"{total} TCP retransmits on the job's own connections from "
                       f"{top[0]['from']} ({total / secs:.1f}/s in the windows), to "
-                      + ", ".join(sorted({t['to'] for t in top})) + ".")
+                      + ", ".join(shown) + more + ".")
         bg = con.execute(f"SELECT COUNT(*) FROM tcp_events WHERE scope = 'background' AND {w}",
                          p).fetchone()[0]
         if bg:

@@ -36,6 +36,21 @@ def no_comparison_text(a: Analysis, nodes) -> str:
             "do not overlap in time). " + what)
 
 
+def bins_limited_text(a: Analysis, nl, span_s: float) -> str:
+    """A node late in every bin a short run has, and costly, while a straggler must be
+    late in more bins than there are: neither "straggler" nor "no straggler" is known."""
+    b = a.bins_limited
+    others = [n for n in b["nodes"] if n != nl.name]
+    also = f" ({', '.join(others)} too)" if others else ""
+    suggest = max(0.01, round(span_s / (4 * b["min_bins"]), 2))
+    return (f"Cannot tell whether {nl.name} is a straggler{also}: it arrived late (by "
+            f"{nl.median_ms:.1f} ms at the median) in {nl.late_bins} of the {b['bins']} time "
+            f"bins of {b['bin_s']:g} s the run has, and the others waited "
+            f"{nl.cost_share:.1%} of the run for it, but a straggler must be late in at "
+            f"least {b['min_bins']} bins. The run is too short for bins this long: report "
+            f"again with a smaller bin (ingero-report --bin {suggest:g}).")
+
+
 def _windows_text(windows) -> str:
     return "1 window" if len(windows) == 1 else f"{len(windows)} windows"
 

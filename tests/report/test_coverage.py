@@ -1,0 +1,109 @@
+"""What the report cannot see, said instead of a healthy verdict: ranks no capture saw
+(report/coverage.py) and a run with fewer time bins than the straggler rule needs; and
+the cited evidence counts what it says it counts."""
+
+import json
+import re
+
+import apsw
+import pytest
+
+from ingero_forensics.merge import merge_bundles
+from ingero_forensics.report import analyze_fleet
+from ingero_forensics.report.analyze import MIN_LATE_BINS
+from ingero_forensics.simulate import FleetConfig, simulate_fleet
+
+
+@pytest.fixture(scope="module")
+def cpu_fleet(tmp_path_factory):
+    """4 nodes x 2 ranks, node-02 CPU-starved the whole run: (bundle dir, truth)."""
+    d = tmp_path_factory.mktemp("cpu")
+    simulate_fleet(d / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=200, fault="cpu",
+                                        seed=1))
+    return d / "b", json.loads((d / "b" / "truth.json").read_text())
+
+
+def _merge(bundle_dir, out, skip=()):
+    merge_bundles([p for p in sorted(bundle_dir.glob("*.bundle"))
+                   if not any(p.name.startswith(s) for s in skip)], out)
+    return out
+
+
+def test_the_straggler_not_collected_is_not_no_straggler(cpu_fleet, tmp_path):
+    bundles, truth = cpu_fleet
+    assert truth["fault"]["straggler"] == "node-02" and truth["fault"]["ranks"] == [4, 5]
+    a = analyze_fleet(_merge(bundles, tmp_path / "f.db", skip=("node-02",)))
+    assert not a.stragglers and a.straggler is None
+    assert a.verdict.startswith("Cannot tell whether a node is a straggler"), a.verdict
+    assert a.uncaptured["missing"] == [4, 5] and a.uncaptured["nranks"] == 8, a.uncaptured
+    assert a.uncaptured["ranks_seen"] == 6
+    assert "Ranks 4-5 of the 8" in a.verdict and a.cause_confidence == "none"
+
+
+def test_a_named_straggler_says_which_ranks_were_not_captured(cpu_fleet, tmp_path):
+    bundles, _ = cpu_fleet
+    a = analyze_fleet(_merge(bundles, tmp_path / "f.db", skip=("node-00",)))
+    assert [s.node for s in a.stragglers] == ["node-02"], a.verdict
+    assert a.uncaptured["missing"] == [0, 1]
+    assert "Ranks 0-1 of the 8 in the job's largest communicator were not captured" in a.verdict
+
+
+def test_every_rank_captured_no_caveat(cpu_fleet, tmp_path):
+    bundles, _ = cpu_fleet
+    a = analyze_fleet(_merge(bundles, tmp_path / "f.db"))
+    assert a.uncaptured is None and "not captured" not in a.verdict
+    assert [s.node for s in a.stragglers] == ["node-02"]
+
+
+def test_bins_too_long_for_the_run_cannot_tell(cpu_fleet, tmp_path):
+    """20 s bins over a 50 s run: two bins, both late, 12 % of the run; the rule wants
+    three. Not "no straggler"; the bin the verdict suggests answers."""
+    bundles, _ = cpu_fleet
+    db = _merge(bundles, tmp_path / "f.db")
+    a = analyze_fleet(db, bin_s=20)
+    assert not a.stragglers
+    assert a.bins_limited is not None and a.bins_limited["bins"] < MIN_LATE_BINS, a.verdict
+    assert a.bins_limited["nodes"][0] == "node-02"
+    assert a.verdict.startswith("Cannot tell whether node-02 is a straggler"), a.verdict
+    suggested = float(re.search(r"--bin ([0-9.]+)", a.verdict).group(1))
+    b = analyze_fleet(db, bin_s=suggested)
+    assert [s.node for s in b.stragglers] == ["node-02"] and b.bins_limited is None
+
+
+def test_a_run_of_three_steps_cannot_tell(tmp_path):
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=3,
+                                               fault="cpu", seed=1))
+    a = analyze_fleet(_merge(tmp_path / "b", tmp_path / "f.db"))
+    assert a.bins_limited is not None and not a.stragglers, a.verdict
+    assert not a.verdict.startswith("No straggler")
+
+
+def test_clean_short_run_is_still_no_straggler(tmp_path):
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=3,
+                                               fault="none", seed=2))
+    a = analyze_fleet(_merge(tmp_path / "b", tmp_path / "f.db"))
+    assert a.bins_limited is None and a.verdict.startswith("No straggler"), a.verdict
+
+
+def test_network_evidence_counts_every_connection(tmp_path):
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=200,
+                                               fault="network", seed=1))
+    db = _merge(tmp_path / "b", tmp_path / "f.db")
+    a = analyze_fleet(db)
+    assert a.cause == "network", a.verdict
+    said = int(re.match(r"(\d+) TCP retransmits", a.evidence[0]).group(1))
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        conns = con.execute("SELECT COUNT(DISTINCT daddr || ':' || dport) FROM tcp_events "
+                            "WHERE node_id = ? AND scope = 'job'", (a.straggler_node_id,)
+                            ).fetchone()[0]
+        clause = " OR ".join("(timestamp_ns >= ? AND timestamp_ns < ?)" for _ in a.windows)
+        want = con.execute(
+            f"SELECT COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' AND event "
+            f"= 'tcp_retransmit_skb' AND ({clause})",
+            [a.straggler_node_id] + [v for w in a.windows for v in (w.start_ns, w.end_ns)]
+        ).fetchone()[0]
+    finally:
+        con.close()
+    assert conns > 5            # more connections than the table of the top five lists
+    assert said == want, (said, want)
