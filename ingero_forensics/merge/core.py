@@ -47,7 +47,7 @@ from .lateattach import infer_late_attach
 from .summaries import write_summaries
 from .fleet_schema import (FLEET_TABLES_BY_NAME, FLEET_VERSION, all_index_ddl, fleet_ddl,
                            index_ddl)
-from .nodes import Conflict, node_summary, resolve_node, update_nodes
+from .nodes import Conflict, fleet_jobs, node_summary, resolve_node, update_nodes
 from .opening import extract_sync, prefetch
 from .screen import row_predicate
 from .stacks import canonical_stack, stack_hash
@@ -439,6 +439,14 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
             for stmt in all_index_ddl():
                 con.execute(stmt)
             update_nodes(con)      # every table is in: nccl_events too
+            jobs = fleet_jobs(con)
+            if len(jobs) > 1:
+                msg = (f"this fleet.db now holds {len(jobs)} jobs ({', '.join(jobs[:4])}"
+                       f"{', ...' if len(jobs) > 4 else ''}): ingero-report compares all "
+                       "their nodes as one fleet; merge each job's bundles into a fleet.db "
+                       "of its own")
+                fl.log("warning", "several_jobs", msg)
+                res.warnings.append(msg)
             settle_in_flight(con)
             write_summaries(con)    # the report's host_bins, from every table now in
     except BaseException:

@@ -373,7 +373,7 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("input", "TEXT", True, "", "The input file concerned, if any."),
         C("node_id", "INTEGER", True, "", "The node concerned, if any."),
         C("event", "TEXT", False, "", "skipped_input, skipped_rows, already_merged, "
-          "node_name_conflict, clock_claim_exceeded, no_clock_samples, merged."),
+          "node_name_conflict, several_jobs, clock_claim_exceeded, no_clock_samples, merged."),
         C("message", "TEXT", False, "", "Human-readable text."),
         C("count", "INTEGER", True, "", "Rows concerned, when counting."),
     )),

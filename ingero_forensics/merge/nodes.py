@@ -108,6 +108,17 @@ def update_nodes(con) -> None:
                          FROM clock_alignment a WHERE a.node_id = nodes.node_id)""")
 
 
+def fleet_jobs(con) -> list[str]:
+    """The job ids of every node (nodes.job_ids), sorted."""
+    jobs = set()
+    for (ids,) in con.execute("SELECT job_ids FROM nodes"):
+        try:
+            jobs |= {str(j) for j in json.loads(ids or "[]") if j}
+        except (ValueError, TypeError):
+            pass
+    return sorted(jobs)
+
+
 def node_summary(con) -> list[dict]:
     out = []
     rows = con.execute("SELECT n.node_id, n.name, n.hostname, n.ranks, n.bundles, a.method, "

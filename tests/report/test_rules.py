@@ -310,3 +310,28 @@ def test_sign_tail_exact_and_approximate_agree():
     assert _sign_tail(400, 230) == pytest.approx(exact, rel=0.05)
     assert _sign_tail(200, 100) == pytest.approx(0.528, abs=0.01)
     assert _sign_tail(20000, 10600) < 1e-15     # fast on a long run's bins
+
+
+def test_a_pause_between_collectives_does_not_dilute_the_cost(tmp_path):
+    """Two jobs' bundles merged into one fleet.db (146 min apart): node-02 of the first,
+    CPU-starved for its whole 50 s run, cost 0.05 % of the span between their
+    collectives and went unnamed; the run's length is the time collectives ran."""
+    a1, _ = _simulate(tmp_path / "a", nodes=4, ranks_per_node=2, steps=200, fault="cpu",
+                      seed=1)
+    _simulate(tmp_path / "b", nodes=4, ranks_per_node=2, steps=200, fault="none", seed=3)
+    res = merge_bundles([tmp_path / "a" / "b", tmp_path / "b" / "b"], tmp_path / "two.db")
+    assert any("2 jobs" in w for w in res.warnings), res.warnings
+    a = analyze_fleet(tmp_path / "two.db")
+    assert a.end_ns - a.start_ns > 3600e9          # the jobs are hours apart
+    assert [(s.node, s.cause) for s in a.stragglers] == [(a1["fault"]["straggler"], "cpu")], \
+        a.verdict
+    alone = analyze_fleet(tmp_path / "a" / "fleet.db")
+    # two runs of about the same length: about half its share of its own job, not 1/170
+    mixed, own = a.stragglers[0].cost_share, alone.stragglers[0].cost_share
+    assert 0.35 * own < mixed < 0.65 * own, (mixed, own)
+
+
+def test_active_time_counts_a_long_pause_as_one_gap():
+    from ingero_forensics.report.analyze import active_ns
+    assert active_ns([0, 10, 20, 1000, 1010], gap_ns=50) == 10 + 10 + 50 + 10
+    assert active_ns([5], gap_ns=50) == 1 and active_ns([], gap_ns=50) == 1
