@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import sys
 
+import apsw
 import click
 import orjson
 
@@ -29,6 +31,58 @@ EXIT_INTERRUPTED = 130
 
 EXIT_CODES_HELP = ("Exit codes: 0 success; 1 error; 2 usage error; 3 some inputs "
                    "skipped; 130 interrupted.")
+
+
+class BadUsage(IngeroError):
+    """A bad option or argument that shows only once the inputs are looked at or the
+    options are taken together (-o naming an input, --to before --from, a query
+    parameter without a value): one line ``Error: ...`` and exit 2, like click's usage
+    errors but without the usage block. Library code may raise it (or a subclass)."""
+
+    exit_code = EXIT_USAGE
+
+
+def refuse_output_over_input(output, *inputs) -> None:
+    """BadUsage when the file output names already exists and is one of inputs (the same
+    file however it is spelt: a relative path, a hard or symbolic link), so that a
+    command never replaces what it reads. Called before any work; None or '-' (stdout)
+    and inputs that do not exist pass (the command names what is wrong with them)."""
+    if output is None or str(output) == "-":
+        return
+    for src in inputs:
+        try:
+            same = os.path.samefile(src, output)
+        except (OSError, ValueError):
+            continue
+        if same:
+            what = "the input" if len(inputs) == 1 else f"an input ({src})"
+            raise BadUsage(f"{output}: the output would replace {what}; choose another -o")
+
+
+#: SQLite errors that say the database file cannot be read (damaged pages, not a
+#: database, an I/O error, a lock, no room for temporary data), as opposed to an error in
+#: the tools' own SQL (SQLError, MisuseError, ...), which stays a traceback: a bug.
+DATABASE_READ_ERRORS = (apsw.CorruptError, apsw.NotADBError, apsw.IOError,
+                        apsw.CantOpenError, apsw.PermissionsError, apsw.BusyError,
+                        apsw.LockedError, apsw.FullError)
+
+
+def sqlite_message(e: BaseException) -> str:
+    """SQLite's words for an apsw error (older apsw prefixes its class name)."""
+    msg = str(e)
+    head, sep, rest = msg.partition(": ")
+    return rest if sep and head.endswith("Error") and " " not in head else msg
+
+
+@contextlib.contextmanager
+def reading_database(path, what: str = "fleet.db"):
+    """Turn a DATABASE_READ_ERRORS error met inside into the one-line IngeroError
+    ``PATH: cannot read fleet.db (database disk image is malformed)`` (as ingero-export
+    words it)."""
+    try:
+        yield
+    except DATABASE_READ_ERRORS as e:
+        raise IngeroError(f"{path}: cannot read {what} ({sqlite_message(e)})") from None
 
 
 def version_option(prog: str):
@@ -105,7 +159,7 @@ def _run(fn, args, kwargs):
         return fn(*args, **kwargs)
     except IngeroError as e:
         click.echo(f"Error: {e}", err=True)
-        sys.exit(EXIT_ERROR)
+        sys.exit(getattr(e, "exit_code", EXIT_ERROR))
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(EXIT_INTERRUPTED)

@@ -1,4 +1,5 @@
-"""Exception types. The CLIs turn any IngeroError into one line on stderr and exit 1."""
+"""Exception types. The CLIs turn any IngeroError into one line on stderr and exit 1 (2 for
+cliutil.BadUsage, a usage error that shows only once the inputs are looked at)."""
 
 
 class IngeroError(Exception):

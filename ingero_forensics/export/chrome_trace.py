@@ -147,6 +147,19 @@ def parse_time(text: str, data_start_ns: int) -> int:
     return int(t.timestamp()) * _NS + frac_ns
 
 
+def data_start(con) -> int:
+    """Where --from/--to offsets count from: the first node's first UTC time, else the
+    earliest event."""
+    v = con.execute("SELECT MIN(first_utc_ns) FROM nodes").fetchone()[0]
+    if v is None:
+        lows = [con.execute(f"SELECT MIN(timestamp_ns) FROM {t}").fetchone()[0]
+                for t in ("nccl_events", "cuda_events", "sched_events", "block_events",
+                          "tcp_events", "host_samples")]
+        lows = [x for x in lows if x is not None]
+        v = min(lows) if lows else 0
+    return v
+
+
 def iso_utc(ns: int) -> str:
     sec, frac = divmod(ns, _NS)
     base = _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
@@ -904,14 +917,7 @@ class _Exporter:
                                   "exports without it)") from None
 
     def _data_start(self) -> int:
-        v = self.con.execute("SELECT MIN(first_utc_ns) FROM nodes").fetchone()[0]
-        if v is None:
-            lows = [self.con.execute(f"SELECT MIN(timestamp_ns) FROM {t}").fetchone()[0]
-                    for t in ("nccl_events", "cuda_events", "sched_events", "block_events",
-                              "tcp_events", "host_samples")]
-            lows = [x for x in lows if x is not None]
-            v = min(lows) if lows else 0
-        return v
+        return data_start(self.con)
 
     # -- filters ------------------------------------------------------------------
     def where(self, alias: str = "", ts: str = "timestamp_ns", per_process: bool = True,

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import apsw
 import click
 
-from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, human_bytes, version_option
+from ..cliutil import (EXIT_CODES_HELP, BadUsage, echo_json, handle_errors, human_bytes,
+                       refuse_output_over_input, sqlite_message, version_option)
+from ..errors import IngeroError
 from ..redact import redacted_input
-from .chrome_trace import KINDS, ExportOptions, export_chrome_trace, parse_ranks
+from ..redact.core import NODE_PREFIX
+from .chrome_trace import (KINDS, ExportError, ExportOptions, _load_nodes, _ranges,
+                           data_start, export_chrome_trace, iso_utc, open_fleet,
+                           parse_ranks, parse_time)
 
 
 def _split(values) -> tuple[str, ...]:
@@ -23,7 +29,8 @@ def _split(values) -> tuple[str, ...]:
                    "offline viewing without ui.perfetto.dev: docs/airgap.md). "
                    "Required: the format is named so that others can be added.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Output file; a name ending in .gz is gzip-compressed. Default: stdout.")
+              help="Output file (never FLEET_DB); a name ending in .gz is gzip-compressed. "
+                   "Default: stdout.")
 @click.option("--from", "start", metavar="TIME",
               help="Only events starting at or after TIME: ISO 8601 UTC "
                    "(2025-01-31T12:00:05Z) or an offset from the start of the data "
@@ -33,7 +40,8 @@ def _split(values) -> tuple[str, ...]:
 @click.option("--nodes", multiple=True, metavar="NAMES",
               help="Only these nodes (comma-separated or repeated).")
 @click.option("--ranks", metavar="LIST", help="Only these global ranks, e.g. 0-7,12 "
-              "(their threads, plus the node-wide tracks of their nodes).")
+              "(their threads, plus the node-wide tracks of their nodes); each must be a "
+              "rank of the fleet, as each --nodes name must be one of its nodes.")
 @click.option("--kinds", multiple=True, metavar="KINDS",
               help=f"Only these kinds (comma-separated or repeated): {', '.join(KINDS)}. "
                    "Default: all.")
@@ -106,6 +114,9 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
         rank_set = parse_ranks(ranks) if ranks else None
     except Exception as e:  # ExportError: a usage problem here
         raise click.BadParameter(str(e), param_hint="--ranks") from None
+    refuse_output_over_input(output, fleet_db)
+    check_selection(fleet_db, start=start, end=end, nodes=_split(nodes), ranks=rank_set,
+                    redact=redact)
     opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,
                          kinds=kind_set, max_events=max_events, findings=not no_findings,
                          jobs=jobs)
@@ -125,3 +136,57 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
         click.echo(f"{stats.output}: {stats.events} events ({stats.slices} slices, "
                    f"{stats.flows} flows, {stats.counters} counter samples, "
                    f"{stats.instants} instants), {human_bytes(stats.bytes)}", err=True)
+
+
+def check_selection(fleet_db, *, start=None, end=None, nodes=(), ranks=None,
+                    redact=False) -> None:
+    """The options that select data, checked against FLEET_DB before any work (and
+    before a --redact copy is made, so that errors name FLEET_DB):
+
+    * --from/--to that are not times, or --to not after --from: BadUsage (exit 2);
+    * a --nodes name or a --ranks rank the fleet does not have: IngeroError (exit 1),
+      ``FLEET_DB: no node named node-99 (nodes: ...)``, ``FLEET_DB: no rank 99 (ranks:
+      0-7)``. With redact the nodes are named as in the redacted copy (nodeid-N).
+
+    A file that is no fleet.db is left to export_chrome_trace, which says so.
+    """
+    for option, text in (("--from", start), ("--to", end)):
+        if text:
+            try:
+                parse_time(text, 0)
+            except ExportError as e:
+                raise BadUsage(f"{option}: {e}") from None
+    if not (nodes or ranks is not None or (start and end)):
+        return
+    con = open_fleet(fleet_db)
+    try:
+        try:
+            all_nodes = _load_nodes(con)
+            if not all_nodes:
+                return                       # export_chrome_trace: "has no nodes"
+            names = ([f"{NODE_PREFIX}{i}" for i in sorted(n.node_id for n in all_nodes)]
+                     if redact else sorted(n.name for n in all_nodes))
+            unknown = [n for n in nodes if n not in names]
+            if unknown:
+                raise IngeroError(f"{fleet_db}: no node named {', '.join(unknown)} "
+                                  f"(nodes: {', '.join(names)})")
+            if ranks is not None:
+                known = {r for n in all_nodes for r in n.ranks}
+                known.update(r for (r,) in con.execute(
+                    "SELECT DISTINCT rank FROM processes WHERE rank IS NOT NULL"))
+                missing = sorted(set(ranks) - known)
+                if missing:
+                    have = (_ranges(sorted(known)).split(" ", 1)[1] if known
+                            else "none recorded")
+                    raise IngeroError(f"{fleet_db}: no {_ranges(missing)} (ranks: {have})")
+            if start and end:
+                t0 = data_start(con)
+                t_from, t_to = parse_time(start, t0), parse_time(end, t0)
+                if t_to <= t_from:
+                    raise BadUsage(f"--to ({iso_utc(t_to)}) is not after --from "
+                                   f"({iso_utc(t_from)})")
+        except apsw.Error as e:      # as export_chrome_trace words it
+            raise IngeroError(f"{fleet_db}: cannot read fleet.db ({sqlite_message(e)})"
+                              ) from None
+    finally:
+        con.close()

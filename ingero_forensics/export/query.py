@@ -27,6 +27,7 @@ import apsw.ext
 from ..bundle.container import SKIPPABLE_MAGIC, SQLITE_MAGIC, open_regular
 from ..bundle.reader import open_bundle
 from ..bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
+from ..cliutil import BadUsage
 from ..db import connect_readonly
 from ..errors import IngeroError
 
@@ -128,12 +129,13 @@ def check_readonly(con: apsw.Connection, sql: str, bindings=None, *, where: str 
     Returns the statement's column names.
     """
     try:
+        # without the bindings: a parameter they lack is said below, not a KeyError
         try:
-            info = apsw.ext.query_info(con, sql, bindings, actions=True)
+            info = apsw.ext.query_info(con, sql, None, actions=True)
         except (TypeError, ValueError, AttributeError):
             # apsw.ext cannot describe some actions (REINDEX's index name): the statement
             # is judged without its action list, and the authorizer still runs with it
-            info = apsw.ext.query_info(con, sql, bindings, actions=False)
+            info = apsw.ext.query_info(con, sql, None, actions=False)
     except apsw.Error as e:
         raise IngeroError(f"{where}: query failed: {_sql_error(e)}") from None
     if not info.first_query.strip():
@@ -154,7 +156,34 @@ def check_readonly(con: apsw.Connection, sql: str, bindings=None, *, where: str 
     if not info.is_readonly or writes:
         what = _describe(writes[0]) if writes else "the statement writes"
         raise QueryRefused(f"{where}: statement refused: ingero-query only reads ({what})")
+    check_parameters(info.bindings_names or (), bindings, where=where)
     return [d[0] for d in (info.description or ())]
+
+
+class QueryParameterError(BadUsage):
+    """The statement's parameters and the values given (-p NAME VALUE) do not match:
+    a usage error (exit 2); nothing was run."""
+
+
+def check_parameters(names, bindings, *, where: str = "query") -> None:
+    """Raise QueryParameterError unless every parameter of the statement (names: as
+    ``sqlite3_bind_parameter_name`` without its :, $ or @; None for ? and the gaps
+    before ?N) has a value in the dict bindings (ingero-query's -p). Bindings given as a
+    sequence (library callers) are left to SQLite to match."""
+    if bindings is not None and not isinstance(bindings, dict):
+        return
+    given = bindings or {}
+    if any(n is None or n.isdigit() for n in names):
+        raise QueryParameterError(f"{where}: query parameters: ? and ?N cannot be given "
+                                  "values; name them (:name) and use -p NAME VALUE")
+    missing = list(dict.fromkeys(n for n in names if n not in given))
+    if missing:
+        what = ", ".join(f":{n}" for n in missing)
+        hint = (f" (given: {', '.join(sorted(given))})" if given else "")
+        raise QueryParameterError(
+            f"{where}: query parameter{'s' if len(missing) > 1 else ''} {what} "
+            f"{'have' if len(missing) > 1 else 'has'} no value: give "
+            + " ".join(f"-p {n} VALUE" for n in missing) + hint)
 
 
 def _sql_error(e: apsw.Error) -> str:

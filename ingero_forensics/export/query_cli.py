@@ -38,7 +38,9 @@ class _SqlCommand(click.Command):
               show_default=True, help="Output format.")
 @click.option("--json", "json_", is_flag=True, help="Same as --format json (for scripts).")
 @click.option("-p", "--param", "params", nargs=2, multiple=True, metavar="NAME VALUE",
-              help="Bind :NAME in the query to VALUE (repeatable); VALUE stays text.")
+              help="Bind :NAME in the query to VALUE (repeatable); VALUE stays text. "
+                   "Every parameter of the query needs a value (a missing one, or a "
+                   "positional ?, is a usage error, exit 2).")
 @click.option("--schema", is_flag=True,
               help="List the tables with their row counts and what each holds.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT_S,

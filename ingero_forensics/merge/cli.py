@@ -17,11 +17,16 @@ BUNDLES are .bundle files, directories (every *.bundle inside) or globs. Segment
 the same node join that node; nodes are aligned to one fleet time axis (UTC ns) from
 their clock samples and the collectives they share. An existing fleet.db given with -o
 is extended (bundles already in it are recognized by sha256 and not added twice) and
-realigned. The output is written to a temporary file and renamed at the end, so an
-error or Ctrl-C leaves the previous fleet.db as it was.
+realigned; an -o that is one of the inputs is refused (exit 2). The output is written
+to a temporary file and renamed at the end, so an error or Ctrl-C leaves the previous
+fleet.db as it was.
 
 A corrupt, truncated or foreign input is skipped with a one-line reason and the rest is
 merged (exit code 3); --strict aborts instead and writes nothing.
+
+--list prints each bundle's manifest as read from its header, without decompressing:
+ERROR and the reason for an input that is no readable bundle (also named on stderr);
+exit code 3 when any is, as for a merge that skips inputs.
 
 --verify checks every bundle as the merge would (container, manifest, sha256, SQLite
 image, schema, row counts) without merging and prints one line per bundle: node, host,
@@ -44,7 +49,8 @@ Example:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="fleet.db to create or extend (required unless --list).")
 @click.option("--list", "list_", is_flag=True,
-              help="Print each bundle's manifest (no decompression) and exit.")
+              help="Print each bundle's manifest (no decompression) and exit; exit 3 if "
+                   "any input is not a readable bundle.")
 @click.option("--verify", is_flag=True,
               help="Check every bundle fully (--integrity quick unless given) without "
                    "merging; exit 1 if any is bad.")
@@ -83,7 +89,9 @@ def main(bundles, output, list_, verify, strict, integrity, tmpdir, as_json, qui
         sys.exit(cliutil.EXIT_PARTIAL if bad else cliutil.EXIT_OK)
     if not output:
         raise click.UsageError("-o/--output is required (or use --list)")
-    n_inputs = len(expand_inputs(bundles))
+    inputs = expand_inputs(bundles)
+    cliutil.refuse_output_over_input(output, *(str(p) for _, p, _ in inputs if p is not None))
+    n_inputs = len(inputs)
     with cliutil.progress(2 * n_inputs, "Merging", enabled=not quiet) as update:
         res = merge_bundles(bundles, output, strict=strict, progress=update, tmpdir=tmpdir,
                             integrity=integrity)

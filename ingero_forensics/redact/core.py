@@ -41,6 +41,7 @@ from pathlib import Path
 import apsw
 
 from .. import __version__
+from ..cliutil import BadUsage, sqlite_message
 from ..db import connect_readonly
 from ..errors import IngeroError
 
@@ -65,8 +66,17 @@ _USER_AT = re.compile(r"(?<![\w.+-])([A-Za-z_][A-Za-z0-9._-]{0,31})@([A-Za-z0-9]
 _HEX_IPV4 = re.compile(r"^[0-9A-F]{8}$")
 
 
+#: What SQLite says of a damaged page met in the working copy: the source's (the backup
+#: copies pages as they are), so the source is named.
+_DAMAGED = (apsw.CorruptError, apsw.NotADBError)
+
+
 class RedactError(IngeroError):
     """fleet.db cannot be redacted (not a fleet.db, unreadable, output not writable)."""
+
+
+class OutputIsInput(RedactError, BadUsage):
+    """The output names the input itself: a usage error (exit 2), refused before any work."""
 
 
 # ------------------------------------------------------------------ IP pseudonyms
@@ -380,7 +390,7 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
     if not src.is_file():
         raise RedactError(f"{src}: no such file")
     if dest.exists() and os.path.samefile(src, dest):
-        raise RedactError(f"{dest}: the output would replace the input; choose another -o")
+        raise OutputIsInput(f"{dest}: the output would replace the input; choose another -o")
     try:
         source = connect_readonly(src)
         app = source.execute("PRAGMA application_id").fetchone()[0]
@@ -407,6 +417,13 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
         except RedactError as e:
             con.close()
             raise RedactError(f"{src}: {e}") from None
+        except _DAMAGED as e:
+            # a damaged page of the source (the backup copies pages as they are)
+            con.close()
+            raise RedactError(f"{src}: cannot read fleet.db ({sqlite_message(e)})") from None
+        except apsw.FullError:
+            con.close()
+            raise RedactError(f"{dest}: file system full") from None
         con.execute("INSERT OR REPLACE INTO fleet_info (key, value) VALUES ('redacted', ?)",
                     (json.dumps({"tool": f"ingero-redact {__version__}",
                                  "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}),))
@@ -415,6 +432,9 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
             con.execute("VACUUM INTO ?", (str(tmp_out),))
         except apsw.FullError:
             raise RedactError(f"{dest}: file system full") from None
+        except _DAMAGED as e:
+            con.close()
+            raise RedactError(f"{src}: cannot read fleet.db ({sqlite_message(e)})") from None
         con.close()
         with open(tmp_out, "rb+") as f:
             os.fsync(f.fileno())

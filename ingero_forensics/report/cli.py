@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from ..bundle.container import SKIPPABLE_MAGIC, open_regular
-from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
+from ..cliutil import (EXIT_CODES_HELP, BadUsage, echo_json, handle_errors, reading_database,
+                       refuse_output_over_input, version_option)
 from ..errors import IngeroError
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
@@ -20,8 +21,10 @@ from .text import render_text
 @click.argument("fleet_db", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "output", default=None,
               type=click.Path(dir_okay=False),
-              help="File to write, replaced atomically [default: report.html; with --json "
-                   "or a text format and no -o, nothing is written but stdout].")
+              help="File to write the report to (--format), replaced atomically; never "
+                   "FLEET_DB, and not a .json name (the JSON is --json's, on stdout) "
+                   "[default: report.html; with --json or a text format and no -o, "
+                   "nothing is written but stdout].")
 @click.option("--format", "fmt", type=click.Choice(["html", "text", "markdown"]),
               default="html", show_default=True,
               help="html: the page with charts; text or markdown: the verdict, cost, "
@@ -29,7 +32,9 @@ from .text import render_text
 @click.option("--bin", "bin_s", type=click.FloatRange(min=0.01), default=None,
               help="Time bin for lateness, seconds (default: about 1/100 of the run, 0.25-10 s).")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print the analysis as JSON on stdout (only JSON: no file unless -o).")
+              help="Print the analysis as JSON on stdout. Without -o that is all (no file; "
+                   "a --format needs -o then); with -o the report goes to that file too. "
+                   "To keep the JSON in a file: --json > analysis.json.")
 @click.option("--title", default=None,
               help="Title of the page and the text form [default: the job id, node count "
                    "and time span].")
@@ -49,17 +54,24 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
     GPU slowdown) on that node against the other nodes over the same windows. The HTML
     has no scripts and loads nothing: it reads the same in a browser or a mail client.
 
+    --json prints the analysis on stdout and -o takes the report in the --format chosen:
+    "--json -o report.html" gives both; "--format text --json" without -o is refused
+    (both would go to stdout), and so is an -o that names FLEET_DB.
+
     \b
     Example:
         ingero-merge node*.bundle -o fleet.db
         ingero-report fleet.db -o report.html
+        ingero-report fleet.db --json > analysis.json
     """
+    fmt_given = (click.get_current_context().get_parameter_source("fmt")
+                 is click.core.ParameterSource.COMMANDLINE)
+    output = check_outputs(fleet_db, output, fmt=fmt, as_json=as_json, fmt_given=fmt_given)
     _refuse_a_bundle(fleet_db)
-    if output is None and fmt == "html" and not as_json:
-        output = "report.html"
     where = Path(output).resolve().parent if output else Path.cwd()
-    with redacted_input(fleet_db, redact, where) as source:
-        analysis = analyze_fleet(source, bin_s=bin_s)
+    with reading_database(fleet_db):
+        with redacted_input(fleet_db, redact, where) as source:
+            analysis = analyze_fleet(source, bin_s=bin_s)
     if title:
         analysis.title = title
     if fmt == "html" and output:
@@ -76,6 +88,26 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
         if fmt == "html":
             click.echo(analysis.verdict)
         click.echo(f"Report written to {output}")
+
+
+def check_outputs(fleet_db, output, *, fmt: str, as_json: bool, fmt_given: bool = False):
+    """Where the report goes (None: stdout only), or BadUsage (exit 2) before any work.
+
+    -o takes the report in ``fmt`` (default report.html for html without --json); --json
+    always prints on stdout. Refused: --json with a --format given and no -o (both on
+    stdout: one would be lost), an -o named .json (the report is not JSON: the
+    analysis is --json's), an -o that is FLEET_DB itself.
+    """
+    if as_json and output is None and fmt_given:
+        raise BadUsage(f"--format {fmt} with --json and no -o: --json prints only the "
+                       f"analysis on stdout; give the {fmt} report a file with -o")
+    if output is None and fmt == "html" and not as_json:
+        output = "report.html"
+    if output is not None and str(output).lower().endswith(".json"):
+        raise BadUsage(f"{output}: -o writes the {fmt} report, not JSON; for the analysis "
+                       f"as JSON use --json (on stdout: --json > {output})")
+    refuse_output_over_input(output, fleet_db)
+    return output
 
 
 def _refuse_a_bundle(path) -> None:

@@ -205,12 +205,8 @@ def test_bad_inputs_are_one_line_errors(fleet, tmp_path, bundle_path):
          "first with ingero-merge)\n"),
         ((path, "--chrome-trace", "--nodes", "node-99"),
          f"Error: {path}: no node named node-99 (nodes: node-00, node-01)\n"),
-        ((path, "--chrome-trace", "--from", "yesterday"),
-         "Error: time 'yesterday': not ISO 8601 UTC (2025-01-31T12:00:00Z) nor an offset "
-         "from the start of the data (+30s, +2m)\n"),
-        ((path, "--chrome-trace", "--from", "+2s", "--to", "+1s"),
-         f"Error: --to ({iso_utc(BASE_NS + 10**9)}) is not after --from "
-         f"({iso_utc(BASE_NS + 2 * 10**9)})\n"),
+        ((path, "--chrome-trace", "--ranks", "99"),
+         f"Error: {path}: no rank 99 (ranks: 0-3)\n"),
         ((path, "--chrome-trace", "-o", tmp_path / "no" / "x.json"),
          f"Error: {tmp_path / 'no' / 'x.json'}: directory {tmp_path / 'no'} does not exist\n"),
     ]
@@ -229,6 +225,23 @@ def test_bad_inputs_are_one_line_errors(fleet, tmp_path, bundle_path):
 
 def test_usage_errors(fleet):
     path, _ = fleet
+    # a bad time, or --to not after --from, is a bad option: exit 2, one line
+    for args, err in [
+        (("--from", "yesterday"),
+         "Error: --from: time 'yesterday': not ISO 8601 UTC (2025-01-31T12:00:00Z) nor an "
+         "offset from the start of the data (+30s, +2m)\n"),
+        (("--to", "-5s"), "Error: --to: time '-5s': offsets look like +30s, +2m, +1.5h "
+                          "(units ns, us, ms, s, m, h, d)\n"),
+        (("--from", "+2s", "--to", "+1s"),
+         f"Error: --to ({iso_utc(BASE_NS + 10**9)}) is not after --from "
+         f"({iso_utc(BASE_NS + 2 * 10**9)})\n"),
+        (("--from", iso_utc(BASE_NS + 2 * 10**9), "--to", "+2s"),
+         f"Error: --to ({iso_utc(BASE_NS + 2 * 10**9)}) is not after --from "
+         f"({iso_utc(BASE_NS + 2 * 10**9)})\n"),
+    ]:
+        r = run(path, "--chrome-trace", *args)
+        assert r.exit_code == 2, (args, r.output)
+        assert r.stderr == err and r.stdout == ""
     r = run(path, "--chrome-trace", "--kinds", "nccl,gpu")
     assert r.exit_code == 2 and "unknown kind gpu" in r.stderr
     r = run(path, "--chrome-trace", "--ranks", "a-b")

@@ -72,3 +72,34 @@ def test_list(tmp_path):
     r = CliRunner().invoke(main, ["--list", "--json", str(fleet.paths[1])])
     items = json.loads(r.stdout)
     assert items[0]["manifest"]["node"] == "node-1"
+
+
+def test_list_with_a_bad_input_exits_3(tmp_path):
+    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=53)
+    bad = tmp_path / "b" / "zz-bad.bundle"
+    bad.write_bytes(b"junk")
+    for extra in ([], ["--json"], ["-q"]):
+        r = CliRunner().invoke(main, ["--list", *extra, str(tmp_path / "b")])
+        assert r.exit_code == 3, (extra, r.output)
+        assert r.stderr == f"Error: {bad}: truncated: file is shorter than a bundle header\n"
+    r = CliRunner().invoke(main, ["--list", str(fleet.paths[0]), str(tmp_path / "none.bundle")])
+    assert r.exit_code == 3 and "none.bundle: ERROR no such file or directory" in r.stdout
+    assert "exit 3 if any input is not a readable bundle" in " ".join(
+        CliRunner().invoke(main, ["--help"]).stdout.split())
+
+
+def test_output_that_is_an_input_is_refused(tmp_path):
+    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=54)
+    target = fleet.paths[1]
+    before = target.read_bytes()
+    for inputs in ([str(tmp_path / "b")], [str(fleet.paths[0]), str(target)]):
+        r = CliRunner().invoke(main, [*inputs, "-o", str(target)])
+        assert r.exit_code == 2, r.output
+        assert r.stderr == (f"Error: {target}: the output would replace an input ({target}); "
+                            "choose another -o\n")
+        assert target.read_bytes() == before
+    r = CliRunner().invoke(main, [str(target), "-o", str(target)])
+    assert r.exit_code == 2
+    assert r.stderr == f"Error: {target}: the output would replace the input; choose another -o\n"
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(
+        p.name for p in fleet.paths)

@@ -155,7 +155,7 @@ def test_ingero_redact_cli(sensitive_fleet, tmp_path):
     assert _leaks(r.stdout.encode()) == []
     assert _leaks(_all_text(out)) == []
     r = CliRunner().invoke(redact_main, [str(sensitive_fleet), "-o", str(sensitive_fleet)])
-    assert r.exit_code == 1 and "would replace the input" in r.stderr
+    assert r.exit_code == 2 and "would replace the input" in r.stderr   # a usage error
     junk = tmp_path / "junk.db"
     junk.write_text("not a database")
     r = CliRunner().invoke(redact_main, [str(junk), "-o", str(tmp_path / "x.db")])
