@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import struct
 from pathlib import Path
 
@@ -74,6 +75,13 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
             analysis = analyze_fleet(source, bin_s=bin_s)
     if title:
         analysis.title = title
+    if redact and analysis.commands:
+        # the commands read the redacted copy (its node names are the page's), which is
+        # gone with the run: say how to make it
+        analysis.commands.insert(0, {
+            "what": f"The redacted copy of {Path(fleet_db).name} that the commands below "
+                    "read (node names and addresses as on this page)",
+            "command": f"ingero-redact {shlex.quote(str(fleet_db))} -o {analysis.fleet}"})
     if fmt == "html" and output:
         write_report(analysis, output)
     elif fmt != "html":

@@ -267,7 +267,7 @@ def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
     add("io", "block I/O latency p95 of the job's processes (ms)", p95, 2.0)
     # a fast disk asked for far more (a cold shard, O_DIRECT reads, fsyncs) stalls the
     # job without any slow request: the time its requests took, per second
-    add("io", "block I/O time of the job's processes (ms per s)",
+    add("io", "block I/O time of the job's processes (ms per s, summed over requests)",
         {k: v / 1e6 / secs for k, v in total.items()}, 5.0, relative=0.1)
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(

@@ -2,11 +2,14 @@
 fleet.db, --json together with -o or --format."""
 
 import json
+import shlex
 import shutil
 
 import pytest
 from click.testing import CliRunner
 
+from ingero_forensics.export.query_cli import main as query_main
+from ingero_forensics.redact.cli import main as redact_main
 from ingero_forensics.report.cli import main
 
 from ..damage import corrupt, sha
@@ -16,14 +19,12 @@ def run(*args, **kw):
     return CliRunner().invoke(main, [str(a) for a in args], **kw)
 
 
-
 @pytest.fixture
 def copy(fleets, tmp_path):
     """A private copy of a simulated fleet.db (old code overwrote the input)."""
     dest = tmp_path / "fleet.db"
     shutil.copyfile(fleets("cpu")[0], dest)
     return dest
-
 
 
 @pytest.mark.parametrize("extra", [(), ("--format", "text"), ("--format", "markdown"),
@@ -88,3 +89,22 @@ def test_json_goes_to_stdout_and_o_takes_the_report(copy, tmp_path):
     r = run(copy, "--json", "-o", html)
     assert r.exit_code == 0 and json.loads(r.stdout)["straggler"]
     assert html.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_redacted_report_says_how_to_make_the_copy_its_commands_read(copy, tmp_path,
+                                                                     monkeypatch):
+    """With --redact the next commands read a redacted copy that is gone with the run:
+    the first command makes it, and the commands after it then run as they are."""
+    monkeypatch.chdir(tmp_path)
+    r = run(copy, "--redact", "--json")
+    assert r.exit_code == 0, r.output
+    cmds = [c["command"] for c in json.loads(r.stdout)["commands"]]
+    make = shlex.split(cmds[0])
+    assert make[0] == "ingero-redact" and make[1] == str(copy), cmds[0]
+    made = CliRunner().invoke(redact_main, make[1:])
+    assert made.exit_code == 0, made.output
+    queries = [shlex.split(c) for c in cmds[1:] if c.startswith("ingero-query ")]
+    assert queries and all(q[1] == make[-1] for q in queries)
+    for q in queries:
+        out = CliRunner().invoke(query_main, q[1:])
+        assert out.exit_code == 0 and out.stdout.strip(), (q, out.output)
