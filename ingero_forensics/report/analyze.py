@@ -609,7 +609,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 f"bins (by {one_sided['median_ms']:.1f} ms at the median), but by amounts "
                 f"that vary as much as they are large ({a.noise_ms:.2f} ms), and with two "
                 "nodes there is no third to tell the fleet's normal jitter from its "
-                "lateness. The lateness table shows both nodes.")
+                "lateness. The lateness table shows both nodes (its cost counts only "
+                "lateness beyond that variation).")
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
