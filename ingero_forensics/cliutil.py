@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import re
 import sys
@@ -204,12 +205,31 @@ def human_bytes(n: float) -> str:
 
 
 def parse_size(text: str) -> int:
-    """'256M', '1.5G', '4096' -> bytes (binary units)."""
+    """'256M', '1.5G', '4096' -> bytes (binary units); a size is at least one byte (0 is
+    no "unlimited": --max-disk 0 would evict every sealed segment)."""
     s = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     try:
         if s and s[-1] in mult:
-            return int(float(s[:-1]) * mult[s[-1]])
-        return int(s)
+            v = float(s[:-1]) * mult[s[-1]]
+            if not math.isfinite(v):
+                raise ValueError(text)
+            n = int(v)
+        else:
+            n = int(s)
     except ValueError:
         raise click.BadParameter(f"not a size: {text!r} (use e.g. 512M, 2G)") from None
+    if n < 1:
+        raise click.BadParameter(f"{text!r}: a size must be at least 1 byte")
+    return n
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (nan passes every comparison: a
+    --duration nan never ended)."""
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return v

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from ..cliutil import EXIT_ERROR, echo_json, handle_errors, is_tty, parse_size, version_option
+from ..cliutil import (EXIT_ERROR, FiniteFloatRange, echo_json, handle_errors, is_tty,
+                       parse_size, version_option)
 from .runner import CaptureConfig, check_sources, run_capture, strict_failures
 from .source import CaptureOptions
 from .status import Reporter
@@ -35,17 +36,17 @@ def _size(ctx, param, value):
 @click.option("--comm", "comms", multiple=True,
               help="Trace processes with this name (repeatable). Without --pid/--comm: "
                    "processes that map libnccl/libcudart or have RANK in their environment.")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True),
+@click.option("--duration", type=FiniteFloatRange(min=0, min_open=True),
               help="Stop after this many seconds.")
-@click.option("--segment-seconds", type=click.FloatRange(min=0, min_open=True), default=300,
+@click.option("--segment-seconds", type=FiniteFloatRange(min=0, min_open=True), default=300,
               show_default=True, help="Rotate to a new segment after this long.")
 @click.option("--segment-size", default="256M", show_default=True, callback=_size,
               help="Rotate when the live segment reaches this size.")
 @click.option("--max-disk", callback=_size,
               help="Keep only the newest sealed segments within this size (flight recorder).")
-@click.option("--clock-interval", type=click.FloatRange(min=0.01), default=1.0,
+@click.option("--clock-interval", type=FiniteFloatRange(min=0.01), default=1.0,
               show_default=True, help="Seconds between clock-sync samples.")
-@click.option("--host-interval", type=click.FloatRange(min=0.01), default=0.1,
+@click.option("--host-interval", type=FiniteFloatRange(min=0.01), default=0.1,
               show_default=True, help="Seconds between host samples (0.1 = 10 Hz).")
 @click.option("--no-ebpf", is_flag=True, help="Turn the eBPF sources off on purpose.")
 @click.option("--lib", "lib_paths", multiple=True,

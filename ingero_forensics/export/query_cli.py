@@ -8,7 +8,8 @@ import sys
 import click
 import orjson
 
-from ..cliutil import EXIT_CODES_HELP, echo_json, handle_errors, version_option
+from ..cliutil import (EXIT_CODES_HELP, FiniteFloatRange, echo_json, handle_errors,
+                       version_option)
 from .query import (DEFAULT_TIMEOUT_S, FORMATS, Deadline, list_tables, open_database,
                     read_sql, run_query, starts_with_sql_comment, write_rows)
 
@@ -43,7 +44,7 @@ class _SqlCommand(click.Command):
                    "positional ?, is a usage error, exit 2).")
 @click.option("--schema", is_flag=True,
               help="List the tables with their row counts and what each holds.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT_S,
+@click.option("--timeout", type=FiniteFloatRange(min=0), default=DEFAULT_TIMEOUT_S,
               show_default=True,
               help="Stop the statement after this many seconds (0: no limit).")
 @click.option("-q", "--quiet", is_flag=True, help="No row count on stderr.")

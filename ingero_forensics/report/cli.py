@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from ..bundle.container import SKIPPABLE_MAGIC, open_regular
-from ..cliutil import (EXIT_CODES_HELP, BadUsage, echo_json, handle_errors, reading_database,
-                       refuse_output_over_input, version_option)
+from ..cliutil import (EXIT_CODES_HELP, BadUsage, FiniteFloatRange, echo_json, handle_errors,
+                       reading_database, refuse_output_over_input, version_option)
 from ..errors import IngeroError
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
@@ -30,7 +30,7 @@ from .text import render_text
               default="html", show_default=True,
               help="html: the page with charts; text or markdown: the verdict, cost, "
                    "next steps and the per-node table, for an email body or a ticket.")
-@click.option("--bin", "bin_s", type=click.FloatRange(min=0.01), default=None,
+@click.option("--bin", "bin_s", type=FiniteFloatRange(min=0.01), default=None,
               help="Time bin for lateness, seconds (default: about 1/100 of the run, 0.25-10 s).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the analysis as JSON on stdout. Without -o that is all (no file; "

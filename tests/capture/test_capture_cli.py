@@ -64,6 +64,25 @@ def test_bad_size_is_usage_error(tmp_path):
     assert "not a size: 'lots'" in r.output
 
 
+@pytest.mark.parametrize("args", [
+    ("--max-disk", "0"), ("--max-disk", "-5G"), ("--max-disk", "infG"),
+    ("--segment-size", "0"), ("--segment-size", "-1M"), ("--segment-size", "1e999M"),
+    ("--duration", "nan"), ("--duration", "inf"), ("--segment-seconds", "nan"),
+    ("--clock-interval", "nan"), ("--host-interval", "inf")])
+def test_sizes_and_seconds_that_are_no_bound_are_usage_errors(tmp_path, args):
+    """--max-disk 0 evicted every sealed segment of the node (exit 0); --duration nan
+    passed the range check and never stopped; infG was a traceback."""
+    (tmp_path / "b").mkdir()
+    sealed = tmp_path / "b" / "n1+20250101T000000Z+000000.bundle"
+    sealed.write_bytes(b"kept")
+    r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--node", "n1",
+                                  "--no-ebpf", *args])
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{args[0]}'" in r.output and "Traceback" not in r.output
+    assert sealed.read_bytes() == b"kept" and sorted(p.name for p in (tmp_path / "b").iterdir()) \
+        == [sealed.name]
+
+
 def test_json_summary_and_quiet(tmp_path):
     r = run_capture("--bundle", tmp_path, "--node", "js", "--no-ebpf", "--duration", "1",
                     "--json", "--quiet")
