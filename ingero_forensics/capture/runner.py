@@ -9,6 +9,7 @@ loses about a second) and checks rotation. Signals only set flags: SIGTERM/SIGIN
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import threading
@@ -635,7 +636,16 @@ class _Loop:
             self._sealer_failed()
         self._collect_sealed()
         w, run.writer = run.writer, None
-        path = w.seal(self.bundle_dir, level=run.cfg.compression_level)
+        try:
+            path = w.seal(self.bundle_dir, level=run.cfg.compression_level)
+        except OSError as e:
+            # read-only remount, quota, EIO, a directory made immutable: one line, and the
+            # segment is not lost (its spool is sealed by the next start)
+            if e.errno == errno.ENOSPC:
+                raise DiskFullError(f"{w.spool_path}: file system full") from None
+            raise IngeroError(f"{self.bundle_dir}: cannot seal the last segment "
+                              f"({e.strerror or e}); it stays in {w.spool_path.parent} and "
+                              "the next start seals it") from None
         self.summary.segments.append(str(path))
         run.rep.message("info", "capture", f"sealed {path.name}")
         if run.cfg.max_disk is not None:

@@ -196,3 +196,31 @@ def test_disk_full_keeps_sealed_segments_and_exits_nonzero(small_tmpfs, tmp_path
     r = run_capture("--bundle", out, "--node", "full", *FAST, "--duration", "1")
     assert r.returncode == 0, r.stderr
     assert any(read_manifest(pth)["segment"]["recovered"] for pth in bundles(out))
+
+
+def test_a_bundle_directory_that_refuses_the_last_seal_is_one_line_and_loses_nothing(tmp_path):
+    """The bundle directory turns unwritable during the capture (a read-only remount, a
+    quota; here chattr +i): the final seal fails. One line, exit 1, no traceback; the
+    segment stays in the spool and the next start seals it (a traceback before)."""
+    out = tmp_path / "b"
+    out.mkdir()
+    if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode:
+        pytest.skip("chattr +i unsupported here")
+    subprocess.run(["chattr", "-i", str(out)], check=True)
+    p = start_capture("--bundle", out, "--node", "ro", *FAST, "--duration", "4")
+    try:
+        wait_for(lambda: list((out / ".spool").glob("segment-*.db")), what="the live segment")
+        subprocess.run(["chattr", "+i", str(out)], check=True)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        subprocess.run(["chattr", "-i", str(out)], check=False)
+    assert p.returncode == 1, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"Error: {out}: cannot seal the last segment (Operation not "
+                           "permitted); it stays in"), last
+    assert not bundles(out) and list((out / ".spool").glob("segment-*.db"))
+    r = run_capture("--bundle", out, "--node", "ro", *FAST, "--duration", "1")
+    assert r.returncode == 0, r.stderr
+    assert any(read_manifest(pth)["segment"]["recovered"] for pth in bundles(out))
