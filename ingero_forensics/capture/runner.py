@@ -481,8 +481,9 @@ class _Loop:
         for pid in new:
             info = self.targets.known[pid]
             r = info.row()
-            self.run.log("info", "capture", "target",
-                         f"tracing pid {pid} ({info.comm}), rank {r[5]}", echo=False)
+            rank = f"rank {r[5]}" if r[5] is not None else "no rank in its environment"
+            self.run.log("info", "capture", "target", f"tracing pid {pid} ({info.comm}), {rank}",
+                         echo=False)
         self._write_process_rows()
 
     def _write_process_rows(self) -> None:
@@ -511,7 +512,10 @@ class _Loop:
                         self.proc_rows[key] = con.last_insert_rowid()
                         w.rows["processes"] += 1
                     else:
-                        upd_p.append((info.comm, info.last_seen_ns, info.exit_ns, rid))
+                        # all of it: a launcher that exec'd the trainer since the row was
+                        # written has another exe, command line and rank environment
+                        row = info.row()
+                        upd_p.append(row[2:12] + row[13:15] + (rid,))
                     for tid, (comm, first, last) in info.threads.items():
                         tkey = (key, tid)
                         trid = self.thread_rows.get(tkey)
@@ -522,8 +526,10 @@ class _Loop:
                         elif info.exit_ns is None:
                             upd_t.append((last, trid))
                 if upd_p:
-                    con.executemany("UPDATE processes SET comm = ?, last_seen_ns = ?, "
-                                    "exit_ns = ? WHERE id = ?", upd_p)
+                    con.executemany("UPDATE processes SET comm = ?, exe = ?, cmdline = ?, "
+                                    "rank = ?, local_rank = ?, world_size = ?, "
+                                    "local_world_size = ?, node_rank = ?, job_id = ?, env = ?, "
+                                    "last_seen_ns = ?, exit_ns = ? WHERE id = ?", upd_p)
                 if upd_t:
                     con.executemany("UPDATE threads SET last_seen_ns = ? WHERE id = ?", upd_t)
                 jobs = self.targets.job_ids()

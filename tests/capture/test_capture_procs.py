@@ -5,14 +5,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import zstandard
 
+from ingero_forensics.bundle import open_bundle
 from ingero_forensics.capture.procs import (RANK_ENV_NAMES, TargetSet, parse_environ_stream,
                                             rank_fields, read_rank_env)
 
-from .conftest import bundles, capture_env, rows, run_capture, wait_for
+from .conftest import bundles, capture_env, rows, run_capture, start_capture, wait_for
 
 SECRET = "hunter2-" + "x9Qz"  # built at run time so the literal is not in this file's bytes
 
@@ -282,3 +284,35 @@ def test_record_follows_an_exec(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_bundle_row_follows_an_exec(tmp_path):
+    """The process row written before the exec is rewritten after it: the bundle kept the
+    shell's exe and command line and no rank (the launcher exports RANK just before the
+    exec) while only comm followed."""
+    go = tmp_path / "go"
+    p = subprocess.Popen(["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; "
+                          "export RANK=3 WORLD_SIZE=4; "
+                          f"exec {sys.executable} -c 'import time; time.sleep(30)' trainer"])
+    cap = start_capture("--bundle", tmp_path / "b", "--node", "n1", "--no-ebpf", "--pid",
+                        p.pid, "--duration", "4")
+    try:
+        for line in cap.stderr:
+            if "sources on:" in line:
+                break
+        time.sleep(1.5)          # the shell's row is in the live segment
+        go.touch()
+        _, err = cap.communicate(timeout=60)
+        assert cap.returncode == 0, err
+    finally:
+        cap.kill()
+        p.kill()
+        p.wait()
+    [path] = bundles(tmp_path / "b")
+    with open_bundle(path) as b:
+        [(comm, exe, cmdline, rank, world, log)] = rows(
+            b, "SELECT comm, exe, cmdline, rank, world_size, (SELECT group_concat(message) "
+            "FROM capture_log WHERE event = 'target') FROM processes WHERE pid = ?", p.pid)
+    assert exe == os.path.realpath(sys.executable) and comm.startswith("python"), (exe, comm)
+    assert json.loads(cmdline)[-1] == "trainer" and (rank, world) == (3, 4)
+    assert f"tracing pid {p.pid} (sh), no rank in its environment" in log, log
