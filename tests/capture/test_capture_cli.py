@@ -206,3 +206,28 @@ def test_launch_budget_option_reaches_the_sources(tmp_path, monkeypatch, args, b
     assert seen["budget"] == budget
     bad = CliRunner().invoke(main, ["--bundle", str(tmp_path), "--launch-budget", "-1"])
     assert bad.exit_code == 2 and "--launch-budget" in bad.output
+
+
+def test_root_without_bpf_capabilities_is_no_ebpf(tmp_path):
+    """Root with an empty capability bounding set (an unprivileged container, a service
+    with CapabilityBoundingSet=): --check said every eBPF source was ok and --strict
+    exited 0, then every source failed at load with advice about kernel headers."""
+    import os
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv")
+    from .conftest import CAPTURE, capture_env
+    drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+    r = subprocess.run([*drop, *CAPTURE, "--check", "--strict", "--node", "n1"],
+                       capture_output=True, text=True, env=capture_env(), timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    ebpf = [line for line in r.stdout.splitlines() if line.split()[:1] in
+            (["nccl"], ["cuda"], ["tcp"], ["sched"], ["block"])]
+    assert len(ebpf) == 5 and all(" off " in line and "may not use BPF" in line and
+                                  "CAP_BPF" in line for line in ebpf), r.stdout
+    r = subprocess.run([*drop, *CAPTURE, "--bundle", tmp_path / "b", "--node", "n1",
+                        "--duration", "1", "--strict"],
+                       capture_output=True, text=True, env=capture_env(), timeout=120)
+    assert r.returncode == 1 and "may not use BPF" in r.stderr, r.stderr
+    assert "kernel headers" not in r.stderr, r.stderr

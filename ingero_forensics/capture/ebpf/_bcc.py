@@ -19,10 +19,14 @@ node's distribution family (capture/distro.py).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import glob
 import importlib
 import importlib.util
 import os
+import platform
+import struct
 import sys
 
 from ..distro import packages
@@ -125,6 +129,14 @@ def environment_problem() -> tuple[str, str] | None:
     if os.geteuid() != 0:
         return ("eBPF needs root (or CAP_BPF + CAP_PERFMON + CAP_SYS_RESOURCE)",
                 "run ingero-capture as root")
+    refused = bpf_refused()
+    if refused:
+        return (f"this process may not use BPF (bpf(): {refused}): root without "
+                "CAP_BPF or CAP_SYS_ADMIN, as in an unprivileged container or a service "
+                "with a capability bounding set",
+                "give the capture CAP_BPF, CAP_PERFMON and CAP_SYS_RESOURCE, or CAP_SYS_ADMIN "
+                "(docker run --cap-add or --privileged; systemd AmbientCapabilities= and "
+                "CapabilityBoundingSet=)")
     if tracefs_dir() is None:
         return TRACEFS_HIDDEN
     release = os.uname().release
@@ -134,6 +146,25 @@ def environment_problem() -> tuple[str, str] | None:
                 f"{packages().headers.replace('$(uname -r)', release)}; without such "
                 "a package, scripts/setup-ebpf.sh links the distribution's generic headers")
     return None
+
+
+def bpf_refused() -> str | None:
+    """Why the kernel refuses this process a BPF map (strerror), None if it grants one.
+    Being root is not enough: without CAP_BPF/CAP_SYS_ADMIN every source failed at load
+    with advice about kernel headers while --check said ok."""
+    from .uprobes import SYS_BPF
+    nr = SYS_BPF.get(platform.machine())
+    if nr is None:
+        return None                       # not checked here: BCC will say
+    libc = ctypes.CDLL(None, use_errno=True)
+    # union bpf_attr.map_create: map_type, key_size, value_size, max_entries
+    attr = ctypes.create_string_buffer(struct.pack("IIII", 2, 4, 4, 1), 64)  # an array
+    fd = libc.syscall(nr, 0, attr, len(attr))                                 # BPF_MAP_CREATE
+    if fd >= 0:
+        os.close(fd)
+        return None
+    err = ctypes.get_errno()
+    return os.strerror(err) if err in (errno.EPERM, errno.EACCES) else None
 
 
 def check_environment() -> None:
