@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,21 @@ from .status import Reporter
 
 def _size(ctx, param, value):
     return None if value is None else parse_size(value)
+
+
+def _libs(ctx, param, values):
+    """--lib paths: files whose name says which library they are (the probes are chosen
+    by it); a path the capture would skip is a usage error, not silence."""
+    from .ebpf.libs import KINDS, lib_kind
+    for path in values:
+        if not os.path.isfile(path):
+            raise click.BadParameter(f"{path}: no such file")
+        if lib_kind(path) is None:
+            raise click.BadParameter(
+                f"{path}: the file name does not say which library it is (it must start "
+                f"with {', '.join(KINDS.values())}): the probes are chosen by it; give a "
+                "symbolic link with such a name instead")
+    return values
 
 
 @click.command(name="ingero-capture", context_settings={"help_option_names": ["-h", "--help"]},
@@ -49,8 +65,10 @@ def _size(ctx, param, value):
 @click.option("--host-interval", type=FiniteFloatRange(min=0.01), default=0.1,
               show_default=True, help="Seconds between host samples (0.1 = 10 Hz).")
 @click.option("--no-ebpf", is_flag=True, help="Turn the eBPF sources off on purpose.")
-@click.option("--lib", "lib_paths", multiple=True,
-              help="Path of libnccl/libcudart/libcuda to probe (eBPF sources; repeatable).")
+@click.option("--lib", "lib_paths", multiple=True, callback=_libs,
+              help="Path of libnccl/libcudart/libcuda to probe (eBPF sources; repeatable). "
+                   "Its file name says which it is: libnccl.so*, libcudart.so* or "
+                   "libcuda.so* (a symbolic link so named will do).")
 @click.option("--tcp-probe", is_flag=True,
               help="Also sample tcp:tcp_probe: smoothed RTT (srtt_us) and congestion window "
                    "(snd_cwnd) of every TCP connection on the node, as tcp_events rows with "

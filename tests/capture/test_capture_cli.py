@@ -231,3 +231,21 @@ def test_root_without_bpf_capabilities_is_no_ebpf(tmp_path):
                        capture_output=True, text=True, env=capture_env(), timeout=120)
     assert r.returncode == 1 and "may not use BPF" in r.stderr, r.stderr
     assert "kernel headers" not in r.stderr, r.stderr
+
+
+def test_a_lib_the_capture_would_skip_is_a_usage_error(tmp_path):
+    """--lib with a missing file or a name that does not say which library it is was
+    skipped in silence (exit 0, nothing probed, nothing said)."""
+    odd = tmp_path / "my_nccl_build.so"
+    odd.write_bytes(b"\x7fELF")
+    for lib, why in ((tmp_path / "libcudart.so.12", "no such file"),
+                     (odd, "the file name does not say which library it is")):
+        r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--node", "n1",
+                                      "--no-ebpf", "--duration", "0.1", "--lib", str(lib)])
+        assert r.exit_code == 2 and why in r.output, r.output
+    assert not (tmp_path / "b").exists()
+    link = tmp_path / "libnccl.so.2"
+    link.symlink_to(odd)          # the remedy the message gives
+    r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--node", "n1",
+                                  "--no-ebpf", "--duration", "0.1", "--lib", str(link)])
+    assert r.exit_code == 0, r.output
