@@ -406,8 +406,14 @@ class _Loop:
             if isinstance(s, HostSource):
                 st = s.nvml_status
                 if st is not None and not st.available:
-                    run.log("info", "nvml", "source_off",
-                            f"NVML off: {st.reason}; fix: {st.fix}", echo=False)
+                    # on stderr too, also with --quiet, like every source that is off: a
+                    # GPU node whose container lacks the driver's libraries has no GPU
+                    # metrics, and its operator must hear it at start
+                    msg = f"NVML off: {st.reason}; fix: {st.fix}"
+                    run.log("info", "nvml", "source_off", msg, echo=False)
+                    self.off_log["nvml"] = ("info", msg)
+                    run.rep.message("info", "nvml", msg, always=True)
+                    self.summary.sources_off["nvml"] = st.reason
                 for key, why in s.missing.items():
                     run.log("warning", "host", "warning", f"not sampled: {why}")
         if self.clock.chrony_on:
