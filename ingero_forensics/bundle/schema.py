@@ -328,8 +328,9 @@ TABLES: tuple[Table, ...] = (
         _id(), _TS,
         C("level", "TEXT", False, "", "Severity.", LOG_LEVELS),
         C("source", "TEXT", False, "", "capture, clock, host, nccl, cuda, tcp, sched, block, ..."),
-        C("event", "TEXT", False, "", "source_on, source_off, lost_events, warning, eviction, "
-          "recovered_spool, ..."),
+        C("event", "TEXT", False, "", "source_on, source_off, lost_events, nothing_seen (a "
+          "source, or the whole capture, that found nothing to trace: level warning), "
+          "warning, eviction, recovered_spool, ..."),
         C("message", "TEXT", False, "", "Human-readable text, with the fix when there is one."),
         C("count", "INTEGER", True, "", "Count for lost_events and similar."),
     )),

@@ -197,7 +197,8 @@ class _Run:
             self.pending_log.append((level, source, event, message, count,
                                      time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
         if echo:
-            self.rep.message(level, source, message)
+            # a blind spot is said even with --quiet, like a source that is off
+            self.rep.message(level, source, message, always=event == "nothing_seen")
 
 
 def _resolve(config: CaptureConfig) -> tuple[str, str]:
@@ -641,6 +642,11 @@ class _Loop:
         self.targets.scan()
         self._write_process_rows()
         self.summary.processes = len(self.targets.records())
+        if not self.summary.processes:
+            run.log("warning", "capture", "nothing_seen",
+                    "no process was traced during the capture (none matched --pid or "
+                    "--comm, or, without them, mapped libnccl or libcudart or had RANK in "
+                    "its environment): the bundle holds host and clock samples only")
         run.log("info", "capture", "capture_stop",
                 f"stopped ({run.stop_reason or 'requested'})", echo=False)
         self.sealer.wait()

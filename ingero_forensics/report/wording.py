@@ -23,8 +23,9 @@ def no_comparison_text(a: Analysis, nodes) -> str:
                 "(nccl_events is empty), and a straggler is found by comparing when nodes "
                 "arrive at collectives. Check that the capture found the training "
                 "processes (those that map libnccl; ingero-capture --check shows which "
-                "sources would run) and that no nccl source is listed under \"What the "
-                "capture could not see\". " + what)
+                "sources would run) and whether the capture's gaps (\"What the capture "
+                "could not see\" on the page, the caveats in text) list the nccl source. "
+                + what)
     if len(nodes) == 1:
         name, ranks = next(iter(nodes.values()))
         return (f"Not enough data to name a straggler: one node, {name} "

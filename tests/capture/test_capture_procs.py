@@ -316,3 +316,14 @@ def test_the_bundle_row_follows_an_exec(tmp_path):
     assert exe == os.path.realpath(sys.executable) and comm.startswith("python"), (exe, comm)
     assert json.loads(cmdline)[-1] == "trainer" and (rank, world) == (3, 4)
     assert f"tracing pid {p.pid} (sh), no rank in its environment" in log, log
+
+
+def test_a_capture_that_traced_no_process_says_so(tmp_path):
+    r = run_capture("--bundle", tmp_path / "b", "--node", "n1", "--no-ebpf", "--comm",
+                    "no-such-comm-x", "--duration", "1", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "no process was traced during the capture" in r.stderr, r.stderr
+    [path] = bundles(tmp_path / "b")
+    with open_bundle(path) as b:
+        assert rows(b, "SELECT COUNT(*) FROM capture_log WHERE level = 'warning' AND "
+                       "message LIKE 'no process was traced%'") == [(1,)]

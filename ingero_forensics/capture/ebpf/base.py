@@ -202,6 +202,9 @@ class BccSource(Source):
 
     #: event_stats.source value and the names of its stat keys (index = key.name)
     stat_source: str | None = None
+    #: uprobe sources: the library kinds whose probes are this source's records (a
+    #: capture that never found one says so at the stop)
+    LIBRARIES: tuple[str, ...] = ()
     #: whether the program includes SITE_STACKS (its ``sites`` map is pruned at exit)
     uses_sites = False
     stat_names: tuple[str, ...] = ()
@@ -296,6 +299,14 @@ class BccSource(Source):
         if self.stat_source:
             self.flush_stats(sink, mono_ns())
         self.record_in_flight(sink, "stop")
+        libs, want = getattr(self, "libs", None), self.LIBRARIES
+        if libs is not None and want and not libs.kinds_seen & set(want):
+            # waited the whole capture: say so as a gap, not as "0 rows"
+            names = " or ".join(f"lib{k}" for k in want)
+            sink.log("warning", self.name, "nothing_seen",
+                     f"no traced process mapped {names} during the capture, so nothing was "
+                     "probed: check that the training processes were traced (--pid, "
+                     "--comm, or their RANK environment) or give the library with --lib")
         msg = f"{self.events} rows, {self.lost} events lost"
         if self.symbolizer and self.symbolizer.failed:
             msg += (f", {self.symbolizer.failed} stacks not recorded (stack map full or "

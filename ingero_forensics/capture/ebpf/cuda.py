@@ -360,6 +360,7 @@ class LaunchDuty:
 
 class CudaSource(BccSource):
     name = "cuda"
+    LIBRARIES = ("cudart", "cuda")
     stat_source = "cuda"
     stat_names = API_NAMES
     uses_sites = True

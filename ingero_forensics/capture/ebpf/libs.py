@@ -64,6 +64,7 @@ class LibraryTracker:
         self.kinds = kinds
         self.explicit = [p for p in lib_paths if lib_kind(p) in kinds]
         self.seen: set[tuple[int, int]] = set()
+        self.kinds_seen: set[str] = set()   # kinds of the libraries probed
         self.last_scan = 0.0
 
     def new_libraries(self, pids) -> list[tuple[str, str]]:
@@ -75,5 +76,6 @@ class LibraryTracker:
             if kind not in self.kinds or ident is None or ident in self.seen:
                 continue
             self.seen.add(ident)
+            self.kinds_seen.add(kind)
             out.append((kind, path))
         return out

@@ -376,6 +376,7 @@ def redop_name(v: int) -> str | None:
 
 class NcclSource(BccSource):
     name = "nccl"
+    LIBRARIES = ("nccl",)
     uses_sites = True
     open_call_map = "tid"
 

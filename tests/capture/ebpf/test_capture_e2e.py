@@ -103,3 +103,27 @@ def test_sources_off_say_why_even_with_quiet(ebpf_ok, tmp_path):
         logged = b.con.execute("SELECT source FROM capture_log WHERE event = 'source_off' "
                                "AND message LIKE '%nsenter --net%'").fetchall()
     assert len(logged) == 5
+
+
+def test_a_capture_that_never_found_the_libraries_says_so(ebpf_ok, tmp_path):
+    """A traced process that maps no libnccl or libcudart: the nccl and cuda sources wait
+    the whole capture. That is a gap (a warning on stderr and in capture_log, which the
+    report lists), not "0 rows" at level info."""
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        r = subprocess.run([*capture_cmd(), "--bundle", str(tmp_path / "b"), "--node", "nolib",
+                            "--pid", str(target.pid), "--duration", "2", "--quiet"],
+                           capture_output=True, text=True, timeout=180)
+    finally:
+        target.kill()
+        target.wait()
+    assert r.returncode == 0, r.stderr
+    for source, lib in (("nccl", "libnccl"), ("cuda", "libcudart or libcuda")):
+        assert f"{source}: no traced process mapped {lib} during the capture" in r.stderr, \
+            r.stderr
+    (bundle,) = (tmp_path / "b").glob("*.bundle")
+    with open_bundle(bundle) as b:
+        warned = {s for (s,) in b.con.execute(
+            "SELECT source FROM capture_log WHERE level = 'warning' AND message LIKE "
+            "'no traced process mapped %'")}
+    assert warned == {"nccl", "cuda"}
