@@ -265,12 +265,13 @@ def run_capture(config: CaptureConfig, *, reporter: Reporter | None = None,
     if config.segment_seconds <= 0 or config.segment_size <= 0:
         raise ConfigError("--segment-seconds and --segment-size must be positive")
     bundle_dir = Path(config.bundle_dir)
-    try:
-        bundle_dir.mkdir(parents=True, exist_ok=True)
-        spool_dir = bundle_dir / SPOOL_DIR
-        spool_dir.mkdir(mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise IngeroError(f"{bundle_dir}: cannot create bundle directory: {e.strerror}") from None
+    spool_dir = bundle_dir / SPOOL_DIR
+    for d, what in ((bundle_dir, "bundle directory"), (spool_dir, "its spool directory")):
+        try:
+            d.mkdir(mode=0o700 if d == spool_dir else 0o777, parents=d == bundle_dir,
+                    exist_ok=True)
+        except OSError as e:
+            raise IngeroError(f"{d}: cannot create {what}: {e.strerror}") from None
     if not os.access(bundle_dir, os.W_OK):
         raise IngeroError(f"{bundle_dir}: not writable")
     lock_fd = lock_directory(spool_dir)
