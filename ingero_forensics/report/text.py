@@ -1,7 +1,8 @@
 """The report as plain text or Markdown: an email body or a ticket.
 
-The verdict (with cost, cause and next step), every straggler, the per-node table and
-the clock and capture caveats; the HTML page has the charts and the evidence tables.
+The verdict (with cost, cause and next step), every straggler, the per-node table, what
+the capture shows where no node could be compared (host signals, retransmits, waits),
+and the clock and capture caveats; the HTML page has the charts and the evidence tables.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ def _table(rows: list[list[str]], markdown: bool) -> list[str]:
         return out + ["| " + " | ".join(r) + " |" for r in rows[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
 
 
 def render_text(a: Analysis, *, markdown: bool = False) -> str:
@@ -64,12 +73,20 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             lines.append(para(c["what"] + ":"))
             lines += ["```", c["command"], "```"] if markdown else ["    " + c["command"]]
         lines.append("")
-    lines += [h("Every node"), ""]
-    rows = [["node", "median late, ms", "p90, ms", "late bins", "others waited, s"]]
-    for nl in a.lateness:
-        rows.append([nl.name, f"{nl.median_ms:.2f}", f"{nl.p90_ms:.2f}", str(nl.late_bins),
-                     f"{nl.cost_s:.2f}"])
-    lines += _table(rows, markdown) + [""]
+    if a.lateness:
+        lines += [h("Every node"), ""]
+        rows = [["node", "median late, ms", "p90, ms", "late bins", "others waited, s"]]
+        for nl in a.lateness:
+            rows.append([nl.name, f"{nl.median_ms:.2f}", f"{nl.p90_ms:.2f}",
+                         str(nl.late_bins), f"{nl.cost_s:.2f}"])
+        lines += _table(rows, markdown) + [""]
+    # what the capture shows when no node could be compared (the page's same tables)
+    for t in a.host:
+        lines += [h(t["title"]), "", para(t["note"]), ""]
+        rows = [[label for _key, label, _num in t["cols"]]]
+        for r in t["rows"]:
+            rows.append([_cell(r[key]) for key, _label, _num in t["cols"]])
+        lines += _table(rows, markdown) + [""]
     if a.capture_cost:
         lines += [para("Capture cost: " + "; ".join(f"{pct:.1f} % of one core on {node}"
                                                      for node, pct in a.capture_cost.items())

@@ -7,6 +7,7 @@ import pytest
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
 from ingero_forensics.report.render import render_html
+from ingero_forensics.report.text import render_text
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
 from ingero_forensics.simulate import node as sim_node
 
@@ -42,6 +43,14 @@ def _check(db, lead):
     assert 'class="verdict unsure"' in page and "from - to -" not in page
     assert "Lateness at collectives" not in page
     check_page_sql(db, page, min_blocks=4)
+    # the text form shows what the page shows (it said "below" and showed none of it),
+    # and no per-node lateness table without lateness
+    text = render_text(a)
+    for t in a.host:
+        assert t["title"] in text
+        first = t["rows"][0][t["cols"][0][0]]
+        assert str(first) in text
+    assert "Every node" not in text
     return a
 
 
