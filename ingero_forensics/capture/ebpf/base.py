@@ -78,11 +78,26 @@ BPF_STACK_TRACE(stacks, __STACK_ENTRIES__);
 struct site { u64 ret; u64 up; u32 tgid; u32 pad; };
 BPF_TABLE("lru_hash", struct site, s32, sites, __STACK_ENTRIES__);
 
+/* A caller's frame lies above sp in the same stack: frame pointers further than this
+ * are not frame pointers. */
+#define FRAME_WINDOW (256 * 1024)
+
 static __always_inline void read_site(struct pt_regs *ctx, struct site *s) {
     /* at a function's first instruction: [sp] = return address, [bp + 8] = the
      * caller's return address (bp is still the caller's frame pointer) */
-    bpf_probe_read_user(&s->ret, sizeof(s->ret), (void *)PT_REGS_SP(ctx));
-    bpf_probe_read_user(&s->up, sizeof(s->up), (void *)(PT_REGS_FP(ctx) + 8));
+    u64 sp = PT_REGS_SP(ctx), bp = PT_REGS_FP(ctx);
+    bpf_probe_read_user(&s->ret, sizeof(s->ret), (void *)sp);
+    /* Code built without frame pointers (PyTorch's libraries) keeps other values in bp,
+     * and a word read through one would make every call a new site: bp must point a
+     * little above sp, and the frame it names must link to one further up (or end). */
+    if (bp <= sp || bp - sp > FRAME_WINDOW || (bp & 7))
+        return;
+    u64 frame[2];    /* the caller's saved bp, its return address */
+    if (bpf_probe_read_user(frame, sizeof(frame), (void *)bp))
+        return;
+    if (frame[0] && (frame[0] <= bp || frame[0] - bp > FRAME_WINDOW))
+        return;
+    s->up = frame[1];
 }
 
 static __always_inline s32 site_stack(struct pt_regs *ctx, struct site *s) {
@@ -154,13 +169,25 @@ class Symbolizer:
     programs pass the return address read from the stack pointer and it is put back as
     frame 1 when the kernel did not already include it. A process that exited before
     its stacks were read cannot be symbolized: those stacks are left out (NULL).
+
+    An address in no mapping the process's symbol cache knows is either in a library
+    mapped since (dlopen: the cache is re-read) or garbage from a walk through code built
+    without frame pointers, as PyTorch's libraries are, which yields such addresses in
+    most of its stacks. Re-reading the mappings and the symbol tables of a process
+    holding libtorch takes seconds, during which the ring buffers are not read: so a
+    process's cache is refreshed at most once per REFRESH_S, in place (a new BCC cache per
+    refresh kept the old one's file descriptors open until the capture ran out of them),
+    and a frame still unknown after that stays in its stack with no module.
     """
+
+    REFRESH_S = 10.0
 
     def __init__(self, bcc, table):
         self.bcc = bcc
         self.table = table
         self.cache: dict[tuple[int, int, int], list[dict] | None] = {}
         self.failed = 0   # stacks not stored (map full, collision) or not symbolizable
+        self.refreshed: dict[int, float] = {}   # tgid -> when its cache was (re)built
 
     def frames(self, tgid: int, stack_id: int, ret_addr: int = 0) -> list[dict] | None:
         if stack_id < 0:
@@ -176,9 +203,7 @@ class Symbolizer:
         if ret_addr and addrs and (len(addrs) < 2 or addrs[1] != ret_addr):
             addrs.insert(1, ret_addr)
         frames = [self._frame(tgid, a) for a in addrs]
-        if any(f["module"] is None for f in frames):
-            # The process mapped a library after its symbol cache was built: rebuild once.
-            self.forget(tgid)
+        if any(f["module"] is None for f in frames) and self._refresh(tgid):
             frames = [self._frame(tgid, a) for a in addrs]
         if not any(f["module"] for f in frames):
             self.failed += 1
@@ -186,14 +211,33 @@ class Symbolizer:
         self.cache[key] = frames
         return frames
 
+    def _cache(self, tgid: int):
+        caches = self.bcc.BPF._sym_caches
+        if tgid not in caches:
+            self.refreshed[tgid] = time.monotonic()
+        return self.bcc.BPF._sym_cache(tgid)
+
     def _frame(self, tgid: int, addr: int) -> dict:
-        name, offset, module = self.bcc.BPF._sym_cache(tgid).resolve(addr, True)
+        name, offset, module = self._cache(tgid).resolve(addr, True)
         return {"module": os.path.basename(module.decode(errors="replace")) if module else None,
                 "symbol": name.decode(errors="replace") if name else None,
                 "offset": offset}
 
+    def _refresh(self, tgid: int) -> bool:
+        """Re-read the process's mappings, unless that was done within REFRESH_S."""
+        now = time.monotonic()
+        if now - self.refreshed.get(tgid, 0.0) < self.REFRESH_S:
+            return False
+        self.refreshed[tgid] = now
+        self.bcc.lib.bcc_symcache_refresh(self._cache(tgid).cache)
+        return True
+
     def forget(self, tgid: int) -> None:
-        self.bcc.BPF._sym_caches.pop(tgid, None)
+        """The process is gone: free its symbol cache (and the descriptors it holds)."""
+        self.refreshed.pop(tgid, None)
+        cache = self.bcc.BPF._sym_caches.pop(tgid, None)
+        if cache is not None:
+            self.bcc.lib.bcc_free_symcache(cache.cache, tgid)
 
 
 class BccSource(Source):

@@ -312,3 +312,75 @@ def test_a_launch_probe_that_cannot_come_back_leaves_launches_unknown(ebpf_ok, t
     assert syncs and all(r["queued_ops"] is None for r in syncs), [
         (r["timestamp_ns"] - first_off, r["queued_ops"]) for r in syncs if r["queued_ops"]]
     assert [m for _l, _s, _e, m, _c in sink.logs if "could not be attached again" in m]
+
+
+def test_callers_without_frame_pointers(ebpf_ok, fixtures):
+    """PyTorch's libraries are built without frame pointers: at a probe, rbp holds
+    whatever the caller keeps there. rank_job nofp calls cudaLaunchKernel and
+    cudaMemcpyAsync with rbp pointing at stack words that change with every call. Every
+    launch is still counted (more than the launch map holds, were each call a new site),
+    every copy kept, nothing lost, and their stacks are a handful, not one per call."""
+    iters = 40_000
+    job = Job(lambda r: [str(fixtures.rank_job), "nofp", str(iters)], 1)
+    opts = options(lib_paths=[str(fixtures.libcudart)], stats_interval_s=0.5,
+                   launch_budget=0)
+    source = CudaSource(opts)
+    try:
+        with Running(source, StaticTargets(job.pids), opts) as run:
+            (result,) = job.go()
+            wait_for(lambda: len(run.sink.dicts("cuda_events")) >= iters, timeout=30)
+            time.sleep(0.6)                  # one more stats interval: the last counts
+        job.finish()
+    finally:
+        job.kill()
+    assert result == {"calls": 2 * iters}
+    assert source.lost == 0, run.sink.logs
+    launches = [s for s in run.sink.dicts("event_stats") if s["name"] == "cudaLaunchKernel"]
+    assert sum(s["count"] for s in launches) == iters
+    copies = [r for r in run.sink.dicts("cuda_events") if r["api"] == "cudaMemcpyAsync"]
+    assert len(copies) == iters
+    assert len({s["stack_id"] for s in launches}) <= 3
+    assert len({r["stack_id"] for r in copies}) <= 3
+
+
+def test_symbolizer_refreshes_rarely_and_frees_its_caches(ebpf_ok):
+    """Stacks walked through code without frame pointers end in addresses no mapping
+    holds. Each used to replace the process's BCC symbol cache, re-reading its libraries
+    and keeping the old cache's file descriptors open: a capture of a PyTorch job ran out
+    of descriptors. Now the cache is refreshed in place at most once per REFRESH_S, an
+    unknown frame stays unknown, and a finished process's cache is freed."""
+    import ctypes
+    import os
+
+    from ingero_forensics.capture.ebpf._bcc import import_bcc
+    from ingero_forensics.capture.ebpf.base import Symbolizer
+
+    bcc = import_bcc()
+    libc = ctypes.CDLL(None)
+    known = ctypes.cast(libc.getpid, ctypes.c_void_p).value
+    garbage = 0x10   # in no mapping
+
+    class Walks:     # stack id -> addresses, as a BPF_STACK_TRACE table gives them
+        def walk(self, stack_id):
+            return [known, garbage + stack_id]
+
+    pid = os.getpid()
+    refreshes = []
+    real_refresh = bcc.lib.bcc_symcache_refresh
+    sym = Symbolizer(bcc, Walks())
+    try:
+        bcc.lib.bcc_symcache_refresh = lambda c: (refreshes.append(c), real_refresh(c))
+        stacks = [sym.frames(pid, 0)]     # the cache is built: fresh, not refreshed
+        fds = len(os.listdir("/proc/self/fd"))
+        stacks += [sym.frames(pid, i) for i in range(1, 3000)]
+        assert refreshes == []
+        sym.refreshed[pid] -= Symbolizer.REFRESH_S          # as if that long had passed
+        stacks += [sym.frames(pid, i) for i in range(3000, 3100)]
+    finally:
+        bcc.lib.bcc_symcache_refresh = real_refresh
+    assert len(refreshes) == 1
+    assert all(s[0]["symbol"].endswith("getpid") and s[0]["module"].startswith("libc")
+               and s[1]["module"] is None for s in stacks)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    sym.forget(pid)
+    assert pid not in bcc.BPF._sym_caches
