@@ -82,22 +82,45 @@ BPF_TABLE("lru_hash", struct site, s32, sites, __STACK_ENTRIES__);
  * are not frame pointers. */
 #define FRAME_WINDOW (256 * 1024)
 
-static __always_inline void read_site(struct pt_regs *ctx, struct site *s) {
-    /* at a function's first instruction: [sp] = return address, [bp + 8] = the
-     * caller's return address (bp is still the caller's frame pointer) */
+/* at a function's first instruction: [sp] = return address */
+static __always_inline void read_ret(struct pt_regs *ctx, struct site *s) {
+    bpf_probe_read_user(&s->ret, sizeof(s->ret), (void *)PT_REGS_SP(ctx));
+}
+
+/* A return address follows a call: e8 rel32, or ff /2 (through a register or memory,
+ * 2 to 7 bytes with its operand). */
+static __always_inline int after_call(u64 addr) {
+    u8 c[8];
+    if (bpf_probe_read_user(c, sizeof(c), (void *)(addr - 8)))
+        return 0;
+    if (c[3] == 0xe8) return 1;
+    if (c[6] == 0xff && ((c[7] >> 3) & 7) == 2) return 1;
+    if (c[5] == 0xff && ((c[6] >> 3) & 7) == 2) return 1;
+    if (c[4] == 0xff && ((c[5] >> 3) & 7) == 2) return 1;
+    if (c[2] == 0xff && ((c[3] >> 3) & 7) == 2) return 1;
+    if (c[1] == 0xff && ((c[2] >> 3) & 7) == 2) return 1;
+    return 0;
+}
+
+/* [bp + 8] = the caller's return address, bp being still the caller's frame pointer.
+ * Code built without frame pointers (PyTorch's libraries) keeps other values in bp,
+ * and a word read through one would make every call a new site: bp must point a little
+ * above sp, name a frame that links to one further up, and the word must follow a call. */
+static __always_inline void read_up(struct pt_regs *ctx, struct site *s) {
     u64 sp = PT_REGS_SP(ctx), bp = PT_REGS_FP(ctx);
-    bpf_probe_read_user(&s->ret, sizeof(s->ret), (void *)sp);
-    /* Code built without frame pointers (PyTorch's libraries) keeps other values in bp,
-     * and a word read through one would make every call a new site: bp must point a
-     * little above sp, and the frame it names must link to one further up (or end). */
     if (bp <= sp || bp - sp > FRAME_WINDOW || (bp & 7))
         return;
     u64 frame[2];    /* the caller's saved bp, its return address */
     if (bpf_probe_read_user(frame, sizeof(frame), (void *)bp))
         return;
-    if (frame[0] && (frame[0] <= bp || frame[0] - bp > FRAME_WINDOW))
+    if (frame[0] <= bp || frame[0] - bp > FRAME_WINDOW || !after_call(frame[1]))
         return;
     s->up = frame[1];
+}
+
+static __always_inline void read_site(struct pt_regs *ctx, struct site *s) {
+    read_ret(ctx, s);
+    read_up(ctx, s);
 }
 
 static __always_inline s32 site_stack(struct pt_regs *ctx, struct site *s) {

@@ -87,9 +87,11 @@ HAS_STREAM, HAS_BYTES, HAS_KIND, HAS_DEVICE, HAS_QUEUED = 1, 2, 4, 8, 16
 PROGRAM = UPROBE_ARG_C + r"""
 
 __SITE_STACKS__
-/* Launch counts per (thread, API, call site); the stack id is taken when a key is first
- * seen. A hit is one map lookup: the target check is only needed on a miss, since a key
- * carries its process. */
+/* Launch counts per (thread, API, return address); the stack id is taken when a key is
+ * first seen. A hit is one map lookup: the target check is only needed on a miss, since
+ * a key carries its process. The caller's return address is left out of the key (only
+ * the stack's site has it), so the keys are bounded by the launch sites even where a
+ * caller without frame pointers fools read_up. */
 struct launch_key { struct site site; u32 tid; u32 api; };
 struct launch_val { u64 count; s32 stack_id; u32 pad; };
 BPF_HASH(launches, struct launch_key, struct launch_val, 16384);
@@ -157,14 +159,16 @@ static __always_inline int count_launch(struct pt_regs *ctx, u64 id, u32 api) {
     struct launch_key k = {.tid = id, .api = api};
     k.site.tgid = id >> 32;
 #if __STACKS__
-    read_site(ctx, &k.site);
+    read_ret(ctx, &k.site);
 #endif
     struct launch_val *v = launches.lookup(&k);
     if (v) { v->count++; return 0; }   /* the key's own thread is its only writer */
     if (!is_target(id >> 32)) return 0;
     struct launch_val nv = {.count = 1, .stack_id = -1};
 #if __STACKS__
-    nv.stack_id = site_stack(ctx, &k.site);
+    struct site s = k.site;
+    read_up(ctx, &s);
+    nv.stack_id = site_stack(ctx, &s);
 #endif
     if (launches.insert(&k, &nv)) count_lost();
     return 0;
