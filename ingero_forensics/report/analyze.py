@@ -55,11 +55,11 @@ from .together import EarlyHalf, early_half_ref
 from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import bins_limited_text, no_comparison_text, rank_text, verdict_text
 from .sql import Recorder
-from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, SAMPLE, WEAK_SCORE, Reservoir,
-                       Signal, alignment_rows, capture_cost, capture_issues, cause_series,
-                       cited_evidence,
-                       inventory, next_step, late_ranks, median, node_signals, quantile,
-                       slow_collectives, table_exists, utc)
+from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, RUNQ_SIGNAL, SAMPLE, WEAK_SCORE,
+                       Reservoir, Signal, alignment_rows, capture_cost, capture_issues,
+                       cause_series, cited_evidence, inventory, next_step, late_ranks, median,
+                       node_signals, quantile, slow_collectives, table_exists, utc,
+                       window_seconds)
 
 #: Transfer times kept per time bin for its median.
 TRANSFER_SAMPLE = 5_000
@@ -81,6 +81,12 @@ FALSE_CELL_RATE = 0.01
 CLOCK_MARGIN = 3.0
 #: Lateness values above this are kept for the cost (below it nobody waited).
 COST_FLOOR_MS = 0.5
+#: CPU contention is named with "clear" confidence only if it can account for the wait:
+#: the straggler's run-queue delay in its windows beyond the other nodes' must be at
+#: least this share of what the others waited for it. On a busy node the run queue
+#: differs by tens of ms per s from its peers', which cannot explain stalls of hundreds
+#: of ms (a peer's lossy link, a retransmit timeout of 200 ms, makes such stalls).
+CPU_EXPLAINS_SHARE = 0.25
 #: A node's job connections must retransmit at least this often, per collective of the
 #: run, for the network to slow collectives for everyone (a clean run has a few
 #: retransmits in all; a lossy NIC, several per collective).
@@ -724,10 +730,31 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None) -> 
         st.cause_confidence = "none"
     if st.clock_caveat and st.cause_confidence == "clear":
         st.cause_confidence = "weak"
+    short = _cpu_short_of_cost(st, window_seconds(windows))
+    if short is not None and st.cause_confidence == "clear":
+        st.cause_confidence = "weak"
     with con.figure(f"evidence:{st.node_id}"):
         st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes,
                                                        bins)
+    if short is not None:
+        st.evidence.append(short)
     st.next_step = next_step(st.cause, st.node, st.top_offenders)
+
+
+def _cpu_short_of_cost(st: Straggler, secs: float) -> str | None:
+    """Why CPU contention cannot account for the straggler's cost, or None when it can
+    (or when the scheduler was not traced)."""
+    if st.cause != "cpu" or st.cost_s <= 0:
+        return None
+    rq = next((s for s in st.signals if s.name == RUNQ_SIGNAL), None)
+    if rq is None:
+        return None
+    extra_s = max(0.0, rq.suspect - rq.others) / 1e3 * secs
+    if extra_s >= CPU_EXPLAINS_SHARE * st.cost_s:
+        return None
+    return (f"Its threads waited {extra_s:.2f} s longer for a CPU than the other nodes' in "
+            f"the windows, while the others waited {st.cost_s:.2f} s for it: CPU "
+            "contention cannot account for most of that wait.")
 
 
 def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins,

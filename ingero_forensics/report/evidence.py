@@ -37,6 +37,8 @@ CAUSE_TITLES = {
 #: with a warning.
 CLEAR_SCORE = 5.0
 WEAK_SCORE = 3.0
+#: The CPU signal in time units: what the report weighs against a straggler's cost.
+RUNQ_SIGNAL = "run-queue delay of traced threads (ms per s, summed over threads)"
 #: Values kept per node or rank for medians and percentiles (a uniform sample beyond
 #: that: memory stays flat however many rows the fleet holds).
 SAMPLE = 20_000
@@ -222,7 +224,7 @@ def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
     def per_node(sql, params=()):
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
 
-    add("cpu", "run-queue delay of traced threads (ms per s, summed over threads)",
+    add("cpu", RUNQ_SIGNAL,
         {k: v / 1e6 / secs for k, v in per_node(
             f"SELECT node_id, SUM(duration_ns) FROM {_source(con, 'sched_events', windows)} "
             "WHERE kind = 'runq_delay' "

@@ -335,3 +335,37 @@ def test_active_time_counts_a_long_pause_as_one_gap():
     from ingero_forensics.report.analyze import active_ns
     assert active_ns([0, 10, 20, 1000, 1010], gap_ns=50) == 10 + 10 + 50 + 10
     assert active_ns([5], gap_ns=50) == 1 and active_ns([], gap_ns=50) == 1
+
+
+def test_cpu_is_clear_only_if_it_can_account_for_the_wait():
+    """Seen on the real-kernel rig (network fault): the node downstream of a lossy link
+    was late by 200 ms retransmit timeouts, and its run-queue delay, 141 against its
+    peers' 90 ms per s, scored as clear CPU contention. 51 ms of extra waiting cannot
+    explain the 0.77 s the others waited for it."""
+    from ingero_forensics.report.analyze import (CPU_EXPLAINS_SHARE, Straggler, Window,
+                                                 _cpu_short_of_cost)
+    from ingero_forensics.report.evidence import RUNQ_SIGNAL, Signal
+
+    def straggler(suspect, others, cost_s, cause="cpu"):
+        st = Straggler(node="n", node_id=1, ranks=[0], late_ranks=[0],
+                       windows=[Window(0, 10**9, 28.7)], lateness_ms=28.7, late_bins=3,
+                       peak_ms=208.0, cost_s=cost_s, cost_share=0.07,
+                       relative_uncertainty_ms=0.0, clock_caveat=False)
+        st.cause = cause
+        st.signals = [Signal("cpu", RUNQ_SIGNAL, suspect, others, 5.74)]
+        return st
+
+    why = _cpu_short_of_cost(straggler(141.1, 89.6, 0.772), 1.0)
+    assert why is not None and "0.05 s" in why and "0.77 s" in why
+    # a CPU hog on the rig: 900 ms per s more waiting over 40 s, for a 16.7 s cost
+    assert _cpu_short_of_cost(straggler(974.4, 73.6, 16.74), 40.0) is None
+    # just enough, just short
+    # just enough, just short: 4 s of windows, a 1 s cost
+    assert _cpu_short_of_cost(straggler(100.0 + 250 * CPU_EXPLAINS_SHARE, 100.0, 1.0),
+                              4.0) is None
+    assert _cpu_short_of_cost(straggler(100.0 + 240 * CPU_EXPLAINS_SHARE, 100.0, 1.0),
+                              4.0) is not None
+    assert _cpu_short_of_cost(straggler(141.1, 89.6, 0.772, cause="io"), 1.0) is None
+    no_sched = straggler(141.1, 89.6, 0.772)
+    no_sched.signals = []
+    assert _cpu_short_of_cost(no_sched, 1.0) is None
