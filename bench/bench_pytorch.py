@@ -14,7 +14,10 @@ three rounds of --seconds each:
 * early: ``ingero-capture --pid`` started when the job has imported torch and before it
   creates its process group, so communicator init is seen;
 * late: the capture attached --attach-after seconds into a running job (issue 17's live
-  incident), nothing but ``--pid``: the libraries are found in the job's mappings.
+  incident), nothing but ``--pid``: the libraries are found in the job's mappings. It is
+  stopped --seconds after its sources are on, and the job runs on as long again: the
+  same process's median step before, while the capture is on and after it stopped is
+  the fairest measure of its cost (two processes of one job differ by up to 5 %).
 
 Printed per round: median step time, and for the captured rounds the rise over the
 baseline (steady state, the first second left out), the step time while the capture
@@ -27,7 +30,7 @@ Configurations: ``gpu`` (16 x 2048-wide layers, batch 256: the GPU's time domina
 in most training) and ``launch`` (16 x 256, batch 32: the host's launch loop dominates,
 about 100 kernels a step; the worst case for per-call probes).
 
-Usage: python bench/bench_pytorch.py [--seconds 12] [--attach-after 4] [--configs gpu,launch]
+Usage: python bench/bench_pytorch.py [--seconds 12] [--attach-after 10] [--configs gpu,launch]
                                      [--out DIR] [--capture-ld-path DIR] [--json]
 
 --capture-ld-path: a directory put in front of LD_LIBRARY_PATH for the capture alone,
@@ -44,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -83,9 +87,11 @@ def job(out: str, seconds: float, width: int, layers: int, batch: int) -> None:
     ddp = DDP(model, device_ids=[0])
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     x = torch.randn(batch, width, device="cuda")
+    stop = threading.Event()       # a second line on stdin (or its end) stops it early
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     with open(out, "w") as f:
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end and not stop.is_set():
             t0 = time.monotonic_ns()
             loss = ddp(x).square().mean()
             loss.backward()
@@ -232,29 +238,40 @@ def run_config(work: Path, cname: str, cfg: dict, args) -> dict:
     res["early"] = {"steps": len(early), "median_ms": median_ms(steady(early)),
                     "sources_on_s": round(on_s, 2), "sources": line, "capture_rc": rc,
                     "capture_log": log.read_text()[-2500:]}
-    # late: attach to a running job
-    p, info, path = start_job(work, f"{cname}-late", args.seconds + args.attach_after, cfg)
+    # late: attach to a running job, stop the capture while it still runs: the same
+    # process's steps before, while it is on, and after it stopped (A/B/A)
+    on_for = args.seconds
+    p, info, path = start_job(work, f"{cname}-late", 600, cfg)     # stopped below
     p.stdin.write("go\n"); p.stdin.flush()
     time.sleep(args.attach_after)
     t_launch = time.monotonic_ns()
     cap, log = start_capture(work, f"{cname}-late", info["pid"], args.capture_ld_path)
     on_s, line = wait_on(cap, log)
     t_on = time.monotonic_ns()
-    p.wait()
+    time.sleep(on_for)
+    t_stop = time.monotonic_ns()
     rc = stop_capture(cap, log)
+    t_gone = time.monotonic_ns()
+    time.sleep(on_for)
+    p.stdin.write("stop\n"); p.stdin.flush()
+    p.wait()
     late = steps_of(path)
+    second = 1_000_000_000
     before = [s for s in steady(late) if s[0] < t_launch]
     res["late"] = {"steps": len(late), "median_before_ms": median_ms(before),
                    "median_starting_ms": median_ms(late, t_launch, t_on),
-                   "median_after_ms": median_ms(late, t_on + 1_000_000_000),
-                   "sources_on_s": round(on_s, 2), "sources": line, "capture_rc": rc,
-                   "capture_log": log.read_text()[-2500:]}
+                   "median_on_ms": median_ms(late, t_on + second, t_stop),
+                   "median_after_stop_ms": median_ms(late, t_gone + second // 2),
+                   "sources_on_s": round(on_s, 2), "stop_s": round((t_gone - t_stop) / 1e9, 2),
+                   "sources": line, "capture_rc": rc, "capture_log": log.read_text()[-2500:]}
     base = res["off"]["median_ms"]
     if base:
         res["early"]["rise_pct"] = round(100 * (res["early"]["median_ms"] / base - 1), 2)
-        if res["late"]["median_after_ms"]:
-            res["late"]["rise_after_pct"] = round(
-                100 * (res["late"]["median_after_ms"] / base - 1), 2)
+    late_r = res["late"]
+    off_same = [x for x in (late_r["median_before_ms"], late_r["median_after_stop_ms"]) if x]
+    if off_same and late_r["median_on_ms"]:
+        late_r["rise_same_process_pct"] = round(
+            100 * (late_r["median_on_ms"] / statistics.mean(off_same) - 1), 2)
     res["early"]["fleet"] = inspect_fleet(work, f"{cname}-early")
     res["late"]["fleet"] = inspect_fleet(work, f"{cname}-late")
     return res
@@ -267,7 +284,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--seconds", type=float, default=12.0, help="seconds per round")
-    ap.add_argument("--attach-after", type=float, default=4.0,
+    ap.add_argument("--attach-after", type=float, default=10.0,
                     help="seconds into the late round's job before the capture starts")
     ap.add_argument("--configs", default="gpu,launch")
     ap.add_argument("--out", default=None, help="work directory (default: a temp dir)")
