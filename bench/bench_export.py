@@ -101,7 +101,7 @@ def main() -> None:
                     r = json.loads(res.stdout)
                     if r["accelerated"] != (accel == "on"):
                         sys.exit("--accel on: the C accelerator is not built "
-                                 "(pip install -e . with gcc and libsqlite3-dev)")
+                                 "(pip install -e . with gcc)")
                     eps = r["events"] / r["seconds"]
                     scan = r["scan_rows"] / r["scan_seconds"]
                     wr = f"{r['worker_rss'] / 2**20:>5.0f}Mi" if jobs > 1 else f"{'-':>7}"

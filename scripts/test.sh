@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
-apt_pkgs=(python3 python3-venv python3-pip python3-dev gcc make libc6-dev libsqlite3-dev
+apt_pkgs=(python3 python3-venv python3-pip python3-dev gcc make libc6-dev
           bpfcc-tools python3-bpfcc linux-headers-amd64
           zstd sqlite3 strace iproute2 util-linux procps chromium rsync)
 missing=()

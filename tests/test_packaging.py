@@ -82,3 +82,27 @@ def test_installed_wheel_runs_the_pipeline(tmp_path):
     assert "Report written" in out.stdout
     html = (work / "report.html").read_text()
     assert "<style>" in html and "Straggler report" in html
+
+
+def test_accelerators_build_against_the_kept_sqlite_headers(tmp_path):
+    """The C accelerators need SQLite's headers, which a machine with a compiler often
+    lacks (a GPU node's image, most likely: the optional extensions were skipped without a
+    word and its merge ran the pure-Python path at half the speed). setup.py points every
+    compile at csrc/sqlite, and those headers are the ones the compiler finds first."""
+    import subprocess
+    import sys
+    import sysconfig
+    out = subprocess.run([sys.executable, "setup.py", "-v", "build_ext", "--dry-run",
+                          "--force", "--build-temp", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    compiles = [line for line in out.splitlines() if " -c ingero_forensics/" in line]
+    kept = ROOT / "csrc" / "sqlite"
+    assert len(compiles) == 3 and all(f"-I{kept} " in line for line in compiles), compiles
+    for line in compiles:
+        source = line.split(" -c ", 1)[1].split()[0]
+        r = subprocess.run(["gcc", "-fsyntax-only", "-H", f"-I{kept}",
+                            f"-I{sysconfig.get_paths()['include']}", source], cwd=ROOT,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        found = [x.lstrip(". ") for x in r.stderr.splitlines() if x.endswith("sqlite3ext.h")]
+        assert found and found[0] == str(kept / "sqlite3ext.h"), found

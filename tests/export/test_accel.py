@@ -188,7 +188,7 @@ def test_unsupported_values_fall_back_to_python(text_time, tmp_path):
 
 
 def test_accelerator_is_used_when_built(odd, tmp_path):
-    """In CI (scripts/test.sh installs gcc and libsqlite3-dev) it must be built."""
+    """In CI (scripts/test.sh installs gcc) it must be built."""
     if not BUILT:
         assert not os.environ.get("CI"), "the C accelerator was not built"
         pytest.skip("the C accelerator is not built here")
