@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .. import accel as _accel
 from .. import cliutil
 from .core import merge_bundles
 from .files import expand_inputs, list_bundles
@@ -181,6 +182,10 @@ def format_summary(res) -> str:
     lines = [f"{res.output}: {res.bundles_merged} bundles merged, {res.bundles_already} "
              f"already present, {len(res.skipped)} skipped; {res.events} rows in "
              f"{res.elapsed_s:.1f}s ({res.events_per_s:,.0f}/s)"]
+    if not res.accelerated and res.bundles_merged:
+        why = "off (INGERO_NO_ACCEL)" if _accel.disabled() else "not built"
+        lines.append(f"note: the C accelerators are {why}: this was the pure-Python path, "
+                     "about 2x slower (installing with a C compiler builds them)")
     if res.stacks.get("dedup_ratio"):
         lines.append(f"stacks: {res.stacks['bundle_stacks']} in bundles -> "
                      f"{res.stacks['fleet_stacks_used']} distinct (dedup {res.stacks['dedup_ratio']}x)")

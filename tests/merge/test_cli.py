@@ -28,6 +28,28 @@ def test_merge_summary_and_json(tmp_path):
     assert doc["bundles_already"] == 2 and doc["bundles_merged"] == 0
 
 
+def test_summary_says_when_the_accelerators_are_not_used(tmp_path, monkeypatch):
+    """A node image with a compiler but no SQLite headers once skipped the accelerators
+    without a word, and its merge ran twice as slow: the summary now says so."""
+    from ingero_forensics import accel
+    make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=53)
+    monkeypatch.delenv("INGERO_NO_ACCEL", raising=False)
+    built = accel.load("merge._fastcoll", "sqlite3_fastcoll_init") is not None
+    expected = {}
+    for off in (False, True):
+        if off:
+            monkeypatch.setenv("INGERO_NO_ACCEL", "1")
+        else:
+            monkeypatch.delenv("INGERO_NO_ACCEL", raising=False)
+        r = CliRunner().invoke(main, [str(tmp_path / "b"), "-o", str(tmp_path / f"{off}.db")],
+                               catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        expected[off] = r.output
+    assert ("C accelerators are not built" in expected[False]) == (not built)
+    assert "C accelerators are off (INGERO_NO_ACCEL): this was the pure-Python path" \
+        in expected[True]
+
+
 def test_bad_input_exit_3_with_error_line(tmp_path):
     fleet = make_fleet(tmp_path / "b", nodes=1, seconds=3, seed=52)
     bad = tmp_path / "x.bundle"
