@@ -59,6 +59,10 @@ def test_runq_delay_names_the_hog(ebpf_ok, tmp_path):
             sleeper.stdin.flush()
             assert sleeper.stdout.readline().strip() == "done"
             wait_for(lambda: run.sink.dicts("event_stats"), timeout=5)
+        # the hog first: at nice 19 beside it, the sleeper gets about 1.5 % of its CPU,
+        # and the interpreter's exit took over 10 s on a loaded machine
+        hog.kill()
+        hog.wait()
         sleeper.stdin.close()
         sleeper.wait(timeout=10)
     finally:
