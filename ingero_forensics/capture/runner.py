@@ -385,25 +385,20 @@ class _Loop:
         cands += list(cfg.extra_sources)
         # The first scan before the eBPF sources start, so they see the targets.
         self.scan_targets()
-        for s in cands:
-            try:
-                # BCC compiles each program at start (about a CPU-second each): at the
-                # lowest priority, so a job already running barely notices
-                with (idle_priority() if cfg.idle_start else _as_is()) as prio:
-                    s.start(ctx)
-                if prio.raised:
-                    run.log("info", s.name, "slow_start", f"{s.name}: starting took over "
-                            f"{IDLE_STARVE_S:.0f} s at idle CPU priority (every CPU busy); "
-                            "finished at nice 19")
-            except SourceUnavailable as e:
-                self._off(s.name, e.reason, e.fix)
-                continue
-            except Exception as e:  # noqa: BLE001 - a broken source must not stop capture
-                self._off(s.name, f"failed to start ({type(e).__name__}: {e})", None,
-                          level="error")
+        # Nothing reads the ring buffers until every source is on. So the uprobe sources,
+        # the busiest (a job's every CUDA call), compile first and attach last: attached
+        # first, they filled their buffers while the others compiled (seconds; tens of
+        # seconds at idle priority on a busy node) and lost events. Their tracepoints the
+        # others attach as they load.
+        early = [s for s in cands if getattr(s, "compile_first", False)]
+        for s in early:
+            if not self._begin(s, lambda s=s: s.prepare(ctx), "compiling"):
+                cands.remove(s)
+        order = [s for s in cands if s not in early] + [s for s in cands if s in early]
+        for s in order:
+            if not self._begin(s, lambda s=s: s.start(ctx), "starting"):
                 continue
             self.sources.append(s)
-            self.summary.sources_on.append(s.name)
             run.log("info", s.name, "source_on", f"{s.name} source on", echo=False)
             if isinstance(s, HostSource):
                 st = s.nvml_status
@@ -418,10 +413,33 @@ class _Loop:
                     self.summary.sources_off["nvml"] = st.reason
                 for key, why in s.missing.items():
                     run.log("warning", "host", "warning", f"not sampled: {why}")
+        self.sources.sort(key=cands.index)
+        self.summary.sources_on += [s.name for s in self.sources]
         if self.clock.chrony_on:
             run.log("info", "clock", "source_on", "chrony tracking via chronyc", echo=False)
         self.clock.sample_now(run.sink)
         run.rep.message("info", "capture", "sources on: " + ", ".join(self.summary.sources_on))
+
+    def _begin(self, s: Source, step, what: str) -> bool:
+        """Run a source's compile or start; False (and the source is off) if it failed."""
+        run, cfg = self.run, self.run.cfg
+        try:
+            # BCC compiles each program (about a CPU-second each): at the lowest
+            # priority, so a job already running barely notices
+            with (idle_priority() if cfg.idle_start else _as_is()) as prio:
+                step()
+            if prio.raised:
+                run.log("info", s.name, "slow_start", f"{s.name}: {what} took over "
+                        f"{IDLE_STARVE_S:.0f} s at idle CPU priority (every CPU busy); "
+                        "finished at nice 19")
+        except SourceUnavailable as e:
+            self._off(s.name, e.reason, e.fix)
+            return False
+        except Exception as e:  # noqa: BLE001 - a broken source must not stop capture
+            self._off(s.name, f"failed to start ({type(e).__name__}: {e})", None,
+                      level="error")
+            return False
+        return True
 
     def _off(self, name, reason, fix, level="warning") -> None:
         msg = f"{name} source off: {reason}" + (f"; fix: {fix}" if fix else "")

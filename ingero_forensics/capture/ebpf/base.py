@@ -272,6 +272,10 @@ class BccSource(Source):
     #: uprobe sources: the library kinds whose probes are this source's records (a
     #: capture that never found one says so at the stop)
     LIBRARIES: tuple[str, ...] = ()
+    #: the program's probes are attached by ``attach`` (uprobes), not when it is loaded
+    #: (tracepoints): the capture compiles it before the other sources and starts it
+    #: after them (``prepare``)
+    compile_first = False
     #: whether the program includes SITE_STACKS (its ``sites`` map is pruned at exit)
     uses_sites = False
     stat_names: tuple[str, ...] = ()
@@ -308,7 +312,11 @@ class BccSource(Source):
             return SourceStatus(cls.name, False, *problem)
         return SourceStatus(cls.name, True)
 
-    def start(self, ctx: CaptureContext) -> None:
+    def prepare(self, ctx: CaptureContext) -> None:
+        """Compile and load the program (about a CPU-second). For a source whose probes
+        are attached by ``attach`` (uprobes), nothing fires yet: the capture compiles
+        these first and attaches them last, right before it starts reading, so that
+        their ring buffers do not fill while the other sources compile."""
         self.bcc = import_bcc()
         check_environment()
         self.ctx = ctx
@@ -318,6 +326,10 @@ class BccSource(Source):
         except Exception as e:   # BCC raises bare Exception; clang's errors went to stderr
             raise SourceUnavailable(f"{self.name}: BPF program failed to compile or load: {e}",
                                     "check kernel headers (scripts/setup-ebpf.sh) and dmesg") from None
+
+    def start(self, ctx: CaptureContext) -> None:
+        if self.bpf is None:
+            self.prepare(ctx)
         try:
             self.attach(ctx)
             self.bpf[b"events"].open_ring_buffer(self._on_record)

@@ -363,6 +363,7 @@ class LaunchDuty:
 
 
 class CudaSource(BccSource):
+    compile_first = True
     name = "cuda"
     LIBRARIES = ("cudart", "cuda")
     stat_source = "cuda"

@@ -375,6 +375,7 @@ def redop_name(v: int) -> str | None:
 
 
 class NcclSource(BccSource):
+    compile_first = True
     name = "nccl"
     LIBRARIES = ("nccl",)
     uses_sites = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -127,3 +128,51 @@ def test_a_capture_that_never_found_the_libraries_says_so(ebpf_ok, tmp_path):
             "SELECT source FROM capture_log WHERE level = 'warning' AND message LIKE "
             "'no traced process mapped %'")}
     assert warned == {"nccl", "cuda"}
+
+
+def test_attached_to_a_busy_job_loses_nothing_while_it_starts(ebpf_ok, fixtures, tmp_path):
+    """Nothing reads the ring buffers until every source is on. The uprobe sources used
+    to be attached first, and a running job's CUDA calls filled their buffers while the
+    tracepoint sources compiled: a real PyTorch job lost 8,000-28,000 events in each
+    capture's first seconds. Now they are compiled first and attached last. The job here
+    makes about 25,000 kept calls per second (a copy per loop, a 1 MiB ring holds about
+    10,000) all through the capture's start."""
+    job = Job(lambda r: [str(fixtures.rank_job), "nofp", "1000000"], 1)
+    out = tmp_path / "bundles"
+    cap = None
+    try:
+        job.procs[0].stdin.write("go\n")
+        job.procs[0].stdin.flush()
+        time.sleep(0.5)
+        cap = subprocess.Popen([*capture_cmd(), "--bundle", str(out), "--node", "busy",
+                                "--start-priority", "normal", "--lib", str(fixtures.libcudart),
+                                "--pid", str(job.pids[0])],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        seen = []
+        for line in cap.stderr:
+            seen.append(line)
+            if "sources on:" in line:
+                break
+        time.sleep(2)
+        cap.send_signal(signal.SIGTERM)
+        _, err = cap.communicate(timeout=120)
+        assert job.procs[0].poll() is None, "the job ended before the capture did"
+    finally:
+        job.kill()
+        if cap is not None and cap.poll() is None:
+            cap.kill()
+            cap.wait()
+    assert cap.returncode == 0, "".join(seen) + err
+    assert "cuda" in "".join(seen), "".join(seen)
+    (bundle,) = out.glob("*.bundle")
+    with open_bundle(bundle) as b:
+        copies = b.con.execute("SELECT count(*) FROM cuda_events "
+                               "WHERE api = 'cudaMemcpyAsync'").fetchone()[0]
+        lost = b.con.execute("SELECT source, message FROM capture_log "
+                             "WHERE event = 'lost_events'").fetchall()
+        order = [s for (s,) in b.con.execute(
+            "SELECT source FROM capture_log WHERE event = 'source_on' ORDER BY id")]
+    assert copies > 30_000, copies
+    assert lost == [], lost
+    # the uprobe sources came on last
+    assert order.index("cuda") > order.index("sched") and order.index("nccl") > order.index("tcp")
