@@ -204,39 +204,51 @@ class Symbolizer:
     """
 
     REFRESH_S = 10.0
+    #: tgid -> when its symbol cache was built or last re-read. BCC keeps the caches in
+    #: one table for every source, so the sources share this too.
+    refreshed: dict[int, float] = {}
 
     def __init__(self, bcc, table):
         self.bcc = bcc
         self.table = table
-        self.cache: dict[tuple[int, int, int], list[dict] | None] = {}
+        #: (tgid, stack id, return address) -> (frames, None when every frame is known,
+        #: else when the process's cache was read for them: resolved again once re-read)
+        self.cache: dict[tuple[int, int, int], tuple[list[dict], float | None]] = {}
         self.failed = 0   # stacks not stored (map full, collision) or not symbolizable
-        self.refreshed: dict[int, float] = {}   # tgid -> when its cache was (re)built
 
     def frames(self, tgid: int, stack_id: int, ret_addr: int = 0) -> list[dict] | None:
         if stack_id < 0:
             self.failed += 1
             return None
         key = (tgid, stack_id, ret_addr)
-        if key in self.cache:
-            return self.cache[key]
+        hit = self.cache.get(key)
+        if hit is not None and (hit[1] is None or (hit[1] == self.refreshed.get(tgid)
+                                                   and not self._due(tgid))):
+            return hit[0]
+        if tgid not in self.bcc.BPF._sym_caches and not os.path.exists(f"/proc/{tgid}"):
+            if hit:                 # what was read while it lived
+                return hit[0]
+            self.failed += 1
+            return None   # gone (and forgotten): addresses alone mean nothing off this node
         try:
             addrs = list(self.table.walk(stack_id))
         except KeyError:
-            return None
+            return hit[0] if hit else None
         if ret_addr and addrs and (len(addrs) < 2 or addrs[1] != ret_addr):
             addrs.insert(1, ret_addr)
         frames = [self._frame(tgid, a) for a in addrs]
-        if any(f["module"] is None for f in frames) and self._refresh(tgid):
+        unknown = any(f["module"] is None for f in frames)
+        if unknown and self._refresh(tgid):
             frames = [self._frame(tgid, a) for a in addrs]
+            unknown = any(f["module"] is None for f in frames)
         if not any(f["module"] for f in frames):
             self.failed += 1
             return None   # process gone: addresses alone mean nothing off this node
-        self.cache[key] = frames
+        self.cache[key] = (frames, self.refreshed.get(tgid) if unknown else None)
         return frames
 
     def _cache(self, tgid: int):
-        caches = self.bcc.BPF._sym_caches
-        if tgid not in caches:
+        if tgid not in self.bcc.BPF._sym_caches:
             self.refreshed[tgid] = time.monotonic()
         return self.bcc.BPF._sym_cache(tgid)
 
@@ -246,12 +258,14 @@ class Symbolizer:
                 "symbol": name.decode(errors="replace") if name else None,
                 "offset": offset}
 
+    def _due(self, tgid: int) -> bool:
+        return time.monotonic() - self.refreshed.get(tgid, 0.0) >= self.REFRESH_S
+
     def _refresh(self, tgid: int) -> bool:
         """Re-read the process's mappings, unless that was done within REFRESH_S."""
-        now = time.monotonic()
-        if now - self.refreshed.get(tgid, 0.0) < self.REFRESH_S:
+        if not self._due(tgid):
             return False
-        self.refreshed[tgid] = now
+        self.refreshed[tgid] = time.monotonic()
         self.bcc.lib.bcc_symcache_refresh(self._cache(tgid).cache)
         return True
 

@@ -347,10 +347,13 @@ def test_symbolizer_refreshes_rarely_and_frees_its_caches(ebpf_ok):
     """Stacks walked through code without frame pointers end in addresses no mapping
     holds. Each used to replace the process's BCC symbol cache, re-reading its libraries
     and keeping the old cache's file descriptors open: a capture of a PyTorch job ran out
-    of descriptors. Now the cache is refreshed in place at most once per REFRESH_S, an
-    unknown frame stays unknown, and a finished process's cache is freed."""
+    of descriptors. Now the cache is refreshed in place at most once per REFRESH_S for
+    every source together; a stack with an unknown frame is resolved again once that
+    time has passed (a library loaded since); a finished process's cache is freed and
+    not built again."""
     import ctypes
     import os
+    import subprocess
 
     from ingero_forensics.capture.ebpf._bcc import import_bcc
     from ingero_forensics.capture.ebpf.base import Symbolizer
@@ -367,15 +370,17 @@ def test_symbolizer_refreshes_rarely_and_frees_its_caches(ebpf_ok):
     pid = os.getpid()
     refreshes = []
     real_refresh = bcc.lib.bcc_symcache_refresh
-    sym = Symbolizer(bcc, Walks())
+    sym, other = Symbolizer(bcc, Walks()), Symbolizer(bcc, Walks())   # two sources
     try:
         bcc.lib.bcc_symcache_refresh = lambda c: (refreshes.append(c), real_refresh(c))
         stacks = [sym.frames(pid, 0)]     # the cache is built: fresh, not refreshed
         fds = len(os.listdir("/proc/self/fd"))
         stacks += [sym.frames(pid, i) for i in range(1, 3000)]
+        stacks += [other.frames(pid, i) for i in range(3000, 3010)]
         assert refreshes == []
         sym.refreshed[pid] -= Symbolizer.REFRESH_S          # as if that long had passed
-        stacks += [sym.frames(pid, i) for i in range(3000, 3100)]
+        stacks.append(sym.frames(pid, 5))    # seen before: resolved again, one re-read
+        stacks += [other.frames(pid, i) for i in range(3010, 3100)]
     finally:
         bcc.lib.bcc_symcache_refresh = real_refresh
     assert len(refreshes) == 1
@@ -384,3 +389,8 @@ def test_symbolizer_refreshes_rarely_and_frees_its_caches(ebpf_ok):
     assert len(os.listdir("/proc/self/fd")) == fds
     sym.forget(pid)
     assert pid not in bcc.BPF._sym_caches
+    assert sym.frames(pid, 7)[0]["module"].startswith("libc")   # alive: read again
+    bcc.BPF._sym_caches.pop(pid, None)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert sym.frames(gone.pid, 1) is None and gone.pid not in bcc.BPF._sym_caches
