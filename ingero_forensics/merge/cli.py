@@ -183,9 +183,14 @@ def format_summary(res) -> str:
              f"already present, {len(res.skipped)} skipped; {res.events} rows in "
              f"{res.elapsed_s:.1f}s ({res.events_per_s:,.0f}/s)"]
     if not res.accelerated and res.bundles_merged:
-        why = "off (INGERO_NO_ACCEL)" if _accel.disabled() else "not built"
-        lines.append(f"note: the C accelerators are {why}: this was the pure-Python path, "
-                     "about 2x slower (installing with a C compiler builds them)")
+        if _accel.disabled():
+            lines.append("note: the C accelerators are off (INGERO_NO_ACCEL): this was the "
+                         "pure-Python path, about 2x slower")
+        elif _accel.load("merge._fastcoll", "sqlite3_fastcoll_init") is None:
+            lines.append("note: the C accelerators are not built (or do not load): this was "
+                         "the pure-Python path, about 2x slower (installing with a C compiler "
+                         "builds them)")
+        # else the C path gave up on a collective too large for it: a warning says so
     if res.stacks.get("dedup_ratio"):
         lines.append(f"stacks: {res.stacks['bundle_stacks']} in bundles -> "
                      f"{res.stacks['fleet_stacks_used']} distinct (dedup {res.stacks['dedup_ratio']}x)")

@@ -173,6 +173,8 @@ def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_w
             # A collective with more rows than the C path holds at once (no real job has
             # that many ranks): the SQL path, whose memory stays bounded, does it again.
             fastcoll = None
+            notes.append("a collective had more rows than the C accelerator holds at once; "
+                         "the merge ran again on its SQL path")
         except CorruptBundle as e:
             # Nothing of this attempt was kept (the output is written only at the end):
             # again, with that bundle skipped for its reason from the start.

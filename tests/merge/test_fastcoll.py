@@ -161,8 +161,9 @@ def test_too_large_a_collective_falls_back_to_sql(tmp_path, fleet, monkeypatch):
         return real(*args)
     monkeypatch.setattr(core, "_merge_bundles", spy)
     monkeypatch.setattr(collectives, "MAX_GROUP_ROWS", 2)
-    merge_bundles(fleet.paths, tmp_path / "fb.db")
+    res = merge_bundles(fleet.paths, tmp_path / "fb.db")
     assert calls == [True, False]          # the C path gave up, the SQL path finished
+    assert any("ran again on its SQL path" in w for w in res.warnings), res.warnings
     monkeypatch.undo()
     merge_bundles(fleet.paths, tmp_path / "sql.db", accel=False)
     assert_same(dump(tmp_path / "fb.db"), dump(tmp_path / "sql.db"))
