@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -76,7 +77,7 @@ def job(out: str, seconds: float, width: int, layers: int, batch: int) -> None:
                                  "nccl": str(torch.cuda.nccl.version()),
                                  "gpu": torch.cuda.get_device_name(0)}), flush=True)
     sys.stdin.readline()
-    store = tempfile.mktemp(prefix="ingero-pg-")
+    store = os.path.join(tempfile.mkdtemp(prefix="ingero-pg-"), "store")
     kw = dict(init_method=f"file://{store}", rank=0, world_size=1)
     try:
         dist.init_process_group("nccl", device_id=torch.device("cuda", 0), **kw)
@@ -103,7 +104,9 @@ def job(out: str, seconds: float, width: int, layers: int, batch: int) -> None:
             t1 = time.monotonic_ns()
             f.write(f'{{"end":{t1},"ns":{t1 - t0}}}\n')
     dist.destroy_process_group()
-    os.unlink(store) if os.path.exists(store) else None
+    shutil.rmtree(os.path.dirname(store), ignore_errors=True)
+    sys.stdout.flush()
+    os._exit(0)     # not a normal exit: the thread reading stdin is still in readline
 
 
 # ------------------------------------------------------------------------ the driver

@@ -360,7 +360,7 @@ def test_cpu_is_clear_only_if_it_can_account_for_the_wait():
     # a CPU hog on the rig: 900 ms per s more waiting over 40 s, for a 16.7 s cost
     assert _cpu_short_of_cost(straggler(974.4, 73.6, 16.74), 40.0) is None
     # just enough, just short
-    # just enough, just short: 4 s of windows, a 1 s cost
+    # just enough or just short, over 4 s of windows for a 1 s cost
     assert _cpu_short_of_cost(straggler(100.0 + 250 * CPU_EXPLAINS_SHARE, 100.0, 1.0),
                               4.0) is None
     assert _cpu_short_of_cost(straggler(100.0 + 240 * CPU_EXPLAINS_SHARE, 100.0, 1.0),
@@ -369,3 +369,32 @@ def test_cpu_is_clear_only_if_it_can_account_for_the_wait():
     no_sched = straggler(141.1, 89.6, 0.772)
     no_sched.signals = []
     assert _cpu_short_of_cost(no_sched, 1.0) is None
+
+
+def test_diagnose_downgrades_cpu_that_cannot_account_for_the_wait(monkeypatch):
+    """The rule above inside _diagnose: a clear CPU score that cannot account for the
+    cost becomes weak, and the evidence says why; one that can stays clear."""
+    import contextlib
+
+    from ingero_forensics.report import analyze
+    from ingero_forensics.report.evidence import RUNQ_SIGNAL, Signal
+
+    class Con:                         # the statement recorder's interface, no database
+        figure = staticmethod(lambda name: contextlib.nullcontext())
+
+    def run(suspect, others, cost_s):
+        monkeypatch.setattr(analyze, "node_signals", lambda *a, **k: [
+            Signal("cpu", RUNQ_SIGNAL, suspect, others, 5.74)])
+        monkeypatch.setattr(analyze, "cited_evidence", lambda *a, **k: (["cited"], []))
+        st = analyze.Straggler(node="n", node_id=1, ranks=[0], late_ranks=[0],
+                               windows=[analyze.Window(0, 10**9, 28.7)], lateness_ms=28.7,
+                               late_bins=3, peak_ms=208.0, cost_s=cost_s, cost_share=0.07,
+                               relative_uncertainty_ms=0.0, clock_caveat=False)
+        analyze._diagnose(Con(), st, [1, 2, 3], {}, network=False)
+        return st
+
+    st = run(141.1, 89.6, 0.772)
+    assert (st.cause, st.cause_confidence) == ("cpu", "weak")
+    assert st.evidence[0] == "cited" and "cannot account" in st.evidence[-1]
+    st = run(974.4, 73.6, 0.772)
+    assert (st.cause, st.cause_confidence) == ("cpu", "clear") and st.evidence == ["cited"]

@@ -172,7 +172,7 @@ def test_attached_to_a_busy_job_loses_nothing_while_it_starts(ebpf_ok, fixtures,
                              "WHERE event = 'lost_events'").fetchall()
         order = [s for (s,) in b.con.execute(
             "SELECT source FROM capture_log WHERE event = 'source_on' ORDER BY id")]
-    assert copies > 30_000, copies
+    assert copies > 10_000, copies
     assert lost == [], lost
     # the uprobe sources came on last
     assert order.index("cuda") > order.index("sched") and order.index("nccl") > order.index("tcp")
