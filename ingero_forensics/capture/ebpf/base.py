@@ -196,11 +196,12 @@ class Symbolizer:
     An address in no mapping the process's symbol cache knows is either in a library
     mapped since (dlopen: the cache is re-read) or garbage from a walk through code built
     without frame pointers, as PyTorch's libraries are, which yields such addresses in
-    most of its stacks. Re-reading the mappings and the symbol tables of a process
-    holding libtorch takes seconds, during which the ring buffers are not read: so a
-    process's cache is refreshed at most once per REFRESH_S, in place (a new BCC cache per
-    refresh kept the old one's file descriptors open until the capture ran out of them),
-    and a frame still unknown after that stays in its stack with no module.
+    most of its stacks. Re-reading the mappings reloads the symbol tables of every
+    library (libtorch's are over a gigabyte of file) while the ring buffers are not read:
+    so a process's cache is refreshed at most once per REFRESH_S, in place (a new BCC
+    cache per refresh kept the old one's file descriptors open until the capture ran out
+    of them), and a frame still unknown after that stays in its stack with no module
+    until the next refresh is due.
     """
 
     REFRESH_S = 10.0
