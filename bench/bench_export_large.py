@@ -52,10 +52,10 @@ if profile == "1":
                 "stats_rates", "flows", "windows", "findings", "metadata_events",
                 "run_analysis"):
         wrap(ct._Exporter, sec)
-    wrap(ct._Assembler, "part", "copy part")
+    wrap(ct.Assembler, "part", "copy part")
     wrap(ct.os, "fsync", "fsync")
-    if hasattr(ct, "_Workers"):
-        wrap(ct._Workers, "receive", "wait for workers")
+    if hasattr(ct, "Workers"):
+        wrap(ct.Workers, "receive", "wait for workers")
 def cpu():
     s, c = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return s.ru_utime + c.ru_utime, s.ru_stime + c.ru_stime

@@ -12,9 +12,10 @@ from ..cliutil import (EXIT_CODES_HELP, BadUsage, echo_json, handle_errors, huma
 from ..errors import IngeroError
 from ..redact import redacted_input
 from ..redact.core import NODE_PREFIX
-from .chrome_trace import (KINDS, ExportError, ExportOptions, _load_nodes, _ranges,
-                           data_start, export_chrome_trace, iso_utc, open_fleet,
-                           parse_ranks, parse_time)
+from .chrome_trace import export_chrome_trace
+from .fleet import load_nodes, open_fleet, rank_ranges
+from .options import (KINDS, ExportError, ExportOptions, data_start, iso_utc, parse_ranks,
+                      parse_time)
 
 
 def _split(values) -> tuple[str, ...]:
@@ -161,7 +162,7 @@ def check_selection(fleet_db, *, start=None, end=None, nodes=(), ranks=None,
     con = open_fleet(fleet_db)
     try:
         try:
-            all_nodes = _load_nodes(con)
+            all_nodes = load_nodes(con)
             if not all_nodes:
                 return                       # export_chrome_trace: "has no nodes"
             names = ([f"{NODE_PREFIX}{i}" for i in sorted(n.node_id for n in all_nodes)]
@@ -176,9 +177,9 @@ def check_selection(fleet_db, *, start=None, end=None, nodes=(), ranks=None,
                     "SELECT DISTINCT rank FROM processes WHERE rank IS NOT NULL"))
                 missing = sorted(set(ranks) - known)
                 if missing:
-                    have = (_ranges(sorted(known)).split(" ", 1)[1] if known
+                    have = (rank_ranges(sorted(known)).split(" ", 1)[1] if known
                             else "none recorded")
-                    raise IngeroError(f"{fleet_db}: no {_ranges(missing)} (ranks: {have})")
+                    raise IngeroError(f"{fleet_db}: no {rank_ranges(missing)} (ranks: {have})")
             if start and end:
                 t0 = data_start(con)
                 t_from, t_to = parse_time(start, t0), parse_time(end, t0)

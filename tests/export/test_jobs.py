@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from ingero_forensics.cliutil import EXIT_ERROR, EXIT_INTERRUPTED
-from ingero_forensics.export.chrome_trace import crc32_combine
+from ingero_forensics.export.output import crc32_combine
 from ingero_forensics.export.cli import main
 
 from .fleetgen import build_fleet
@@ -89,7 +89,7 @@ def test_parts_are_removed_as_they_are_copied(fleet4, tmp_path, monkeypatch):
     node section is copied, the earlier ones are gone."""
     from ingero_forensics.export import chrome_trace as ct
     seen = []
-    real = ct._Assembler.part
+    real = ct.Assembler.part
 
     def part(self, p):
         if p is not None and os.path.basename(p.path).startswith("node-"):
@@ -97,7 +97,7 @@ def test_parts_are_removed_as_they_are_copied(fleet4, tmp_path, monkeypatch):
             seen.append((os.path.basename(p.path),
                          sorted(n for n in os.listdir(d) if n.startswith("node-"))))
         return real(self, p)
-    monkeypatch.setattr(ct._Assembler, "part", part)
+    monkeypatch.setattr(ct.Assembler, "part", part)
     _export(fleet4, tmp_path / "t.json", "--jobs", 2)
     copied = [name for name, _ in seen]
     assert len(copied) == len(set(copied)) > 8
