@@ -253,14 +253,31 @@ class TableBuilder:
         return counts
 
 
+class CorruptOutput(Exception):
+    """A malformed page met while copying, in the database written to (an existing
+    fleet.db that was damaged before this merge), not in the bundle: the merge stops
+    and names fleet.db instead of skipping sound bundles."""
+
+
 def copy_bundle_table(con, table, bundle, node_id, bundle_id, p) -> tuple[int, int]:
-    """copy_table, a malformed page of the bundle raising CorruptBundle."""
+    """copy_table, a malformed page of the bundle raising CorruptBundle; one of the
+    database written to, CorruptOutput."""
     try:
         return copy_table(con, table, bundle, node_id, bundle_id, p)
     except CORRUPT_ERRORS as e:
-        raise CorruptBundle(bundle.path, f"database is corrupt ({type(e).__name__}: "
-                                          f"{' '.join(str(e).split())}; table {table})") \
-            from None
+        why = f"{type(e).__name__}: {' '.join(str(e).split())}; table {table}"
+        if _image_sound(con, "b"):
+            raise CorruptOutput(why) from None
+        raise CorruptBundle(bundle.path, f"database is corrupt ({why})") from None
+
+
+def _image_sound(con, schema: str) -> bool:
+    """Whether the attached bundle image passes SQLite's quick_check (only asked after a
+    copy met a malformed page: which side it was on)."""
+    try:
+        return [r[0] for r in con.execute(f"PRAGMA {schema}.quick_check(1)")] == ["ok"]
+    except (apsw.Error, ValueError):
+        return False
 
 
 def load_stack_map(con, bundle_id: int) -> None:

@@ -39,8 +39,8 @@ from . import align
 from .clocks import align_nodes, realign_existing, sample_sync_points, write_alignment
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
 from .copying import (CACHE_MB, FLEET_PAGE_SIZE, PASS1_TABLES, PASS3_TABLES, CorruptBundle,
-                      TableBuilder, builder_share, bundle_predicate, copy_bundle_table,
-                      copy_table, flush_file, load_stack_map, release_bundles)
+                      CorruptOutput, TableBuilder, builder_share, bundle_predicate,
+                      copy_bundle_table, flush_file, load_stack_map, release_bundles)
 from .files import MergeError, check_fleet, expand_inputs, lock_output
 from .inflight import settle_in_flight
 from .lateattach import infer_late_attach
@@ -243,6 +243,11 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
                 os.unlink(f"{tmp}{suffix}")
         # The output side failed (disk full, an unwritable directory): one line, not a
         # traceback; the previous fleet.db is untouched.
+        if isinstance(e, CorruptOutput):
+            raise MergeError(f"{out}: " + ("the fleet.db is damaged" if not fresh else
+                                           "the new fleet.db was damaged while written") +
+                             f" ({e}); nothing was written and no bundle skipped: merge the bundles "
+                             "into a new fleet.db") from None
         if isinstance(e, apsw.FullError) or (isinstance(e, OSError) and e.errno == 28):
             raise MergeError(f"{out}: the disk is full (nothing was written; free space "
                              "or use --tmpdir for the decompressed bundles)") from None
@@ -343,19 +348,20 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                     counts = {"stacks": n_stacks}
                     skipped = {}
                     for t in PASS1_TABLES:
-                        counts[t], skipped[t] = copy_table(con, t, bundle, node_id,
-                                                            bundle_id, None)
+                        counts[t], skipped[t] = copy_bundle_table(con, t, bundle, node_id,
+                                                                   bundle_id, None)
                     con.execute("COMMIT")
                 finally:
                     if not con.getautocommit():
                         con.execute("ROLLBACK")
                     if attached:
                         con.execute("DETACH DATABASE b")
-            except (apsw.Error, ValueError, Conflict) as e:
+            except (apsw.Error, ValueError, Conflict, CorruptBundle) as e:
                 if not con.getautocommit():
                     con.execute("ROLLBACK")
                 bundle.close()
-                skip(shown, str(e) if isinstance(e, Conflict) else
+                skip(shown, str(e) if isinstance(e, Conflict) else e.reason
+                     if isinstance(e, CorruptBundle) else
                      f"cannot merge ({type(e).__name__}: {e})")
                 progress(2)
                 continue

@@ -118,3 +118,37 @@ def test_quick_check_finds_it_before_copying(fleet_with_corrupt, tmp_path):
     res = merge_bundles([good[0], bad], tmp_path / "f.db", integrity="quick")
     assert [s["input"] for s in res.skipped] == [str(bad)]
     assert res.bundles_merged == 1
+
+
+def _break_root_page(db, table: str) -> None:
+    """The table's root page gets a page type SQLite does not know: any read or insert of
+    that table meets "database disk image is malformed"."""
+    con = apsw.Connection(str(db))
+    root = con.execute("SELECT rootpage FROM sqlite_schema WHERE name = ?",
+                       (table,)).fetchone()[0]
+    page_size = con.execute("PRAGMA page_size").fetchone()[0]
+    con.close()
+    with open(db, "r+b") as f:
+        f.seek((root - 1) * page_size + (100 if root == 1 else 0))
+        f.write(b"\x01")
+
+
+def test_a_damaged_fleet_db_is_named_not_the_sound_bundles(tmp_path):
+    """Merging sound bundles into a fleet.db damaged before: the malformed page is the
+    output's, so the merge stops naming fleet.db, skips no bundle, logs nothing against
+    them, and leaves the file as it was (exit 1, as report and export do)."""
+    from click.testing import CliRunner
+    from ingero_forensics.merge.cli import main as merge_cli
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=22)
+    db = tmp_path / "f.db"
+    merge_bundles([fleet.paths[0]], db)
+    _break_root_page(db, TABLE)
+    before = db.read_bytes()
+    with pytest.raises(MergeError, match=f"^{db}: the fleet.db is damaged .*table {TABLE}"):
+        merge_bundles(fleet.paths[1:], db)
+    assert db.read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".f.db")]
+    r = CliRunner().invoke(merge_cli, [*map(str, fleet.paths[1:]), "-o", str(db)])
+    assert r.exit_code == 1, r.output
+    assert r.output.count("\n") == 1 and "no bundle skipped" in r.output, r.output
+    assert db.read_bytes() == before
