@@ -265,7 +265,12 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
            min_wait_ns, min_latency_ns, pending) -> None:
     con = fl.con
     fl.min_latency_ns = min_latency_ns
-    known_sha = {r[0] for r in con.execute("SELECT sha256 FROM bundles")}
+    # sha256 -> the file sizes it was merged from: a file naming a merged bundle is taken
+    # as that bundle, unopened, only at one of those sizes (a truncated copy is verified,
+    # and fails, like any new input)
+    known_sha: dict[str, set] = {}
+    for sha, size in con.execute("SELECT sha256, size FROM bundles"):
+        known_sha.setdefault(sha, set()).add(size)
     max_old_bundle = con.execute("SELECT COALESCE(MAX(bundle_id), 0) FROM bundles").fetchone()[0]
     old_params = {r[0]: (r[1], r[2]) for r in
                   con.execute("SELECT node_id, offset_ns, slope FROM clock_alignment")}
@@ -368,7 +373,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
             except BaseException:
                 bundle.close()          # Ctrl-C here: its image is not left behind
                 raise
-            known_sha.add(sha)
+            known_sha.setdefault(sha, set()).add(os.path.getsize(bundle.path))
             fl.collectives_seen = max(fl.collectives_seen, bundle.collectives_seen)
             pending.append({"bundle": bundle, "shown": shown, "node_id": node_id,
                             "bundle_id": bundle_id, "counts": counts, "skipped": skipped})

@@ -25,10 +25,12 @@ PREFETCH_THREADS = 2
 def open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
     """(sha, Bundle) or (sha, None) when already merged, or the BundleError. The Bundle
     carries its sync points: ``run_paths`` (the C path: run files of collective rows) or
-    ``sync_path`` (the SQL path: a scratch database); close() removes them."""
+    ``sync_path`` (the SQL path: a scratch database); close() removes them.
+    known_sha: {sha256: file sizes} of the bundles merged; a file whose manifest names
+    one of them is not opened again only at one of those sizes."""
     try:
         sha = read_manifest(path)["database"]["sha256"]
-        if sha in known_sha:
+        if sha in known_sha and os.path.getsize(path) in known_sha[sha]:
             return sha, None
         bundle = open_bundle(path, tmpdir=tmpdir, integrity=integrity)
     except BundleError as e:
@@ -95,8 +97,9 @@ def prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
 
     def submit(i):
         if i < len(todo) and not todo[i][2]:
-            futures[i] = pool.submit(open_one, todo[i][1], set(known_sha), tmpdir,
-                                     integrity, min_wait_ns, fastcoll)
+            known = {sha: set(sizes) for sha, sizes in known_sha.items()}
+            futures[i] = pool.submit(open_one, todo[i][1], known, tmpdir, integrity,
+                                     min_wait_ns, fastcoll)
     try:
         for i in range(PREFETCH_THREADS):
             submit(i)

@@ -137,6 +137,27 @@ def test_idempotent_and_incremental(tmp_path):
     assert logs == 5
 
 
+@pytest.mark.parametrize("after", [1, 2, 3, 5])
+def test_a_truncated_copy_of_a_merged_bundle_is_not_taken_as_it(tmp_path, after):
+    """A damaged copy whose manifest (read first) names a bundle merged before, in this
+    run or an earlier one, is verified like any new input: --strict aborts wherever it
+    sits among the inputs (the helper threads open ahead of the main thread), and an
+    incremental merge skips it with the reason instead of calling it "already present"."""
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=41)
+    good = fleet.paths[0]
+    trunc = tmp_path / "trunc.bundle"
+    trunc.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
+    spacers = [p for p in fleet.paths if p != good] * 3
+    inputs = [good] + spacers[: after - 1] + [trunc]
+    with pytest.raises(MergeError, match=f"{trunc}: .*--strict: nothing was written"):
+        merge_bundles(inputs, tmp_path / "s.db", strict=True)
+    assert not (tmp_path / "s.db").exists()
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths, db)
+    res = merge_bundles([*fleet.paths, trunc], db)
+    assert res.bundles_already == 3 and [s["input"] for s in res.skipped] == [str(trunc)]
+
+
 def test_same_name_other_host_is_kept_apart(tmp_path):
     a = make_fleet(tmp_path / "a", nodes=1, seconds=3, seed=5)
     b = make_fleet(tmp_path / "b", nodes=1, seconds=3, seed=6, host_of={0: "other-host"})
