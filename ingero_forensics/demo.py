@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from . import cliutil
+from .errors import IngeroError
 from .simulate import FleetConfig, simulate_fleet
 
 #: The demo fleet: 8 nodes x 8 ranks, node-05 slowed by a competing CPU-bound task
@@ -67,11 +68,33 @@ STEPS = [("simulate", step_simulate), ("merge", step_merge), ("export", step_exp
          ("report", step_report)]
 
 
-def run_demo(out_dir, *, config: FleetConfig | None = None,
-             log=print) -> list[tuple[str, Path]]:
-    """Run every demo step into out_dir (default fleet: DEMO_CONFIG); return the outputs."""
+#: Written into the output directory: a later demo may replace what this one wrote.
+MARKER = ".ingero-demo"
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """Refuse a directory holding anything but an earlier demo (its fleet.db and bundles
+    would be replaced without a word), unless force."""
+    if out.exists() and not out.is_dir():
+        raise IngeroError(f"{out}: exists and is not a directory")
+    if force or not out.exists() or (out / MARKER).exists():
+        return
+    other = sorted(p.name for p in out.iterdir())
+    if other:
+        raise IngeroError(f"{out}: is not empty and holds no earlier demo ({other[0]}"
+                          f"{', ...' if len(other) > 1 else ''}); the demo would replace "
+                          "its fleet.db, fleet/ bundles, trace.json.gz and report.html: "
+                          "choose another directory or pass --force")
+
+
+def run_demo(out_dir, *, config: FleetConfig | None = None, log=print,
+             force: bool = False) -> list[tuple[str, Path]]:
+    """Run every demo step into out_dir (default fleet: DEMO_CONFIG); return the outputs.
+    out_dir must be new, empty or an earlier demo's, unless force."""
     ctx = {"out": Path(out_dir), "config": config or DEMO_CONFIG, "log": log}
+    check_out_dir(ctx["out"], force)
     ctx["out"].mkdir(parents=True, exist_ok=True)
+    (ctx["out"] / MARKER).write_text("written by python -m ingero_forensics.demo\n")
     outputs = []
     for name, fn in STEPS:
         outputs += fn(ctx)
@@ -81,12 +104,17 @@ def run_demo(out_dir, *, config: FleetConfig | None = None,
 @click.command(name="python -m ingero_forensics.demo",
                epilog=cliutil.EXIT_CODES_HELP)
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Output directory (created if missing; a previous demo is replaced).")
+              help="Output directory (created if missing). An earlier demo there is "
+                   "replaced; any other directory that is not empty is refused.")
+@click.option("--force", is_flag=True,
+              help="Use a directory that is not empty and holds no earlier demo: the "
+                   "demo's own outputs there (fleet/, fleet.db, trace.json.gz, "
+                   "report.html) are replaced, nothing else is touched.")
 @click.option("--json", "as_json", is_flag=True, help="Print the outputs as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the outputs.")
 @cliutil.version_option("ingero-demo")
 @cliutil.handle_errors
-def main(out_dir, as_json, quiet):
+def main(out_dir, force, as_json, quiet):
     """Simulate an 8-node fleet with a CPU-contention straggler and analyse it.
 
     Runs the whole workstation chain on it: ingero-merge (fleet.db), ingero-export
@@ -97,7 +125,7 @@ def main(out_dir, as_json, quiet):
       python -m ingero_forensics.demo -o demo/
     """
     log = (lambda _msg: None) if (quiet or as_json) else (lambda msg: click.echo(msg, err=True))
-    outputs = run_demo(out_dir, log=log)
+    outputs = run_demo(out_dir, log=log, force=force)
     if as_json:
         cliutil.echo_json({label: str(path) for label, path in outputs})
         return

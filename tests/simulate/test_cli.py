@@ -127,6 +127,34 @@ def test_demo_runs_steps_and_prints_outputs(tmp_path, monkeypatch):
     assert demo.DEMO_CONFIG.nodes == 3 and demo.STEPS[0][0] == "simulate"
 
 
+def test_demo_refuses_a_directory_that_holds_no_earlier_demo(tmp_path, monkeypatch):
+    """An SRE's own fleet.db and bundles are never replaced by the demo without --force;
+    an earlier demo's directory is reused as the help says."""
+    import ingero_forensics.demo as demo
+    from ingero_forensics.simulate import FleetConfig
+    monkeypatch.setattr(demo, "DEMO_CONFIG", FleetConfig(nodes=2, ranks_per_node=1, steps=20,
+                                                         fault="cpu", straggler=1, workers=1))
+    mine = tmp_path / "work"
+    (mine / "fleet").mkdir(parents=True)
+    (mine / "fleet.db").write_bytes(b"the user's own fleet.db")
+    (mine / "fleet" / "gpu-99+20250101T000000Z+000000.bundle").write_bytes(b"theirs")
+    res = CliRunner().invoke(demo_main, ["-o", str(mine), "-q"])
+    assert res.exit_code == 1, res.output
+    assert "holds no earlier demo" in res.output and "--force" in res.output
+    assert res.output.count("\n") == 1 and "Traceback" not in res.output
+    assert (mine / "fleet.db").read_bytes() == b"the user's own fleet.db"
+    assert (mine / "fleet" / "gpu-99+20250101T000000Z+000000.bundle").exists()
+    # a directory of its own: run, then run again over it without --force
+    own = tmp_path / "demo"
+    for _ in range(2):
+        res = CliRunner().invoke(demo_main, ["-o", str(own), "-q"])
+        assert res.exit_code == 0, res.output
+    assert len(list((own / "fleet").glob("*.bundle"))) == 2
+    res = CliRunner().invoke(demo_main, ["-o", str(mine), "-q", "--force"])
+    assert res.exit_code == 0, res.output
+    assert (mine / "fleet.db").read_bytes() != b"the user's own fleet.db"
+
+
 def test_demo_config_is_the_documented_fleet():
     from ingero_forensics.demo import DEMO_CONFIG
     cfg = DEMO_CONFIG.validated()
