@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import apsw
@@ -59,8 +60,9 @@ def _split(values) -> tuple[str, ...]:
                    "Default: the number of CPUs. --jobs 1 works in this process alone. "
                    "The output is the same bytes whatever N.")
 @click.option("--json", "json_", is_flag=True,
-              help="With -o: print a JSON summary (counts per kind, origin, bytes, and "
-                   "accelerated: whether the C loops wrote it) on stdout. Without -o "
+              help="With -o: print a JSON summary (counts per kind, origin, bytes: the "
+                   "file's size, json_bytes: the JSON text before gzip, and accelerated: "
+                   "whether the C loops wrote it) on stdout. Without -o "
                    "stdout holds the trace and no summary is printed.")
 @click.option("-q", "--quiet", is_flag=True, help="No summary line.")
 @click.option("--redact", is_flag=True,
@@ -126,8 +128,10 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
         stats = export_chrome_trace(source, output, opts)
     if output is None:
         return  # stdout holds the trace; nothing else goes there
+    file_bytes = os.path.getsize(stats.output)
     if json_:
-        echo_json({"output": stats.output, "bytes": stats.bytes, "events": stats.events,
+        echo_json({"output": stats.output, "bytes": file_bytes, "json_bytes": stats.bytes,
+                   "events": stats.events,
                    "slices": stats.slices, "instants": stats.instants,
                    "counters": stats.counters, "flows": stats.flows,
                    "metadata_events": stats.metadata_events,
@@ -136,7 +140,9 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     elif not quiet:
         click.echo(f"{stats.output}: {stats.events} events ({stats.slices} slices, "
                    f"{stats.flows} flows, {stats.counters} counter samples, "
-                   f"{stats.instants} instants), {human_bytes(stats.bytes)}", err=True)
+                   f"{stats.instants} instants), {human_bytes(file_bytes)}"
+                   + (f" ({human_bytes(stats.bytes)} of JSON, gzipped)"
+                      if file_bytes != stats.bytes else ""), err=True)
 
 
 def check_selection(fleet_db, *, start=None, end=None, nodes=(), ranks=None,

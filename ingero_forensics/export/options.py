@@ -62,7 +62,7 @@ class ExportStats:
     by_kind: dict = field(default_factory=dict)
     origin_ns: int = 0
     output: str = "-"
-    bytes: int = 0
+    bytes: int = 0           # the JSON text (before gzip, for a .gz output)
     accelerated: bool = False  # the C loops (_fastslices) wrote the slice sections
 
 

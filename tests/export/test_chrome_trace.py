@@ -261,6 +261,14 @@ def test_json_summary(fleet, tmp_path):
     r = run(path, "--chrome-trace", "-o", tmp_path / "s.json", "--json")
     s = json.loads(r.stdout)
     assert s["flows"] == truth["flows"] and s["bytes"] == (tmp_path / "s.json").stat().st_size
+    assert s["json_bytes"] == s["bytes"]
+    # gzip: bytes is the file's size, json_bytes the text inside it; the line says both
+    r = run(path, "--chrome-trace", "-o", tmp_path / "s.json.gz", "--json")
+    z = json.loads(r.stdout)
+    assert z["bytes"] == (tmp_path / "s.json.gz").stat().st_size < z["json_bytes"]
+    assert z["json_bytes"] == len(gzip.decompress((tmp_path / "s.json.gz").read_bytes()))
+    r = run(path, "--chrome-trace", "-o", tmp_path / "t.json.gz")
+    assert "of JSON, gzipped" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("text, want", [
