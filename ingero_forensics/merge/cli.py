@@ -8,7 +8,7 @@ import click
 
 from .. import accel as _accel
 from .. import cliutil
-from .core import merge_bundles
+from .core import NOT_EVENTS, merge_bundles
 from .files import expand_inputs, list_bundles
 from .verify import verify_bundles
 
@@ -150,10 +150,10 @@ def _list_line(it) -> str:
         return f"{it['input']}: ERROR {it['error']}"
     m = it["manifest"]
     cap = m["capture"]
-    rows = sum(m["tables"].values())
+    rows = sum(n or 0 for t, n in m["tables"].items() if t not in NOT_EVENTS)
     dur = (cap["end_mono_ns"] - cap["start_mono_ns"]) / 1e9
     return (f"{it['input']}: node {m['node']} host {m['host']['hostname']} segment "
-            f"{m['segment']['index']} {dur:.1f}s {rows} rows "
+            f"{m['segment']['index']} {dur:.1f}s {rows} rows, image "
             f"{cliutil.human_bytes(m['database']['size'])} sha256 {m['database']['sha256'][:12]}")
 
 
@@ -202,7 +202,7 @@ def format_summary(res) -> str:
         unc = "-" if a["uncertainty_ns"] is None else f"{a['uncertainty_ns'] / 1e3:.0f}us"
         flag = " LIAR" if a["exceeds_claim"] else ""
         lines.append(f"{n['name'][:20]:<20} {ranks:<10} {n['bundles']:>7} "
-                     f"{sum(v for k, v in n['rows'].items() if k != 'stacks'):>10} "
+                     f"{sum(v for k, v in n['rows'].items() if k not in NOT_EVENTS):>10} "
                      f"{a['method'] or '-':<13} {unc:>10} "
                      f"{a['violations_before']}/{a['violations_after']:<5}{flag}")
     if res.rows:

@@ -60,6 +60,11 @@ DEFAULT_MIN_WAIT_NS = 20_000
 DEFAULT_MIN_LATENCY_NS = 1_000
 
 
+#: Tables whose rows are not events: a bundle's or node's "rows" and the merge's total
+#: leave them out (stacks are shared by the fleet, meta is facts about a segment).
+NOT_EVENTS = ("meta", "stacks")
+
+
 @dataclass
 class MergeResult:
     output: str
@@ -276,6 +281,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                   con.execute("SELECT node_id, offset_ns, slope FROM clock_alignment")}
     stack_rows_seen = 0
     new_stack_ids: set[int] = set()
+    stacks_before = con.execute("SELECT COUNT(*) FROM stacks").fetchone()[0]
 
     def skip(shown, reason):
         if strict:
@@ -478,7 +484,9 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                   "fleet_stacks_total": total_stacks,
                   "dedup_ratio": round(stack_rows_seen / len(new_stack_ids), 2)
                   if new_stack_ids else None}
-    res.events = sum(n for t, n in res.rows.items() if t not in ("meta", "stacks"))
+    res.events = sum(n for t, n in res.rows.items() if t not in NOT_EVENTS)
+    # the stacks this merge added to fleet.db (the bundles' own are the stacks line)
+    res.rows["stacks"] = total_stacks - stacks_before
     info = {"format_version": FLEET_VERSION, "created_by": f"ingero-forensics {__version__}",
             "updated_utc": _utc_iso(),
             "alignment": {"min_wait_ns": min_wait_ns, "min_latency_ns": min_latency_ns,
@@ -563,7 +571,7 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
             res.rows[t] = res.rows.get(t, 0) + n
         res.bundles_merged += 1
         fl.log("info", "merged", "bundle merged", input=item["shown"], node_id=node_id,
-               count=sum(item["counts"].values()))
+               count=sum(n for t, n in item["counts"].items() if t not in NOT_EVENTS))
         progress(1)
 
 

@@ -194,7 +194,9 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("capture_start_utc_ns", "INTEGER", False, "ns since 1970 UTC, as claimed",
           "capture.start_utc_ns (the node's CLOCK_REALTIME, not aligned)."),
         C("merged_utc", "TEXT", False, "", "When it was merged (ISO 8601, UTC)."),
-        C("rows", "TEXT", False, "", "JSON object: rows written to fleet.db per table."),
+        C("rows", "TEXT", False, "", "JSON object: rows written to fleet.db per table; "
+          "stacks: the bundle's stacks, each mapped to a fleet stack (fleet.db keeps one "
+          "row per distinct stack)."),
         C("skipped_rows", "TEXT", False, "", "JSON object: rows not merged per table "
           "(invalid enum value, NULL in a required column, non-integer time); see merge_log."),
         C("manifest", "TEXT", False, "", "The bundle's manifest, JSON."),
@@ -373,7 +375,8 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("input", "TEXT", True, "", "The input file concerned, if any."),
         C("node_id", "INTEGER", True, "", "The node concerned, if any."),
         C("event", "TEXT", False, "", "skipped_input, skipped_rows, already_merged, "
-          "node_name_conflict, several_jobs, clock_claim_exceeded, no_clock_samples, merged."),
+          "node_name_conflict, several_jobs, clock_claim_exceeded, no_clock_samples, "
+          "clock_causal_move, rate_clamped, late_wakeups, late_attach, merged."),
         C("message", "TEXT", False, "", "Human-readable text."),
         C("count", "INTEGER", True, "", "Rows concerned, when counting."),
     )),

@@ -28,6 +28,33 @@ def test_merge_summary_and_json(tmp_path):
     assert doc["bundles_already"] == 2 and doc["bundles_merged"] == 0
 
 
+def test_every_row_count_agrees(tmp_path):
+    """--list, the node table, merge_log and the total count the same rows (every table
+    but meta and stacks), and "rows written" lists the stacks fleet.db gained, not the
+    bundles' copies of them."""
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=52)
+    listed = CliRunner().invoke(main, ["--list", *map(str, fleet.paths)])
+    per_input = {line.split(": ", 1)[0]: int(line.split(" rows,")[0].rsplit(" ", 1)[1])
+                 for line in listed.output.splitlines()}
+    db = tmp_path / "f.db"
+    r = CliRunner().invoke(main, [*map(str, fleet.paths), "-o", str(db), "--json"])
+    doc = json.loads(r.stdout)
+    con = apsw.Connection(str(db))
+    logged = dict(con.execute("SELECT input, count FROM merge_log WHERE event = 'merged'"))
+    stacks = con.execute("SELECT COUNT(*) FROM stacks").fetchone()[0]
+    con.close()
+    assert logged == per_input
+    per_node = [sum(v for t, v in n["rows"].items() if t not in ("meta", "stacks"))
+                for n in doc["nodes"]]
+    assert sorted(per_node) == sorted(per_input.values())
+    assert doc["events"] == sum(per_node)
+    assert doc["rows"]["stacks"] == stacks < sum(n["rows"]["stacks"] for n in doc["nodes"])
+    text = CliRunner().invoke(main, [*map(str, fleet.paths), "-o", str(tmp_path / "g.db")])
+    assert f"; {doc['events']} rows in " in text.output
+    assert all(f" {v} " in text.output for v in per_node)
+    assert f"stacks {stacks}," in text.output.split("rows written: ")[1]
+
+
 def test_summary_says_when_the_accelerators_are_not_used(tmp_path, monkeypatch):
     """A node image with a compiler but no SQLite headers once skipped the accelerators
     without a word, and its merge ran twice as slow: the summary now says so."""
