@@ -36,7 +36,7 @@ READ_PRAGMAS = frozenset({
     "table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
     "foreign_key_list", "user_version", "application_id", "page_count", "page_size",
     "freelist_count", "schema_version", "encoding", "compile_options", "function_list",
-    "pragma_list", "collation_list", "database_list",
+    "pragma_list", "collation_list", "database_list", "integrity_check", "quick_check",
 })
 _ALLOWED_ACTIONS = frozenset({
     apsw.SQLITE_SELECT, apsw.SQLITE_READ, apsw.SQLITE_FUNCTION, apsw.SQLITE_RECURSIVE,
@@ -110,7 +110,8 @@ def _authorizer(action, p1, p2, dbname, trigger):
         # informational pragmas (user_version = 5) carry a value too, so refuse those.
         if p2 is None or (p1 or "").lower() in ("table_info", "table_xinfo", "index_list",
                                                 "index_info", "index_xinfo",
-                                                "foreign_key_list", "table_list"):
+                                                "foreign_key_list", "table_list",
+                                                "integrity_check", "quick_check"):
             return apsw.SQLITE_OK
     return apsw.SQLITE_DENY
 

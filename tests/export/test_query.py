@@ -82,6 +82,11 @@ def test_read_pragmas_allowed(fleet):
     r = run(path, "PRAGMA table_info(collectives)", "--json")
     assert r.exit_code == 0
     assert "last_rank" in {c["name"] for c in json.loads(r.stdout)}
+    # the check an SRE runs on a suspect fleet.db, with or without a limit
+    for sql in ("PRAGMA integrity_check", "PRAGMA quick_check(5)"):
+        r = run(path, sql, "--json")
+        assert r.exit_code == 0, r.output
+        assert [list(row.values()) for row in json.loads(r.stdout)] == [["ok"]]
 
 
 def test_library_refuses_even_without_the_cli(fleet):
