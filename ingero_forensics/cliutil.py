@@ -30,8 +30,10 @@ EXIT_USAGE = 2
 EXIT_PARTIAL = 3
 EXIT_INTERRUPTED = 130
 
-EXIT_CODES_HELP = ("Exit codes: 0 success; 1 error; 2 usage error; 3 some inputs "
-                   "skipped; 130 interrupted.")
+EXIT_CODES_HELP = "Exit codes: 0 success; 1 error; 2 usage error; 130 interrupted."
+#: ingero-merge's, the one command that processes what it can and skips the rest
+MERGE_EXIT_CODES_HELP = ("Exit codes: 0 success; 1 error; 2 usage error; 3 some inputs "
+                         "skipped; 130 interrupted.")
 
 
 class BadUsage(IngeroError):

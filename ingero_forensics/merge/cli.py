@@ -34,7 +34,7 @@ image, schema, row counts) without merging and prints one line per bundle: node,
 capture window, size, rows and OK or the reason. Exit code 0 when every bundle is good,
 1 when any is not (each also named on stderr).
 
-{cliutil.EXIT_CODES_HELP}
+{cliutil.MERGE_EXIT_CODES_HELP}
 
 \b
 Example:
@@ -48,7 +48,7 @@ Example:
 @click.command(help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("bundles", nargs=-1, required=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="fleet.db to create or extend (required unless --list).")
+              help="fleet.db to create or extend (required unless --list or --verify).")
 @click.option("--list", "list_", is_flag=True,
               help="Print each bundle's manifest (no decompression) and exit; exit 3 if "
                    "any input is not a readable bundle.")
@@ -89,7 +89,7 @@ def main(bundles, output, list_, verify, strict, integrity, tmpdir, as_json, qui
             click.echo(f"Error: {it['input']}: {it['error']}", err=True)
         sys.exit(cliutil.EXIT_PARTIAL if bad else cliutil.EXIT_OK)
     if not output:
-        raise click.UsageError("-o/--output is required (or use --list)")
+        raise click.UsageError("-o/--output is required (or use --list or --verify)")
     inputs = expand_inputs(bundles)
     cliutil.refuse_output_over_input(output, *(str(p) for _, p, _ in inputs if p is not None))
     n_inputs = len(inputs)

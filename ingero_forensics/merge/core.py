@@ -387,7 +387,11 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
 
     if not pending and not old_params and not res.bundles_already:
         reasons = "; ".join(f"{s['input']}: {s['reason']}" for s in res.skipped[:3])
-        raise MergeError(f"no usable bundle among the inputs ({reasons})")
+        more = len(res.skipped) - 3
+        raise MergeError(f"{res.output}: no usable bundle among the {len(entries)} input"
+                         f"{'s' if len(entries) != 1 else ''} ({reasons}"
+                         f"{f'; and {more} more' if more > 0 else ''}); "
+                         "nothing was written")
     # collectives of captures attached after their communicators' init: inferred now that
     # every bundle is open, before anything reads sync points from the images
     for item in infer_late_attach(fl, pending):

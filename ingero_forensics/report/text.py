@@ -37,7 +37,9 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         (lambda t, lead="": textwrap.fill(t, 96, initial_indent=lead,
                                           subsequent_indent=" " * len(lead)))
     lines = [("# " if markdown else "") + f"Straggler report: {report_title(a)}", "",
-             f"{a.nodes} nodes, {a.ranks} ranks, {a.collectives:,} collectives.", "",
+             f"{a.nodes} node{'s' if a.nodes != 1 else ''}, {a.ranks} "
+             f"rank{'s' if a.ranks != 1 else ''}, {a.collectives:,} collective"
+             f"{'s' if a.collectives != 1 else ''}.", "",
              para(a.verdict), ""]
     if a.hangs:
         lines += [h("Ranks that stopped"), ""]

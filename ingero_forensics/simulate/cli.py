@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from .. import cliutil
-from .config import FAULTS, FleetConfig, SimulateConfigError, parse_node, parse_window
+from .config import (FAULTS, MAX_RANKS_PER_NODE, FleetConfig, SimulateConfigError, parse_node,
+                     parse_window)
 from .fleet import simulate_fleet
 
 
@@ -19,7 +20,8 @@ def _bad(e: SimulateConfigError, param: str):
               help="Directory for the bundles and truth.json (created if missing).")
 @click.option("--nodes", type=int, default=4, show_default=True, help="Number of nodes.")
 @click.option("--ranks-per-node", type=int, default=8, show_default=True,
-              help="GPUs (ranks) per node; node k hosts global ranks k*R .. k*R+R-1.")
+              help="GPUs (ranks) per node, 1 to "
+                   f"{MAX_RANKS_PER_NODE}; node k hosts global ranks k*R .. k*R+R-1.")
 @click.option("--steps", type=int, default=200, show_default=True, help="Training steps.")
 @click.option("--fault", default="none", show_default=True, metavar="KIND",
               help=f"Injected fault: {', '.join(FAULTS)}.")

@@ -92,9 +92,15 @@ def test_bad_input_exit_3_with_error_line(tmp_path):
 def test_nothing_usable_is_an_error(tmp_path):
     r = CliRunner().invoke(main, [str(tmp_path / "nope.bundle"), "-o", str(tmp_path / "f.db")])
     assert r.exit_code == 1
-    assert r.stderr == (f"Error: no usable bundle among the inputs ({tmp_path / 'nope.bundle'}: "
-                        "no such file or directory)\n")
+    assert r.stderr == (f"Error: {tmp_path / 'f.db'}: no usable bundle among the 1 input "
+                        f"({tmp_path / 'nope.bundle'}: no such file or directory); nothing "
+                        "was written\n")
     assert not (tmp_path / "f.db").exists()
+    # more than three: three reasons, and how many more
+    bad = [tmp_path / f"nope{k}.bundle" for k in range(5)]
+    r = CliRunner().invoke(main, [*map(str, bad), "-o", str(tmp_path / "f.db")])
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1
+    assert "among the 5 inputs" in r.stderr and "; and 2 more); nothing was written" in r.stderr
 
 
 def test_strict_error_line(tmp_path):
