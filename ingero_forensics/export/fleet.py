@@ -9,7 +9,7 @@ import apsw
 import orjson
 
 from ..db import harden
-from ..merge.fleet_schema import FLEET_APPLICATION_ID, FLEET_VERSION
+from ..fleetfile import check_fleet_file
 from .options import ExportError
 
 
@@ -25,31 +25,11 @@ def connect_fleet(path) -> apsw.Connection:
 
 def open_fleet(path) -> apsw.Connection:
     path = Path(path)
-    if not path.exists():
-        raise ExportError(f"{path}: no such file")
+    check_fleet_file(path, ExportError)
     try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-    except OSError as e:
-        raise ExportError(f"{path}: cannot read: {e.strerror or e}") from None
-    if head != b"SQLite format 3\x00":
-        raise ExportError(f"{path}: not a fleet.db (not a SQLite database; bundles are "
-                          "merged first with ingero-merge)")
-    try:
-        con = connect_fleet(path)
-        app = con.execute("PRAGMA application_id").fetchone()[0]
-        ver = con.execute("PRAGMA user_version").fetchone()[0]
+        return connect_fleet(path)
     except apsw.Error as e:
         raise ExportError(f"{path}: cannot open database ({e})") from None
-    if app != FLEET_APPLICATION_ID:
-        con.close()
-        raise ExportError(f"{path}: not a fleet.db (application_id {app:#x}; a bundle "
-                          "database or another SQLite file?)")
-    if ver > FLEET_VERSION:
-        con.close()
-        raise ExportError(f"{path}: fleet.db version {ver} is newer than this tool "
-                          f"supports ({FLEET_VERSION}); upgrade ingero-forensics")
-    return con
 
 
 @dataclass

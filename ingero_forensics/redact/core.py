@@ -44,6 +44,7 @@ from .. import __version__
 from ..cliutil import BadUsage, sqlite_message
 from ..db import connect_readonly
 from ..errors import IngeroError
+from ..fleetfile import check_fleet_file
 
 #: Columns holding hashes or fixed vocabularies: never sensitive, not scanned (a user
 #: name that is also a word must not rewrite a metric or API name the report reads).
@@ -384,21 +385,17 @@ class RedactResult:
 
 def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
     """Write a redacted copy of the fleet.db src to dest (replaced atomically)."""
-    from ..merge.fleet_schema import FLEET_APPLICATION_ID  # noqa: PLC0415
     t0 = time.monotonic()
     src, dest = Path(src), Path(dest)
-    if not src.is_file():
-        raise RedactError(f"{src}: no such file")
+    check_fleet_file(src, RedactError)
     if dest.exists() and os.path.samefile(src, dest):
         raise OutputIsInput(f"{dest}: the output would replace the input; choose another -o")
+    if not dest.parent.is_dir():
+        raise RedactError(f"{dest}: directory {dest.parent} does not exist")
     try:
         source = connect_readonly(src)
-        app = source.execute("PRAGMA application_id").fetchone()[0]
     except apsw.Error as e:
-        raise RedactError(f"{src}: not a SQLite fleet.db ({e})") from None
-    if app != FLEET_APPLICATION_ID:
-        source.close()
-        raise RedactError(f"{src}: not a fleet.db (application_id {app:#x})")
+        raise RedactError(f"{src}: cannot read fleet.db ({e})") from None
     work = dest.with_name(f".{dest.name}.{os.getpid()}.redacting")
     tmp_out = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:

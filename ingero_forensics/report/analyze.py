@@ -44,6 +44,7 @@ from statistics import NormalDist
 
 from ..db import connect_readonly
 from ..errors import IngeroError
+from ..fleetfile import check_fleet_file
 from ..merge.ranks import process_ranks
 from ..merge.summaries import default_bin_s
 from .commands import next_commands
@@ -225,8 +226,7 @@ class Analysis:
 def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     """Analyze a merged fleet.db; raise IngeroError if it is not one."""
     path = Path(fleet_db)
-    if not path.is_file():
-        raise IngeroError(f"{path}: no such file")
+    check_fleet_file(path)
     try:
         con = connect_readonly(path)
         for t in ("nodes", "collectives", "nccl_events", "host_samples"):

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import shlex
-import struct
 from pathlib import Path
 
 import click
 
-from ..bundle.container import SKIPPABLE_MAGIC, open_regular
 from ..cliutil import (EXIT_CODES_HELP, BadUsage, FiniteFloatRange, echo_json, handle_errors,
                        reading_database, refuse_output_over_input, version_option)
-from ..errors import IngeroError
+from ..fleetfile import check_fleet_file
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
 from .render import write_text
@@ -68,7 +66,7 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
     fmt_given = (click.get_current_context().get_parameter_source("fmt")
                  is click.core.ParameterSource.COMMANDLINE)
     output = check_outputs(fleet_db, output, fmt=fmt, as_json=as_json, fmt_given=fmt_given)
-    _refuse_a_bundle(fleet_db)
+    check_fleet_file(fleet_db)      # before a --redact copy: the error names FLEET_DB
     where = Path(output).resolve().parent if output else Path.cwd()
     with reading_database(fleet_db):
         with redacted_input(fleet_db, redact, where) as source:
@@ -117,17 +115,6 @@ def check_outputs(fleet_db, output, *, fmt: str, as_json: bool, fmt_given: bool 
     refuse_output_over_input(output, fleet_db)
     return output
 
-
-def _refuse_a_bundle(path) -> None:
-    """A bundle given where a fleet.db is expected: say what to do (as ingero-export)."""
-    try:
-        with open_regular(path) as f:
-            head = f.read(4)
-    except (OSError, IngeroError):
-        return                          # analyze_fleet names what is wrong with it
-    if len(head) == 4 and struct.unpack("<I", head)[0] == SKIPPABLE_MAGIC:
-        raise IngeroError(f"{path}: is a bundle, not a fleet.db: merge first "
-                          f"(ingero-merge BUNDLES -o fleet.db), then report on fleet.db")
 
 
 if __name__ == "__main__":

@@ -201,8 +201,8 @@ def test_bad_inputs_are_one_line_errors(fleet, tmp_path, bundle_path):
     cases = [
         ((tmp_path / "none.db", "--chrome-trace"), f"Error: {tmp_path / 'none.db'}: no such file\n"),
         ((bundle_path, "--chrome-trace"),
-         f"Error: {bundle_path}: not a fleet.db (not a SQLite database; bundles are merged "
-         "first with ingero-merge)\n"),
+         f"Error: {bundle_path}: is a bundle, not a fleet.db: merge first (ingero-merge "
+         "BUNDLES -o fleet.db), then use fleet.db\n"),
         ((path, "--chrome-trace", "--nodes", "node-99"),
          f"Error: {path}: no node named node-99 (nodes: node-00, node-01)\n"),
         ((path, "--chrome-trace", "--ranks", "99"),
@@ -219,8 +219,9 @@ def test_bad_inputs_are_one_line_errors(fleet, tmp_path, bundle_path):
     con.execute("CREATE TABLE t (a)")
     con.close()
     r = run(other, "--chrome-trace")
-    assert r.stderr == (f"Error: {other}: not a fleet.db (application_id 0x0; a bundle "
-                        "database or another SQLite file?)\n")
+    assert r.stderr == (f"Error: {other}: not a fleet.db (a SQLite database with "
+                        "application_id 0x0, not ingero-merge's); merge first (ingero-merge "
+                        "BUNDLES -o fleet.db)\n")
 
 
 def test_usage_errors(fleet):

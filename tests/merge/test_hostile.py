@@ -333,7 +333,7 @@ def test_report_on_a_bundle_says_merge_first(fleet3):
     r = CliRunner().invoke(report_cli, [str(fleet.paths[0])], catch_exceptions=False)
     assert r.exit_code == 1
     assert r.stderr == (f"Error: {fleet.paths[0]}: is a bundle, not a fleet.db: merge first "
-                        "(ingero-merge BUNDLES -o fleet.db), then report on fleet.db\n")
+                        "(ingero-merge BUNDLES -o fleet.db), then use fleet.db\n")
 
 
 @pytest.mark.parametrize("module", ["capture.cli", "merge.cli", "export.cli",

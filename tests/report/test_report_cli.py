@@ -65,7 +65,8 @@ def test_not_a_fleet_db(tmp_path, content):
     out = tmp_path / "r.html"
     r = CliRunner().invoke(main, [str(bad), "-o", str(out)])
     assert r.exit_code == 1
-    assert r.output.startswith(f"Error: {bad}: not a")
+    assert r.output.startswith(f"Error: {bad}: not a" if content else
+                               f"Error: {bad}: an empty file, not a fleet.db")
     assert r.output.count("\n") == 1 and "Traceback" not in r.output
     assert not out.exists()
 
