@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 
 import apsw
 import click
@@ -60,6 +61,16 @@ def refuse_output_over_input(output, *inputs) -> None:
         if same:
             what = "the input" if len(inputs) == 1 else f"an input ({src})"
             raise BadUsage(f"{output}: the output would replace {what}; choose another -o")
+
+
+def require_output_dir(output) -> None:
+    """IngeroError (exit 1) when the directory of the file output names does not exist:
+    said before any work (a --redact copy, an analysis), not after it."""
+    if output is None or str(output) == "-":
+        return
+    parent = Path(output).parent
+    if not parent.is_dir():
+        raise IngeroError(f"{output}: directory {parent} does not exist")
 
 
 #: SQLite errors that say the database file cannot be read (damaged pages, not a

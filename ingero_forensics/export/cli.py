@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import apsw
 import click
 
 from ..cliutil import (EXIT_CODES_HELP, BadUsage, echo_json, handle_errors, human_bytes,
-                       refuse_output_over_input, sqlite_message, version_option)
+                       refuse_output_over_input, require_output_dir, sqlite_message,
+                       version_option)
 from ..errors import IngeroError
 from ..redact import redacted_input
 from ..redact.core import NODE_PREFIX
@@ -123,8 +123,8 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,
                          kinds=kind_set, max_events=max_events, findings=not no_findings,
                          jobs=jobs)
-    where = Path(output).resolve().parent if output else None
-    with redacted_input(fleet_db, redact, where) as source:
+    require_output_dir(output)
+    with redacted_input(fleet_db, redact) as source:
         stats = export_chrome_trace(source, output, opts)
     if output is None:
         return  # stdout holds the trace; nothing else goes there

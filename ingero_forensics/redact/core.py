@@ -33,6 +33,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -383,11 +384,31 @@ class RedactResult:
         return dict(self.__dict__)
 
 
+def private_dir(near: Path, prefix: str) -> str:
+    """A private temporary directory beside ``near`` (on the site's side: the unredacted
+    source's own directory), else in the system's temporary directory."""
+    for parent in (near.parent, None):
+        try:
+            return tempfile.mkdtemp(prefix=prefix, dir=parent)
+        except OSError as e:
+            if parent is None:
+                raise RedactError(f"{tempfile.gettempdir()}: cannot create a temporary "
+                                  f"directory: {e.strerror or e}") from None
+    raise AssertionError("unreachable")
+
+
 def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
-    """Write a redacted copy of the fleet.db src to dest (replaced atomically)."""
+    """Write a redacted copy of the fleet.db src to dest (replaced atomically).
+
+    The unredacted working copy is made beside src (or in the system's temporary
+    directory), never beside dest: dest may be the medium that leaves the site, and
+    nothing but redacted pages may ever be written there."""
     t0 = time.monotonic()
+    shown = str(dest)
     src, dest = Path(src), Path(dest)
     check_fleet_file(src, RedactError)
+    if not dest.name or shown.endswith(os.sep) or dest.is_dir():
+        raise RedactError(f"{shown or repr(shown)}: -o needs a file name, not a directory")
     if dest.exists() and os.path.samefile(src, dest):
         raise OutputIsInput(f"{dest}: the output would replace the input; choose another -o")
     if not dest.parent.is_dir():
@@ -396,7 +417,12 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
         source = connect_readonly(src)
     except apsw.Error as e:
         raise RedactError(f"{src}: cannot read fleet.db ({e})") from None
-    work = dest.with_name(f".{dest.name}.{os.getpid()}.redacting")
+    try:
+        work_dir = private_dir(src, ".ingero-redact-work-")
+    except BaseException:
+        source.close()
+        raise
+    work = Path(work_dir) / "unredacted-working-copy.db"
     tmp_out = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         try:
@@ -440,8 +466,7 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
         tmp_out.unlink(missing_ok=True)
         raise
     finally:
-        for p in (work, Path(f"{work}-journal")):
-            p.unlink(missing_ok=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
     res.output = str(dest)
     res.elapsed_s = round(time.monotonic() - t0, 3)
     return res
@@ -513,17 +538,20 @@ def _apply(con, table: str, column: str, mapping: dict, where: str = "") -> int:
 
 
 @contextlib.contextmanager
-def redacted_input(src, enabled: bool = True, directory=None):
+def redacted_input(src, enabled: bool = True):
     """``--redact`` on ingero-report and ingero-export: yield the path of a redacted copy
-    of src (``redacted-fleet.db`` in a private temporary directory inside directory, or
-    the system's), removed afterwards; with enabled False, src itself."""
+    of src (``redacted-fleet.db`` in a private temporary directory beside src, or in the
+    system's), removed afterwards; with enabled False, src itself."""
     if not enabled:
         yield src
         return
-    with tempfile.TemporaryDirectory(prefix=".ingero-redact-", dir=directory) as d:
+    d = private_dir(Path(src), ".ingero-redact-")
+    try:
         out = Path(d) / "redacted-fleet.db"
         redact_fleet(src, out)
         yield out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 __all__ = ["IpPseudonyms", "RedactError", "RedactResult", "Redactor", "redact_fleet",

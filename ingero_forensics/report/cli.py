@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 
 import click
 
 from ..cliutil import (EXIT_CODES_HELP, BadUsage, FiniteFloatRange, echo_json, handle_errors,
-                       reading_database, refuse_output_over_input, version_option)
+                       reading_database, refuse_output_over_input, require_output_dir,
+                       version_option)
 from ..fleetfile import check_fleet_file
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
@@ -67,19 +67,22 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
                  is click.core.ParameterSource.COMMANDLINE)
     output = check_outputs(fleet_db, output, fmt=fmt, as_json=as_json, fmt_given=fmt_given)
     check_fleet_file(fleet_db)      # before a --redact copy: the error names FLEET_DB
-    where = Path(output).resolve().parent if output else Path.cwd()
+    require_output_dir(output)
     with reading_database(fleet_db):
-        with redacted_input(fleet_db, redact, where) as source:
+        with redacted_input(fleet_db, redact) as source:
             analysis = analyze_fleet(source, bin_s=bin_s)
     if title:
         analysis.title = title
     if redact and analysis.commands:
-        # the commands read the redacted copy (its node names are the page's), which is
-        # gone with the run: say how to make it
+        # the commands read the redacted copy (its node ids are the page's), which is gone
+        # with the run: say how to make it, without the input's path (a user's or a
+        # host's name may be in it, and this page leaves the site)
         analysis.commands.insert(0, {
-            "what": f"The redacted copy of {Path(fleet_db).name} that the commands below "
-                    "read (node names and addresses as on this page)",
-            "command": f"ingero-redact {shlex.quote(str(fleet_db))} -o {analysis.fleet}"})
+            "what": "The redacted copy that the commands below read: FLEET_DB is the "
+                    "fleet.db this page was made from (a redacted page does not name it). "
+                    "Node ids are as on this page; addresses get new pseudonyms in every "
+                    "copy",
+            "command": f"ingero-redact FLEET_DB -o {shlex.quote(analysis.fleet)}"})
     if fmt == "html" and output:
         write_report(analysis, output)
     elif fmt != "html":

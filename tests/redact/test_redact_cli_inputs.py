@@ -55,3 +55,60 @@ def test_damaged_fleet_db_is_one_line_and_leaves_nothing(copy, tmp_path):
     out.write_text("previous")
     assert run(copy, "-o", out).exit_code == 1 and out.read_text() == "previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.db", "red.db"]
+
+
+def test_nothing_unredacted_is_ever_written_beside_the_output(sensitive_fleet, tmp_path,
+                                                                monkeypatch):
+    """-o may name the medium that leaves the site: while the copy is being redacted
+    (the moment a kill would leave it behind), the output's directory holds nothing,
+    and the unredacted working copy sits beside the source."""
+    import ingero_forensics.redact.core as core
+    site, carrier = tmp_path / "site", tmp_path / "carrier"
+    site.mkdir()
+    carrier.mkdir()
+    src = site / "fleet.db"
+    shutil.copyfile(sensitive_fleet, src)
+    seen = {}
+    real = core._redact
+
+    def spy(con, key):
+        seen["carrier"] = sorted(os.listdir(carrier))
+        seen["work"] = con.db_filename("main")
+        return real(con, key)
+    monkeypatch.setattr(core, "_redact", spy)
+    r = run(src, "-o", carrier / "red.db")
+    assert r.exit_code == 0, r.output
+    assert seen["carrier"] == []
+    assert os.path.dirname(os.path.dirname(seen["work"])) == str(site)
+    assert sorted(os.listdir(carrier)) == ["red.db"] and sorted(os.listdir(site)) == ["fleet.db"]
+    # --redact on report and export: the same
+    from ingero_forensics.report.cli import main as report_main
+    seen.clear()
+    r = CliRunner().invoke(report_main, [str(src), "--redact", "-o", str(carrier / "r.html")])
+    assert r.exit_code == 0, r.output
+    assert seen["carrier"] == ["red.db"]
+    assert sorted(os.listdir(site)) == ["fleet.db"]
+
+
+@pytest.mark.parametrize("out", ["", "newdir/"])
+def test_an_output_that_is_no_file_name_is_one_line(copy, tmp_path, monkeypatch, out):
+    """An empty -o, or one ending in a slash (a directory not made yet), once became a
+    traceback or a file named like the directory."""
+    monkeypatch.chdir(tmp_path)
+    r = run(copy, "-o", out)
+    assert r.exit_code == 1, r.output
+    assert "-o needs a file name, not a directory" in r.stderr and r.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.db"]
+
+
+def test_redact_option_with_a_missing_output_directory_is_one_line(copy, tmp_path):
+    from ingero_forensics.export.cli import main as export_main
+    from ingero_forensics.report.cli import main as report_main
+    for cli, args in ((report_main, ["--redact", "-o", str(tmp_path / "no" / "r.html")]),
+                      (export_main, ["--chrome-trace", "--redact",
+                                     "-o", str(tmp_path / "no" / "t.json.gz")])):
+        r = CliRunner().invoke(cli, [str(copy), *args])
+        assert r.exit_code == 1, r.output
+        assert r.stderr == (f"Error: {args[-1]}: directory {tmp_path / 'no'} does not "
+                            "exist\n"), r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.db"]

@@ -91,6 +91,23 @@ def test_json_goes_to_stdout_and_o_takes_the_report(copy, tmp_path):
     assert html.read_text().startswith("<!DOCTYPE html>")
 
 
+@pytest.mark.parametrize("fmt", ["html", "markdown", "text"])
+def test_a_redacted_report_does_not_name_its_input(fleets, tmp_path, fmt):
+    """The path the operator typed may hold a user's or a host's name; a --redact page
+    leaves the site, so neither the path nor the file's name is on it."""
+    where = tmp_path / "home" / "alice" / "gpu-17-incident"
+    where.mkdir(parents=True)
+    src = where / "gpu-17-fleet.db"
+    shutil.copyfile(fleets("cpu")[0], src)
+    out = tmp_path / ("r.html" if fmt == "html" else "r.txt")
+    r = run(src, "--redact", "--format", fmt, "-o", out)
+    assert r.exit_code == 0, r.output
+    page = out.read_text()
+    for secret in ("alice", "gpu-17", str(tmp_path)):
+        assert secret not in page, (secret, fmt)
+    assert "ingero-redact FLEET_DB -o" in page
+
+
 def test_redacted_report_says_how_to_make_the_copy_its_commands_read(copy, tmp_path,
                                                                      monkeypatch):
     """With --redact the next commands read a redacted copy that is gone with the run:
@@ -100,8 +117,8 @@ def test_redacted_report_says_how_to_make_the_copy_its_commands_read(copy, tmp_p
     assert r.exit_code == 0, r.output
     cmds = [c["command"] for c in json.loads(r.stdout)["commands"]]
     make = shlex.split(cmds[0])
-    assert make[0] == "ingero-redact" and make[1] == str(copy), cmds[0]
-    made = CliRunner().invoke(redact_main, make[1:])
+    assert make[0] == "ingero-redact" and make[1] == "FLEET_DB", cmds[0]
+    made = CliRunner().invoke(redact_main, [str(copy)] + make[2:])
     assert made.exit_code == 0, made.output
     queries = [shlex.split(c) for c in cmds[1:] if c.startswith("ingero-query ")]
     assert queries and all(q[1] == make[-1] for q in queries)
