@@ -29,10 +29,12 @@ because compiled modules cannot be imported from a zip.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
+import platform as pyplatform
 import re
 import shutil
 import subprocess
@@ -164,25 +166,65 @@ class KitResult:
         return asdict(self)
 
 
+#: A wheel platform tag pip can download for: manylinux (PEP 600 or legacy), musllinux.
+PLATFORM_TAG = re.compile(r"(manylinux_\d+_\d+|manylinux(1|2010|2014)|musllinux_\d+_\d+|linux)"
+                          r"_(x86_64|aarch64|ppc64le|s390x|i686|armv7l)")
+
+
+def default_platform(python: str, native: Target) -> str:
+    """This machine's tag for this machine's Python; for another Python, the manylinux
+    tag of glibc 2.28 on this architecture (the binary wheels on PyPI carry manylinux
+    tags, never this machine's plain linux_* one)."""
+    if python == native.python:
+        return native.platform
+    return f"manylinux_2_28_{pyplatform.machine()}"
+
+
+def source_version(src: Path) -> str:
+    """The version the source tree builds (its pyproject.toml), which names the kit."""
+    m = re.search(r'^version\s*=\s*"([^"]+)"', (src / "pyproject.toml").read_text(), re.M)
+    return m.group(1) if m else __version__
+
+
 def build_kit(out_dir, *, python: str | None = None, platform: str | None = None,
               source=None, pyz: bool = True) -> KitResult:
     """Build the kit archive for one target into out_dir; return what it holds."""
-    t0 = time.monotonic()
     native = native_target()
-    target = Target(python or native.python, platform or native.platform)
-    if not re.fullmatch(r"3\.\d{1,2}", target.python):
-        raise KitError(f"--python {target.python}: give a CPython version such as 3.11")
-    if tuple(map(int, target.python.split("."))) < (3, 10):
-        raise KitError(f"--python {target.python}: ingero-forensics needs Python 3.10 or "
+    python = python or native.python
+    if not re.fullmatch(r"3\.\d{1,2}", python):
+        raise KitError(f"--python {python}: give a CPython version such as 3.11")
+    if tuple(map(int, python.split("."))) < (3, 10):
+        raise KitError(f"--python {python}: ingero-forensics needs Python 3.10 or "
                        "newer (RHEL 8/9: dnf install python3.11; then --python 3.11)")
-    is_native = target == native
+    target = Target(python, platform or default_platform(python, native))
+    if target != native and not PLATFORM_TAG.fullmatch(target.platform):
+        raise KitError(f"--platform {target.platform}: not a wheel platform tag pip can "
+                       "download for (e.g. manylinux_2_28_x86_64, manylinux_2_28_aarch64)")
     src = Path(source) if source else source_tree()
     if src is None or not (src / "pyproject.toml").is_file():
         raise KitError(f"{src or Path(__file__).parent}: not a source tree of "
                        "ingero-forensics (give --source DIR, a clone of the repository)")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"ingero-kit-{__version__}-{target.name}"
+    made = not out_dir.exists()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KitError(f"{out_dir}: cannot create the output directory: "
+                       f"{e.strerror or e}") from None
+    try:
+        return _build(out_dir, target, native, src, pyz)
+    except BaseException:
+        if made:            # a failed build leaves no empty directory behind
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
+
+
+def _build(out_dir: Path, target: Target, native: Target, src: Path, pyz: bool) -> KitResult:
+    t0 = time.monotonic()
+    is_native = target == native
+    version = source_version(src)
+    name = f"ingero-kit-{version}-{target.name}"
     with tempfile.TemporaryDirectory(prefix=".ingero-kit-", dir=out_dir) as tmp:
         kit = Path(tmp) / name
         wheels = kit / "wheels"
@@ -201,15 +243,18 @@ def build_kit(out_dir, *, python: str | None = None, platform: str | None = None
         min_glibc = ".".join(map(str, max(glibcs))) if glibcs else None
         pyz_name = None
         if pyz:
-            pyz_path = build_capture_pyz(wheels, kit / "ingero-capture.pyz", target)
+            pyz_path = build_capture_pyz(wheels, kit / "ingero-capture.pyz", target,
+                                         version)
             pyz_name = pyz_path.name
         (kit / "kit.json").write_text(json.dumps({
-            "kit_format": KIT_FORMAT, "version": __version__, "python": target.python,
+            "kit_format": KIT_FORMAT, "version": version, "python": target.python,
             "platform": target.platform, "abi": target.abi, "min_glibc": min_glibc,
             "accelerators": is_native, "wheels": names, "pyz": pyz_name,
             "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
         for extra in NODE_FILES:       # the node's launchers, from the source tree
             shutil.copy(src / "scripts" / extra, kit / extra)
+        # the runbook travels with the kit: the site has no network to read it on
+        shutil.copy(src / "docs" / "airgap.md", kit / "airgap.md")
         (kit / "install.sh").write_text(INSTALL_SH)
         (kit / "install.sh").chmod(0o755)
         (kit / "README.txt").write_text(README_TXT.format(
@@ -320,7 +365,8 @@ if __name__ == "__main__":
 '''
 
 
-def build_capture_pyz(wheels, out, target: Target | None = None) -> Path:
+def build_capture_pyz(wheels, out, target: Target | None = None,
+                      version: str = __version__) -> Path:
     """ingero-capture.pyz from a wheelhouse holding the project and CAPTURE_DEPS."""
     target = target or native_target()
     wheels, out = Path(wheels), Path(out)
@@ -347,7 +393,7 @@ def build_capture_pyz(wheels, out, target: Target | None = None) -> Path:
     body = buf.getvalue()
     build = hashlib.sha256(body).hexdigest()[:16]
     major, minor = target.python.split(".")
-    main = PYZ_MAIN.format(version=__version__, abi=target.abi, platform=target.platform,
+    main = PYZ_MAIN.format(version=version, abi=target.abi, platform=target.platform,
                            python=target.python, build=build, major=major, minor=minor)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
@@ -377,6 +423,7 @@ INSTALL_SH = r'''#!/bin/sh
 set -eu
 KIT=$(cd "$(dirname "$0")" && pwd)
 PREFIX=${1:-/opt/ingero-forensics}
+case "$PREFIX" in /*) ;; *) PREFIX="$(pwd)/$PREFIX" ;; esac   # before the cd below
 PY=${PYTHON:-python3}
 cd "$KIT"
 
@@ -396,10 +443,11 @@ import json, platform, sys
 kit = json.load(open("kit.json"))
 want = tuple(int(x) for x in kit["python"].split("."))
 if sys.version_info[:2] != want:
-    sys.exit("Error: %s is Python %d.%d; this kit is for Python %s (build a kit with "
-             "ingero-kit --python %d.%d, or install python%s)"
+    other = ("build a kit with ingero-kit --python %d.%d, or " % sys.version_info[:2]
+             if sys.version_info[:2] >= (3, 10) else "ingero-forensics needs 3.10 or newer: ")
+    sys.exit("Error: %s is Python %d.%d; this kit is for Python %s (%sinstall python%s)"
              % (sys.executable, sys.version_info[0], sys.version_info[1], kit["python"],
-                sys.version_info[0], sys.version_info[1], kit["python"]))
+                other, kit["python"]))
 lib, ver = platform.libc_ver()
 if kit["min_glibc"] and lib == "glibc":
     have = tuple(int(x) for x in ver.split(".")[:2])
@@ -409,13 +457,15 @@ if kit["min_glibc"] and lib == "glibc":
                  "docs/airgap.md (glibc below the minimum)" % (ver, kit["min_glibc"]))
 EOF
 
+VERSION=$("$PY" -c 'import json; print(json.load(open("kit.json"))["version"])')
 "$PY" -m venv "$PREFIX"
-"$PREFIX/bin/python" -m pip install --quiet --no-index --no-cache-dir \
-    --find-links "$KIT/wheels" ingero-forensics
+# this kit's version, over whatever an earlier kit installed there (an upgrade or not)
+"$PREFIX/bin/python" -m pip install --quiet --no-index --no-cache-dir --upgrade \
+    --find-links "$KIT/wheels" "ingero-forensics==$VERSION"
 mkdir -p "$PREFIX/share"
 cp ingero-job-capture.sh ingero-capture.service "$PREFIX/share/"
 chmod 755 "$PREFIX/share/ingero-job-capture.sh"
-echo "ingero-forensics installed in $PREFIX (no network used)."
+echo "ingero-forensics $VERSION installed in $PREFIX (no network used)."
 echo "Next: $PREFIX/bin/ingero-capture --check --strict"
 '''
 
@@ -431,7 +481,7 @@ or, with nothing installed on the node (BCC from the distribution still needed):
 
   sudo python3 ingero-capture.pyz --check --strict
 
-See docs/airgap.md of the project for the whole procedure.
+airgap.md, in this kit, is the whole procedure (docs/airgap.md of the project).
 """
 
 

@@ -16,7 +16,8 @@ from .kit import build_kit, native_target
               help=f"CPython version of the nodes [default: this one, {native_target().python}].")
 @click.option("--platform", "platform", metavar="TAG",
               help="Wheel platform tag of the nodes, e.g. manylinux_2_28_x86_64 or "
-                   "manylinux_2_28_aarch64 [default: this machine's].")
+                   "manylinux_2_28_aarch64 [default: this machine's for this Python; "
+                   "manylinux_2_28 of this architecture with another --python].")
 @click.option("--source", type=click.Path(file_okay=False),
               help="Source tree of ingero-forensics [default: the one this runs from].")
 @click.option("--no-pyz", is_flag=True, help="Leave the one-file ingero-capture.pyz out.")

@@ -10,7 +10,9 @@
 # Job: $SLURM_JOB_ID, else $TORCHELASTIC_RUN_ID, else $INGERO_JOB, else "adhoc".
 # Bundles go to BUNDLE_ROOT/JOB/ (log: .capture.log there). The capture runs with
 # --strict (start fails when an eBPF source is off) unless INGERO_STRICT=0. Extra
-# options: $INGERO_CAPTURE_ARGS.
+# options: $INGERO_CAPTURE_ARGS. start waits up to $INGERO_START_TIMEOUT seconds (default
+# 120: BCC compiles every probe at idle priority, slow on a busy node); a capture not on
+# by then is stopped (it seals what it has) and start fails.
 # The capture command: $INGERO_CAPTURE (default: ../bin/ingero-capture beside this
 # script; for the one-file capture: INGERO_CAPTURE="python3 /opt/ingero-capture.pyz").
 set -eu
@@ -26,6 +28,7 @@ RCFILE=$DIR/.capture.rc
 LOG=$DIR/.capture.log
 STRICT=--strict
 [ "${INGERO_STRICT:-1}" = 0 ] && STRICT=
+TIMEOUT=${INGERO_START_TIMEOUT:-120}
 
 case "$ACTION" in
 start)
@@ -36,7 +39,7 @@ start)
     sh "$CAPTURE" --bundle "$DIR" --node "$NODE" $STRICT ${INGERO_CAPTURE_ARGS:-} \
     >> "$LOG" 2>&1 < /dev/null &
   i=0
-  while [ $i -lt 600 ]; do          # up to 60 s: BCC compiles every probe at start
+  while [ $i -lt $((TIMEOUT * 10)) ]; do
     if [ -f "$RCFILE" ]; then
       echo "Error: $DIR: capture exited with $(cat "$RCFILE"): $(tail -n 1 "$LOG")" >&2
       exit 1
@@ -47,7 +50,9 @@ start)
     fi
     sleep 0.1; i=$((i + 1))
   done
-  echo "Error: $DIR: capture did not start within 60 s (see $LOG)" >&2
+  # not left running behind a failed start: stopped, it seals what it has
+  [ -f "$PIDFILE" ] && kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
+  echo "Error: $DIR: capture did not start within $TIMEOUT s; stopped it (see $LOG)" >&2
   exit 1
   ;;
 stop)

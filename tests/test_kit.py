@@ -87,6 +87,9 @@ def test_kit_holds_every_dependency_and_checksums(kit, tmp_path):
     assert info["min_glibc"] == max(".".join(map(str, g)) for g in
                                     map(wheel_min_glibc, info["wheels"]) if g)
     assert os.access(d / "install.sh", os.X_OK) and (d / "ingero-capture.pyz").is_file()
+    # the runbook is in the kit, as its README says
+    assert (d / "airgap.md").read_text() == (ROOT / "docs" / "airgap.md").read_text()
+    assert "airgap.md, in this kit" in (d / "README.txt").read_text()
 
 
 def test_wheel_min_glibc():
@@ -204,6 +207,62 @@ def test_pyz_runs_with_nothing_installed(kit, tmp_path):
     assert list((tmp_path / "cache").iterdir()) == [cache]
 
 
+def test_a_newer_kit_upgrades_an_install_in_a_relative_prefix(kit, tmp_path):
+    """The runbook installs each new kit over the last: the new version must be what runs
+    afterwards (pip without --upgrade kept the old one and said "installed"). A relative
+    PREFIX is the caller's, not the kit directory's. A kit built from --source is named
+    after that tree's version, not the running tool's."""
+    from ingero_forensics import __version__
+    _, archive = kit
+    major, minor, patch = __version__.split(".")
+    newer = f"{major}.{minor}.{int(patch) + 1}"
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".cache", ".dev",
+        "*.so", "bench", "tests"))
+    for path, line in ((src / "pyproject.toml", 'version = "{}"'),
+                       (src / "ingero_forensics" / "__init__.py", '__version__ = "{}"')):
+        text = path.read_text()
+        assert line.format(__version__) in text
+        path.write_text(text.replace(line.format(__version__), line.format(newer)))
+    res = build_kit(tmp_path / "out2", source=src, pyz=False)
+    assert Path(res.archive).name.startswith(f"ingero-kit-{newer}-")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = clean_env(PYTHON=node_python())
+    for arch, want in ((archive, __version__), (Path(res.archive), newer)):
+        d = extract(arch, tmp_path / f"carried-{want}")
+        r = subprocess.run(["sh", str(d / "install.sh"), "node"], capture_output=True,
+                           text=True, env=env, cwd=work)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"ingero-forensics {want} installed in {work / 'node'}" in r.stdout
+        assert not (d / "node").exists()
+        v = subprocess.run([str(work / "node" / "bin" / "ingero-report"), "--version"],
+                           capture_output=True, text=True, env=clean_env())
+        assert v.stdout.split() == ["ingero-report", want], v.stdout + v.stderr
+
+
+def test_kit_for_another_python_defaults_to_manylinux_and_checks_the_tag(tmp_path):
+    """--python alone once meant this machine's linux_x86_64 tag, which no binary wheel on
+    PyPI has ("No matching distribution found for apsw"); a tag pip cannot use is refused
+    before any download, and a failed build leaves no empty directory."""
+    from ingero_forensics.kit import default_platform
+    native = native_target()
+    other = "3.12" if native.python != "3.12" else "3.11"
+    assert default_platform(other, native).startswith("manylinux_2_28_")
+    assert default_platform(native.python, native) == native.platform
+    out = tmp_path / "new"
+    with pytest.raises(KitError, match="--platform bogus_tag: not a wheel platform tag"):
+        build_kit(out, python=other, platform="bogus_tag")
+    assert not out.exists()
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "ingero_forensics.kit_cli",
+                        "-o", str(blocker / "sub")], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"Error: {blocker / 'sub'}: cannot create the output directory")
+
+
 def test_kit_for_another_platform_tag_is_pure(tmp_path):
     """A target other than this interpreter's own (here: the manylinux tag instead of
     linux_x86_64) gets a py3-none-any project wheel and still installs and runs."""
@@ -273,3 +332,27 @@ def test_job_wrapper_start_fails_loudly(tmp_path):
     r = subprocess.run(["sh", str(JOB_SCRIPT), "restart", str(tmp_path)], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "usage:" in r.stderr
+
+
+def test_job_wrapper_stops_a_capture_that_never_came_on(tmp_path):
+    """A capture still not on at the timeout is stopped, not left running behind a start
+    that said it failed (a Slurm prolog would then fail with a capture still going)."""
+    import time
+    slow = tmp_path / "slow-capture"
+    slow.write_text("#!/bin/sh\nexec sleep 60\n")
+    slow.chmod(0o755)
+    env = clean_env(INGERO_JOB="slow", INGERO_NODE="n", INGERO_CAPTURE=str(slow),
+                    INGERO_START_TIMEOUT="1")
+    r = _job("start", tmp_path, env)
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"Error: {tmp_path / 'slow'}: capture did not start within "
+                               "1 s; stopped it"), r.stderr
+    pid = int((tmp_path / "slow" / ".capture.pid").read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"capture {pid} still running after a failed start")
