@@ -64,6 +64,9 @@ _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|"
 _URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*)://([^/\s\"'<>]*)([^\s\"'<>]*)")
 _PATH = re.compile(r"(?<![\w.\-/~])(?:~|\.{1,2})?/(?!/)[^\s\"'`,;()<>\[\]{}|*]*")
 _HOME = re.compile(r"/(?:" + "|".join(HOME_DIRS) + r")/([A-Za-z0-9._-]+)")
+#: The host part of an e-mail address: a DNS name whose last label is a word (acme.com,
+#: not a version such as torch@2.1)
+_EMAIL_DOMAIN = re.compile(r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 _USER_AT = re.compile(r"(?<![\w.+-])([A-Za-z_][A-Za-z0-9._-]{0,31})@([A-Za-z0-9][\w.-]*)")
 _HEX_IPV4 = re.compile(r"^[0-9A-F]{8}$")
 
@@ -189,9 +192,22 @@ class Redactor:
     _users_re: re.Pattern | None = field(default=None, init=False)
 
     def __post_init__(self):
+        # host names are case-insensitive (GPU-17 is gpu-17): matched and looked up so
+        self._lower: dict[str, str] = {}
+        for n, p in self.names.items():
+            self._lower.setdefault(n.lower(), p)
         if self.names:
-            alts = "|".join(re.escape(n) for n in sorted(self.names, key=len, reverse=True))
-            self._names_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])")
+            alts = "|".join(re.escape(n) for n in sorted(self._lower, key=len, reverse=True))
+            self._names_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])",
+                                        re.IGNORECASE)
+        domains = [n for n, p in self._lower.items() if p == "domain"]
+        self._in_domain_re = None
+        if domains:
+            # any other machine in the site's domains: name.domain -> host.domain
+            alts = "|".join(re.escape(d) for d in sorted(domains, key=len, reverse=True))
+            self._in_domain_re = re.compile(
+                rf"(?<![\w.-])[A-Za-z0-9][A-Za-z0-9-]*(?:\.[A-Za-z0-9-]+)*\.(?:{alts})"
+                r"(?![\w-])", re.IGNORECASE)
         if self.users:
             alts = "|".join(re.escape(u) for u in sorted(self.users, key=len, reverse=True))
             self._users_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])")
@@ -200,7 +216,8 @@ class Redactor:
         """A host part (name or address) -> its pseudonym, or 'host' when unknown."""
         if _parse_ip(host.strip("[]")) is not None:
             return self.ips.pseudonym(host.strip("[]"))
-        return self.names.get(host) or self.names.get(host.split(".", 1)[0]) or "host"
+        low = host.lower()
+        return self._lower.get(low) or self._lower.get(low.split(".", 1)[0]) or "host"
 
     def basename(self, path: str) -> str:
         trimmed = path.rstrip("/")
@@ -227,12 +244,14 @@ class Redactor:
         return out + (f"/{base}" if base else "")
 
     def known_host(self, host: str) -> bool:
-        return host in self.names or _parse_ip(host) is not None
+        return host.lower() in self._lower or _parse_ip(host) is not None
 
     def _user_at(self, m: re.Match) -> str:
-        user, host = m.group(1), m.group(2)
-        if user in self.users or self.known_host(host):
-            return f"{USER_WORD}@{self.host(host)}"
+        """user@host, and any e-mail address (user@ a DNS name): the user is removed, the
+        host becomes its pseudonym or 'host'."""
+        user, host = m.group(1), m.group(2).rstrip(".")
+        if user in self.users or self.known_host(host) or _EMAIL_DOMAIN.fullmatch(host):
+            return f"{USER_WORD}@{self.host(host)}" + m.group(2)[len(host):]
         return m.group(0)
 
     def text(self, s: str) -> str:
@@ -245,8 +264,11 @@ class Redactor:
         s = _IPV4.sub(lambda m: self.ips.pseudonym(m.group(0)), s)
         s = _IPV6.sub(lambda m: self.ips.pseudonym(m.group(0))
                       if _parse_ip(m.group(0)) is not None else m.group(0), s)
+        if self._in_domain_re is not None:
+            s = self._in_domain_re.sub(
+                lambda m: m.group(0) if m.group(0).lower() in self._lower else "host.domain", s)
         if self._names_re is not None:
-            s = self._names_re.sub(lambda m: self.names[m.group(0)], s)
+            s = self._names_re.sub(lambda m: self._lower[m.group(0).lower()], s)
         if self._users_re is not None:
             s = self._users_re.sub(USER_WORD, s)
         return s
@@ -357,8 +379,11 @@ def _node_names(con) -> dict[str, str]:
             label, _, domain = s.partition(".")
             if len(label) >= 3:
                 names.setdefault(label, pseudo)
-            if domain and "." in domain:
+            # the host's domain and its parents of two labels or more: other machines of
+            # the site (an NTP server, a git host) are named in them
+            while domain and "." in domain:
                 names.setdefault(domain, "domain")
+                domain = domain.partition(".")[2]
     # a pseudonym must not be another node's original name (an already redacted
     # fleet.db maps each nodeid-N to itself, which is fine)
     clash = sorted(n for n, p in names.items()

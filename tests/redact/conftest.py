@@ -23,7 +23,9 @@ USERS = ("alice", "bobsmith")
 NTP = "10.99.1.5"
 ORIGINALS = {
     "hosts": [*HOSTS.values(), "gpu-17", "gpu-18", "gpu-19", "dc1.example.org",
-              "git.corp.example.org"],
+              "git.corp.example.org",
+              # another machine of the site's domain, a host name in capitals, an e-mail
+              "ntp1.example.org", "GPU-17", "DC1.example.org", "ops-team", "acme-corp.com"],
     "nodes": [f"{NODE_PREFIX}-{i}" for i in range(3)],
     "ips": ["10.20.30.40", "10.20.30.41", "10.20.31.7", "192.168.77.12", "10.0.0.1", "10.0.0.2",
             "fd12:3456:789a::17", "fd12:3456:789a::99", f"{int(ipaddress.IPv4Address(NTP)):08X}"],
@@ -40,7 +42,9 @@ def _sensitive_sql(ni: int, mono: int) -> str:
                       "--data=/home/alice/private/dataset", "--master", "10.20.30.40",
                       "--repo", "https://alice:tok@git.corp.example.org/ml/repo.git",
                       "--ckpt", "/home/bobsmith/ckpt/step-1000.pt",
-                      "--peer", "bobsmith@192.168.77.12:/home/bobsmith/ckpt"])
+                      "--peer", "bobsmith@192.168.77.12:/home/bobsmith/ckpt",
+                      "--ntp=ntp1.example.org", "--notify=ops-team@acme-corp.com",
+                      "--fallback=GPU-17.DC1.example.org"])
     frames = json.dumps([{"module": "/home/alice/venvs/llm/lib/libnccl.so.2",
                           "symbol": "ncclAllReduce", "offset": 16},
                          {"py_file": "/home/alice/private/train.py", "py_func": "step",
