@@ -33,6 +33,12 @@ def _head(cat: str, ts: str, dur: str | None, name: str) -> str:
             f"({ts} - :origin) / 1000.0, ({dur}) / 1000.0, json_quote({name}))")
 
 
+def _endpoint(addr: str, port: str) -> str:
+    """SQL: addr:port, or [addr]:port for an IPv6 address."""
+    return (f"(CASE WHEN instr({addr}, ':') THEN '[' || {addr} || ']' ELSE {addr} END "
+            f"|| ':' || {port})")
+
+
 def _args(*pairs: str) -> str:
     """SQL: a JSON object of the non-NULL args, built by concatenation.
 
@@ -379,7 +385,10 @@ class EventStreams:
         self._slices(sink, sql, "block", resolve, fast=fast)
 
     def tcp(self, sink: Sink) -> None:
-        body = (f"""{_head('tcp', 'timestamp_ns', None, "CASE event WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END || ' ' || saddr || ':' || sport || ' > ' || daddr || ':' || dport")} ||
+        # an IPv6 endpoint is [addr]:port, as in a URL (fd00::1:22 would be ambiguous)
+        name = ("CASE event WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END || ' ' "
+                f"|| {_endpoint('saddr', 'sport')} || ' > ' || {_endpoint('daddr', 'dport')}")
+        body = (f"""{_head('tcp', 'timestamp_ns', None, name)} ||
                  {_args("'event'", 'event', "'saddr'", 'saddr', "'sport'", 'sport',
                         "'daddr'", 'daddr', "'dport'", 'dport', "'state'", 'state',
                         "'scope'", 'scope', "'owner_pid'", 'owner_pid',
@@ -392,10 +401,9 @@ class EventStreams:
                 cp = self.tracks.by_node[nid].pid
                 return cp, self.tracks.synthetic(cp, ("tcp", scope), 2_000_000_000
                                                  + (scope != "job"), f"TCP · {scope} connections")
-            raw = ("SELECT node_id, scope, NULL, NULL, NULL, timestamp_ns, NULL, CASE event "
-                   "WHEN 'tcp_retransmit_skb' THEN 'retransmit' ELSE event END || ' ' || "
-                   "saddr || ':' || sport || ' > ' || daddr || ':' || dport, 0, event, saddr, "
-                   "sport, daddr, dport, state, scope, owner_pid, srtt_us, snd_cwnd "
+            raw = (f"SELECT node_id, scope, NULL, NULL, NULL, timestamp_ns, NULL, {name}, "
+                   "0, event, saddr, sport, daddr, dport, state, scope, owner_pid, srtt_us, "
+                   "snd_cwnd "
                    f"FROM tcp_events WHERE {self.where(per_process=False, table='tcp_events')} "
                    "ORDER BY node_id, timestamp_ns, id")
             n = self._events(sink, "i", raw, (("tcp", ("event", "saddr", "sport", "daddr",

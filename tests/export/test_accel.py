@@ -228,3 +228,25 @@ def test_max_events_same_error(chunky, tmp_path):
     assert msgs[0] == msgs[1]
     assert "--max-events 5000" in msgs[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tcp_endpoints_bracket_ipv6_on_both_paths(tmp_path):
+    """An IPv6 endpoint is [addr]:port in the instant's name (fd00::1:22 alone cannot be
+    told from an address ending in :22), IPv4 stays addr:port; both paths agree."""
+    path = tmp_path / "fleet.db"
+    build_fleet(path, nodes=2, ranks_per_node=1, steps=4, cuda_per_step=2)
+    con = apsw.Connection(str(path))
+    with con:
+        t = con.execute("SELECT MIN(timestamp_ns) FROM nccl_events").fetchone()[0]
+        for i, (fam, s, d) in enumerate(((6, "fd00:ac::11", "fd00:ac::ff"),
+                                         (4, "10.0.0.1", "10.0.0.2"))):
+            con.execute("INSERT INTO tcp_events (node_id, bundle_id, timestamp_ns, mono_ns, "
+                        "event, family, saddr, daddr, sport, dport, state, scope) VALUES "
+                        "(1, 1, ?, ?, 'tcp_retransmit_skb', ?, ?, ?, 22, 55177, "
+                        "'ESTABLISHED', 'job')", (t + i, t + i, fam, s, d))
+    con.close()
+    fast, slow = _both(path, tmp_path, kinds=frozenset({"tcp"}), findings=False)
+    assert fast == slow or not BUILT
+    names = {e["name"] for e in json.loads(slow)["traceEvents"] if e.get("cat") == "tcp"}
+    assert "retransmit [fd00:ac::11]:22 > [fd00:ac::ff]:55177" in names
+    assert "retransmit 10.0.0.1:22 > 10.0.0.2:55177" in names
