@@ -21,15 +21,19 @@ DIST=$WORK/usb
 cd "$REPO"
 step "build the kit"
 bash scripts/build-kit.sh -o "$DIST"
+# written down apart from the carrier: the archive's name and sha256
+read -r WRITTEN ARCHIVE < "$(ls "$DIST"/ingero-kit-*.tar.gz.sha256)"
+KIT=${ARCHIVE%.tar.gz}
 
 # --- on the site: verify, install on a node --------------------------------------
 PREFIX=$WORK/node/opt/ingero-forensics
 mkdir -p "$WORK/node"
 cd "$DIST"
 step "verify what was carried"
-sha256sum -c ingero-kit-*.tar.gz.sha256
-tar xzf ingero-kit-*.tar.gz
-cd ingero-kit-*/
+sha256sum "$KIT.tar.gz"     # must print the value written down
+[ "$(sha256sum "$KIT.tar.gz" | cut -d' ' -f1)" = "$WRITTEN" ]
+tar xzf "$KIT.tar.gz"
+cd "$KIT"
 sha256sum -c --quiet SHA256SUMS
 step "the one-file capture"
 python3 ingero-capture.pyz --check --strict || [ "$STRICT_OK_PYZ" = 0 ]
@@ -82,8 +86,8 @@ ingero-query fleet.db "SELECT cmdline FROM processes WHERE cmdline LIKE '%api-ke
 ! grep -qF sk-rehearsal fleet.db || { echo "a secret reached fleet.db" >&2; exit 1; }
 step "what leaves the site"
 ingero-redact fleet.db -o fleet-redacted.db
-ingero-report fleet.db --redact -o report-redacted.html
-ingero-export fleet.db --chrome-trace --redact -o trace-redacted.json.gz
+ingero-report fleet-redacted.db -o report-redacted.html
+ingero-export fleet-redacted.db --chrome-trace -o trace-redacted.json.gz
 sha256sum fleet-redacted.db report-redacted.html trace-redacted.json.gz > SHA256SUMS
 ! zgrep -l -e gpu-node-01 -e sk-rehearsal trace-redacted.json.gz report-redacted.html fleet-redacted.db || { echo "redaction left a name" >&2; exit 1; }
 step "view the trace offline"
