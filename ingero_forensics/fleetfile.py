@@ -26,7 +26,11 @@ def check_fleet_file(path, error: type[IngeroError] = IngeroError) -> int:
     read; return its format version (user_version)."""
     from .merge.fleet_schema import FLEET_APPLICATION_ID, FLEET_VERSION  # noqa: PLC0415
     path = Path(path)
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:            # a directory on the way that cannot be searched
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    if not exists:
         raise error(f"{path}: no such file")
     try:
         with open_regular(path) as f:

@@ -177,7 +177,9 @@ def default_platform(python: str, native: Target) -> str:
     tags, never this machine's plain linux_* one)."""
     if python == native.python:
         return native.platform
-    return f"manylinux_2_28_{pyplatform.machine()}"
+    machine = {"arm64": "aarch64", "amd64": "x86_64"}.get(pyplatform.machine().lower(),
+                                                          pyplatform.machine())
+    return f"manylinux_2_28_{machine}"
 
 
 def source_version(src: Path) -> str:
@@ -459,9 +461,13 @@ EOF
 
 VERSION=$("$PY" -c 'import json; print(json.load(open("kit.json"))["version"])')
 "$PY" -m venv "$PREFIX"
-# this kit's version, over whatever an earlier kit installed there (an upgrade or not)
+# this kit's version and dependencies, over whatever an earlier kit installed there;
+# then this kit's own wheel again: a kit of the same version number from newer sources
+# must replace the code (pip keeps an installed version it is asked for)
 "$PREFIX/bin/python" -m pip install --quiet --no-index --no-cache-dir --upgrade \
     --find-links "$KIT/wheels" "ingero-forensics==$VERSION"
+"$PREFIX/bin/python" -m pip install --quiet --no-index --no-cache-dir --no-deps \
+    --force-reinstall "$KIT"/wheels/ingero_forensics-*.whl
 mkdir -p "$PREFIX/share"
 cp ingero-job-capture.sh ingero-capture.service "$PREFIX/share/"
 chmod 755 "$PREFIX/share/ingero-job-capture.sh"

@@ -29,6 +29,9 @@ LOG=$DIR/.capture.log
 STRICT=--strict
 [ "${INGERO_STRICT:-1}" = 0 ] && STRICT=
 TIMEOUT=${INGERO_START_TIMEOUT:-120}
+case "$TIMEOUT" in
+  ''|*[!0-9]*) echo "Error: INGERO_START_TIMEOUT=$TIMEOUT: give whole seconds" >&2; exit 2 ;;
+esac
 
 case "$ACTION" in
 start)
@@ -50,14 +53,18 @@ start)
     fi
     sleep 0.1; i=$((i + 1))
   done
-  # not left running behind a failed start: stopped, it seals what it has
+  # not left running behind a failed start: stopped, it seals what it has (waited for,
+  # so that a later stop finds it ended and signals no pid the system gave to another)
   [ -f "$PIDFILE" ] && kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
+  i=0
+  while [ ! -f "$RCFILE" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
   echo "Error: $DIR: capture did not start within $TIMEOUT s; stopped it (see $LOG)" >&2
   exit 1
   ;;
 stop)
   [ -f "$PIDFILE" ] || { echo "Error: $PIDFILE: no capture started for job $JOB" >&2; exit 1; }
-  kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
+  # an ended capture's pid may be another process's by now: signal only a running one
+  [ -f "$RCFILE" ] || kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
   i=0
   while [ ! -f "$RCFILE" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
   [ -f "$RCFILE" ] || { echo "Error: $DIR: capture did not stop within 120 s" >&2; exit 1; }

@@ -207,31 +207,46 @@ def test_pyz_runs_with_nothing_installed(kit, tmp_path):
     assert list((tmp_path / "cache").iterdir()) == [cache]
 
 
-def test_a_newer_kit_upgrades_an_install_in_a_relative_prefix(kit, tmp_path):
-    """The runbook installs each new kit over the last: the new version must be what runs
-    afterwards (pip without --upgrade kept the old one and said "installed"). A relative
-    PREFIX is the caller's, not the kit directory's. A kit built from --source is named
-    after that tree's version, not the running tool's."""
+def _source_copy(dest: Path, version: str, mark: str) -> Path:
+    """This source tree at another version, its package marked."""
+    from ingero_forensics import __version__
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".cache", ".dev",
+        "*.so", "bench", "tests"))
+    for path, line in ((dest / "pyproject.toml", 'version = "{}"'),
+                       (dest / "ingero_forensics" / "__init__.py", '__version__ = "{}"')):
+        text = path.read_text()
+        assert line.format(__version__) in text
+        path.write_text(text.replace(line.format(__version__), line.format(version)))
+    with open(dest / "ingero_forensics" / "__init__.py", "a") as f:
+        f.write(f"KIT_TEST_MARK = {mark!r}\n")
+    return dest
+
+
+def test_each_kit_replaces_the_install_before_it(kit, tmp_path):
+    """The runbook installs each new kit over the last: its code must be what runs
+    afterwards, a newer version (pip without --upgrade kept the old one and said
+    "installed") and a kit of the same version number built from newer sources (pip
+    keeps an installed version it is asked for) alike. A relative PREFIX is the caller's,
+    not the kit directory's. A kit built from --source is named after that tree's
+    version, not the running tool's."""
     from ingero_forensics import __version__
     _, archive = kit
     major, minor, patch = __version__.split(".")
     newer = f"{major}.{minor}.{int(patch) + 1}"
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".cache", ".dev",
-        "*.so", "bench", "tests"))
-    for path, line in ((src / "pyproject.toml", 'version = "{}"'),
-                       (src / "ingero_forensics" / "__init__.py", '__version__ = "{}"')):
-        text = path.read_text()
-        assert line.format(__version__) in text
-        path.write_text(text.replace(line.format(__version__), line.format(newer)))
-    res = build_kit(tmp_path / "out2", source=src, pyz=False)
-    assert Path(res.archive).name.startswith(f"ingero-kit-{newer}-")
+    same = build_kit(tmp_path / "out-same", pyz=False,
+                     source=_source_copy(tmp_path / "src-same", __version__, "same"))
+    up = build_kit(tmp_path / "out-up", pyz=False,
+                   source=_source_copy(tmp_path / "src-up", newer, "up"))
+    assert Path(up.archive).name.startswith(f"ingero-kit-{newer}-")
     work = tmp_path / "work"
     work.mkdir()
     env = clean_env(PYTHON=node_python())
-    for arch, want in ((archive, __version__), (Path(res.archive), newer)):
-        d = extract(arch, tmp_path / f"carried-{want}")
+    py = work / "node" / "bin" / "python"
+    for arch, want, mark in ((archive, __version__, None), (Path(same.archive), __version__,
+                                                            "same"),
+                             (Path(up.archive), newer, "up")):
+        d = extract(arch, tmp_path / f"carried-{mark}")
         r = subprocess.run(["sh", str(d / "install.sh"), "node"], capture_output=True,
                            text=True, env=env, cwd=work)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -240,6 +255,10 @@ def test_a_newer_kit_upgrades_an_install_in_a_relative_prefix(kit, tmp_path):
         v = subprocess.run([str(work / "node" / "bin" / "ingero-report"), "--version"],
                            capture_output=True, text=True, env=clean_env())
         assert v.stdout.split() == ["ingero-report", want], v.stdout + v.stderr
+        got = subprocess.run([str(py), "-c", "import ingero_forensics as i; "
+                              "print(getattr(i, 'KIT_TEST_MARK', None))"],
+                             capture_output=True, text=True, env=clean_env(), cwd=work)
+        assert got.stdout.strip() == str(mark), (mark, got.stdout + got.stderr)
 
 
 def test_kit_for_another_python_defaults_to_manylinux_and_checks_the_tag(tmp_path):
@@ -356,3 +375,6 @@ def test_job_wrapper_stops_a_capture_that_never_came_on(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"capture {pid} still running after a failed start")
+    assert (tmp_path / "slow" / ".capture.rc").exists()   # ended, and waited for
+    r = _job("start", tmp_path, {**env, "INGERO_START_TIMEOUT": "2m"})
+    assert r.returncode == 2 and "give whole seconds" in r.stderr

@@ -67,8 +67,9 @@ def _split(values) -> tuple[str, ...]:
 @click.option("-q", "--quiet", is_flag=True, help="No summary line.")
 @click.option("--redact", is_flag=True,
               help="Export a redacted copy of FLEET_DB (as ingero-redact writes it), made "
-                   "in a temporary directory next to the output (the system's for stdout) "
-                   "and removed after. --nodes then takes the node ids (nodeid-N).")
+                   "in a private directory beside FLEET_DB (else in TMPDIR), never beside "
+                   "the output, and removed after. --nodes then takes the node ids "
+                   "(nodeid-N).")
 @version_option("ingero-export")
 @handle_errors
 def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_events,

@@ -205,7 +205,7 @@ def format_summary(res) -> str:
                      f"{sum(v for k, v in n['rows'].items() if k not in NOT_EVENTS):>10} "
                      f"{a['method'] or '-':<13} {unc:>10} "
                      f"{a['violations_before']}/{a['violations_after']:<5}{flag}")
-    if res.rows:
+    if any(res.rows.values()):
         lines.append("rows written: " + ", ".join(f"{t} {n}" for t, n in sorted(res.rows.items())
                                                   if n))
     return "\n".join(lines)

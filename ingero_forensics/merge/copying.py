@@ -266,14 +266,17 @@ def copy_bundle_table(con, table, bundle, node_id, bundle_id, p) -> tuple[int, i
         return copy_table(con, table, bundle, node_id, bundle_id, p)
     except CORRUPT_ERRORS as e:
         why = f"{type(e).__name__}: {' '.join(str(e).split())}; table {table}"
-        if _image_sound(con, "b"):
+        if not _image_sound(con, "b"):
+            raise CorruptBundle(bundle.path, f"database is corrupt ({why})") from None
+        if not _image_sound(con, "main"):
             raise CorruptOutput(why) from None
-        raise CorruptBundle(bundle.path, f"database is corrupt ({why})") from None
+        raise       # neither side fails quick_check: the error as it came
 
 
 def _image_sound(con, schema: str) -> bool:
-    """Whether the attached bundle image passes SQLite's quick_check (only asked after a
-    copy met a malformed page: which side it was on)."""
+    """Whether a database of con (the attached bundle image, or the one written to)
+    passes SQLite's quick_check: only asked after a copy met a malformed page, to tell
+    which side it was on."""
     try:
         return [r[0] for r in con.execute(f"PRAGMA {schema}.quick_check(1)")] == ["ok"]
     except (apsw.Error, ValueError):

@@ -124,6 +124,7 @@ class _Fleet:
                          "fleet_id INTEGER)")
         self.stacks = {h: (sid, fr) for sid, h, fr in
                        self.con.execute("SELECT stack_id, hash, frames FROM stacks")}
+        self.stacks_added: list = []    # (hash key, stack_id) of the bundle being copied
 
     def log(self, level, event, message, *, input=None, node_id=None, count=None):
         self.con.execute("INSERT INTO merge_log (merged_utc, level, input, node_id, event, "
@@ -346,6 +347,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                        input=shown)
                 progress(2)
                 continue
+            fl.stacks_added = []
             try:
                 con.execute("BEGIN")
                 node_id = resolve_node(fl, bundle.manifest, shown, res)
@@ -370,6 +372,11 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
             except (apsw.Error, ValueError, Conflict, CorruptBundle) as e:
                 if not con.getautocommit():
                     con.execute("ROLLBACK")
+                # the stacks this bundle added are rolled back: forget them, or a later
+                # bundle would map onto a stack id that a new stack then reuses
+                for key, sid in fl.stacks_added:
+                    fl.stacks.pop(key, None)
+                    new_stack_ids.discard(sid)
                 bundle.close()
                 skip(shown, str(e) if isinstance(e, Conflict) else e.reason
                      if isinstance(e, CorruptBundle) else
@@ -745,6 +752,7 @@ def _copy_stacks(fl: _Fleet, shown: str, node_id: int, bundle_id: int, used: set
                         (key, canon, depth))
             sid = con.last_insert_rowid()
             fl.stacks[key] = (sid, canon)
+            fl.stacks_added.append((key, sid))
         used.add(sid)
         rows.append((bundle_id, local_id, sid))
     con.executemany("INSERT OR REPLACE INTO temp.stack_map_all VALUES (?, ?, ?)", rows)

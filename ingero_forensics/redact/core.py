@@ -14,13 +14,16 @@
   every path in any text are reduced to base names; URLs to scheme, host pseudonym and
   base name;
 * user names (from home directories /home/NAME, /Users/NAME, /scratch/NAME, URL user
-  info and user@host words) are removed: a path that ends in one becomes ``~`` and any
-  other occurrence ``user``.
+  info, user@host words and e-mail addresses) are removed: a path that ends in one
+  becomes ``~`` and any other occurrence ``user``;
+* other machines named in the fleet's DNS domains become ``host.domain`` (a node's own
+  name, ``NODE.domain``).
 
-The copy is built in a temporary file next to dest, every TEXT column of every table is
-rewritten (enum columns and hashes excepted), then ``VACUUM INTO`` writes dest fresh, so
-no page of the original content survives in free space; fleet_info gets a ``redacted``
-row. The source is only read.
+The working copy is built in a private directory beside src (never beside dest, which may
+be the medium that leaves the site), every TEXT column of every table is rewritten (enum
+columns and hashes excepted), then ``VACUUM INTO`` writes dest fresh, so no page of the
+original content survives in free space; fleet_info gets a ``redacted`` row. The source
+is only read.
 """
 
 from __future__ import annotations
@@ -64,9 +67,11 @@ _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|"
 _URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*)://([^/\s\"'<>]*)([^\s\"'<>]*)")
 _PATH = re.compile(r"(?<![\w.\-/~])(?:~|\.{1,2})?/(?!/)[^\s\"'`,;()<>\[\]{}|*]*")
 _HOME = re.compile(r"/(?:" + "|".join(HOME_DIRS) + r")/([A-Za-z0-9._-]+)")
-#: The host part of an e-mail address: a DNS name whose last label is a word (acme.com,
-#: not a version such as torch@2.1)
-_EMAIL_DOMAIN = re.compile(r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
+#: An e-mail address: any local part (dots, plus, digits, quotes), then a DNS name whose
+#: last label is a word (acme.com; not a version such as torch@2.1). It also takes words
+#: of that shape that are no address (ckpt@step10.pt): over-redaction, never a leak.
+_EMAIL = re.compile(r"[^\s@<>\"(),;:=/\[\]]+@([A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,})"
+                    r"(?![A-Za-z0-9-])")
 _USER_AT = re.compile(r"(?<![\w.+-])([A-Za-z_][A-Za-z0-9._-]{0,31})@([A-Za-z0-9][\w.-]*)")
 _HEX_IPV4 = re.compile(r"^[0-9A-F]{8}$")
 
@@ -206,8 +211,8 @@ class Redactor:
             # any other machine in the site's domains: name.domain -> host.domain
             alts = "|".join(re.escape(d) for d in sorted(domains, key=len, reverse=True))
             self._in_domain_re = re.compile(
-                rf"(?<![\w.-])[A-Za-z0-9][A-Za-z0-9-]*(?:\.[A-Za-z0-9-]+)*\.(?:{alts})"
-                r"(?![\w-])", re.IGNORECASE)
+                rf"(?<![A-Za-z0-9.-])[A-Za-z0-9][A-Za-z0-9-]*(?:\.[A-Za-z0-9-]+)*"
+                rf"\.(?:{alts})(?![A-Za-z0-9-])", re.IGNORECASE)
         if self.users:
             alts = "|".join(re.escape(u) for u in sorted(self.users, key=len, reverse=True))
             self._users_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])")
@@ -243,15 +248,23 @@ class Redactor:
         base = self.basename(rest) if rest.strip("/") else ""
         return out + (f"/{base}" if base else "")
 
+    def _in_domain(self, m: re.Match) -> str:
+        """A name in one of the fleet's domains: a node's full name is left to the names
+        rule; a node's first label keeps its pseudonym (NODE.domain); any other machine
+        becomes host.domain."""
+        name = m.group(0).lower()
+        if name in self._lower:
+            return m.group(0)
+        label = self._lower.get(name.split(".", 1)[0])
+        return f"{label if label and label != 'domain' else 'host'}.domain"
+
     def known_host(self, host: str) -> bool:
         return host.lower() in self._lower or _parse_ip(host) is not None
 
     def _user_at(self, m: re.Match) -> str:
-        """user@host, and any e-mail address (user@ a DNS name): the user is removed, the
-        host becomes its pseudonym or 'host'."""
-        user, host = m.group(1), m.group(2).rstrip(".")
-        if user in self.users or self.known_host(host) or _EMAIL_DOMAIN.fullmatch(host):
-            return f"{USER_WORD}@{self.host(host)}" + m.group(2)[len(host):]
+        user, host = m.group(1), m.group(2)
+        if user in self.users or self.known_host(host):
+            return f"{USER_WORD}@{self.host(host)}"
         return m.group(0)
 
     def text(self, s: str) -> str:
@@ -259,14 +272,14 @@ class Redactor:
         if not s:
             return s
         s = _URL.sub(self._url, s)
+        s = _EMAIL.sub(lambda m: f"{USER_WORD}@{self.host(m.group(1))}", s)
         s = _USER_AT.sub(self._user_at, s)
         s = _PATH.sub(lambda m: self.basename(m.group(0)), s)
         s = _IPV4.sub(lambda m: self.ips.pseudonym(m.group(0)), s)
         s = _IPV6.sub(lambda m: self.ips.pseudonym(m.group(0))
                       if _parse_ip(m.group(0)) is not None else m.group(0), s)
         if self._in_domain_re is not None:
-            s = self._in_domain_re.sub(
-                lambda m: m.group(0) if m.group(0).lower() in self._lower else "host.domain", s)
+            s = self._in_domain_re.sub(self._in_domain, s)
         if self._names_re is not None:
             s = self._names_re.sub(lambda m: self._lower[m.group(0).lower()], s)
         if self._users_re is not None:
@@ -379,6 +392,8 @@ def _node_names(con) -> dict[str, str]:
             label, _, domain = s.partition(".")
             if len(label) >= 3:
                 names.setdefault(label, pseudo)
+            if _parse_ip(s) is not None or s.rsplit(".", 1)[-1].isdigit():
+                continue    # an address or a numbered name has no DNS domain
             # the host's domain and its parents of two labels or more: other machines of
             # the site (an NTP server, a git host) are named in them
             while domain and "." in domain:
@@ -455,7 +470,9 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
             with con.backup("main", source, "main") as b:
                 b.step()
         except apsw.Error as e:
-            raise RedactError(f"{dest}: cannot write the working copy ({e})") from None
+            raise RedactError(f"{work_dir}: cannot write the working copy of {src} "
+                              f"({sqlite_message(e)}; it is made beside the source, or in "
+                              "TMPDIR when that directory is not writable)") from None
         finally:
             source.close()
         con.execute("PRAGMA journal_mode = OFF")

@@ -41,7 +41,8 @@ from .text import render_text
 @click.option("--redact", is_flag=True,
               help="Report on a redacted copy of FLEET_DB (as ingero-redact writes it: node "
                    "ids for host names, address pseudonyms, base names, no user names), "
-                   "made in a temporary directory next to the output and removed after.")
+                   "made in a private directory beside FLEET_DB (else in TMPDIR), never "
+                   "beside the output, and removed after.")
 @version_option("ingero-report")
 @handle_errors
 def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):

@@ -158,6 +158,32 @@ def test_a_truncated_copy_of_a_merged_bundle_is_not_taken_as_it(tmp_path, after)
     assert res.bundles_already == 3 and [s["input"] for s in res.skipped] == [str(trunc)]
 
 
+def test_a_bundle_skipped_after_its_stacks_leaves_no_stale_stack(tmp_path, monkeypatch):
+    """A bundle skipped in pass 1 after its stacks went in (rolled back with it) must not
+    leave them in the merge's stack index: a later bundle would map its events onto a
+    stack id that another stack then takes."""
+    import ingero_forensics.merge.core as core
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=5)
+    bad = fleet.paths[0]
+    real = core.copy_bundle_table
+
+    def failing(con, table, bundle, *args):
+        if table == "clock_samples" and str(bundle.path) == str(bad):
+            raise apsw.ConstraintError("a constraint this bundle breaks")
+        return real(con, table, bundle, *args)
+    monkeypatch.setattr(core, "copy_bundle_table", failing)
+    db = tmp_path / "f.db"
+    res = merge_bundles(fleet.paths, db)
+    assert [s["input"] for s in res.skipped] == [str(bad)]
+    monkeypatch.setattr(core, "copy_bundle_table", real)
+    want = tmp_path / "want.db"
+    merge_bundles(fleet.paths[1:], want)
+    sql = ("SELECT n.name, s.frames, COUNT(*) FROM cuda_events e JOIN nodes n USING (node_id) "
+           "LEFT JOIN stacks s ON s.stack_id = e.stack_id GROUP BY 1, 2 ORDER BY 1, 2")
+    got, expected = q(db, sql), q(want, sql)
+    assert got == expected and all(frames for _, frames, _ in got), got
+
+
 def test_same_name_other_host_is_kept_apart(tmp_path):
     a = make_fleet(tmp_path / "a", nodes=1, seconds=3, seed=5)
     b = make_fleet(tmp_path / "b", nodes=1, seconds=3, seed=6, host_of={0: "other-host"})

@@ -144,6 +144,38 @@ def test_text_rewrites():
         "3 events/s, 12:30:45, cpu.busy_pct / 100"
 
 
+@pytest.mark.parametrize("text, want", [
+    # e-mail addresses, whatever their local part
+    ("john.doe+ml@acme.com", "user@host"), ("1234@acme.com", "user@host"),
+    ("a_very_long_firstname.lastname.team@gmail.com", "user@host"),
+    ("jane.o'neil@acme.com", "user@host"), ("--notify=ops@dc1.example.org", "--notify=user@domain"),
+    # other machines of the fleet's domains, also after _ ; a node keeps its pseudonym
+    ("log_ntp1.example.org", "log_host.domain"), ("--ntp=ntp1.dc1.example.org", "--ntp=host.domain"),
+    ("--master_addr=GPU-17.DC1.Example.org", "--master_addr=nodeid-1"),
+    ("gpu-17.example.org", "nodeid-1.domain"),
+    # what the analysis and the reader need stays
+    ("python -m torch.distributed.run train.py", "python -m torch.distributed.run train.py"),
+    ("torch@2.1 4.18.0-553.2.3.el8 nodeid-3", "torch@2.1 4.18.0-553.2.3.el8 nodeid-3"),
+])
+def test_names_users_and_addresses_in_free_text(text, want):
+    r = Redactor({"gpu-17.dc1.example.org": "nodeid-1", "gpu-17": "nodeid-1",
+                  "dc1.example.org": "domain", "example.org": "domain"}, {"alice"},
+                 IpPseudonyms(b"x" * 32, set()))
+    assert r.text(text) == want
+
+
+def test_a_node_named_by_its_address_gives_no_domain(tmp_path):
+    """--node 10.1.2.3 is a valid node name: its 'domains' (1.2.3, 2.3) would rewrite
+    kernel releases and version strings that end in them."""
+    from ingero_forensics.redact.core import _node_names
+    con = apsw.Connection(":memory:")
+    con.execute("CREATE TABLE nodes (node_id, name, claimed_name, hostname)")
+    con.execute("INSERT INTO nodes VALUES (1, '10.1.2.3', '10.1.2.3', 'gpu-17.dc1.example.org')")
+    names = _node_names(con)
+    assert "1.2.3" not in names and "2.3" not in names
+    assert names["dc1.example.org"] == names["example.org"] == "domain"
+
+
 # ------------------------------------------------------------------------------ CLIs
 
 def test_ingero_redact_cli(sensitive_fleet, tmp_path):
