@@ -104,8 +104,9 @@ def run_demo(out_dir, *, config: FleetConfig | None = None, log=print,
 @click.command(name="python -m ingero_forensics.demo",
                epilog=cliutil.EXIT_CODES_HELP)
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Output directory (created if missing). An earlier demo there is "
-                   "replaced; any other directory that is not empty is refused.")
+              help="Output directory (created if missing). An earlier demo there (one "
+                   "that left its .ingero-demo marker) is replaced; any other directory "
+                   "that is not empty is refused.")
 @click.option("--force", is_flag=True,
               help="Use a directory that is not empty and holds no earlier demo: the "
                    "demo's own outputs there (fleet/, fleet.db, trace.json.gz, "

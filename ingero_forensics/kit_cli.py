@@ -30,8 +30,10 @@ def main(output_dir, python, platform, source, no_pyz, as_json, quiet):
 
     The archive holds the wheels of ingero-forensics and of all its dependencies for one
     target (CPython version and platform), the one-file capture ingero-capture.pyz, an
-    install script for the nodes (pip install --no-index), kit.json and SHA256SUMS; a
-    .sha256 file is written next to it. For a target other than this machine's Python and
+    install script for the nodes (pip install --no-index), the per-job wrapper
+    ingero-job-capture.sh, the systemd unit ingero-capture.service, the runbook
+    airgap.md, README.txt, kit.json and SHA256SUMS; a .sha256 file is written next to
+    it. For a target other than this machine's Python and
     platform, the project wheel is built without its optional C accelerators. Needs pip
     and a package index (or a mirror) here; nothing on the nodes.
 

@@ -9,7 +9,7 @@
  * printf and json_quote called from here give exactly the bytes the SQL of the Python
  * path gives. Nothing links against another libsqlite3; only the headers are needed.
  *
- * The Python path in chrome_trace.py is the reference: each function here mirrors one of
+ * The Python path in streams.py is the reference: each function here mirrors one of
  * its loops (lane allocator, prefixes, 8192-event chunks) and tests compare the bytes.
  */
 #define PY_SSIZE_T_CLEAN
@@ -136,7 +136,7 @@ static void lanes_free(Lanes *l)
     PyMem_Free(l->s);
 }
 
-/* chrome_trace._place: the first lane where [start, end) nests or follows. */
+/* tracks.place_lane: the first lane where [start, end) nests or follows. */
 static Py_ssize_t lanes_place(Lanes *l, Num start, Num end)
 {
     for (Py_ssize_t i = 0; i < l->n; i++) {
@@ -290,7 +290,7 @@ static int column_num(sqlite3_stmt *st, int i, Num *out)
 }
 
 /* The chunk being built: events joined by ",\n", with ",\n" in front when it does not
- * start the section (as _Sink.extend writes it). */
+ * start the section (as output.Sink.extend writes it). */
 typedef struct {
     Buf buf;
     Py_ssize_t n;
@@ -591,7 +591,7 @@ static int ts_text(Slow *sl, sqlite3_stmt *st, int col, sqlite3_int64 origin, Bu
 }
 
 /* "ts":…(,"dur":… | ,"s":"t"),"name":…,"cat":…,"args":{…}} after the prefix, as the
- * Python path's SQL (_head and _args in chrome_trace.py) writes it. */
+ * Python path's SQL (_head and _args in streams.py) writes it. */
 static int event_text(Slow *sl, sqlite3_stmt *st, Buf *b, int slice, sqlite3_int64 origin,
                       Layout *ls, Py_ssize_t nl)
 {
@@ -1228,7 +1228,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_fastslices",
-    "C loops for ingero-export's slice sections (see chrome_trace.py).", -1, methods,
+    "C loops for ingero-export's slice sections (see streams.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__fastslices(void)

@@ -16,8 +16,9 @@ number of tracks and threads, never by the number of events. Output is determini
 every query has a total order and the metadata holds no wall-clock time. The per-event
 loops have two implementations writing the same bytes: the C accelerator (_fastslices.c:
 it steps the SQL on this connection's own SQLite and builds the text from raw columns),
-used when built, and the Python loops below (SQLite's printf/json_quote build the text),
-the fallback and the reference (INGERO_NO_ACCEL=1 or ExportOptions(accel=False)).
+used when built, and the Python loops of streams.py (SQLite's printf/json_quote build
+the text), the fallback and the reference (INGERO_NO_ACCEL=1 or
+ExportOptions(accel=False)).
 
 Timestamps are microseconds with three decimals (nanoseconds) relative to ``origin``:
 the start of the data, floored to a whole second of aligned fleet UTC (absolute UTC in

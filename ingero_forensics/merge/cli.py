@@ -8,7 +8,8 @@ import click
 
 from .. import accel as _accel
 from .. import cliutil
-from .core import NOT_EVENTS, merge_bundles
+from .core import merge_bundles
+from .fleet_schema import NOT_EVENTS
 from .files import expand_inputs, list_bundles
 from .verify import verify_bundles
 

@@ -45,8 +45,8 @@ from .files import MergeError, check_fleet, expand_inputs, lock_output
 from .inflight import settle_in_flight
 from .lateattach import infer_late_attach
 from .summaries import write_summaries
-from .fleet_schema import (FLEET_TABLES_BY_NAME, FLEET_VERSION, all_index_ddl, fleet_ddl,
-                           index_ddl)
+from .fleet_schema import (FLEET_TABLES_BY_NAME, FLEET_VERSION, NOT_EVENTS, all_index_ddl,
+                           fleet_ddl, index_ddl)
 from .nodes import Conflict, fleet_jobs, node_summary, resolve_node, update_nodes
 from .opening import extract_sync, prefetch
 from .screen import row_predicate
@@ -58,11 +58,6 @@ from .syncpoints import (SYNC_APIS, TIGHT_LAG_NS, TIGHT_MAX_OPS, attached,
 DEFAULT_MIN_WAIT_NS = 20_000
 #: Clock condition: a completion cannot be observed before the last entry plus this.
 DEFAULT_MIN_LATENCY_NS = 1_000
-
-
-#: Tables whose rows are not events: a bundle's or node's "rows" and the merge's total
-#: leave them out (stacks are shared by the fleet, meta is facts about a segment).
-NOT_EVENTS = ("meta", "stacks")
 
 
 @dataclass

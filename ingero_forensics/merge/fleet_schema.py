@@ -106,6 +106,11 @@ def _extras(table_name: str, aligned: tuple[str, ...]) -> tuple[Column, ...]:
     return tuple(cols)
 
 
+#: Tables whose rows are not events: a bundle's or node's "rows" and the merge's total
+#: leave them out (stacks are shared by the fleet, meta is facts about a segment).
+NOT_EVENTS = ("meta", "stacks")
+
+
 #: Tables read as per-thread timelines, which get a (node_id, pid, tid, timestamp_ns) index.
 THREAD_TIMELINES = ("nccl_events", "cuda_events", "sched_events")
 
@@ -479,4 +484,4 @@ def render_markdown() -> str:
 
 __all__ = ["FLEET_VERSION", "FLEET_APPLICATION_ID", "FLEET_TABLES", "FLEET_TABLES_BY_NAME",
            "COPIED_TABLES", "fleet_ddl", "all_index_ddl", "index_ddl", "table_ddl",
-           "time_point_columns", "render_markdown"]
+           "time_point_columns", "render_markdown", "NOT_EVENTS"]

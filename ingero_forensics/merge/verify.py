@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from ..bundle import open_bundle, read_manifest
 from ..errors import BundleError
 from .files import expand_inputs
+from .fleet_schema import NOT_EVENTS
 
 #: Bundles verified at once (decompression, sha256 and SQLite's check release the GIL).
 VERIFY_THREADS = 2
@@ -47,7 +48,7 @@ def _from_manifest(check: BundleCheck, m: dict) -> None:
     check.segment = m["segment"]["index"]
     check.start_utc_ns = m["capture"]["start_utc_ns"]
     check.end_utc_ns = m["capture"]["end_utc_ns"]
-    check.rows = sum(m["tables"].values())
+    check.rows = sum(n or 0 for t, n in m["tables"].items() if t not in NOT_EVENTS)
 
 
 def verify_bundle(path, *, shown: str | None = None, tmpdir=None,

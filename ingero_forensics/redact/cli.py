@@ -23,8 +23,11 @@ def main(fleet_db, output, as_json, quiet):
     Host and node names become node ids (nodeid-3), IP addresses stable pseudonyms that
     keep the subnet structure (one random key per output: the same address gets the same
     pseudonym throughout this output, and a different one in another output), command
-    lines, executables, stack frames and every path are reduced to base names, and user
-    names (home directories, URL user info, user@host) are removed. Timings, ranks,
+    lines, executables, stack frames and every path are reduced to base names, user
+    names (home directories, URL user info, user@host, e-mail addresses) are removed,
+    and other machines of the fleet's DNS domains become host.domain (names in any
+    letter case). The unredacted working copy is made beside FLEET_DB (else in TMPDIR),
+    never beside -o, which may be the medium that leaves the site. Timings, ranks,
     collectives, metrics and the clock alignment are kept, so ingero-report,
     ingero-export and ingero-query work on the copy as on the original. FLEET_DB is only
     read. See docs/airgap.md for what each output contains.
