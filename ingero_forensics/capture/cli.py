@@ -53,7 +53,8 @@ def _libs(ctx, param, values):
               help="Trace processes with this name (repeatable). Without --pid/--comm: "
                    "processes that map libnccl/libcudart or have RANK in their environment.")
 @click.option("--duration", type=FiniteFloatRange(min=0, min_open=True),
-              help="Stop after this many seconds.")
+              help="Stop this many seconds after every source is on (the eBPF "
+                   "compile at start does not count).")
 @click.option("--segment-seconds", type=FiniteFloatRange(min=0, min_open=True), default=300,
               show_default=True, help="Rotate to a new segment after this long.")
 @click.option("--segment-size", default="256M", show_default=True, callback=_size,

@@ -327,7 +327,10 @@ def _capture(run: _Run, node: str, bundle_dir: Path, spool_dir: Path,
             run.stop_reason = "strict"
             run.stop_flag.set()
         try:
-            loop.main(t_start)
+            # --duration counts from here: the bundle holds that long of every source,
+            # however long BCC took to compile them (over 30 s at idle priority on a node
+            # whose job keeps every CPU busy)
+            loop.main(time.monotonic())
         except DiskFullError as e:
             loop.abandon()
             n = len([f for f in sealed_bundles(bundle_dir) if f.node == node])
@@ -449,9 +452,11 @@ class _Loop:
         self.summary.sources_off[name] = reason
 
     # -- main loop ------------------------------------------------------------------
-    def main(self, t_start: float) -> None:
+    def main(self, t_on: float) -> None:
+        """Poll until a stop: a signal, stop_event, or --duration after t_on (every
+        source on)."""
         run, cfg = self.run, self.run.cfg
-        deadline = t_start + cfg.duration if cfg.duration else None
+        deadline = t_on + cfg.duration if cfg.duration else None
         next_tick = time.monotonic() + TICK_S
         while not run.stop_flag.is_set():
             now = time.monotonic()

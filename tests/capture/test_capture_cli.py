@@ -167,6 +167,36 @@ def test_a_start_starved_at_idle_priority_goes_on_at_nice_19():
     assert not quick.raised
 
 
+def test_duration_counts_from_every_source_on(tmp_path):
+    """On a busy node BCC's compile at idle priority took over 30 s, and an 8 s capture
+    counted from its start stopped as its sources came on, holding no collective. The
+    duration is the time every source is on: a source 1 s slow to start still gets it."""
+    import time
+    from ingero_forensics.capture.runner import CaptureConfig
+    from ingero_forensics.capture.runner import run_capture as run_in_process
+    from ingero_forensics.capture.source import Source
+
+    class SlowStart(Source):
+        name = "slow"
+        polls: list = []
+
+        def start(self, ctx):
+            time.sleep(1.0)
+
+        def poll(self, sink):
+            SlowStart.polls.append(time.monotonic())
+
+    t0 = time.monotonic()
+    summary = run_in_process(CaptureConfig(bundle_dir=tmp_path / "b", node="dur-test",
+                                           duration=0.6, ebpf=False, output="quiet",
+                                           idle_start=False, extra_sources=(SlowStart(),)))
+    polls = SlowStart.polls
+    assert summary.stop_reason == "duration"
+    assert polls and polls[0] - t0 >= 1.0
+    assert polls[-1] - polls[0] >= 0.45, polls     # polled for the duration, after the start
+    assert summary.seconds >= 1.5
+
+
 @pytest.mark.parametrize("idle", [True, False], ids=["idle", "normal"])
 def test_start_priority_option_decides_how_sources_start(tmp_path, idle):
     """--start-priority idle (the default) starts every source at SCHED_IDLE and nice 19;
