@@ -37,6 +37,7 @@ NCCL_COMM_APIS = (
 MEMCPY_KINDS = ("HtoH", "HtoD", "DtoH", "DtoD", "default")
 TCP_EVENTS = ("tcp_retransmit_skb", "tcp_probe")
 TCP_SCOPES = ("job", "background", "unknown")
+TCP_DIRECTIONS = ("send", "recv")
 SCHED_KINDS = ("runq_delay", "off_cpu")
 BLOCK_OPS = ("read", "write", "discard", "flush", "other")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -372,6 +373,36 @@ TABLES: tuple[Table, ...] = (
                "the inferred comm_id_hash and seq like the stream's other calls.",
                required=False),
     ), indexes=(("pid", "tid", "timestamp_ns"),), required=False),
+    Table("tcp_progress", "How far the traced processes' TCP connections had got, sampled "
+          "at send and receive calls: the byte position of a call in the connection's "
+          "stream. A connection is counted from the moment it was established, so only "
+          "connections opened while the capture ran have rows. Both ends of a connection "
+          "count the same bytes, so a receive that returned byte N on one node happened "
+          "after the send that began copying byte N on another: the merge uses these pairs "
+          "to bound the nodes' clocks (docs/merge.md). Sampled in the kernel: a call that "
+          "starts a burst (after 50 us of quiet on that end) at most once per "
+          "--tcp-progress-interval per connection and direction, any call after ten "
+          "intervals. Added in 1.1: optional table.", (
+        _id(),
+        C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",
+          "send: when the call began copying its bytes into the socket (its first "
+          "tcp:tcp_sendmsg_locked), or its return where that was not seen; recv: the "
+          "call's return, when the bytes were in the process."),
+        C("direction", "TEXT", False, "", "send or recv.", TCP_DIRECTIONS),
+        C("family", "INTEGER", False, "", "4 or 6."),
+        C("saddr", "TEXT", False, "", "Local address as text (IPv4 dotted quad, IPv6 RFC "
+          "5952; an IPv4-mapped IPv6 address as IPv4)."),
+        C("sport", "INTEGER", False, "", "Local port."),
+        C("daddr", "TEXT", False, "", "Remote address as text."),
+        C("dport", "INTEGER", False, "", "Remote port."),
+        C("connected_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "When the connection "
+          "was established on this node: with the 4-tuple, which connection of that "
+          "4-tuple the row belongs to."),
+        C("stream_offset", "INTEGER", False, "bytes", "Bytes the connection had carried in "
+          "this direction since it was established, before this call."),
+        C("bytes", "INTEGER", False, "bytes", "Bytes this call moved (> 0)."),
+        _PID, _TID,
+    ), required=False),
 )
 
 TABLES_BY_NAME = {t.name: t for t in TABLES}

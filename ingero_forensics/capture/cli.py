@@ -79,6 +79,17 @@ def _libs(ctx, param, values):
               show_default=True, metavar="MS",
               help="Milliseconds between two tcp_probe rows of one connection "
                    "(needs --tcp-probe).")
+@click.option("--no-tcp-progress", is_flag=True,
+              help="Do not record the traced processes' TCP byte progress (table "
+                   "tcp_progress: sampled send and receive calls with their position in "
+                   "the connection's stream). The merge pairs one node's sends with "
+                   "another's receives of the same bytes to bound the nodes' clocks far "
+                   "tighter than collectives can; it costs a map update per send or "
+                   "receive call on the node.")
+@click.option("--tcp-progress-interval", type=click.IntRange(min=1), default=20,
+              show_default=True, metavar="MS",
+              help="Milliseconds between two tcp_progress rows of one connection and "
+                   "direction (a call that starts a burst is preferred).")
 @click.option("--launch-budget", type=click.IntRange(min=0), default=5000, show_default=True,
               metavar="CALLS_PER_S",
               help="Kernel launches the capture counts per second before it samples them. "
@@ -114,7 +125,7 @@ def _libs(ctx, param, values):
 @handle_errors
 def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, segment_size,
          max_disk, clock_interval, host_interval, no_ebpf, lib_paths, tcp_probe,
-         tcp_probe_interval, launch_budget, compression_level, cmdline, check, strict,
+         tcp_probe_interval, no_tcp_progress, tcp_progress_interval, launch_budget, compression_level, cmdline, check, strict,
          start_priority, as_json, quiet):
     """Record this node's training processes into sealed bundles, with no network.
 
@@ -135,6 +146,9 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
     if (click.get_current_context().get_parameter_source("tcp_probe_interval")
             is click.core.ParameterSource.COMMANDLINE and not tcp_probe):
         raise click.UsageError("--tcp-probe-interval needs --tcp-probe")
+    if (click.get_current_context().get_parameter_source("tcp_progress_interval")
+            is click.core.ParameterSource.COMMANDLINE and no_tcp_progress):
+        raise click.UsageError("--tcp-progress-interval contradicts --no-tcp-progress")
     if strict and no_ebpf:
         raise click.UsageError("--strict requires the eBPF sources: drop --no-ebpf")
     config = CaptureConfig(
@@ -144,6 +158,8 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
         ebpf=not no_ebpf,
         options=CaptureOptions(lib_paths=list(lib_paths), tcp_probe=tcp_probe,
                                tcp_probe_interval_ms=tcp_probe_interval,
+                               tcp_progress=not no_tcp_progress,
+                               tcp_progress_interval_ms=tcp_progress_interval,
                                launch_budget=launch_budget),
         output="quiet" if quiet else ("tty" if is_tty() else "plain"),
         compression_level=compression_level, strict=strict, cmdline=cmdline,

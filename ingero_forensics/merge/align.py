@@ -105,6 +105,7 @@ class NodeAlignment:
     causal_early_ns: int | None = None
     causal_late_ns: int | None = None
     causal_moved_ns: int = 0      # how far the causal bounds moved it (0: not at all)
+    message_pairs: int = 0        # TCP send/receive pairs with other clocks (messages.py)
     rate_clamped: bool = False    # its fitted rate exceeded the bound and was clamped
 
     def aligned(self, mono: int) -> int:
@@ -334,10 +335,17 @@ Groups = Callable[[], Iterable[tuple[object, bool, list[tuple[int, int | None, i
                                                                int | None]]]]]
 
 
+#: (sending node, send raw ns, receiving node, receive raw ns) of TCP messages.
+Messages = Iterable[tuple[int, int, int, int]]
+
+
 def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
-                min_latency_ns: int = MIN_LATENCY_NS) -> dict[int, NodeAlignment]:
+                min_latency_ns: int = MIN_LATENCY_NS,
+                messages: Messages = ()) -> dict[int, NodeAlignment]:
     """Align every node. ``groups()`` yields one tuple per sampled collective (see
-    Groups), freshly each call (it is streamed several times).
+    Groups), freshly each call (it is streamed several times). ``messages``: (sending
+    node, send raw ns, receiving node, receive raw ns), each send before its receive
+    (messages.py): causal bounds like the collectives', usually far tighter.
 
     Nodes that share a clock (NodeInput.clock_key: one kernel, one CLOCK_MONOTONIC) are
     aligned as one clock: their samples pooled, their observations one clock's (the
@@ -349,7 +357,7 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
         key = nodes[nid].clock_key
         rep_of[nid] = nid if key is None else first.setdefault(key, nid)
     if all(r == n for n, r in rep_of.items()):
-        return _align_clocks(nodes, groups, min_latency_ns)
+        return _align_clocks(nodes, groups, min_latency_ns, messages)
     clocks = {r: NodeInput(r) for r in set(rep_of.values())}
     for nid, ni in nodes.items():
         clocks[rep_of[nid]].samples.extend(ni.samples)
@@ -372,7 +380,10 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
             yield key, full, [(r, e, sv, round(median(ts)) if ts else None)
                               for r, (e, sv, ts) in sorted(per.items())]
 
-    per_clock = _align_clocks(clocks, clock_groups, min_latency_ns)
+    # a message within one clock says nothing about clocks
+    per_clock = _align_clocks(clocks, clock_groups, min_latency_ns,
+                              [(rep_of[i], s, rep_of[j], r) for i, s, j, r in messages
+                               if rep_of[i] != rep_of[j]])
     out = {}
     for nid in nodes:
         a = per_clock[rep_of[nid]]
@@ -384,8 +395,8 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
     return out
 
 
-def _align_clocks(nodes: dict[int, NodeInput], groups: Groups,
-                  min_latency_ns: int) -> dict[int, NodeAlignment]:
+def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: int,
+                  messages: Messages = ()) -> dict[int, NodeAlignment]:
     """align_fleet for distinct clocks (one node each)."""
     # Step 1 ------------------------------------------------------------------------
     pre: dict[int, int] = {}
@@ -542,7 +553,7 @@ def _align_clocks(nodes: dict[int, NodeInput], groups: Groups,
                 max_correction_ns=max(corr) if corr else None,
                 exceeds_claim=nid in liars, segments=segs, pre_offset_ns=pre[nid])
     _clamp_rates(result)
-    _apply_causal(result, nodes, groups, min_latency_ns)
+    _apply_causal(result, nodes, groups, min_latency_ns, messages)
     return result
 
 
@@ -587,10 +598,12 @@ def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
         a.rate_clamped = True
 
 
-def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_ns) -> None:
-    """Step 4 (causal.py): move lines that break the causal constraints, minimally; record
-    each node's room on both sides; nodes no tight observation pins take that room as
-    their relative uncertainty."""
+def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_ns,
+                  messages: Messages = ()) -> None:
+    """Step 4 (causal.py): move lines that break the causal constraints (collectives and
+    messages), minimally; record each node's room on both sides; nodes no tight
+    observation pins take that room as their relative uncertainty, and every node the
+    room where that is tighter than its fit."""
     ref = None
     rows = []
     for _key, full, obs in groups():
@@ -607,6 +620,16 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
                         None if sv is None else float(a.aligned(sv) - ref)))
         if len(row) >= 2:
             rows.append(row)
+    # a message is a two-member row: the send an entry, the receive an observation
+    for i, s, j, r in messages:
+        a, b = result.get(i), result.get(j)
+        if a is None or b is None or i == j:
+            continue
+        if ref is None:
+            ref = a.aligned(s)
+        rows.append([(i, float(a.aligned(s) - ref), None), (j, None, float(b.aligned(r) - ref))])
+        a.message_pairs += 1
+        b.message_pairs += 1
     if not rows:
         return
     system = CausalSystem(rows, min_latency_ns)
@@ -656,6 +679,12 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
             if a.method == "causal" and a.uncertainty_ns is not None:
                 a.uncertainty_ns = None if a.relative_uncertainty_ns is None else \
                     a.uncertainty_ns + a.relative_uncertainty_ns + a.causal_moved_ns
+        elif (b.early_ns is not None and b.late_ns is not None
+              and a.relative_uncertainty_ns is not None):
+            # a fitted line the causal bounds hold tighter than its fit (messages): the
+            # truth is inside the bounds as surely as inside the fit's band
+            a.relative_uncertainty_ns = min(a.relative_uncertainty_ns,
+                                            math.ceil(max(b.early_ns, b.late_ns)))
 
 
 def _solve_graph(members: list[int], cedges: dict) -> dict[int, tuple[float, float]]:

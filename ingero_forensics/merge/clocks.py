@@ -12,6 +12,7 @@ from . import align
 from .causal import FULL_DEPENDENCY_OPS
 from .copying import PASS3_TABLES, aligned_sql, bundle_predicate
 from .fleet_schema import time_point_columns
+from .messages import message_pairs, sample_progress
 from .syncpoints import SORTED_OPS, attached, correct_wakeups
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ def sample_sync_points(fl: _Fleet, pending: list) -> None:
                             f"typeof(e.seq) = 'integer' AND e.seq % ? = 0 AND "
                             f"{bundle_predicate(item['bundle'], 'nccl_events')}",
                             (item["node_id"], every))
+    # TCP sends and receives of the same bytes on two nodes (messages.py)
+    sample_progress(con, pending, bundle_predicate)
     # observations that a late wake-up delayed: back to the wake-up (syncpoints.py)
     for item in pending:
         with attached(con, item["bundle"].db_path, "b"):
@@ -139,7 +142,13 @@ def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
         if obs:
             yield key, full, obs
 
-    params = align.align_fleet(nodes, groups, fl.min_latency_ns)
+    pairs, stats = message_pairs(con)
+    if stats["connections"] or stats["left_out"]:
+        fl.log("info", "message_pairs", f"{stats['connections']} TCP connections between "
+               f"nodes paired by their byte positions ({len(pairs)} tightest send/receive "
+               f"pairs kept); {stats['left_out']} left out (a 4-tuple seen on more than one "
+               "node or reused)", count=len(pairs))
+    params = align.align_fleet(nodes, groups, fl.min_latency_ns, messages=pairs)
     names = dict(con.execute("SELECT node_id, name FROM nodes"))
     for a in params.values():
         if a.exceeds_claim:
@@ -208,11 +217,11 @@ def write_alignment(con, params) -> None:
         "uncertainty_ns, relative_uncertainty_ns, component, sync_points, sync_points_used, "
         "residual_ns, violations_before, violations_after, clock_samples, steps, "
         "claimed_error_ns, max_correction_ns, exceeds_claim, segments, causal_early_ns, "
-        "causal_late_ns, causal_moved_ns, rate_clamped) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "causal_late_ns, causal_moved_ns, rate_clamped, message_pairs) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [(a.node_id, a.method, a.offset_ns, a.slope, a.drift_ppm, a.uncertainty_ns,
           a.relative_uncertainty_ns, a.component, a.sync_points, a.sync_points_used,
           a.residual_ns, a.violations_before, a.violations_after, a.clock_samples, a.steps,
           a.claimed_error_ns, a.max_correction_ns, int(a.exceeds_claim),
           json.dumps(a.segments), a.causal_early_ns, a.causal_late_ns, a.causal_moved_ns,
-          int(a.rate_clamped)) for a in params.values()])
+          int(a.rate_clamped), a.message_pairs) for a in params.values()])

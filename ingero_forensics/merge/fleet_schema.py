@@ -19,9 +19,10 @@ from ..bundle.schema import Column, C
 #: 2: clock_alignment causal bounds, collectives.completion_tight, sync_points.tight,
 #: cuda_events queued work (bundle format 1.1). 3: calls_in_flight (bundle format 1.1).
 #: 4: host_bins, job_block_io, sync_waits (merge/summaries.py), inferred_comms (late
-#: attach). 5: event_stats.observed_ns (sampled launch counts). An older fleet.db is not
-#: extended: merge its bundles again.
-FLEET_VERSION = 5
+#: attach). 5: event_stats.observed_ns (sampled launch counts). 6: tcp_progress (bundle
+#: format 1.1), clock_alignment.message_pairs. An older fleet.db is not extended: merge
+#: its bundles again.
+FLEET_VERSION = 6
 #: PRAGMA application_id of a fleet database: ASCII "INGM".
 FLEET_APPLICATION_ID = 0x494E474D
 
@@ -269,13 +270,17 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
           "samples, offset_ns (median realtime - mono), claimed_error_ns}."),
         C("causal_early_ns", "INTEGER", True, "ns", "How much earlier the node's line "
           "could be (at either end of its capture, the others fixed) and still have every "
-          "entry into a full-dependency collective before every observed completion; "
-          "NULL: nothing bounds it that way."),
+          "entry into a full-dependency collective before every observed completion, and "
+          "every TCP send before the receive of its bytes (message_pairs); NULL: nothing bounds it that way."),
         C("causal_late_ns", "INTEGER", True, "ns", "The same, later."),
         C("causal_moved_ns", "INTEGER", False, "ns", "How far the causal bounds moved the "
           "line (0: it satisfied them)."),
         C("rate_clamped", "INTEGER", False, "", "1 when the fitted rate exceeded the "
           "drift bound (fleet_info alignment drift_bound_ppm) and was clamped to it."),
+        C("message_pairs", "INTEGER", False, "", "TCP send/receive pairs between this "
+          "node's clock and another's among the causal bounds (tcp_progress: the tightest "
+          "per node pair and time bin; 0 without such rows). They bound the line like the "
+          "collectives do, usually far more tightly."),
     ), constraints=("PRIMARY KEY (node_id)",)),
     FleetTable("sync_points", "Observed completions in the alignment's sample: per waiting "
                "synchronization, the last collective the same thread enqueued before it, for "
@@ -381,7 +386,8 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("node_id", "INTEGER", True, "", "The node concerned, if any."),
         C("event", "TEXT", False, "", "skipped_input, skipped_rows, already_merged, "
           "node_name_conflict, several_jobs, clock_claim_exceeded, no_clock_samples, "
-          "clock_causal_move, rate_clamped, late_wakeups, late_attach, merged."),
+          "clock_causal_move, rate_clamped, late_wakeups, message_pairs, late_attach, "
+          "merged."),
         C("message", "TEXT", False, "", "Human-readable text."),
         C("count", "INTEGER", True, "", "Rows concerned, when counting."),
     )),

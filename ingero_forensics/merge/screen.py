@@ -38,6 +38,8 @@ _I64 = (-(1 << 63), (1 << 63) - 1)
 #: nccl_events.handle_seq counts calls from 1; beyond this (centuries of calls) a row is
 #: skipped, so the late-attach offsets computed from it cannot overflow
 HANDLE_SEQ_MAX = 1 << 48
+#: tcp_progress byte positions: below 2^60 (an exabyte), so offset + bytes stays in int64
+STREAM_MAX = 1 << 60
 #: The storage classes a column of each declared type may hold (SQLite stores any value
 #: in any column; the readers of fleet.db rely on these).
 _STORAGE = {"INTEGER": "'integer'", "REAL": "'real', 'integer'", "TEXT": "'text'"}
@@ -73,6 +75,9 @@ def column_rules(table: str, bundle=None) -> list[ColumnRule]:
             r.narrow(0, 4294967295)
         if c.name == "handle_seq":      # a call counter from 1: offsets stay in int64
             r.narrow(1, HANDLE_SEQ_MAX)
+        if table == "tcp_progress" and c.name in ("stream_offset", "bytes"):
+            # byte positions: the pairing adds them, and a call moves at least a byte
+            r.narrow(1 if c.name == "bytes" else 0, STREAM_MAX)
         if c.name in times or (c.name == "duration_ns" and table == "nccl_events"):
             assert c.type == "INTEGER", (table, c.name)
             # within TIME_BOUND (a duration not negative): both collective paths count

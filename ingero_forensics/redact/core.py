@@ -523,9 +523,10 @@ def _redact(con, key: bytes) -> RedactResult:
         distinct[(t, c)] = _distinct(con, t, c)
         _collect(distinct[(t, c)], users, ips, set(names))
     users -= {"root", USER_WORD}
-    if _has(con, "tcp_events"):
-        for col in ("saddr", "daddr"):
-            ips.update(v for v in _distinct(con, "tcp_events", col) if _parse_ip(v))
+    for table in ("tcp_events", "tcp_progress"):
+        if _has(con, table):
+            for col in ("saddr", "daddr"):
+                ips.update(v for v in _distinct(con, table, col) if _parse_ip(v))
     chrony = []
     if _has(con, "clock_samples"):
         chrony = _distinct(con, "clock_samples", "device", "source = 'chrony'")

@@ -166,17 +166,19 @@ def test_meta_values_are_json(sample_bundle):
             assert meta[key] == value
 
 
-V10 = ("DROP TABLE calls_in_flight; ALTER TABLE cuda_events DROP COLUMN queue_gap_ns; "
+V10 = ("DROP TABLE calls_in_flight; DROP TABLE tcp_progress; ALTER TABLE cuda_events DROP COLUMN queue_gap_ns; "
        "ALTER TABLE cuda_events DROP COLUMN queued_ops")
 
 
 def test_a_version_1_0_bundle_opens_and_merges(tmp_path, sample_bundle):
     """Readers accept 1.0 (no 1.1 table or column) and 1.1 alike."""
     from ingero_forensics.merge import merge_bundles
-    p = _rewrap(tmp_path, sample_bundle, V10,
-                manifest_edit=lambda m: m["tables"].pop("calls_in_flight"))
+    def edit(m):
+        m["tables"].pop("calls_in_flight")
+        m["tables"].pop("tcp_progress")
+    p = _rewrap(tmp_path, sample_bundle, V10, manifest_edit=edit)
     with open_bundle(p) as b:
-        assert b.absent_tables == {"calls_in_flight"}
+        assert b.absent_tables == {"calls_in_flight", "tcp_progress"}
         assert b.absent["cuda_events"] == {"queued_ops", "queue_gap_ns"}
     with open_bundle(sample_bundle) as b:         # the 1.1 original
         assert b.absent_tables == frozenset() and "cuda_events" not in b.absent

@@ -91,6 +91,101 @@ TRACEPOINT_PROBE(tcp, tcp_probe) {
 }
 """
 
+#: Appended unless CaptureOptions.tcp_progress is off: each traced process's TCP bytes
+#: counted per connection from its establishment (sock:inet_sock_set_state), in the
+#: kernel, at every send and receive (sock:sock_send_length, sock:sock_recv_length);
+#: tcp:tcp_sendmsg_locked marks when a send began copying. A record is written for a call
+#: that starts a burst on its end of the connection (after PROGRESS_GAP_NS of quiet), at
+#: most once per interval per connection and direction, and for any call after ten
+#: intervals: the calls that pair tightly with the other node's (bundle table
+#: tcp_progress). The flows map is keyed by the struct sock address and never reads it.
+PROGRESS_PROGRAM = r"""
+struct flow {
+    u64 connected; u64 sent; u64 rcvd; u64 last[2]; u64 emitted[2];
+    u8 saddr[16]; u8 daddr[16]; u16 sport; u16 dport; u16 family; u16 pad;
+};
+struct progress {
+    u64 ts; u64 offset; u64 connected; u32 bytes; u32 pid; u32 tid; u16 sport; u16 dport;
+    u16 family; u8 dir; u8 pad; u8 saddr[16]; u8 daddr[16]; u32 pad2;
+};
+BPF_TABLE("lru_hash", u64, struct flow, flows, __PROGRESS_CONNS__);
+BPF_TABLE("lru_hash", u32, u64, send_began, __PROGRESS_CONNS__);
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state) {
+    if (args->protocol != 6) return 0;          /* IPPROTO_TCP */
+    u64 sk = (u64)args->skaddr;
+    if (args->newstate == 1) {                   /* TCP_ESTABLISHED: count from here */
+        struct flow f = {};
+        f.connected = bpf_ktime_get_ns();
+        f.sport = args->sport; f.dport = args->dport; f.family = args->family;
+        if (args->family == 2) {
+            bpf_probe_read_kernel(f.saddr, 4, args->saddr);
+            bpf_probe_read_kernel(f.daddr, 4, args->daddr);
+        } else {
+            bpf_probe_read_kernel(f.saddr, 16, args->saddr_v6);
+            bpf_probe_read_kernel(f.daddr, 16, args->daddr_v6);
+        }
+        flows.update(&sk, &f);
+    } else if (args->oldstate == 1) {            /* leaving ESTABLISHED: stop counting */
+        flows.delete(&sk);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_sendmsg_locked) {
+    u32 tid = bpf_get_current_pid_tgid();
+    u64 now = bpf_ktime_get_ns();
+    send_began.insert(&tid, &now);               /* the call's first copy only */
+    return 0;
+}
+
+static __always_inline int progress(u64 sk, int ret, u8 dir, u64 began) {
+    struct flow *f = flows.lookup(&sk);
+    if (!f) return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 offset = __sync_fetch_and_add(dir ? &f->rcvd : &f->sent, (u64)ret);
+    u64 start = dir ? now : (began ? began : now);
+    u64 quiet = start - f->last[dir & 1];
+    f->last[dir & 1] = now;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!is_target(tgid)) return 0;
+    u64 since = now - f->emitted[dir & 1];
+    if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
+    if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return 0;
+    f->emitted[dir & 1] = now;
+    struct progress *e = events.ringbuf_reserve(sizeof(struct progress));
+    if (!e) { count_lost(); return 0; }
+    e->ts = start; e->offset = offset; e->bytes = ret; e->pid = tgid;
+    e->tid = bpf_get_current_pid_tgid(); e->sport = f->sport; e->dport = f->dport;
+    e->connected = f->connected; e->family = f->family; e->dir = dir; e->pad = 0; e->pad2 = 0;
+    __builtin_memcpy(e->saddr, f->saddr, 16);
+    __builtin_memcpy(e->daddr, f->daddr, 16);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_send_length) {
+    u32 tid = bpf_get_current_pid_tgid();
+    u64 *b = send_began.lookup(&tid);
+    u64 began = b ? *b : 0;
+    if (b) send_began.delete(&tid);
+    if (args->protocol != 6 || args->ret <= 0) return 0;
+    return progress((u64)args->sk, args->ret, 0, began);
+}
+
+TRACEPOINT_PROBE(sock, sock_recv_length) {
+    /* MSG_PEEK (2) leaves the bytes in the socket: not progress */
+    if (args->protocol != 6 || args->ret <= 0 || (args->flags & 2)) return 0;
+    return progress((u64)args->sk, args->ret, 1, 0);
+}
+"""
+
+#: A send or receive after this much quiet on its end of a connection starts a burst.
+PROGRESS_GAP_NS = 50_000
+PROGRESS_CONNS = 16384   # established connections counted at once (LRU)
+PROGRESS = struct.Struct("<QQQIIIHHHBx16s16s4x")
+DIRECTIONS = ("send", "recv")
+
 KIND_RETRANSMIT, KIND_PROBE = 0, 1
 EVENT_NAMES = ("tcp_retransmit_skb", "tcp_probe")
 EVENT = struct.Struct("<QIiHHHBx16s16sII")
@@ -227,9 +322,15 @@ class TcpSource(BccSource):
         super().__init__(options)
         self.index = ConnectionIndex()
         self.probe_on = False   # tcp:tcp_probe compiled in and attached
+        self.progress_on = False       # the tcp_progress probes compiled in and attached
+        self.progress_began = False    # ... with tcp:tcp_sendmsg_locked (send starts)
+        self.progress_rows = 0
 
     def filter_targets(self, ctx: CaptureContext) -> bool:
-        return False   # softirq context: the kernel cannot tell whose packet it is
+        # Retransmits fire in softirq context, where the kernel cannot tell whose packet
+        # it is: they never ask. The progress probes run in the calling process and keep
+        # only the traced ones (the targets map is filled only when this is true).
+        return self.progress_on
 
     def program(self, ctx: CaptureContext) -> str:
         text = f"#define KIND_RETRANSMIT {KIND_RETRANSMIT}\n#define KIND_PROBE {KIND_PROBE}\n"
@@ -238,6 +339,17 @@ class TcpSource(BccSource):
             interval_ns = int(self.options.tcp_probe_interval_ms) * 1_000_000
             text += (PROBE_PROGRAM.replace("__PROBE_CONNS__", str(PROBE_CONNS))
                                   .replace("__PROBE_INTERVAL_NS__", str(interval_ns)))
+        if self.progress_on:
+            interval_ns = int(self.options.tcp_progress_interval_ms) * 1_000_000
+            prog = PROGRESS_PROGRAM
+            if not self.progress_began:
+                # no send-start marks: a send's row has its return time (still before
+                # the receive of its bytes, only less tightly)
+                head, _, rest = prog.partition("TRACEPOINT_PROBE(tcp, tcp_sendmsg_locked)")
+                prog = head + rest[rest.index("static __always_inline"):]
+            text += (prog.replace("__PROGRESS_CONNS__", str(PROGRESS_CONNS))
+                         .replace("__PROGRESS_INTERVAL_NS__", str(interval_ns))
+                         .replace("__PROGRESS_GAP_NS__", str(PROGRESS_GAP_NS)))
         return text
 
     def start(self, ctx: CaptureContext) -> None:
@@ -250,18 +362,60 @@ class TcpSource(BccSource):
             if not self.probe_on:
                 self.notes.append(("warning", "tracepoint tcp:tcp_probe not found (kernel < "
                                    "4.16?); only retransmits are recorded"))
+        if self.options.tcp_progress:
+            if int(self.options.tcp_progress_interval_ms) <= 0:
+                raise SourceUnavailable(f"tcp_progress interval must be > 0 ms, not "
+                                        f"{self.options.tcp_progress_interval_ms}")
+            missing = [f"sock:{n}" for n in ("inet_sock_set_state", "sock_send_length",
+                                             "sock_recv_length")
+                       if not tracepoint_exists("sock", n)]
+            self.progress_on = not missing
+            self.progress_began = self.progress_on and tracepoint_exists("tcp",
+                                                                         "tcp_sendmsg_locked")
+            if missing:
+                self.notes.append(("warning", f"tracepoint {', '.join(missing)} not found "
+                                   "(kernel < 6.3?): no tcp_progress rows, so the merge "
+                                   "cannot bound this node's clock by its TCP messages"))
+        self._start_leaving_off(ctx)
+        self.index.refresh_job(ctx.targets.pids(), time.monotonic())
+
+    #: (attribute, what the capture loses without it) of the optional parts, the
+    #: cheapest to lose first
+    OPTIONAL = (("probe_on", "tcp:tcp_probe left off: {why}; only retransmits are recorded"),
+                ("progress_on", "tcp_progress left off: {why}; the merge cannot bound this "
+                 "node's clock by its TCP messages"))
+
+    def _start_leaving_off(self, ctx: CaptureContext) -> None:
+        """Start; an optional part whose layout this program does not know must not cost
+        the retransmits: find the part that fails (each left off alone, then all), leave
+        it off and say so."""
         try:
             super().start(ctx)
+            return
         except SourceUnavailable as e:
-            if not self.probe_on:
-                raise
-            # a tcp_probe layout this program does not know must not cost the retransmits
-            self.probe_on = False
+            first = e
+        on = [(attr, note) for attr, note in self.OPTIONAL if getattr(self, attr)]
+        if not on:
+            raise first
+        tries = [[part] for part in on] + ([on] if len(on) > 1 else [])
+        began = self.progress_began
+        for off in tries:
+            for attr, _ in off:
+                setattr(self, attr, False)
+            self.progress_began = self.progress_began and self.progress_on
             self.attached.clear()
-            self.notes.append(("warning", f"tcp:tcp_probe left off: {e.reason}; only "
-                               "retransmits are recorded"))
-            super().start(ctx)
-        self.index.refresh_job(ctx.targets.pids(), time.monotonic())
+            try:
+                super().start(ctx)
+            except SourceUnavailable:
+                if off is tries[-1]:
+                    raise first from None
+                for attr, _ in off:
+                    setattr(self, attr, True)
+                self.progress_began = began
+                continue
+            for _, note in off:
+                self.notes.append(("warning", note.format(why=first.reason)))
+            return
 
     def attach(self, ctx: CaptureContext) -> None:
         # BCC attached the TRACEPOINT_PROBEs when it loaded the program
@@ -270,6 +424,13 @@ class TcpSource(BccSource):
         if self.probe_on:
             self.attached.append(f"tracepoint tcp:tcp_probe sampled at most once per "
                                  f"connection per {self.options.tcp_probe_interval_ms} ms")
+        if self.progress_on:
+            began = ", tcp:tcp_sendmsg_locked" if self.progress_began else ""
+            self.attached.append(
+                f"tracepoints sock:inet_sock_set_state, sock:sock_send_length, "
+                f"sock:sock_recv_length{began}: the traced processes' TCP byte progress, "
+                f"at most once per connection and direction per "
+                f"{self.options.tcp_progress_interval_ms} ms")
 
     def housekeeping(self, sink: RowSink) -> None:
         now = time.monotonic()
@@ -277,6 +438,10 @@ class TcpSource(BccSource):
             self.index.refresh_job(self.ctx.targets.pids(), now)
 
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
+        progress = [rec for rec in raw if len(rec) == PROGRESS.size]
+        if progress:
+            raw = [rec for rec in raw if len(rec) != PROGRESS.size]
+            self.handle_progress(progress, sink)
         events = []
         for rec in raw:
             (ts, pid, state, sport, dport, family, kind, saddr, daddr, srtt_us,
@@ -305,4 +470,21 @@ class TcpSource(BccSource):
                          pid or None, netns, owner, "job" if owner else "background",
                          srtt_us, snd_cwnd))
         sink.add_many("tcp_events", rows)
+        self.events += len(rows)
+
+    def handle_progress(self, raw: list[bytes], sink: RowSink) -> None:
+        rows = []
+        for rec in raw:
+            (ts, offset, connected, nbytes, pid, tid, sport, dport, family, direction,
+             saddr, daddr) = PROGRESS.unpack(rec)
+            if family == AF_INET:
+                src, dst = ipaddress.IPv4Address(saddr[:4]), ipaddress.IPv4Address(daddr[:4])
+            else:
+                src, dst = (normalize(ipaddress.IPv6Address(saddr)),
+                            normalize(ipaddress.IPv6Address(daddr)))
+            rows.append((ts, DIRECTIONS[direction & 1], 4 if family == AF_INET else 6,
+                         str(src), sport, str(dst), dport, connected, offset, nbytes, pid,
+                         tid))
+        sink.add_many("tcp_progress", rows)
+        self.progress_rows += len(rows)
         self.events += len(rows)

@@ -318,6 +318,15 @@ def test_cli_tcp_probe_options(monkeypatch, tmp_path):
     res = runner.invoke(cli.main, ["--bundle", str(tmp_path), "--tcp-probe-interval", "50"])
     assert res.exit_code == 2
     assert res.output.splitlines()[-1] == "Error: --tcp-probe-interval needs --tcp-probe"
+    seen.clear()
+    for argv in (["--no-tcp-progress"], ["--tcp-progress-interval", "7"]):
+        res = runner.invoke(cli.main, ["--bundle", str(tmp_path), *argv])
+        assert res.exit_code == 0, res.output
+    assert [(o.tcp_progress, o.tcp_progress_interval_ms) for o in seen] == [(False, 20),
+                                                                            (True, 7)]
+    res = runner.invoke(cli.main, ["--bundle", str(tmp_path), "--no-tcp-progress",
+                                   "--tcp-progress-interval", "7"])
+    assert res.exit_code == 2 and "contradicts --no-tcp-progress" in res.output
 
 
 def test_tcp_probe_that_cannot_load_keeps_retransmits(ebpf_ok, monkeypatch):
@@ -334,3 +343,165 @@ def test_tcp_probe_that_cannot_load_keeps_retransmits(ebpf_ok, monkeypatch):
     warnings = [log for log in run.sink.logs if log[0] == "warning"]
     assert len(warnings) == 1 and warnings[0][3].startswith("tcp:tcp_probe left off: "), warnings
     assert not any("tcp_probe" in log[3] for log in run.sink.logs if log[2] == "attached")
+
+
+# -- tcp_progress: byte positions of send and receive calls ---------------------------
+
+PROGRESS_RECEIVER = textwrap.dedent(r"""
+    import socket, sys, threading
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    print(srv.getsockname()[1], flush=True)
+    def drain(c):
+        n = 0
+        while True:
+            d = c.recv(1 << 16)
+            if not d:
+                break
+            n += len(d)
+        c.sendall(str(n).encode())
+        c.close()
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=drain, args=(c,), daemon=True).start()
+""")
+# Bursts of CHUNK-byte sends with pauses between them, as a ring all-reduce's steps
+# would be; 'early' connects before the capture starts, the others after.
+PROGRESS_SENDER = textwrap.dedent(r"""
+    import socket, sys, time
+    port, rounds, chunk = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    early = socket.create_connection(("127.0.0.1", port))
+    print(early.getsockname()[1], flush=True)
+    sys.stdin.readline()
+    s = socket.create_connection(("127.0.0.1", port))
+    print(s.getsockname()[1], flush=True)
+    for i in range(rounds):
+        for k in range(3):
+            s.sendall(b"x" * chunk)
+            early.sendall(b"y" * chunk)
+        time.sleep(0.004)
+    for c in (s, early):
+        c.shutdown(socket.SHUT_WR)
+        print(c.recv(64).decode(), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
+    """Both ends of a loopback connection traced: every receive's bytes were sent by a
+    send that began before it (one kernel, one clock: the claim the merge's clock
+    bounds rest on), stream positions are exact, rows are sampled per interval, and an
+    untraced process and a connection opened before the capture give no rows."""
+    (tmp_path / "grecv.py").write_text(PROGRESS_RECEIVER)
+    (tmp_path / "gsend.py").write_text(PROGRESS_SENDER)
+    rounds, chunk, interval_ms = 300, 40_000, 5
+    procs = []
+    try:
+        recv = subprocess.Popen([sys.executable, str(tmp_path / "grecv.py")],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(recv)
+        port = int(recv.stdout.readline())
+        send = subprocess.Popen([sys.executable, str(tmp_path / "gsend.py"), str(port),
+                                 str(rounds), str(chunk)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        other = subprocess.Popen([sys.executable, str(tmp_path / "gsend.py"), str(port),
+                                  "50", str(chunk)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        procs += [send, other]
+        early_port = int(send.stdout.readline())
+        other.stdout.readline()
+        opts = options(tcp_progress_interval_ms=interval_ms)
+        source = TcpSource(opts)
+        with Running(source, StaticTargets([send.pid, recv.pid]), opts) as run:
+            attached = set(source.bpf.tracepoint_fds)
+            for p in (send, other):
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            sport = int(send.stdout.readline())
+            other_port = int(other.stdout.readline())
+            got = [int(send.stdout.readline()) for _ in range(2)]
+            for _ in range(2):
+                other.stdout.readline()
+            time.sleep(0.3)
+        for p in (send, other):
+            p.stdin.write("done\n")
+            p.stdin.flush()
+            p.wait(timeout=10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert got == [rounds * 3 * chunk] * 2
+    assert {b"sock:sock_send_length", b"sock:sock_recv_length",
+            b"sock:inet_sock_set_state", b"tcp:tcp_sendmsg_locked"} <= attached
+    rows = run.sink.dicts("tcp_progress")
+    sends = sorted((r for r in rows if r["direction"] == "send"),
+                   key=lambda r: r["stream_offset"])
+    recvs = sorted((r for r in rows if r["direction"] == "recv"),
+                   key=lambda r: r["stream_offset"])
+    conn = ("127.0.0.1", sport, "127.0.0.1", port)
+    assert sends and recvs, rows[:5]
+    assert {(r["saddr"], r["sport"], r["daddr"], r["dport"], r["pid"]) for r in sends} == \
+        {conn + (send.pid,)}
+    # the receiver's end of the job's connection and of the untraced sender's: the
+    # untraced process's own sends are not there, and neither is the early connection
+    assert {(r["daddr"], r["dport"], r["saddr"], r["sport"], r["pid"]) for r in recvs} == \
+        {conn + (recv.pid,), ("127.0.0.1", other_port, "127.0.0.1", port, recv.pid)}
+    assert early_port not in {r["sport"] for r in rows} | {r["dport"] for r in rows}
+    recvs = [r for r in recvs if r["dport"] == sport]
+    total = rounds * 3 * chunk
+    for r in sends:
+        # sendall of a chunk on a blocking socket: whole calls, or the rest of one
+        assert r["family"] == 4 and 0 < r["bytes"] <= chunk, r
+        assert r["stream_offset"] + r["bytes"] <= total
+        if r["bytes"] == chunk:
+            assert r["stream_offset"] % chunk == 0, r
+    for r in recvs:
+        assert 0 < r["bytes"] <= 1 << 16 and r["stream_offset"] + r["bytes"] <= total, r
+    # one connection on each end: one establishment time each, before its first row
+    for side in (sends, recvs):
+        assert len({r["connected_ns"] for r in side}) == 1, side[:3]
+        assert side[0]["connected_ns"] <= min(r["timestamp_ns"] for r in side)
+    # sampled in the kernel, per connection and direction
+    for side in (sends, recvs):
+        ts = sorted(r["timestamp_ns"] for r in side)
+        assert all(b - a >= interval_ms * 1_000_000 for a, b in zip(ts, ts[1:])), ts[:10]
+    assert len(sends) < rounds * 3 / 2 and len(recvs) > 10, (len(sends), len(recvs))
+    # causality on one clock: the send that began copying the last byte a receive
+    # returned (or an earlier one) began before that receive returned
+    offsets = [r["stream_offset"] for r in sends]
+    slack = []
+    for r in recvs:
+        k = max((i for i, o in enumerate(offsets) if o < r["stream_offset"] + r["bytes"]),
+                default=None)
+        if k is not None:
+            slack.append(r["timestamp_ns"] - sends[k]["timestamp_ns"])
+    assert len(slack) > 10 and min(slack) > 0, sorted(slack)[:5]
+    print("tcp_progress: %d sends, %d receives, slack min %.0f us, median %.0f us"
+          % (len(sends), len(recvs), min(slack) / 1e3, statistics.median(slack) / 1e3))
+
+
+def test_tcp_progress_that_cannot_load_keeps_the_rest(ebpf_ok, monkeypatch):
+    # as for tcp_probe: a layout the program does not know turns only that part off
+    from ingero_forensics.capture.ebpf import tcp
+    monkeypatch.setattr(tcp, "PROGRESS_PROGRAM",
+                        tcp.PROGRESS_PROGRAM.replace("args->sk,", "args->no_such_field,", 1))
+    opts = options(tcp_probe=True)
+    source = TcpSource(opts)
+    with Running(source, StaticTargets(), opts) as run:
+        attached = set(source.bpf.tracepoint_fds)
+    assert {b"tcp:tcp_retransmit_skb", b"tcp:tcp_probe"} <= attached
+    assert b"sock:sock_send_length" not in attached
+    warnings = [log[3] for log in run.sink.logs if log[0] == "warning"]
+    assert len(warnings) == 1 and warnings[0].startswith("tcp_progress left off: "), warnings
+
+
+def test_tcp_progress_off(ebpf_ok, tmp_path):
+    opts = options(tcp_progress=False)
+    rows, *_rest, sink, _seconds, attached = loopback_transfer(tmp_path, opts, rounds=300)
+    assert b"tcp:tcp_retransmit_skb" in attached
+    assert not attached & {b"sock:sock_send_length", b"sock:sock_recv_length",
+                           b"sock:inet_sock_set_state", b"tcp:tcp_sendmsg_locked"}
+    assert not sink.dicts("tcp_progress")

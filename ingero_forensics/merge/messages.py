@@ -1,0 +1,116 @@
+"""Message bounds on the clocks: TCP bytes received on one node were sent from another.
+
+Bundle table ``tcp_progress`` (bundle format 1.1) holds sampled send and receive calls of
+the traced processes with their byte position in the connection's stream, counted on
+both ends from the connection's establishment. A receive on node j that returned bytes up
+to position P happened after the send on node i that began copying the byte at position
+N < P: a send before its receive, the message constraint of post-mortem trace
+synchronization (causal.py), exact whatever the clocks say. On a quiet link a send and
+the receive it wakes are tens of microseconds apart, so these bound a node's clock far
+more tightly than collectives, whose ranks leave together only to within hundreds of
+microseconds to milliseconds.
+
+What is paired, and what is not (each rule keeps a pairing from crossing connections):
+one 4-tuple is one connection when exactly one node sends on it and exactly one other
+node receives on it, each with one establishment time (``connected_ns``; a 4-tuple
+reused after a close is left out); loopback and unspecified addresses never leave their
+node and are left out. Pairs are reduced in SQL to the tightest per sending node,
+receiving node and time bin, so the causal solve sees a few hundred per node pair.
+"""
+
+from __future__ import annotations
+
+from .syncpoints import attached
+
+#: Bins per (sending node, receiving node) over the receiver's span: the tightest pair
+#: of each is kept (causal.py bins again per node).
+PAIR_BINS = 64
+#: connected_ns values of one 4-tuple on one node further apart than this are different
+#: connections (the rows of earlier merges are mapped back to raw time through the old
+#: alignment, exact to rounding).
+SAME_CONNECTION_NS = 1_000_000
+#: Addresses that never leave a node.
+_LOCAL = ("127.%", "::1", "0.0.0.0", "::", "::ffff:127.%")
+
+_COLS = "(node_id, dir, laddr, lport, raddr, rport, connected_ns, mono_ns, pos)"
+#: send: the first byte the call copied; recv: the end of what the call returned
+_POS = "CASE e.direction WHEN 'send' THEN e.stream_offset ELSE e.stream_offset + e.bytes END"
+_DIR = "CASE e.direction WHEN 'send' THEN 0 ELSE 1 END"
+
+
+def sample_progress(con, pending, bundle_predicate) -> int:
+    """temp.flow_sp: every tcp_progress row of the new bundles (raw times) and of the
+    earlier merges in fleet.db (raw times from mono_ns and the old alignment); returns
+    how many rows."""
+    con.execute("DROP TABLE IF EXISTS temp.flow_sp")
+    con.execute("CREATE TEMP TABLE flow_sp (node_id INTEGER, dir INTEGER, laddr TEXT, "
+                "lport INTEGER, raddr TEXT, rport INTEGER, connected_ns INTEGER, "
+                "mono_ns INTEGER, pos INTEGER)")
+    if _has_table(con, "main", "tcp_progress"):
+        # earlier merges: connected_ns is aligned; back to the node's raw clock through
+        # the alignment it was written with
+        con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT e.node_id, {_DIR}, e.saddr, "
+                    "e.sport, e.daddr, e.dport, CAST(ROUND((e.connected_ns - a.offset_ns) / "
+                    f"(1.0 + a.slope)) AS INTEGER), e.mono_ns, {_POS} FROM main.tcp_progress "
+                    "e JOIN main.clock_alignment a USING (node_id)")
+    for item in pending:
+        bundle = item["bundle"]
+        if "tcp_progress" in getattr(bundle, "absent_tables", ()):
+            continue
+        with attached(con, bundle.db_path, "b"):
+            con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT ?, {_DIR}, e.saddr, "
+                        "e.sport, e.daddr, e.dport, e.connected_ns, e.timestamp_ns, "
+                        f"{_POS} FROM b.tcp_progress e WHERE "
+                        f"{bundle_predicate(bundle, 'tcp_progress')}", (item["node_id"],))
+    return con.execute("SELECT COUNT(*) FROM temp.flow_sp").fetchone()[0]
+
+
+def _has_table(con, schema: str, table: str) -> bool:
+    return con.execute(f"SELECT 1 FROM {schema}.sqlite_schema WHERE type = 'table' AND "
+                       "name = ?", (table,)).fetchone() is not None
+
+
+def message_pairs(con) -> tuple[list[tuple[int, int, int, int]], dict]:
+    """The tightest (send node, send raw ns, receive node, receive raw ns) per node pair
+    and time bin, from temp.flow_sp; and counts for the merge log: connections paired,
+    4-tuples left out as ambiguous."""
+    if not _has_table(con, "temp", "flow_sp"):
+        return [], {"connections": 0, "left_out": 0}
+    local = " OR ".join(f"{c} LIKE '{p}'" for c in ("laddr", "raddr") for p in _LOCAL)
+    # one connection per 4-tuple: one sending node, one receiving node (another one),
+    # one establishment time on each end
+    con.execute("DROP TABLE IF EXISTS temp.flow_conn")
+    con.execute(
+        "CREATE TEMP TABLE flow_conn AS WITH ends AS (SELECT dir, laddr, lport, raddr, "
+        "rport, MIN(node_id) AS node_id, COUNT(DISTINCT node_id) AS nodes, "
+        "MAX(connected_ns) - MIN(connected_ns) AS span FROM temp.flow_sp WHERE NOT "
+        f"({local}) GROUP BY 1, 2, 3, 4, 5) "
+        "SELECT s.laddr, s.lport, s.raddr, s.rport, s.node_id AS sn, r.node_id AS rn, "
+        "s.nodes = 1 AND r.nodes = 1 AND s.node_id != r.node_id AND s.span <= ?1 AND "
+        "r.span <= ?1 AS ok FROM ends s JOIN ends r ON r.dir = 1 AND r.laddr = s.raddr "
+        "AND r.lport = s.rport AND r.raddr = s.laddr AND r.rport = s.lport "
+        "WHERE s.dir = 0", (SAME_CONNECTION_NS,))
+    connections, ambiguous = con.execute(
+        "SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(NOT ok), 0) FROM temp.flow_conn"
+        ).fetchone()
+    con.execute("DELETE FROM temp.flow_conn WHERE NOT ok")
+    stats = {"connections": connections, "left_out": ambiguous}
+    if not connections:
+        return [], stats
+    con.execute("CREATE INDEX temp.flow_send ON flow_sp (laddr, lport, raddr, rport, pos) "
+                "WHERE dir = 0")
+    # each receive with the send that began copying the last byte it could have
+    # returned first: the largest send position below its end
+    rows = con.execute(
+        "WITH p AS (SELECT c.sn, r.mono_ns AS rt, c.rn, (SELECT s.mono_ns FROM "
+        "temp.flow_sp s WHERE s.dir = 0 AND s.laddr = c.laddr AND s.lport = c.lport AND "
+        "s.raddr = c.raddr AND s.rport = c.rport AND s.pos < r.pos ORDER BY s.pos DESC "
+        "LIMIT 1) AS st FROM temp.flow_conn c JOIN temp.flow_sp r ON r.dir = 1 AND "
+        "r.laddr = c.raddr AND r.lport = c.rport AND r.raddr = c.laddr AND "
+        "r.rport = c.lport), "
+        "span AS (SELECT rn, MIN(rt) AS t0, MAX(rt) - MIN(rt) + 1 AS w FROM p GROUP BY rn) "
+        # SQLite: the bare columns of a MAX() aggregate come from the row that has it
+        "SELECT p.sn, p.st, p.rn, p.rt, MAX(p.st - p.rt) FROM p JOIN span USING (rn) "
+        "WHERE p.st IS NOT NULL GROUP BY p.sn, p.rn, (p.rt - span.t0) * ?1 / span.w",
+        (PAIR_BINS,)).fetchall()
+    return [(sn, st, rn, rt) for sn, st, rn, rt, _ in rows], stats
