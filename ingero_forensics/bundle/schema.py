@@ -37,7 +37,7 @@ NCCL_COMM_APIS = (
 MEMCPY_KINDS = ("HtoH", "HtoD", "DtoH", "DtoD", "default")
 TCP_EVENTS = ("tcp_retransmit_skb", "tcp_probe")
 TCP_SCOPES = ("job", "background", "unknown")
-TCP_DIRECTIONS = ("send", "recv")
+TCP_DIRECTIONS = ("send", "recv", "arrive")
 SCHED_KINDS = ("runq_delay", "off_cpu")
 BLOCK_OPS = ("read", "write", "discard", "flush", "other")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -387,8 +387,12 @@ TABLES: tuple[Table, ...] = (
         C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",
           "send: when the call began copying its bytes into the socket (its first "
           "tcp:tcp_sendmsg_locked), or its return where that was not seen; recv: the "
-          "call's return, when the bytes were in the process."),
-        C("direction", "TEXT", False, "", "send or recv.", TCP_DIRECTIONS),
+          "call's return, when the bytes were in the process; arrive: when the kernel "
+          "queued in-order data for the reader (sock:sk_data_ready, at the packet's "
+          "arrival, however long the reader then waits for a CPU)."),
+        C("direction", "TEXT", False, "", "send, recv or arrive (the first byte the "
+          "reader had not read, at stream_offset, was in the socket by then; bytes is "
+          "1).", TCP_DIRECTIONS),
         C("family", "INTEGER", False, "", "4 or 6."),
         C("saddr", "TEXT", False, "", "Local address as text (IPv4 dotted quad, IPv6 RFC "
           "5952; an IPv4-mapped IPv6 address as IPv4)."),

@@ -39,7 +39,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .causal import CausalSystem
+from .causal import CausalSystem, message_bounds, project_messages
 
 #: A jump of CLOCK_REALTIME - CLOCK_MONOTONIC larger than this between consecutive
 #: samples is an NTP step (slewing changes it by at most 500 ppm x the sample interval).
@@ -55,6 +55,12 @@ COMMON_RATE_PRIOR_PPB = 20_000.0
 MIN_EDGE_OBS = 3
 #: Clock condition: an observed completion is at least this long after the last entry.
 MIN_LATENCY_NS = 1_000
+#: A node whose clock samples claim an error below this (ns: PTP) keeps its line inside
+#: its message bounds; the others are centred in them (CausalSystem._centre).
+CENTRE_CLAIM_NS = 50_000
+#: A TCP send/receive pair that contradicts two lines the collectives placed by more
+#: than their relative uncertainties plus this (ns) is refused (align._apply_messages).
+MESSAGE_REFUSE_NS = 1_000_000
 LINE_BINS = 16
 
 
@@ -106,6 +112,10 @@ class NodeAlignment:
     causal_late_ns: int | None = None
     causal_moved_ns: int = 0      # how far the causal bounds moved it (0: not at all)
     message_pairs: int = 0        # TCP send/receive pairs with other clocks (messages.py)
+    messages_refused: int = 0     # ... that contradicted its collectives: not used
+    #: the collectives fit's relative uncertainty, before anything moved the line (not
+    #: stored: what the causal step compares a node's room with)
+    fit_relative_ns: int | None = None
     rate_clamped: bool = False    # its fitted rate exceeded the bound and was clamped
 
     def aligned(self, mono: int) -> int:
@@ -553,7 +563,12 @@ def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: i
                 max_correction_ns=max(corr) if corr else None,
                 exceeds_claim=nid in liars, segments=segs, pre_offset_ns=pre[nid])
     _clamp_rates(result)
+    for a in result.values():
+        if a.method == "collectives":
+            a.fit_relative_ns = a.relative_uncertainty_ns
+    messages = _apply_messages(result, nodes, messages, min_latency_ns)
     _apply_causal(result, nodes, groups, min_latency_ns, messages)
+    _bound_by_messages(result, messages, min_latency_ns)
     return result
 
 
@@ -598,6 +613,79 @@ def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
         a.rate_clamped = True
 
 
+def _apply_messages(result: dict[int, NodeAlignment], nodes, messages: Messages,
+                    min_latency_ns) -> list[tuple[int, int, int, int]]:
+    """Step 4a (causal.project_messages): the smallest change of all lines at once that
+    puts every TCP send before the receive of its bytes. Messages bound clocks tightly
+    and in cycles (a ring), which the one-node-at-a-time placement of step 4 can turn
+    into a contradiction; after this step they hold, and step 4 moves a line only
+    where a collective still contradicts it. A pair that contradicts lines the
+    collectives placed by more than their uncertainties (plus MESSAGE_REFUSE_NS) is
+    refused and counted. Returns the pairs used."""
+    ref = None
+    pairs, kept = [], []
+    for i, s, j, r in messages:
+        a, b = result.get(i), result.get(j)
+        if a is None or b is None or i == j:
+            continue
+        if ref is None:
+            ref = a.aligned(s)
+        send, recv = a.aligned(s) - ref, b.aligned(r) - ref
+        ua, ub = a.relative_uncertainty_ns, b.relative_uncertainty_ns
+        if ua is not None and ub is not None and \
+                send + min_latency_ns - recv > ua + ub + MESSAGE_REFUSE_NS:
+            # the collectives place both nodes well enough to say this pair is wrong:
+            # a 4-tuple reused by another connection that each capture saw only once
+            a.messages_refused += 1
+            b.messages_refused += 1
+            continue
+        pairs.append((i, float(send), j, float(recv)))
+        kept.append((i, s, j, r))
+    corr, (t0, t1) = project_messages(pairs, min_latency_ns)
+    for nid, (p0, p1) in corr.items():
+        moved = max(abs(p0), abs(p1))
+        if moved < 1.0:
+            continue
+        cb = (p1 - p0) / (t1 - t0) if t1 > t0 else 0.0      # ns per second
+        ca = p0 - cb * t0                                   # at the reference
+        a = result[nid]
+        # aligned_new(m) = aligned(m) + ca + cb * (aligned(m) - ref) / 1e9
+        a.offset_ns += round(ca + cb * (a.offset_ns - ref) / 1e9)
+        a.slope = (1.0 + a.slope) * (1.0 + cb / 1e9) - 1.0
+        a.drift_ppm = ((1.0 / (1.0 + a.slope)) - 1.0) * 1e6
+        if moved >= 1000:
+            # the fit's own bound no longer describes this line: the causal room will
+            a.method = "causal"
+            a.causal_moved_ns = round(moved)
+        samples = nodes[nid].samples
+        if samples:
+            a.max_correction_ns = max(abs(s.realtime - a.aligned(s.mid)) for s in samples)
+    return kept
+
+
+def _bound_by_messages(result: dict[int, NodeAlignment], messages: Messages,
+                       min_latency_ns) -> None:
+    """Step 5: a node the messages tie to every other node, both ways, takes their bound
+    (causal.message_bounds) as its relative uncertainty. Tight messages put nodes at the
+    edges of their room with the others held fixed; that room says nothing of the
+    others' own errors, this bound does."""
+    pairs = [(i, result[i].aligned(s), j, result[j].aligned(r))
+             for i, s, j, r in messages if i in result and j in result and i != j]
+    if not pairs:
+        return
+    # relative to the first send before any float arithmetic (UTC ns do not fit a double)
+    base = min(s for _, s, _, _ in pairs)
+    pairs = [(i, float(s - base), j, float(r - base)) for i, s, j, r in pairs]
+    t0 = min(min(s, r) for _, s, _, r in pairs) / 1e9
+    t1 = max(max(s, r) for _, s, _, r in pairs) / 1e9
+    # two lines' rates differ by at most twice the drift bound
+    rate = 2 * DRIFT_BOUND_PPM * 1e3
+    for nid, windows in message_bounds(pairs, min_latency_ns).items():
+        worst = error_bound([(t, -b, b) for t, b in windows], t0, t1, rate)
+        if worst is not None:
+            result[nid].relative_uncertainty_ns = max(math.ceil(worst), 1)
+
+
 def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_ns,
                   messages: Messages = ()) -> None:
     """Step 4 (causal.py): move lines that break the causal constraints (collectives and
@@ -637,7 +725,12 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
             for nid, a in result.items()}
     # lines tied by tight observations first, then the clock-sample ones
     trust = {nid: 0 if a.method == "collectives" else 1 for nid, a in result.items()}
-    info = system.enforce(trust, rate)
+    # nodes the messages hold from both sides go to the middle of their room, unless
+    # their own clock claims to be closer than that (PTP)
+    centre = {nid: math.inf if a.fit_relative_ns is None else a.fit_relative_ns
+              for nid, a in result.items() if a.message_pairs and (
+                  a.claimed_error_ns is None or a.claimed_error_ns > CENTRE_CLAIM_NS)}
+    info = system.enforce(trust, rate, centre)
     for nid, b in info.items():
         a = result[nid]
         # a line the tight observations placed keeps their bound, widened by how far

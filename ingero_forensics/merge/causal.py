@@ -26,6 +26,7 @@ Pure Python: the systems are a few thousand sampled collectives by the node coun
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ BINS = 64
 UNBOUNDED_NS = 1e12
 #: Violations below this (ns) are rounding, not a broken constraint.
 TOLERANCE_NS = 500.0
+#: Passes of CausalSystem._centre over the nodes it centres.
+CENTRE_PASSES = 3
 #: A moved line keeps this far (ns) inside its bounds: the line is applied per event,
 #: not per collective, and rounded to whole nanoseconds.
 MARGIN_NS = 1000.0
@@ -143,8 +146,8 @@ class CausalSystem:
             out[nid] = cons
         return out
 
-    def enforce(self, order_hint: dict[int, int], rate_bound: dict[int, float]
-                ) -> dict[int, NodeBounds]:
+    def enforce(self, order_hint: dict[int, int], rate_bound: dict[int, float],
+                centre: dict[int, float] | None = None) -> dict[int, NodeBounds]:
         """Make every line satisfy the constraints, moving as little as needed.
 
         Nothing moves when nothing is broken. Otherwise the nodes are placed one at a
@@ -159,6 +162,8 @@ class CausalSystem:
         broken = {nid: _violation(cs) for nid, cs in cons.items()}
         if max(broken.values(), default=0.0) > TOLERANCE_NS:
             self._place(order_hint, rate_bound, info)
+        if centre:
+            self._centre(centre, rate_bound, info)
         cons = self.constraints()
         for nid in self.span:
             a0, b0 = self.corr.get(nid, (0.0, 0.0))
@@ -176,6 +181,40 @@ class CausalSystem:
             info[nid].early_ns = None if early >= UNBOUNDED_NS / 2 else max(early, 0.0)
             info[nid].late_ns = None if late >= UNBOUNDED_NS / 2 else max(late, 0.0)
         return info
+
+    def _centre(self, nodes: dict[int, float], rate_bound, info,
+                passes: int = CENTRE_PASSES) -> None:
+        """Move each node of ``nodes`` to the middle of the lines its constraints allow,
+        the others held fixed (the polygon's centroid, in its values at both ends), a
+        few passes round, where that middle is within ``nodes[nid]`` (ns: the fit's own
+        uncertainty) of every allowed line. Where tight bounds hold a node from both
+        sides (messages), the middle is the point whose worst case is smallest, and
+        better than a fit, which is biased wherever its observations are (a CPU-starved
+        node's late returns); where one side is loose (that node's receives), the fit
+        knows more than the middle of a wide room."""
+        for _ in range(passes):
+            for nid in sorted(nodes):
+                if nid not in self.span:
+                    continue
+                cs = self.constraints(only={nid}).get(nid, [])
+                a0, b0 = self.corr.get(nid, (0.0, 0.0))
+                t0, t1 = self.span[nid]
+                poly = _polygon(cs, t0, t1, a0, b0, rate_bound.get(nid, math.inf))
+                if len(poly) < 3 or any(abs(v) >= UNBOUNDED_NS / 2 for p in poly for v in p):
+                    continue
+                half = max(max(p[k] for p in poly) - min(p[k] for p in poly)
+                           for k in (0, 1)) / 2
+                if half >= nodes[nid]:
+                    continue
+                pa, pb = _centroid(poly)
+                if t1 > t0:
+                    b = (pb - pa) / (t1 - t0)
+                    a = pa - b * t0
+                else:
+                    a, b = pa, b0
+                moved = max(abs(a - a0 + (b - b0) * t0), abs(a - a0 + (b - b0) * t1))
+                self.corr[nid] = (a, b)
+                info[nid].moved_ns = max(info[nid].moved_ns, moved)
 
     def _place(self, order_hint, rate_bound, info) -> None:
         todo = set(self.span)
@@ -301,6 +340,21 @@ def _project(poly, x, y):
     return best
 
 
+def _centroid(poly) -> tuple[float, float]:
+    """Area centroid of a convex polygon (the vertex mean if it has no area)."""
+    ox, oy = poly[0]
+    area = cx = cy = 0.0
+    for k in range(1, len(poly) - 1):
+        (x1, y1), (x2, y2) = poly[k], poly[k + 1]
+        w = ((x1 - ox) * (y2 - oy) - (x2 - ox) * (y1 - oy)) / 2.0
+        area += w
+        cx += w * (ox + x1 + x2) / 3.0
+        cy += w * (oy + y1 + y2) / 3.0
+    if abs(area) < 1e-9:
+        return (sum(p[0] for p in poly) / len(poly), sum(p[1] for p in poly) / len(poly))
+    return cx / area, cy / area
+
+
 def _inside(poly, x, y) -> bool:
     n = len(poly)
     if n < 3:
@@ -317,3 +371,132 @@ def _inside(poly, x, y) -> bool:
         elif s != sign:
             return False
     return True
+
+
+#: project_messages aims this far (ns) inside each bound, and gives up after MAX_SWEEPS
+#: sweeps (a contradiction among the messages themselves).
+SETTLED_NS = 20.0
+MAX_SWEEPS = 3000
+#: message_bounds looks at the pairs in this many windows of the capture.
+BOUND_WINDOWS = 8
+
+
+def project_messages(pairs, min_latency_ns: float
+                     ) -> tuple[dict[int, tuple[float, float]], tuple[float, float]]:
+    """A small change of every node's line that puts each send before its receive.
+
+    ``pairs``: (sending node, send, receiving node, receive), fleet times (ns, floats)
+    relative to a reference, on the current lines. Returns per node its extra
+    correction at the start and the end of the pairs' span (ns), and the span's ends
+    (tau, seconds). Alternating projections onto each pair's bound, in those end values
+    (so a correction is small at both ends), starting from no change: each broken pair
+    moves its two lines apart by what it lacks, split between them. Messages form
+    cycles (a ring of nodes, each sending to the next), where placing one node at a time,
+    as ``CausalSystem.enforce`` does, can push the last one into a contradiction; moving
+    all lines together cannot. (Dykstra's variant, which would find the smallest change,
+    took thousands of sweeps here where this takes a few dozen.) Nodes without pairs are
+    absent."""
+    if not pairs:
+        return {}, (0.0, 0.0)
+    # each end is corrected at its own time: before the projection the nodes' times of
+    # one message may be far apart (unsynchronized clocks), and a line's rate matters
+    t0 = min(min(s, r) for _, s, _, r in pairs) / 1e9
+    t1 = max(max(s, r) for _, s, _, r in pairs) / 1e9
+    span = t1 - t0
+
+    def frac(t):
+        return (t / 1e9 - t0) / span if span > 0 else 0.5
+
+    cons = []
+    for i, s, j, r in pairs:
+        ws, wr = frac(s), frac(r)
+        # (1 - wr) p0_j + wr p1_j - (1 - ws) p0_i - ws p1_i >= s + lat - r
+        g = (-(1.0 - ws), -ws, 1.0 - wr, wr)
+        cons.append((i, j, g, sum(v * v for v in g), s + min_latency_ns - r))
+    x = {n: [0.0, 0.0] for c in cons for n in c[:2]}
+    for _sweep in range(MAX_SWEEPS):
+        broken = 0.0
+        for i, j, g, gg, c in cons:
+            xi, xj = x[i], x[j]
+            val = g[0] * xi[0] + g[1] * xi[1] + g[2] * xj[0] + g[3] * xj[1]
+            if val < c:
+                broken = max(broken, c - val)
+                step = (c + SETTLED_NS - val) / gg
+                xi[0] += step * g[0]
+                xi[1] += step * g[1]
+                xj[0] += step * g[2]
+                xj[1] += step * g[3]
+        if broken <= 0.0:
+            break
+    return {n: (v[0], v[1]) for n, v in x.items()}, (t0, t1)
+
+
+def message_bounds(pairs, min_latency_ns: float
+                   ) -> dict[int, list[tuple[float, float]]]:
+    """How far each node's clock may be from any other node's, by the messages alone:
+    per node, (window centre in seconds, bound in ns) for the windows that bound it.
+
+    ``pairs``: (sending node, send, receiving node, receive) on the final lines (ns). A
+    send before its receive is the difference constraint x_j - x_i >= s + lat - r on
+    the nodes' errors x; its slack on the final lines is how much more node i could be
+    late relative to j. Within a short window the errors are nearly constant, and the
+    truth and the estimate both satisfy every constraint, so two nodes' relative errors
+    differ by at most the shortest chain of slacks between them, either way round
+    (Dijkstra over the window's smallest slack per link); a node's bound in a window is
+    the largest over the other nodes. A window where some node is not tied to it both
+    ways (no cycle through them) does not bound it. Errors are linear in time, so the
+    caller extends the windows' bounds over the capture (align.error_bound)."""
+    pairs = [p for p in pairs if p[0] != p[2]]
+    if not pairs:
+        return {}
+    nodes = {n for i, _, j, _ in pairs for n in (i, j)}
+    t0 = min(s for _, s, _, _ in pairs)
+    width = (max(s for _, s, _, _ in pairs) - t0) / BOUND_WINDOWS or 1.0
+    windows: list[dict[tuple[int, int], float]] = [{} for _ in range(BOUND_WINDOWS)]
+    for i, s, j, r in pairs:
+        slack = windows[min(int((s - t0) / width), BOUND_WINDOWS - 1)]
+        v = max(r - s - min_latency_ns, 0.0)
+        # how far x_i - x_j may still grow: along the edge j -> i
+        if v < slack.get((j, i), math.inf):
+            slack[(j, i)] = v
+    out: dict[int, list[tuple[float, float]]] = {}
+    for k, w in enumerate(windows):
+        centre = (t0 + (k + 0.5) * width) / 1e9
+        for n, bound in _cycle_bounds(w, nodes).items():
+            out.setdefault(n, []).append((centre, bound))
+    return out
+
+
+def _cycle_bounds(slack: dict[tuple[int, int], float], nodes) -> dict[int, float]:
+    adj: dict[int, list[tuple[int, float]]] = {n: [] for n in nodes}
+    for (u, v), w in slack.items():
+        adj[u].append((v, w))
+    dist = {n: _dijkstra(adj, n) for n in nodes}
+    out = {}
+    for n in nodes:
+        worst = 0.0
+        for m in nodes:
+            if m == n:
+                continue
+            a, b = dist[n].get(m), dist[m].get(n)
+            if a is None or b is None:
+                break
+            worst = max(worst, a, b)
+        else:
+            out[n] = worst
+    return out
+
+
+def _dijkstra(adj, src) -> dict[int, float]:
+    best = {src: 0.0}
+    heap = [(0.0, src)]
+    while heap:
+        d, u = heapq.heappop(heap)
+        if d > best.get(u, math.inf):
+            continue
+        for v, w in adj[u]:
+            nd = d + w
+            if nd < best.get(v, math.inf):
+                best[v] = nd
+                heapq.heappush(heap, (nd, v))
+    return best

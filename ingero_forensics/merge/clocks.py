@@ -170,11 +170,20 @@ def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
         if a.causal_moved_ns:
             room = ("unbounded" if a.relative_uncertainty_ns is None
                     else f"{a.relative_uncertainty_ns / 1e6:.3f} ms")
+            why = ("collective entries and completions, or of TCP sends and receives"
+                   if a.message_pairs else "collective entries and completions")
             msg = (f"node {names[a.node_id]}: its clock line contradicted the order of "
-                   f"collective entries and completions; moved by up to "
+                   f"{why}; moved by up to "
                    f"{a.causal_moved_ns / 1e6:.3f} ms to the nearest consistent line (a "
                    f"choice within the feasible band; relative uncertainty {room})")
             fl.log("warning", "clock_causal_move", msg, node_id=a.node_id)
+            res.warnings.append(msg)
+        if a.messages_refused:
+            msg = (f"node {names[a.node_id]}: {a.messages_refused} TCP send/receive pairs "
+                   "contradict its collectives by more than their uncertainty and were not "
+                   "used (a 4-tuple reused by another connection?)")
+            fl.log("warning", "messages_refused", msg, node_id=a.node_id,
+                   count=a.messages_refused)
             res.warnings.append(msg)
     return params
 

@@ -386,8 +386,8 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("node_id", "INTEGER", True, "", "The node concerned, if any."),
         C("event", "TEXT", False, "", "skipped_input, skipped_rows, already_merged, "
           "node_name_conflict, several_jobs, clock_claim_exceeded, no_clock_samples, "
-          "clock_causal_move, rate_clamped, late_wakeups, message_pairs, late_attach, "
-          "merged."),
+          "clock_causal_move, rate_clamped, late_wakeups, message_pairs, messages_refused, "
+          "late_attach, merged."),
         C("message", "TEXT", False, "", "Human-readable text."),
         C("count", "INTEGER", True, "", "Rows concerned, when counting."),
     )),

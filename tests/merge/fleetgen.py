@@ -53,7 +53,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                name_prefix="node", queued=0, claims=True, straggler_every=10,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
                wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False,
-               rank_env=True) -> Fleet:
+               rank_env=True, messages=False, message_traps=False) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
@@ -69,7 +69,15 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     late process's last segment also records an ncclAllReduce still open at the stop,
     entered 50 ms after its last call (its handle_seq the next one). rank_env=False: the
     processes carry no rank environment (RANK, WORLD_SIZE, ...): their ranks are only in
-    the collectives."""
+    the collectives. messages: a TCP ring beside the collectives, each node sending a
+    chunk to the next after each collective's entry, recorded as the capture does
+    (tcp_progress: send rows at the copy's start, receive rows at the return, 15-60 us
+    later, 1.5-3 ms later on the late_wakeups node, stream positions counted from the
+    connection's establishment). message_traps: rows the merge must never pair, as each
+    would place a clock seconds or milliseconds wrong: a loopback connection on every
+    node with the same 4-tuple, a 4-tuple reused by a second connection between nodes 0
+    and 1, and a 4-tuple two nodes send on (containers with the same private
+    addresses)."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -88,8 +96,10 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     nranks = nodes * ranks_per_node
     end = T_JOB + int(seconds * 1e9)
     per_node_rows: list[dict[str, list]] = [
-        {"nccl_events": [], "cuda_events": [], "tcp_events": [], "sched_events": []}
-        for _ in truths]
+        {"nccl_events": [], "cuda_events": [], "tcp_events": [], "sched_events": [],
+         "tcp_progress": []} for _ in truths]
+    ring = {ni: [0, None, None] for ni in range(nodes)}   # bytes, connected (s, r) true
+    chunk = 1 << 20
     fleet = Fleet(truths)
     t = T_JOB + 200_000_000
     seq = 0
@@ -140,6 +150,31 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                 per_node_rows[ni]["tcp_events"].append(
                     (tr.mono(rt), "tcp_retransmit_skb", 4, "10.0.0.1", "10.0.0.2", 40000,
                      5000, "ESTABLISHED", None, None, pid, "job", None, None))
+        if messages and nodes > 1:
+            for ni in range(nodes):
+                nj = (ni + 1) % nodes
+                src, dst = truths[ni], truths[nj]
+                conn = ring[ni]
+                if conn[1] is None:       # established just before the first message
+                    conn[1], conn[2] = t - 50_000_000, t - 49_990_000
+                last = max(entries[r] for r in range(ni * ranks_per_node,
+                                                     (ni + 1) * ranks_per_node))
+                t_send = last + rng.randint(100_000, 300_000)
+                lag = rng.randint(15_000, 60_000)
+                if nj == late_wakeups:
+                    lag += rng.randint(1_500_000, 3_000_000)   # its receiver wakes late
+                pid = 1000 + ni * ranks_per_node
+                pid_r = 1000 + nj * ranks_per_node
+                per_node_rows[ni]["tcp_progress"].append(
+                    (src.mono(t_send), "send", 4, f"10.0.0.{ni + 1}", 40000 + ni,
+                     f"10.0.0.{nj + 1}", 6000, src.mono(conn[1]), conn[0], chunk, pid, pid))
+                per_node_rows[nj]["tcp_progress"].append(
+                    (dst.mono(t_send + lag), "recv", 4, f"10.0.0.{nj + 1}", 6000,
+                     f"10.0.0.{ni + 1}", 40000 + ni, dst.mono(conn[2]), conn[0], chunk,
+                     pid_r, pid_r))
+                conn[0] += chunk
+            if message_traps and nodes > 3:
+                _trap_rows(per_node_rows, truths, t, seq, chunk, seconds, step_ms * 1_000_000)
         t += step_ms * 1_000_000
     late_seen: dict = {}
     for ni, tr in enumerate(truths):
@@ -207,6 +242,41 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
             path = w.seal(out_dir, capture_end=(hi + tr.clock_error(hi), tr.mono(hi)))
             fleet.paths.append(path)
     return fleet
+
+
+def _trap_rows(per_node_rows, truths, t, seq, chunk, seconds, step_ns) -> None:
+    """One collective step's rows of the three connections messages.py must not pair
+    (make_fleet's message_traps). Paired, each says a send came after its receive."""
+    pos = (seq - 1) * chunk
+    for ni, tr in enumerate(truths):      # loopback: the same 4-tuple on every node
+        lo = (4, "127.0.0.1", 45000, "127.0.0.1", 7000, tr.mono(T_JOB), pos, chunk, 1, 1)
+        skew = 5_000_000 * (ni + 1)
+        per_node_rows[ni]["tcp_progress"] += [
+            (tr.mono(t + skew), "send") + lo,
+            (tr.mono(t - skew), "recv", 4, "127.0.0.1", 7000, "127.0.0.1", 45000) + lo[5:]]
+    # a 4-tuple reused between nodes 0 and 1: node 1 received on the first connection
+    # in the first half; the second, established half way, counts from 0 again and node
+    # 0 sends on it in the second half, seconds after node 1's receives of those positions
+    half = T_JOB + int(seconds * 1e9 / 2)
+    n0, n1 = truths[0], truths[1]
+    if t < half:
+        per_node_rows[1]["tcp_progress"].append(
+            (n1.mono(t + 40_000), "recv", 4, "10.0.0.2", 6100, "10.0.0.1", 41000,
+             n1.mono(T_JOB), pos, chunk, 1, 1))
+    else:
+        k = (t - half) // step_ns
+        per_node_rows[0]["tcp_progress"].append(
+            (n0.mono(t), "send", 4, "10.0.0.1", 41000, "10.0.0.2", 6100, n0.mono(half),
+             k * chunk, chunk, 1, 1))
+    # two nodes send on one 4-tuple (both are "172.17.0.2"); node 3 receives 10 ms
+    # before node 2 sent
+    for ni in (2, 0):
+        per_node_rows[ni]["tcp_progress"].append(
+            (truths[ni].mono(t + 10_000_000), "send", 4, "172.17.0.2", 42000, "172.17.0.3",
+             6200, truths[ni].mono(T_JOB), pos, chunk, 1, 1))
+    per_node_rows[3]["tcp_progress"].append(
+        (truths[3].mono(t), "recv", 4, "172.17.0.3", 6200, "172.17.0.2", 42000,
+         truths[3].mono(T_JOB), pos, chunk, 1, 1))
 
 
 def _late_row(row: tuple, seen: dict) -> tuple:

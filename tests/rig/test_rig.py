@@ -31,7 +31,8 @@ MAX_ALIGNMENT_ERROR_US = 100.0
 SKEWS = (("straggler", 37_000_000), ("bystander", -23_000_000))
 #: what a stated relative uncertainty may be at most and still name a 10 ms straggler
 #: clearly; the rig's ranks observe one completion up to ~1.5 ms apart (ring position on
-#: 2 loaded cores), which bounds how well collectives alone can place a clock here
+#: 2 loaded cores), which bounds how well collectives alone can place a clock here, and
+#: a CPU-starved node's receives wake late, which loosens its message bounds on one side
 MAX_STATED_UNCERTAINTY_US = 5_000.0
 
 
@@ -130,19 +131,26 @@ def _skewed_variant(runs, role, offset_ns, tmp_path):
 @pytest.mark.parametrize("role,offset_ns", SKEWS)
 def test_skewed_clock_recovered(runs, role, offset_ns, tmp_path):
     """One node's clock (monotonic and wall clock alike, unsynchronized as the rig's
-    kernel says) is 23-37 ms off and drifts 50 ppm; it is another boot, so only the
-    collectives can place it. Its clock-sample line is proven wrong and replaced; the
-    three nodes of one kernel stay one clock; the straggler is still named, with its
-    cause. How close the skewed node gets is bounded by how simultaneously the rig's
-    ranks observe a completion (their sync wake-ups on 2 loaded cores differ by a few
-    ms): the merge must state an uncertainty that covers its true error."""
+    kernel says) is 23-37 ms off and drifts 50 ppm; it is another boot, so only what the
+    nodes exchanged can place it: the collectives, and the ring's TCP messages (a send
+    before the receive of its bytes, tcp_progress). Its clock-sample line is proven wrong
+    and replaced; the three nodes of one kernel stay one clock; it lands within 100 us
+    of the truth, which the collectives alone did not reach (their ranks leave a
+    completion up to ~1.5 ms apart on 2 loaded cores: 217-256 us off before the
+    messages); the straggler is still named, with its cause."""
     o, node, skew, fleet, report, true_mono = _skewed_variant(runs, role, offset_ns, tmp_path)
     errors = measure.alignment_errors(fleet, true_mono)
     stated = {a["node"]: a["relative_uncertainty_us"] for a in report["alignment"]}
+    with measure.connect(fleet) as con:
+        pairs = dict(con.execute("SELECT n.name, a.message_pairs FROM clock_alignment a "
+                                 "JOIN nodes n USING (node_id)"))
     print(f"skewed {node} by {offset_ns / 1e6} ms, 50 ppm: alignment error (us) {errors}; "
-          f"stated relative uncertainty (us) {stated}; verdict {verdict.summary(report)}")
+          f"stated relative uncertainty (us) {stated}; message pairs {pairs}; "
+          f"verdict {verdict.summary(report)}")
     # the 37 or 23 ms offset is gone, and the merge says how close it got: the true
     # error is within the stated uncertainty, which is small enough to be useful
+    assert pairs[node] > 0, pairs
+    assert errors[node] <= MAX_ALIGNMENT_ERROR_US, (errors, stated)
     assert stated[node] is not None and errors[node] <= stated[node], (errors, stated)
     assert stated[node] <= MAX_STATED_UNCERTAINTY_US, stated
     one_kernel = [errors[n] for n in errors if n != node]
@@ -191,9 +199,10 @@ def test_skew_moves_every_clock_reading_consistently(runs, tmp_path):
 
 # -- a capture attached to a job already running (issue 17) ----------------------------------
 
-#: the job runs this long; the captures start LATE_ATTACH_S after it, so a few hundred
-#: collectives are seen
-LATE_JOB = "40s"
+#: the job runs this long; the captures start LATE_ATTACH_S after it, so a hundred or
+#: more collectives are seen (on some days the hog makes a cpu step 250 ms, and the four
+#: captures' compile takes half a minute)
+LATE_JOB = "55s"
 LATE_ATTACH_S = 3.0
 
 

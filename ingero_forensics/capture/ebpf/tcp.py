@@ -101,8 +101,9 @@ TRACEPOINT_PROBE(tcp, tcp_probe) {
 #: tcp_progress). The flows map is keyed by the struct sock address and never reads it.
 PROGRESS_PROGRAM = r"""
 struct flow {
-    u64 connected; u64 sent; u64 rcvd; u64 last[2]; u64 emitted[2];
+    u64 connected; u64 sent; u64 rcvd; u64 last[3]; u64 emitted[3];
     u8 saddr[16]; u8 daddr[16]; u16 sport; u16 dport; u16 family; u16 pad;
+    u32 tgid; u32 tid;             /* the traced process and thread that last read it */
 };
 struct progress {
     u64 ts; u64 offset; u64 connected; u32 bytes; u32 pid; u32 tid; u16 sport; u16 dport;
@@ -139,6 +140,18 @@ TRACEPOINT_PROBE(tcp, tcp_sendmsg_locked) {
     return 0;
 }
 
+static __always_inline void emit(struct flow *f, u64 ts, u64 offset, u32 bytes, u32 tgid,
+                                 u32 tid, u8 dir) {
+    struct progress *e = events.ringbuf_reserve(sizeof(struct progress));
+    if (!e) { count_lost(); return; }
+    e->ts = ts; e->offset = offset; e->bytes = bytes; e->pid = tgid; e->tid = tid;
+    e->sport = f->sport; e->dport = f->dport; e->connected = f->connected;
+    e->family = f->family; e->dir = dir; e->pad = 0; e->pad2 = 0;
+    __builtin_memcpy(e->saddr, f->saddr, 16);
+    __builtin_memcpy(e->daddr, f->daddr, 16);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+}
+
 static __always_inline int progress(u64 sk, int ret, u8 dir, u64 began) {
     struct flow *f = flows.lookup(&sk);
     if (!f) return 0;
@@ -149,18 +162,12 @@ static __always_inline int progress(u64 sk, int ret, u8 dir, u64 began) {
     f->last[dir & 1] = now;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!is_target(tgid)) return 0;
+    if (dir) { f->tgid = tgid; f->tid = bpf_get_current_pid_tgid(); }
     u64 since = now - f->emitted[dir & 1];
     if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
     if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return 0;
     f->emitted[dir & 1] = now;
-    struct progress *e = events.ringbuf_reserve(sizeof(struct progress));
-    if (!e) { count_lost(); return 0; }
-    e->ts = start; e->offset = offset; e->bytes = ret; e->pid = tgid;
-    e->tid = bpf_get_current_pid_tgid(); e->sport = f->sport; e->dport = f->dport;
-    e->connected = f->connected; e->family = f->family; e->dir = dir; e->pad = 0; e->pad2 = 0;
-    __builtin_memcpy(e->saddr, f->saddr, 16);
-    __builtin_memcpy(e->daddr, f->daddr, 16);
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    emit(f, start, offset, ret, tgid, bpf_get_current_pid_tgid(), dir);
     return 0;
 }
 
@@ -178,13 +185,34 @@ TRACEPOINT_PROBE(sock, sock_recv_length) {
     if (args->protocol != 6 || args->ret <= 0 || (args->flags & 2)) return 0;
     return progress((u64)args->sk, args->ret, 1, 0);
 }
+
+TRACEPOINT_PROBE(sock, sk_data_ready) {
+    /* The kernel queued in-order data for the reader (softirq, at the packet's
+       arrival): the first byte the reader has not read yet (f->rcvd) is there now. It
+       arrived with this packet when the reader had emptied the socket, which a burst's
+       first packet finds; earlier otherwise. Unlike the read's return, this does not
+       wait for the reader to get a CPU. Only connections a traced process reads. */
+    if (args->protocol != 6) return 0;
+    u64 sk = (u64)args->skaddr;
+    struct flow *f = flows.lookup(&sk);
+    if (!f || !f->tgid) return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 quiet = now - f->last[2];
+    f->last[2] = now;
+    u64 since = now - f->emitted[2];
+    if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
+    if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return 0;
+    f->emitted[2] = now;
+    emit(f, now, f->rcvd, 1, f->tgid, f->tid, 2);
+    return 0;
+}
 """
 
 #: A send or receive after this much quiet on its end of a connection starts a burst.
 PROGRESS_GAP_NS = 50_000
 PROGRESS_CONNS = 16384   # established connections counted at once (LRU)
 PROGRESS = struct.Struct("<QQQIIIHHHBx16s16s4x")
-DIRECTIONS = ("send", "recv")
+DIRECTIONS = ("send", "recv", "arrive")
 
 KIND_RETRANSMIT, KIND_PROBE = 0, 1
 EVENT_NAMES = ("tcp_retransmit_skb", "tcp_probe")
@@ -324,6 +352,7 @@ class TcpSource(BccSource):
         self.probe_on = False   # tcp:tcp_probe compiled in and attached
         self.progress_on = False       # the tcp_progress probes compiled in and attached
         self.progress_began = False    # ... with tcp:tcp_sendmsg_locked (send starts)
+        self.progress_arrivals = False  # ... with sock:sk_data_ready (arrivals)
         self.progress_rows = 0
 
     def filter_targets(self, ctx: CaptureContext) -> bool:
@@ -347,6 +376,9 @@ class TcpSource(BccSource):
                 # the receive of its bytes, only less tightly)
                 head, _, rest = prog.partition("TRACEPOINT_PROBE(tcp, tcp_sendmsg_locked)")
                 prog = head + rest[rest.index("static __always_inline"):]
+            if not self.progress_arrivals:
+                # no arrival rows: receives are bounded by their returns only
+                prog = prog[:prog.index("TRACEPOINT_PROBE(sock, sk_data_ready)")]
             text += (prog.replace("__PROGRESS_CONNS__", str(PROGRESS_CONNS))
                          .replace("__PROGRESS_INTERVAL_NS__", str(interval_ns))
                          .replace("__PROGRESS_GAP_NS__", str(PROGRESS_GAP_NS)))
@@ -372,6 +404,8 @@ class TcpSource(BccSource):
             self.progress_on = not missing
             self.progress_began = self.progress_on and tracepoint_exists("tcp",
                                                                          "tcp_sendmsg_locked")
+            self.progress_arrivals = self.progress_on and tracepoint_exists("sock",
+                                                                            "sk_data_ready")
             if missing:
                 self.notes.append(("warning", f"tracepoint {', '.join(missing)} not found "
                                    "(kernel < 6.3?): no tcp_progress rows, so the merge "
@@ -398,11 +432,12 @@ class TcpSource(BccSource):
         if not on:
             raise first
         tries = [[part] for part in on] + ([on] if len(on) > 1 else [])
-        began = self.progress_began
+        began, arrivals = self.progress_began, self.progress_arrivals
         for off in tries:
             for attr, _ in off:
                 setattr(self, attr, False)
             self.progress_began = self.progress_began and self.progress_on
+            self.progress_arrivals = self.progress_arrivals and self.progress_on
             self.attached.clear()
             try:
                 super().start(ctx)
@@ -411,7 +446,7 @@ class TcpSource(BccSource):
                     raise first from None
                 for attr, _ in off:
                     setattr(self, attr, True)
-                self.progress_began = began
+                self.progress_began, self.progress_arrivals = began, arrivals
                 continue
             for _, note in off:
                 self.notes.append(("warning", note.format(why=first.reason)))
@@ -426,6 +461,7 @@ class TcpSource(BccSource):
                                  f"connection per {self.options.tcp_probe_interval_ms} ms")
         if self.progress_on:
             began = ", tcp:tcp_sendmsg_locked" if self.progress_began else ""
+            began += ", sock:sk_data_ready" if self.progress_arrivals else ""
             self.attached.append(
                 f"tracepoints sock:inet_sock_set_state, sock:sock_send_length, "
                 f"sock:sock_recv_length{began}: the traced processes' TCP byte progress, "
@@ -482,7 +518,9 @@ class TcpSource(BccSource):
             else:
                 src, dst = (normalize(ipaddress.IPv6Address(saddr)),
                             normalize(ipaddress.IPv6Address(daddr)))
-            rows.append((ts, DIRECTIONS[direction & 1], 4 if family == AF_INET else 6,
+            if direction >= len(DIRECTIONS):
+                continue
+            rows.append((ts, DIRECTIONS[direction], 4 if family == AF_INET else 6,
                          str(src), sport, str(dst), dport, connected, offset, nbytes, pid,
                          tid))
         sink.add_many("tcp_progress", rows)

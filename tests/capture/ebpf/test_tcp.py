@@ -347,19 +347,27 @@ def test_tcp_probe_that_cannot_load_keeps_retransmits(ebpf_ok, monkeypatch):
 
 # -- tcp_progress: byte positions of send and receive calls ---------------------------
 
+# Non-blocking reads after poll, as NCCL's socket transport does them: a read that
+# finds the socket empty (EAGAIN) lets the capture date the next data's arrival.
 PROGRESS_RECEIVER = textwrap.dedent(r"""
-    import socket, sys, threading
+    import select, socket, sys, threading
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
     print(srv.getsockname()[1], flush=True)
     def drain(c):
+        c.setblocking(False)
         n = 0
         while True:
-            d = c.recv(1 << 16)
+            try:
+                d = c.recv(1 << 16)
+            except BlockingIOError:
+                select.select([c], [], [])
+                continue
             if not d:
                 break
             n += len(d)
+        c.setblocking(True)
         c.sendall(str(n).encode())
         c.close()
     while True:
@@ -435,8 +443,11 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
                 p.wait()
     assert got == [rounds * 3 * chunk] * 2
     assert {b"sock:sock_send_length", b"sock:sock_recv_length",
-            b"sock:inet_sock_set_state", b"tcp:tcp_sendmsg_locked"} <= attached
+            b"sock:inet_sock_set_state", b"tcp:tcp_sendmsg_locked",
+            b"sock:sk_data_ready"} <= attached
     rows = run.sink.dicts("tcp_progress")
+    arrivals = sorted((r for r in rows if r["direction"] == "arrive"
+                       and r["dport"] == sport), key=lambda r: r["stream_offset"])
     sends = sorted((r for r in rows if r["direction"] == "send"),
                    key=lambda r: r["stream_offset"])
     recvs = sorted((r for r in rows if r["direction"] == "recv"),
@@ -449,6 +460,7 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
     # untraced process's own sends are not there, and neither is the early connection
     assert {(r["daddr"], r["dport"], r["saddr"], r["sport"], r["pid"]) for r in recvs} == \
         {conn + (recv.pid,), ("127.0.0.1", other_port, "127.0.0.1", port, recv.pid)}
+    assert {r["direction"] for r in rows} == {"send", "recv", "arrive"}
     assert early_port not in {r["sport"] for r in rows} | {r["dport"] for r in rows}
     recvs = [r for r in recvs if r["dport"] == sport]
     total = rounds * 3 * chunk
@@ -479,8 +491,24 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
         if k is not None:
             slack.append(r["timestamp_ns"] - sends[k]["timestamp_ns"])
     assert len(slack) > 10 and min(slack) > 0, sorted(slack)[:5]
-    print("tcp_progress: %d sends, %d receives, slack min %.0f us, median %.0f us"
-          % (len(sends), len(recvs), min(slack) / 1e3, statistics.median(slack) / 1e3))
+    # arrivals: the byte at stream_offset was queued for the (drained) reader then: after
+    # the send that began copying it, and no later than the read that returned it
+    assert len(arrivals) > 10, len(arrivals)
+    arrive_slack = []
+    for a in arrivals:
+        assert a["bytes"] == 1 and a["pid"] == recv.pid, a
+        k = max((i for i, o in enumerate(offsets) if o <= a["stream_offset"]), default=None)
+        if k is not None:
+            arrive_slack.append(a["timestamp_ns"] - sends[k]["timestamp_ns"])
+        later = [r for r in recvs if r["stream_offset"] <= a["stream_offset"]
+                 < r["stream_offset"] + r["bytes"]]
+        assert all(r["timestamp_ns"] >= a["timestamp_ns"] for r in later), (a, later)
+    assert arrive_slack and min(arrive_slack) > 0, sorted(arrive_slack)[:5]
+    print("tcp_progress: %d sends, %d receives, %d arrivals; slack to the receive: min "
+          "%.0f us, median %.0f us; to the arrival: min %.0f us, median %.0f us"
+          % (len(sends), len(recvs), len(arrivals), min(slack) / 1e3,
+             statistics.median(slack) / 1e3, min(arrive_slack) / 1e3,
+             statistics.median(arrive_slack) / 1e3))
 
 
 def test_tcp_progress_that_cannot_load_keeps_the_rest(ebpf_ok, monkeypatch):
