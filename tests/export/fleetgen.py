@@ -62,7 +62,8 @@ def build_fleet(path, *, nodes=2, ranks_per_node=2, steps=5, straggler=3, seed=7
                           "sync_points": steps, "sync_points_used": steps,
                           "violations_before": 0, "violations_after": 0,
                           "clock_samples": 10, "steps": 0, "exceeds_claim": 0,
-                          "segments": "[]", "causal_moved_ns": 0, "rate_clamped": 0})
+                          "segments": "[]", "causal_moved_ns": 0, "rate_clamped": 0,
+                          "message_pairs": 0})
             for lr, r in enumerate(ranks):
                 pid = 1000 + lr
                 procs.append({"node_id": nid, "bundle_id": nid, "pid": pid, "comm": "python",
