@@ -520,11 +520,14 @@ def alignment_rows(con, nodes) -> list[dict]:
     if not table_exists(con, "clock_alignment"):
         return []
     out = []
+    # message_pairs came with fleet.db version 6
+    pairs = "message_pairs" if "message_pairs" in {
+        r[1] for r in con.execute("PRAGMA table_info(clock_alignment)")} else "0"
     for row in con.execute(
             "SELECT node_id, method, drift_ppm, uncertainty_ns, relative_uncertainty_ns, "
             "sync_points, violations_before, violations_after, steps, exceeds_claim, "
-            "causal_moved_ns, rate_clamped FROM clock_alignment ORDER BY node_id"):
-        nid, method, drift, unc, rel, sp, vb, va, steps, liar, moved, clamped = row
+            f"causal_moved_ns, rate_clamped, {pairs} FROM clock_alignment ORDER BY node_id"):
+        nid, method, drift, unc, rel, sp, vb, va, steps, liar, moved, clamped, mp = row
         out.append({"node": nodes.get(nid, ("?",))[0], "node_id": nid, "method": method,
                     "drift_ppm": round(drift or 0.0, 2),
                     "uncertainty_us": None if unc is None else round(unc / 1e3, 1),
@@ -532,7 +535,7 @@ def alignment_rows(con, nodes) -> list[dict]:
                     "sync_points": sp, "violations_before": vb, "violations_after": va,
                     "steps": steps, "exceeds_claim": bool(liar),
                     "causal_moved_us": round((moved or 0) / 1e3, 1),
-                    "rate_clamped": bool(clamped)})
+                    "rate_clamped": bool(clamped), "message_pairs": mp or 0})
     return out
 
 
