@@ -28,7 +28,9 @@ ORIGINALS = {
               "ntp1.example.org", "GPU-17", "DC1.example.org", "ops-team", "acme-corp.com"],
     "nodes": [f"{NODE_PREFIX}-{i}" for i in range(3)],
     "ips": ["10.20.30.40", "10.20.30.41", "10.20.31.7", "192.168.77.12", "10.0.0.1", "10.0.0.2",
-            "fd12:3456:789a::17", "fd12:3456:789a::99", f"{int(ipaddress.IPv4Address(NTP)):08X}"],
+            "fd12:3456:789a::17", "fd12:3456:789a::99", f"{int(ipaddress.IPv4Address(NTP)):08X}",
+            # only in tcp_progress: a peer the job exchanged bytes with
+            "10.20.32.8"],
     "users": list(USERS),
     "paths": ["/home/alice/private/dataset", "/home/alice/venvs/llm/bin/python3",
               "/home/alice/private/train.py", "/home/bobsmith/ckpt", "/home/",
@@ -61,6 +63,10 @@ def _sensitive_sql(ni: int, mono: int) -> str:
             'ESTABLISHED', 4242, NULL, 4242, 'job'),
                ({mono + 20}, 'tcp_retransmit_skb', 6, 'fd12:3456:789a::17',
             'fd12:3456:789a::99', 40001, 29500, 'ESTABLISHED', 4242, NULL, 4242, 'job');
+        INSERT INTO tcp_progress (timestamp_ns, direction, family, saddr, sport, daddr, dport,
+            connected_ns, stream_offset, bytes, pid, tid)
+        VALUES ({mono + 12}, 'send', 4, '{ip_self}', 41000, '10.20.32.8', 29600, {mono + 1},
+            0, 4096, 4242, 4242);
         INSERT INTO capture_log (timestamp_ns, level, source, event, message)
         VALUES ({mono + 30}, 'info', 'nccl', 'source_on',
             'uprobes on /home/alice/venvs/llm/lib/libnccl.so.2: 40 functions'),
