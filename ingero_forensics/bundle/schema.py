@@ -386,7 +386,8 @@ TABLES: tuple[Table, ...] = (
         _id(),
         C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",
           "send: when the call began copying its bytes into the socket (its first "
-          "tcp:tcp_sendmsg_locked), or its return where that was not seen; recv: the "
+          "tcp:tcp_sendmsg_locked; a writer that did not see it writes no row: the call's "
+          "return comes after its first bytes may have arrived); recv: the "
           "call's return, when the bytes were in the process; arrive: when the kernel "
           "queued in-order data for the reader (sock:sk_data_ready, at the packet's "
           "arrival, however long the reader then waits for a CPU)."),

@@ -84,12 +84,13 @@ def _libs(ctx, param, values):
                    "tcp_progress: sampled send and receive calls with their position in "
                    "the connection's stream). The merge pairs one node's sends with "
                    "another's receives of the same bytes to bound the nodes' clocks far "
-                   "tighter than collectives can; it costs a map update per send or "
-                   "receive call on the node.")
+                   "tighter than collectives can. It costs every TCP send and receive "
+                   "call of every process on the node a few map operations in the "
+                   "kernel (about 1.2 us per call on a 2-core VM: docs/performance.md).")
 @click.option("--tcp-progress-interval", type=click.IntRange(min=1), default=20,
               show_default=True, metavar="MS",
               help="Milliseconds between two tcp_progress rows of one connection and "
-                   "direction (a call that starts a burst is preferred).")
+                   "kind (send, receive, arrival; a call that starts a burst is preferred).")
 @click.option("--launch-budget", type=click.IntRange(min=0), default=5000, show_default=True,
               metavar="CALLS_PER_S",
               help="Kernel launches the capture counts per second before it samples them. "

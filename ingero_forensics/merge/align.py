@@ -345,17 +345,24 @@ Groups = Callable[[], Iterable[tuple[object, bool, list[tuple[int, int | None, i
                                                                int | None]]]]]
 
 
-#: (sending node, send raw ns, receiving node, receive raw ns) of TCP messages.
-Messages = Iterable[tuple[int, int, int, int]]
+#: (connection, sending node, send raw ns, receiving node, receive raw ns) of TCP
+#: messages (messages.message_pairs).
+Messages = Iterable[tuple[int, int, int, int, int]]
+#: connection -> (sending node, its establishment raw ns, receiving node, its raw ns)
+Connections = dict[int, tuple[int, int, int, int]]
+#: Pairs per sending node, receiving node and time bin the causal steps keep (the
+#: tightest of each), bins at most PAIR_BIN_MAX_S wide.
+PAIR_BINS = 64
+PAIR_BIN_MAX_S = 30.0
 
 
 def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
-                min_latency_ns: int = MIN_LATENCY_NS,
-                messages: Messages = ()) -> dict[int, NodeAlignment]:
+                min_latency_ns: int = MIN_LATENCY_NS, messages: Messages = (),
+                connections: Connections | None = None) -> dict[int, NodeAlignment]:
     """Align every node. ``groups()`` yields one tuple per sampled collective (see
-    Groups), freshly each call (it is streamed several times). ``messages``: (sending
-    node, send raw ns, receiving node, receive raw ns), each send before its receive
-    (messages.py): causal bounds like the collectives', usually far tighter.
+    Groups), freshly each call (it is streamed several times). ``messages`` and
+    ``connections`` (messages.message_pairs): TCP sends each before its receive on
+    another node, causal bounds like the collectives', usually far tighter.
 
     Nodes that share a clock (NodeInput.clock_key: one kernel, one CLOCK_MONOTONIC) are
     aligned as one clock: their samples pooled, their observations one clock's (the
@@ -367,7 +374,7 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
         key = nodes[nid].clock_key
         rep_of[nid] = nid if key is None else first.setdefault(key, nid)
     if all(r == n for n, r in rep_of.items()):
-        return _align_clocks(nodes, groups, min_latency_ns, messages)
+        return _align_clocks(nodes, groups, min_latency_ns, messages, connections or {})
     clocks = {r: NodeInput(r) for r in set(rep_of.values())}
     for nid, ni in nodes.items():
         clocks[rep_of[nid]].samples.extend(ni.samples)
@@ -391,9 +398,12 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
                               for r, (e, sv, ts) in sorted(per.items())]
 
     # a message within one clock says nothing about clocks
-    per_clock = _align_clocks(clocks, clock_groups, min_latency_ns,
-                              [(rep_of[i], s, rep_of[j], r) for i, s, j, r in messages
-                               if rep_of[i] != rep_of[j]])
+    per_clock = _align_clocks(
+        clocks, clock_groups, min_latency_ns,
+        [(c, rep_of[i], s, rep_of[j], r) for c, i, s, j, r in messages
+         if rep_of[i] != rep_of[j]],
+        {c: (rep_of[i], si, rep_of[j], sj) for c, (i, si, j, sj) in (connections or {}).items()
+         if rep_of[i] != rep_of[j]})
     out = {}
     for nid in nodes:
         a = per_clock[rep_of[nid]]
@@ -406,7 +416,8 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
 
 
 def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: int,
-                  messages: Messages = ()) -> dict[int, NodeAlignment]:
+                  messages: Messages = (), connections: Connections | None = None
+                  ) -> dict[int, NodeAlignment]:
     """align_fleet for distinct clocks (one node each)."""
     # Step 1 ------------------------------------------------------------------------
     pre: dict[int, int] = {}
@@ -566,9 +577,9 @@ def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: i
     for a in result.values():
         if a.method == "collectives":
             a.fit_relative_ns = a.relative_uncertainty_ns
-    messages = _apply_messages(result, nodes, messages, min_latency_ns)
+    messages = _apply_messages(result, nodes, messages, connections or {}, min_latency_ns)
     _apply_causal(result, nodes, groups, min_latency_ns, messages)
-    _bound_by_messages(result, messages, min_latency_ns)
+    _bound_by_messages(result, nodes, messages, min_latency_ns)
     return result
 
 
@@ -614,34 +625,66 @@ def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
 
 
 def _apply_messages(result: dict[int, NodeAlignment], nodes, messages: Messages,
-                    min_latency_ns) -> list[tuple[int, int, int, int]]:
-    """Step 4a (causal.project_messages): the smallest change of all lines at once that
-    puts every TCP send before the receive of its bytes. Messages bound clocks tightly
-    and in cycles (a ring), which the one-node-at-a-time placement of step 4 can turn
-    into a contradiction; after this step they hold, and step 4 moves a line only
-    where a collective still contradicts it. A pair that contradicts lines the
-    collectives placed by more than their uncertainties (plus MESSAGE_REFUSE_NS) is
-    refused and counted. Returns the pairs used."""
-    ref = None
-    pairs, kept = [], []
-    for i, s, j, r in messages:
+                    connections: Connections, min_latency_ns
+                    ) -> list[tuple[int, int, int, int]]:
+    """Step 4a (causal.project_messages): a small change of all lines at once that puts
+    every TCP send before the receive of its bytes. Messages bound clocks tightly and in
+    cycles (a ring), which the one-node-at-a-time placement of step 4 can turn into a
+    contradiction; after this step they hold, and step 4 moves a line only where a
+    collective still contradicts it.
+
+    A connection is refused (all its pairs, counted in messages_refused) when one of its
+    pairs, or its two ends' establishment times, contradict the lines by more than the
+    nodes' uncertainties (relative, else vs UTC) plus MESSAGE_REFUSE_NS: a 4-tuple
+    reused by a second connection, each end's capture having seen only one, looks like
+    one connection with a clock offset of the time between them. If the pairs left
+    contradict each other (no lines satisfy them all), none is used. Returns the pairs
+    used, the tightest per sending node, receiving node and time bin, as (sending node,
+    send raw ns, receiving node, receive raw ns)."""
+    def room(a):
+        u = a.relative_uncertainty_ns if a.relative_uncertainty_ns is not None \
+            else a.uncertainty_ns
+        return None if u is None else u + MESSAGE_REFUSE_NS
+
+    def contradicts(a, b, send, recv):
+        ua, ub = room(a), room(b)
+        return ua is not None and ub is not None and send + min_latency_ns - recv > ua + ub
+
+    refused = set()
+    for cid, (i, sc, j, rc) in connections.items():
+        a, b = result.get(i), result.get(j)
+        # the two ends were established within a round trip of each other
+        if a is not None and b is not None and (
+                contradicts(a, b, a.aligned(sc), b.aligned(rc) + MESSAGE_REFUSE_NS)
+                or contradicts(b, a, b.aligned(rc), a.aligned(sc) + MESSAGE_REFUSE_NS)):
+            refused.add(cid)
+    usable = []
+    for cid, i, s, j, r in messages:
         a, b = result.get(i), result.get(j)
         if a is None or b is None or i == j:
             continue
-        if ref is None:
-            ref = a.aligned(s)
-        send, recv = a.aligned(s) - ref, b.aligned(r) - ref
-        ua, ub = a.relative_uncertainty_ns, b.relative_uncertainty_ns
-        if ua is not None and ub is not None and \
-                send + min_latency_ns - recv > ua + ub + MESSAGE_REFUSE_NS:
-            # the collectives place both nodes well enough to say this pair is wrong:
-            # a 4-tuple reused by another connection that each capture saw only once
-            a.messages_refused += 1
-            b.messages_refused += 1
-            continue
-        pairs.append((i, float(send), j, float(recv)))
-        kept.append((i, s, j, r))
-    corr, (t0, t1) = project_messages(pairs, min_latency_ns)
+        if contradicts(a, b, a.aligned(s), b.aligned(r)):
+            refused.add(cid)
+        usable.append((cid, i, s, j, r))
+    for cid, i, _s, j, _r in usable:
+        if cid in refused:
+            result[i].messages_refused += 1
+            result[j].messages_refused += 1
+    kept = _tightest([(i, s, j, r) for cid, i, s, j, r in usable if cid not in refused],
+                     result)
+    if not kept:
+        return []
+    ref = result[kept[0][0]].aligned(kept[0][1])
+    pairs = [(i, float(result[i].aligned(s) - ref), j, float(result[j].aligned(r) - ref))
+             for i, s, j, r in kept]
+    corr, (t0, t1), settled = project_messages(pairs, min_latency_ns)
+    if not settled:
+        # some pair is false (a count off, a connection not caught above): no bound from
+        # pairs that contradict each other
+        for i, _s, j, _r in kept:
+            result[i].messages_refused += 1
+            result[j].messages_refused += 1
+        return []
     for nid, (p0, p1) in corr.items():
         moved = max(abs(p0), abs(p1))
         if moved < 1.0:
@@ -663,7 +706,27 @@ def _apply_messages(result: dict[int, NodeAlignment], nodes, messages: Messages,
     return kept
 
 
-def _bound_by_messages(result: dict[int, NodeAlignment], messages: Messages,
+def _tightest(pairs, result) -> list[tuple[int, int, int, int]]:
+    """The pair with the least slack per sending node, receiving node and time bin
+    (PAIR_BINS over the receiver's span, at most PAIR_BIN_MAX_S wide)."""
+    if not pairs:
+        return []
+    span: dict[int, list[int]] = {}
+    for _i, _s, j, r in pairs:
+        lo_hi = span.setdefault(j, [r, r])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], r), max(lo_hi[1], r)
+    best: dict[tuple, tuple] = {}
+    for i, s, j, r in pairs:
+        lo, hi = span[j]
+        width = max(min((hi - lo) / PAIR_BINS, PAIR_BIN_MAX_S * 1e9), 1.0)
+        key = (i, j, int((r - lo) / width))
+        slack = result[j].aligned(r) - result[i].aligned(s)
+        if key not in best or slack < best[key][0]:
+            best[key] = (slack, (i, s, j, r))
+    return [p for _, p in sorted(best.values(), key=lambda v: v[1])]
+
+
+def _bound_by_messages(result: dict[int, NodeAlignment], nodes, messages,
                        min_latency_ns) -> None:
     """Step 5: a node the messages tie to every other node, both ways, takes their bound
     (causal.message_bounds) as its relative uncertainty. Tight messages put nodes at the
@@ -676,11 +739,16 @@ def _bound_by_messages(result: dict[int, NodeAlignment], messages: Messages,
     # relative to the first send before any float arithmetic (UTC ns do not fit a double)
     base = min(s for _, s, _, _ in pairs)
     pairs = [(i, float(s - base), j, float(r - base)) for i, s, j, r in pairs]
-    t0 = min(min(s, r) for _, s, _, r in pairs) / 1e9
-    t1 = max(max(s, r) for _, s, _, r in pairs) / 1e9
     # two lines' rates differ by at most twice the drift bound
     rate = 2 * DRIFT_BOUND_PPM * 1e3
     for nid, windows in message_bounds(pairs, min_latency_ns).items():
+        # over the node's whole capture, not only while it exchanged messages
+        a = result[nid]
+        monos = [m for _u, m in nodes[nid].manifest_pairs if m is not None]
+        ends = [(a.aligned(m) - base) / 1e9 for m in (min(monos), max(monos))] if monos \
+            else [windows[0][0], windows[-1][0]]
+        t0 = min(ends[0], windows[0][0])
+        t1 = max(ends[1], windows[-1][0])
         worst = error_bound([(t, -b, b) for t, b in windows], t0, t1, rate)
         if worst is not None:
             result[nid].relative_uncertainty_ns = max(math.ceil(worst), 1)
@@ -735,18 +803,19 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
         a = result[nid]
         # a line the tight observations placed keeps their bound, widened by how far
         # causality moved it: truth within u of the fit is within u + moved of the line
-        fitted = a.relative_uncertainty_ns if a.method == "collectives" else None
+        # (the fit's bound from before the messages moved it, step 4a)
+        fitted = a.fit_relative_ns if a.fit_relative_ns is not None else (
+            a.relative_uncertainty_ns if a.method == "collectives" else None)
         ca, cb = system.corr.get(nid, (0.0, 0.0))
         if ca or cb:
             # sub-microsecond settling is rounding, not a broken clock
             # aligned_new(m) = aligned(m) + ca + cb * (aligned(m) - ref) / 1e9
             a.offset_ns += round(ca + cb * (a.offset_ns - ref) / 1e9)
             a.slope = (1.0 + a.slope) * (1.0 + cb / 1e9) - 1.0
-            a.causal_moved_ns = round(b.moved_ns)
+            # the messages' move (step 4a) and this one add up
             if b.moved_ns >= 1000:
                 a.method = "causal"
-            else:
-                a.causal_moved_ns = 0
+                a.causal_moved_ns += round(b.moved_ns)
             a.drift_ppm = ((1.0 / (1.0 + a.slope)) - 1.0) * 1e6
             samples = nodes[nid].samples
             if samples:
@@ -772,12 +841,7 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
             if a.method == "causal" and a.uncertainty_ns is not None:
                 a.uncertainty_ns = None if a.relative_uncertainty_ns is None else \
                     a.uncertainty_ns + a.relative_uncertainty_ns + a.causal_moved_ns
-        elif (b.early_ns is not None and b.late_ns is not None
-              and a.relative_uncertainty_ns is not None):
-            # a fitted line the causal bounds hold tighter than its fit (messages): the
-            # truth is inside the bounds as surely as inside the fit's band
-            a.relative_uncertainty_ns = min(a.relative_uncertainty_ns,
-                                            math.ceil(max(b.early_ns, b.late_ns)))
+
 
 
 def _solve_graph(members: list[int], cedges: dict) -> dict[int, tuple[float, float]]:

@@ -377,18 +377,22 @@ def _inside(poly, x, y) -> bool:
 #: sweeps (a contradiction among the messages themselves).
 SETTLED_NS = 20.0
 MAX_SWEEPS = 3000
-#: message_bounds looks at the pairs in this many windows of the capture.
+#: message_bounds looks at the pairs in windows of the capture: at least this many, at
+#: most BOUND_WINDOW_MAX_S long (within one, the errors are taken as constant: lines
+#: whose rates differ by 0.01 ppm drift 0.6 us apart in 60 s).
 BOUND_WINDOWS = 8
+BOUND_WINDOW_MAX_S = 60.0
 
 
 def project_messages(pairs, min_latency_ns: float
-                     ) -> tuple[dict[int, tuple[float, float]], tuple[float, float]]:
+                     ) -> tuple[dict[int, tuple[float, float]], tuple[float, float], bool]:
     """A small change of every node's line that puts each send before its receive.
 
     ``pairs``: (sending node, send, receiving node, receive), fleet times (ns, floats)
     relative to a reference, on the current lines. Returns per node its extra
-    correction at the start and the end of the pairs' span (ns), and the span's ends
-    (tau, seconds). Alternating projections onto each pair's bound, in those end values
+    correction at the start and the end of the pairs' span (ns), the span's ends
+    (tau, seconds), and whether every pair now holds (False: the pairs contradict each
+    other, after MAX_SWEEPS sweeps). Alternating projections onto each pair's bound, in those end values
     (so a correction is small at both ends), starting from no change: each broken pair
     moves its two lines apart by what it lacks, split between them. Messages form
     cycles (a ring of nodes, each sending to the next), where placing one node at a time,
@@ -397,7 +401,7 @@ def project_messages(pairs, min_latency_ns: float
     took thousands of sweeps here where this takes a few dozen.) Nodes without pairs are
     absent."""
     if not pairs:
-        return {}, (0.0, 0.0)
+        return {}, (0.0, 0.0), True
     # each end is corrected at its own time: before the projection the nodes' times of
     # one message may be far apart (unsynchronized clocks), and a line's rate matters
     t0 = min(min(s, r) for _, s, _, r in pairs) / 1e9
@@ -428,7 +432,7 @@ def project_messages(pairs, min_latency_ns: float
                 xj[1] += step * g[3]
         if broken <= 0.0:
             break
-    return {n: (v[0], v[1]) for n, v in x.items()}, (t0, t1)
+    return {n: (v[0], v[1]) for n, v in x.items()}, (t0, t1), broken <= 0.0
 
 
 def message_bounds(pairs, min_latency_ns: float
@@ -451,10 +455,12 @@ def message_bounds(pairs, min_latency_ns: float
         return {}
     nodes = {n for i, _, j, _ in pairs for n in (i, j)}
     t0 = min(s for _, s, _, _ in pairs)
-    width = (max(s for _, s, _, _ in pairs) - t0) / BOUND_WINDOWS or 1.0
-    windows: list[dict[tuple[int, int], float]] = [{} for _ in range(BOUND_WINDOWS)]
+    span = max(s for _, s, _, _ in pairs) - t0
+    count = max(BOUND_WINDOWS, math.ceil(span / (BOUND_WINDOW_MAX_S * 1e9)))
+    width = span / count or 1.0
+    windows: list[dict[tuple[int, int], float]] = [{} for _ in range(count)]
     for i, s, j, r in pairs:
-        slack = windows[min(int((s - t0) / width), BOUND_WINDOWS - 1)]
+        slack = windows[min(int((s - t0) / width), count - 1)]
         v = max(r - s - min_latency_ns, 0.0)
         # how far x_i - x_j may still grow: along the edge j -> i
         if v < slack.get((j, i), math.inf):

@@ -142,13 +142,15 @@ def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
         if obs:
             yield key, full, obs
 
-    pairs, stats = message_pairs(con)
+    pairs, conns, stats = message_pairs(con)
     if stats["connections"] or stats["left_out"]:
         fl.log("info", "message_pairs", f"{stats['connections']} TCP connections between "
-               f"nodes paired by their byte positions ({len(pairs)} tightest send/receive "
-               f"pairs kept); {stats['left_out']} left out (a 4-tuple seen on more than one "
-               "node or reused)", count=len(pairs))
-    params = align.align_fleet(nodes, groups, fl.min_latency_ns, messages=pairs)
+               f"nodes (one direction each) paired by their byte positions ({len(pairs)} "
+               f"tightest send/receive pairs kept); {stats['left_out']} left out (a 4-tuple "
+               "seen on more than one node, reused, or between a node and itself)",
+               count=len(pairs))
+    params = align.align_fleet(nodes, groups, fl.min_latency_ns, messages=pairs,
+                               connections=conns)
     names = dict(con.execute("SELECT node_id, name FROM nodes"))
     for a in params.values():
         if a.exceeds_claim:
@@ -180,8 +182,9 @@ def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
             res.warnings.append(msg)
         if a.messages_refused:
             msg = (f"node {names[a.node_id]}: {a.messages_refused} TCP send/receive pairs "
-                   "contradict its collectives by more than their uncertainty and were not "
-                   "used (a 4-tuple reused by another connection?)")
+                   "were not used: their connection contradicts the collectives or the "
+                   "clocks' honest claims by more than their uncertainty (a 4-tuple reused "
+                   "by another connection?), or the pairs contradict each other")
             fl.log("warning", "messages_refused", msg, node_id=a.node_id,
                    count=a.messages_refused)
             res.warnings.append(msg)

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from .syncpoints import attached
 
-#: Bins per (sending node, receiving node) over the receiver's span: the tightest pair
-#: of each is kept (causal.py bins again per node).
+#: Bins per connection over its receiver's span, at most PAIR_BIN_MAX_NS wide: the
+#: tightest pair of each is kept (causal.py bins again per node).
 PAIR_BINS = 64
+PAIR_BIN_MAX_NS = 30_000_000_000
 #: connected_ns values of one 4-tuple on one node further apart than this are different
 #: connections (the rows of earlier merges are mapped back to raw time through the old
 #: alignment, exact to rounding).
@@ -70,12 +71,14 @@ def _has_table(con, schema: str, table: str) -> bool:
                        "name = ?", (table,)).fetchone() is not None
 
 
-def message_pairs(con) -> tuple[list[tuple[int, int, int, int]], dict]:
-    """The tightest (send node, send raw ns, receive node, receive raw ns) per node pair
-    and time bin, from temp.flow_sp; and counts for the merge log: connections paired,
-    4-tuples left out as ambiguous."""
+def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
+                                 dict[int, tuple[int, int, int, int]], dict]:
+    """The tightest (connection, send node, send raw ns, receive node, receive raw ns) per
+    connection and time bin, from temp.flow_sp; per connection (send node, its
+    establishment raw ns, receive node, its establishment raw ns); and counts for the
+    merge log: connections paired, 4-tuples left out as ambiguous."""
     if not _has_table(con, "temp", "flow_sp"):
-        return [], {"connections": 0, "left_out": 0}
+        return [], {}, {"connections": 0, "left_out": 0}
     local = " OR ".join(f"{c} LIKE '{p}'" for c in ("laddr", "raddr") for p in _LOCAL)
     # one connection per 4-tuple: one sending node, one receiving node (another one),
     # one establishment time on each end
@@ -83,34 +86,39 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int]], dict]:
     con.execute(
         "CREATE TEMP TABLE flow_conn AS WITH ends AS (SELECT dir, laddr, lport, raddr, "
         "rport, MIN(node_id) AS node_id, COUNT(DISTINCT node_id) AS nodes, "
-        "MAX(connected_ns) - MIN(connected_ns) AS span FROM temp.flow_sp WHERE NOT "
-        f"({local}) GROUP BY 1, 2, 3, 4, 5) "
-        "SELECT s.laddr, s.lport, s.raddr, s.rport, s.node_id AS sn, r.node_id AS rn, "
+        "MIN(connected_ns) AS connected, MAX(connected_ns) - MIN(connected_ns) AS span "
+        f"FROM temp.flow_sp WHERE NOT ({local}) GROUP BY 1, 2, 3, 4, 5) "
+        "SELECT s.laddr, s.lport, s.raddr, s.rport, s.node_id AS sn, s.connected AS sc, "
+        "r.node_id AS rn, r.connected AS rc, "
         "s.nodes = 1 AND r.nodes = 1 AND s.node_id != r.node_id AND s.span <= ?1 AND "
         "r.span <= ?1 AS ok FROM ends s JOIN ends r ON r.dir = 1 AND r.laddr = s.raddr "
         "AND r.lport = s.rport AND r.raddr = s.laddr AND r.rport = s.lport "
         "WHERE s.dir = 0", (SAME_CONNECTION_NS,))
-    connections, ambiguous = con.execute(
+    connections, left_out = con.execute(
         "SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(NOT ok), 0) FROM temp.flow_conn"
         ).fetchone()
     con.execute("DELETE FROM temp.flow_conn WHERE NOT ok")
-    stats = {"connections": connections, "left_out": ambiguous}
+    stats = {"connections": connections, "left_out": left_out}
     if not connections:
-        return [], stats
+        return [], {}, stats
+    conns = {cid: (sn, sc, rn, rc) for cid, sn, sc, rn, rc in con.execute(
+        "SELECT rowid, sn, sc, rn, rc FROM temp.flow_conn")}
     con.execute("CREATE INDEX temp.flow_send ON flow_sp (laddr, lport, raddr, rport, pos) "
                 "WHERE dir = 0")
     # each receive with the send that began copying the last byte it could have
-    # returned first: the largest send position below its end
+    # returned first: the largest send position below its end; the tightest per
+    # connection and bin (a connection the alignment refuses takes only its own pairs)
     rows = con.execute(
-        "WITH p AS (SELECT c.sn, r.mono_ns AS rt, c.rn, (SELECT s.mono_ns FROM "
-        "temp.flow_sp s WHERE s.dir = 0 AND s.laddr = c.laddr AND s.lport = c.lport AND "
-        "s.raddr = c.raddr AND s.rport = c.rport AND s.pos < r.pos ORDER BY s.pos DESC "
+        "WITH p AS (SELECT c.rowid AS cid, c.sn, r.mono_ns AS rt, c.rn, (SELECT s.mono_ns "
+        "FROM temp.flow_sp s WHERE s.dir = 0 AND s.laddr = c.laddr AND s.lport = c.lport "
+        "AND s.raddr = c.raddr AND s.rport = c.rport AND s.pos < r.pos ORDER BY s.pos DESC "
         "LIMIT 1) AS st FROM temp.flow_conn c JOIN temp.flow_sp r ON r.dir = 1 AND "
         "r.laddr = c.raddr AND r.lport = c.rport AND r.raddr = c.laddr AND "
         "r.rport = c.lport), "
-        "span AS (SELECT rn, MIN(rt) AS t0, MAX(rt) - MIN(rt) + 1 AS w FROM p GROUP BY rn) "
+        "span AS (SELECT cid, MIN(rt) AS t0, MAX(MIN((MAX(rt) - MIN(rt)) / ?1, ?2), 1) "
+        "AS w FROM p GROUP BY cid) "
         # SQLite: the bare columns of a MAX() aggregate come from the row that has it
-        "SELECT p.sn, p.st, p.rn, p.rt, MAX(p.st - p.rt) FROM p JOIN span USING (rn) "
-        "WHERE p.st IS NOT NULL GROUP BY p.sn, p.rn, (p.rt - span.t0) * ?1 / span.w",
-        (PAIR_BINS,)).fetchall()
-    return [(sn, st, rn, rt) for sn, st, rn, rt, _ in rows], stats
+        "SELECT p.cid, p.sn, p.st, p.rn, p.rt, MAX(p.st - p.rt) FROM p JOIN span "
+        "USING (cid) WHERE p.st IS NOT NULL GROUP BY p.cid, (p.rt - span.t0) / span.w",
+        (PAIR_BINS, PAIR_BIN_MAX_NS)).fetchall()
+    return [(cid, sn, st, rn, rt) for cid, sn, st, rn, rt, _ in rows], conns, stats

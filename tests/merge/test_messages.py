@@ -60,7 +60,8 @@ def test_messages_place_clocks_collectives_cannot(tmp_path, messages):
     assert max(stated.values()) <= 200_000, stated
     assert all(a["message_pairs"] > 0 for a in al.values()), al
     ((msg, count),) = log_of(tmp_path / "f.db", "message_pairs")
-    assert msg.startswith("4 TCP connections between nodes paired") and count > 0, msg
+    assert msg.startswith("4 TCP connections between nodes (one direction each) paired") \
+        and count > 0, msg
 
 
 def test_connections_that_cannot_be_told_apart_are_not_used(tmp_path):
@@ -79,7 +80,7 @@ def test_connections_that_cannot_be_told_apart_are_not_used(tmp_path):
     rel = relative_errors(fleet, tmp_path / "f.db", 20)
     assert max(abs(v) for v in rel.values()) <= 100_000, rel
     ((msg, _count),) = log_of(tmp_path / "f.db", "message_pairs")
-    assert msg.startswith("5 TCP connections between nodes paired"), msg
+    assert msg.startswith("5 TCP connections between nodes (one direction each) paired"), msg
     assert "; 1 left out" in msg, msg
     refused = log_of(tmp_path / "f.db", "messages_refused")
     assert [m.split(":")[0] for m, _ in refused] == ["node node-0", "node node-1"], refused

@@ -111,11 +111,17 @@ struct progress {
 };
 BPF_TABLE("lru_hash", u64, struct flow, flows, __PROGRESS_CONNS__);
 BPF_TABLE("lru_hash", u32, u64, send_began, __PROGRESS_CONNS__);
+/* 1 once every program below is attached (set by the capture): BCC attaches them one
+   by one, and a connection counted while one end's counter was not yet on would have
+   counts that disagree, so no flow starts before */
+BPF_ARRAY(armed, u32, 1);
 
 TRACEPOINT_PROBE(sock, inet_sock_set_state) {
     if (args->protocol != 6) return 0;          /* IPPROTO_TCP */
     u64 sk = (u64)args->skaddr;
-    if (args->newstate == 1) {                   /* TCP_ESTABLISHED: count from here */
+    int zero = 0;
+    u32 *on = armed.lookup(&zero);
+    if (args->newstate == 1 && on && *on) {      /* TCP_ESTABLISHED: count from here */
         struct flow f = {};
         f.connected = bpf_ktime_get_ns();
         f.sport = args->sport; f.dport = args->dport; f.family = args->family;
@@ -157,7 +163,10 @@ static __always_inline int progress(u64 sk, int ret, u8 dir, u64 began) {
     if (!f) return 0;
     u64 now = bpf_ktime_get_ns();
     u64 offset = __sync_fetch_and_add(dir ? &f->rcvd : &f->sent, (u64)ret);
-    u64 start = dir ? now : (began ? began : now);
+    /* a send is dated by its first copy: its return comes after its first bytes may
+       have arrived on the other node, so a send whose start was not seen gets no row */
+    if (!dir && !began) return 0;
+    u64 start = dir ? now : began;
     u64 quiet = start - f->last[dir & 1];
     f->last[dir & 1] = now;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -181,8 +190,9 @@ TRACEPOINT_PROBE(sock, sock_send_length) {
 }
 
 TRACEPOINT_PROBE(sock, sock_recv_length) {
-    /* MSG_PEEK (2) leaves the bytes in the socket: not progress */
-    if (args->protocol != 6 || args->ret <= 0 || (args->flags & 2)) return 0;
+    /* MSG_PEEK (2) leaves the bytes in the socket, MSG_ERRQUEUE (0x2000) reads the
+       error queue: not the stream's bytes */
+    if (args->protocol != 6 || args->ret <= 0 || (args->flags & 0x2002)) return 0;
     return progress((u64)args->sk, args->ret, 1, 0);
 }
 
@@ -371,11 +381,6 @@ class TcpSource(BccSource):
         if self.progress_on:
             interval_ns = int(self.options.tcp_progress_interval_ms) * 1_000_000
             prog = PROGRESS_PROGRAM
-            if not self.progress_began:
-                # no send-start marks: a send's row has its return time (still before
-                # the receive of its bytes, only less tightly)
-                head, _, rest = prog.partition("TRACEPOINT_PROBE(tcp, tcp_sendmsg_locked)")
-                prog = head + rest[rest.index("static __always_inline"):]
             if not self.progress_arrivals:
                 # no arrival rows: receives are bounded by their returns only
                 prog = prog[:prog.index("TRACEPOINT_PROBE(sock, sk_data_ready)")]
@@ -401,9 +406,11 @@ class TcpSource(BccSource):
             missing = [f"sock:{n}" for n in ("inet_sock_set_state", "sock_send_length",
                                              "sock_recv_length")
                        if not tracepoint_exists("sock", n)]
+            if not tracepoint_exists("tcp", "tcp_sendmsg_locked"):
+                # a send is dated by its first copy; its return is too late to pair
+                missing.append("tcp:tcp_sendmsg_locked")
             self.progress_on = not missing
-            self.progress_began = self.progress_on and tracepoint_exists("tcp",
-                                                                         "tcp_sendmsg_locked")
+            self.progress_began = self.progress_on
             self.progress_arrivals = self.progress_on and tracepoint_exists("sock",
                                                                             "sk_data_ready")
             if missing:
@@ -465,8 +472,11 @@ class TcpSource(BccSource):
             self.attached.append(
                 f"tracepoints sock:inet_sock_set_state, sock:sock_send_length, "
                 f"sock:sock_recv_length{began}: the traced processes' TCP byte progress, "
-                f"at most once per connection and direction per "
+                f"at most once per connection and kind per "
                 f"{self.options.tcp_progress_interval_ms} ms")
+            # every program is attached (BCC did it on load): connections may be counted
+            armed = self.bpf[b"armed"]
+            armed[armed.Key(0)] = armed.Leaf(1)
 
     def housekeeping(self, sink: RowSink) -> None:
         now = time.monotonic()
