@@ -751,7 +751,11 @@ def _bound_by_messages(result: dict[int, NodeAlignment], nodes, messages,
         t1 = max(ends[1], windows[-1][0])
         worst = error_bound([(t, -b, b) for t, b in windows], t0, t1, rate)
         if worst is not None:
-            result[nid].relative_uncertainty_ns = max(math.ceil(worst), 1)
+            old = a.relative_uncertainty_ns
+            a.relative_uncertainty_ns = max(math.ceil(worst), 1)
+            if a.uncertainty_ns is not None and old is not None:
+                # vs UTC: the common-mode bound plus the relative one, as in step 3
+                a.uncertainty_ns += max(a.relative_uncertainty_ns - old, 0)
 
 
 def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_ns,

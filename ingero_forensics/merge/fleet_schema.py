@@ -240,8 +240,9 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("relative_uncertainty_ns", "INTEGER", True, "ns", "Bound on the node's error "
           "relative to the other nodes: for method collectives, from the spread of its "
           "tight completion residuals; otherwise the room the causal bounds leave it "
-          "(the larger of causal_early_ns and causal_late_ns); NULL when nothing bounds "
-          "it on one side."),
+          "(the larger of causal_early_ns and causal_late_ns); for a node the TCP "
+          "messages tie to every other node both ways (message_pairs), the bound they "
+          "give (docs/merge.md, step 5); NULL when nothing bounds it on one side."),
         C("component", "INTEGER", True, "", "Nodes with the same component are linked by "
           "shared collectives (the smallest node_id of the component); NULL when alone."),
         C("sync_points", "INTEGER", False, "", "Observed completions of this node "

@@ -109,6 +109,8 @@ struct progress {
     u64 ts; u64 offset; u64 connected; u32 bytes; u32 pid; u32 tid; u16 sport; u16 dport;
     u16 family; u8 dir; u8 pad; u8 saddr[16]; u8 daddr[16]; u32 pad2;
 };
+/* records are told from the retransmit source's (64 bytes) by their size */
+_Static_assert(sizeof(struct progress) == 80, "struct progress is PROGRESS in tcp.py");
 BPF_TABLE("lru_hash", u64, struct flow, flows, __PROGRESS_CONNS__);
 BPF_TABLE("lru_hash", u32, u64, send_began, __PROGRESS_CONNS__);
 /* 1 once every program below is attached (set by the capture): BCC attaches them one
