@@ -381,7 +381,7 @@ TABLES: tuple[Table, ...] = (
           "after the send that began copying byte N on another: the merge uses these pairs "
           "to bound the nodes' clocks (docs/merge.md). Sampled in the kernel: a call that "
           "starts a burst (after 50 us of quiet on that end) at most once per "
-          "--tcp-progress-interval per connection and direction, any call after ten "
+          "--tcp-progress-interval per connection and kind, any call after ten "
           "intervals. Added in 1.1: optional table.", (
         _id(),
         C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",

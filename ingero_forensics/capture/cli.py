@@ -87,7 +87,7 @@ def _libs(ctx, param, values):
                    "tighter than collectives can. It costs every TCP send and receive "
                    "call of every process on the node a few map operations in the "
                    "kernel (about 1.2 us per call on a 2-core VM: docs/performance.md).")
-@click.option("--tcp-progress-interval", type=click.IntRange(min=1), default=20,
+@click.option("--tcp-progress-interval", type=click.IntRange(min=1), default=1000,
               show_default=True, metavar="MS",
               help="Milliseconds between two tcp_progress rows of one connection and "
                    "kind (send, receive, arrival; a call that starts a burst is preferred).")

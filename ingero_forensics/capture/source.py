@@ -60,7 +60,7 @@ class CaptureOptions:
     tcp_probe: bool = False                              # tcp:tcp_probe sampling (off by default)
     tcp_probe_interval_ms: int = 100                     # at most one tcp_probe row per connection per interval
     tcp_progress: bool = True                            # the job's TCP byte progress (tcp_progress)
-    tcp_progress_interval_ms: int = 20                   # at most one row per connection and direction per interval
+    tcp_progress_interval_ms: int = 1000                 # at most one row per connection and kind per interval
     stacks: bool = True
     ring_pages: int = 256                                # per ring/perf buffer
     stats_interval_s: float = 1.0                        # event_stats aggregation interval

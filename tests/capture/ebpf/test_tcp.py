@@ -322,7 +322,7 @@ def test_cli_tcp_probe_options(monkeypatch, tmp_path):
     for argv in (["--no-tcp-progress"], ["--tcp-progress-interval", "7"]):
         res = runner.invoke(cli.main, ["--bundle", str(tmp_path), *argv])
         assert res.exit_code == 0, res.output
-    assert [(o.tcp_progress, o.tcp_progress_interval_ms) for o in seen] == [(False, 20),
+    assert [(o.tcp_progress, o.tcp_progress_interval_ms) for o in seen] == [(False, 1000),
                                                                             (True, 7)]
     res = runner.invoke(cli.main, ["--bundle", str(tmp_path), "--no-tcp-progress",
                                    "--tcp-progress-interval", "7"])
