@@ -7,6 +7,7 @@ a failure: a CI run that did not exercise the real kernel is not a green run.
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,49 @@ if str(ROOT) not in sys.path:
 
 
 _SKIPS_FAILED = []
+
+#: pytest's own file descriptors (its output capture), as the session started
+_RUNNER_FDS: dict[int, str] = {}
+
+
+def _open_fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass                            # the listing's own descriptor
+    return out
+
+
+def pytest_sessionstart(session):
+    # 0-2 move with the capture's state; the descriptors above them stay put
+    _RUNNER_FDS.update((fd, t) for fd, t in _open_fds().items() if fd > 2)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    # A double close in the code under test once closed one of pytest's descriptors,
+    # and every later test failed with EBADF far from the cause: name the test.
+    try:
+        return (yield)
+    finally:
+        now = _open_fds()
+        gone = {fd: was for fd, was in _RUNNER_FDS.items() if now.get(fd) != was}
+        if gone:
+            for fd, was in gone.items():    # a stand-in, so that pytest can report it
+                twin = next((f for f, t in now.items() if t == was), None)
+                if twin is not None:
+                    os.dup2(twin, fd)
+                elif was == os.devnull or was.endswith("(deleted)"):   # capture files
+                    with tempfile.TemporaryFile() if was != os.devnull else \
+                            open(os.devnull, "rb") as stand_in:
+                        os.dup2(stand_in.fileno(), fd)
+            after = _open_fds()             # said once, not by every later test
+            _RUNNER_FDS.update((fd, after.get(fd, was)) for fd, was in gone.items())
+            raise AssertionError(
+                "this test closed or replaced descriptors pytest held since the start "
+                f"(a close of a descriptor the code did not own): {gone}")
 
 
 @pytest.hookimpl(hookwrapper=True)

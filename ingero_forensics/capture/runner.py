@@ -183,6 +183,8 @@ class _Run:
         self.cfg = config
         self.rep = reporter
         self.stop_flag = threading.Event()
+        # set by the signal handlers; read by the loop at least every POLL_S
+        self.stop_signalled = False
         self.stop_reason = ""
         self.rotate_flag = False
         self.writer: BundleWriter | None = None
@@ -289,9 +291,12 @@ def _install_signals(run: _Run) -> dict:
     if threading.current_thread() is not threading.main_thread():
         return {}
 
+    # Plain attributes only: a handler runs between two bytecodes of the main thread,
+    # which may be inside stop_flag.wait() holding the Event's lock, and Event.set()
+    # here then waits for that lock forever (a capture hung on SIGTERM this way).
     def stop(signum, frame):
         run.stop_reason = signal.Signals(signum).name
-        run.stop_flag.set()
+        run.stop_signalled = True
 
     def rotate(signum, frame):
         run.rotate_flag = True
@@ -458,7 +463,7 @@ class _Loop:
         run, cfg = self.run, self.run.cfg
         deadline = t_on + cfg.duration if cfg.duration else None
         next_tick = time.monotonic() + TICK_S
-        while not run.stop_flag.is_set():
+        while not (run.stop_signalled or run.stop_flag.is_set()):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 run.stop_reason = "duration"
