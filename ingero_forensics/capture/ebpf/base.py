@@ -20,6 +20,7 @@ from abc import abstractmethod
 
 from ..source import CaptureContext, RowSink, Source, SourceStatus, SourceUnavailable
 from ._bcc import check_environment, environment_problem, import_bcc
+from .symbols import ProcessSymbols
 from .uprobes import Probe, Uprobes
 
 HIST_SLOTS = 40   # 2^40 ns is 18 minutes: anything longer lands in the last slot
@@ -185,7 +186,8 @@ def signed64(v: int) -> int:
 
 
 class Symbolizer:
-    """User stacks from a BPF_STACK_TRACE map, symbolized with BCC on this node.
+    """User stacks from a BPF_STACK_TRACE map, symbolized on this node (symbols.py: not
+    with BCC's symbol caches, which close a stray descriptor in libbcc before 0.33).
 
     At a uprobe on a function's first instruction the frame-pointer walk starts from the
     caller's frame, so on kernels before 6.11 the immediate caller is missing; the
@@ -193,27 +195,23 @@ class Symbolizer:
     frame 1 when the kernel did not already include it. A process that exited before
     its stacks were read cannot be symbolized: those stacks are left out (NULL).
 
-    An address in no mapping the process's symbol cache knows is either in a library
-    mapped since (dlopen: the cache is re-read) or garbage from a walk through code built
+    An address in no mapping the process's table knows is either in a library mapped
+    since (dlopen: the mappings are re-read) or garbage from a walk through code built
     without frame pointers, as PyTorch's libraries are, which yields such addresses in
-    most of its stacks. Re-reading the mappings reloads the symbol tables of every
-    library (libtorch's are over a gigabyte of file) while the ring buffers are not read:
-    so a process's cache is refreshed at most once per REFRESH_S, in place (a new BCC
-    cache per refresh kept the old one's file descriptors open until the capture ran out
-    of them), and a frame still unknown after that stays in its stack with no module
-    until the next refresh is due.
+    most of its stacks. So a process's mappings are re-read at most once per REFRESH_S,
+    and a frame still unknown after that stays in its stack with no module until the
+    next re-read is due. A library's symbols are read once for every process mapping it.
     """
 
     REFRESH_S = 10.0
-    #: tgid -> when its symbol cache was built or last re-read. BCC keeps the caches in
-    #: one table for every source, so the sources share this too.
+    #: tgid -> its mappings; tgid -> when they were read. Shared by every source.
+    processes: dict[int, ProcessSymbols] = {}
     refreshed: dict[int, float] = {}
 
-    def __init__(self, bcc, table):
-        self.bcc = bcc
+    def __init__(self, table):
         self.table = table
         #: (tgid, stack id, return address) -> (frames, None when every frame is known,
-        #: else when the process's cache was read for them: resolved again once re-read)
+        #: else when the process's mappings were read for them: resolved again once re-read)
         self.cache: dict[tuple[int, int, int], tuple[list[dict], float | None]] = {}
         self.failed = 0   # stacks not stored (map full, collision) or not symbolizable
 
@@ -226,7 +224,7 @@ class Symbolizer:
         if hit is not None and (hit[1] is None or (hit[1] == self.refreshed.get(tgid)
                                                    and not self._due(tgid))):
             return hit[0]
-        if tgid not in self.bcc.BPF._sym_caches and not os.path.exists(f"/proc/{tgid}"):
+        if tgid not in self.processes and not os.path.exists(f"/proc/{tgid}"):
             if hit:                 # what was read while it lived
                 return hit[0]
             self.failed += 1
@@ -248,16 +246,17 @@ class Symbolizer:
         self.cache[key] = (frames, self.refreshed.get(tgid) if unknown else None)
         return frames
 
-    def _cache(self, tgid: int):
-        if tgid not in self.bcc.BPF._sym_caches:
+    def _process(self, tgid: int) -> ProcessSymbols:
+        proc = self.processes.get(tgid)
+        if proc is None:
+            proc = self.processes[tgid] = ProcessSymbols(tgid)
             self.refreshed[tgid] = time.monotonic()
-        return self.bcc.BPF._sym_cache(tgid)
+        return proc
 
     def _frame(self, tgid: int, addr: int) -> dict:
-        name, offset, module = self._cache(tgid).resolve(addr, True)
-        return {"module": os.path.basename(module.decode(errors="replace")) if module else None,
-                "symbol": name.decode(errors="replace") if name else None,
-                "offset": offset}
+        name, offset, module = self._process(tgid).resolve(addr)
+        return {"module": os.path.basename(module) if module else None,
+                "symbol": name, "offset": offset}
 
     def _due(self, tgid: int) -> bool:
         return time.monotonic() - self.refreshed.get(tgid, 0.0) >= self.REFRESH_S
@@ -267,15 +266,13 @@ class Symbolizer:
         if not self._due(tgid):
             return False
         self.refreshed[tgid] = time.monotonic()
-        self.bcc.lib.bcc_symcache_refresh(self._cache(tgid).cache)
+        self._process(tgid).refresh()
         return True
 
     def forget(self, tgid: int) -> None:
-        """The process is gone: free its symbol cache (and the descriptors it holds)."""
+        """The process is gone: drop its mappings."""
         self.refreshed.pop(tgid, None)
-        cache = self.bcc.BPF._sym_caches.pop(tgid, None)
-        if cache is not None:
-            self.bcc.lib.bcc_free_symcache(cache.cache, tgid)
+        self.processes.pop(tgid, None)
 
 
 class BccSource(Source):
@@ -497,7 +494,7 @@ class BccSource(Source):
         self._perf_programs = perf_programs
         if self.uprobes.mode == "perf":
             self.load_functions(perf_programs)
-        self.symbolizer = Symbolizer(self.bcc, self.bpf[b"stacks"]) if self.options.stacks else None
+        self.symbolizer = Symbolizer(self.bpf[b"stacks"]) if self.options.stacks else None
         self._attach_new(ctx.targets.pids())
         if not self.attached:
             self.attached.append(waiting)

@@ -343,22 +343,21 @@ def test_callers_without_frame_pointers(ebpf_ok, fixtures):
     assert len({r["stack_id"] for r in copies}) <= 3
 
 
-def test_symbolizer_refreshes_rarely_and_frees_its_caches(ebpf_ok):
+def test_symbolizer_refreshes_rarely_and_frees_its_caches():
     """Stacks walked through code without frame pointers end in addresses no mapping
-    holds. Each used to replace the process's BCC symbol cache, re-reading its libraries
+    holds. Each used to replace the process's symbol cache, re-reading its libraries
     and keeping the old cache's file descriptors open: a capture of a PyTorch job ran out
-    of descriptors. Now the cache is refreshed in place at most once per REFRESH_S for
+    of descriptors. Now the mappings are re-read in place at most once per REFRESH_S for
     every source together; a stack with an unknown frame is resolved again once that
-    time has passed (a library loaded since); a finished process's cache is freed and
-    not built again."""
+    time has passed (a library loaded since); a finished process is forgotten and not
+    read again; no descriptor stays open."""
     import ctypes
     import os
     import subprocess
 
-    from ingero_forensics.capture.ebpf._bcc import import_bcc
+    from ingero_forensics.capture.ebpf import symbols
     from ingero_forensics.capture.ebpf.base import Symbolizer
 
-    bcc = import_bcc()
     libc = ctypes.CDLL(None)
     known = ctypes.cast(libc.getpid, ctypes.c_void_p).value
     garbage = 0x10   # in no mapping
@@ -369,12 +368,14 @@ def test_symbolizer_refreshes_rarely_and_frees_its_caches(ebpf_ok):
 
     pid = os.getpid()
     refreshes = []
-    real_refresh = bcc.lib.bcc_symcache_refresh
-    sym, other = Symbolizer(bcc, Walks()), Symbolizer(bcc, Walks())   # two sources
+    real_refresh = symbols.ProcessSymbols.refresh
+    sym, other = Symbolizer(Walks()), Symbolizer(Walks())   # two sources
     try:
-        bcc.lib.bcc_symcache_refresh = lambda c: (refreshes.append(c), real_refresh(c))
-        stacks = [sym.frames(pid, 0)]     # the cache is built: fresh, not refreshed
+        symbols.ProcessSymbols.refresh = lambda self: (refreshes.append(self.pid),
+                                                       real_refresh(self))
         fds = len(os.listdir("/proc/self/fd"))
+        stacks = [sym.frames(pid, 0)]     # the mappings are read: fresh, not refreshed
+        refreshes.clear()
         stacks += [sym.frames(pid, i) for i in range(1, 3000)]
         stacks += [other.frames(pid, i) for i in range(3000, 3010)]
         assert refreshes == []
@@ -382,15 +383,15 @@ def test_symbolizer_refreshes_rarely_and_frees_its_caches(ebpf_ok):
         stacks.append(sym.frames(pid, 5))    # seen before: resolved again, one re-read
         stacks += [other.frames(pid, i) for i in range(3010, 3100)]
     finally:
-        bcc.lib.bcc_symcache_refresh = real_refresh
-    assert len(refreshes) == 1
-    assert all(s[0]["symbol"].endswith("getpid") and s[0]["module"].startswith("libc")
+        symbols.ProcessSymbols.refresh = real_refresh
+    assert refreshes == [pid]
+    assert all(s[0]["symbol"] == "getpid" and s[0]["module"].startswith("libc")
                and s[1]["module"] is None for s in stacks)
     assert len(os.listdir("/proc/self/fd")) == fds
     sym.forget(pid)
-    assert pid not in bcc.BPF._sym_caches
+    assert pid not in Symbolizer.processes
     assert sym.frames(pid, 7)[0]["module"].startswith("libc")   # alive: read again
-    bcc.BPF._sym_caches.pop(pid, None)
+    Symbolizer.processes.pop(pid, None)
     gone = subprocess.Popen(["true"])
     gone.wait()
-    assert sym.frames(gone.pid, 1) is None and gone.pid not in bcc.BPF._sym_caches
+    assert sym.frames(gone.pid, 1) is None and gone.pid not in Symbolizer.processes

@@ -1,0 +1,345 @@
+"""Symbols for user stack addresses, read from the ELF files a process maps.
+
+Why not BCC's symbol caches (``bcc_symcache_new``): libbcc before 0.33 (Debian 12 ships
+0.26) closes an uninitialised file descriptor each time it builds or re-reads one
+(``ProcSyms::ModulePath``; bcc pull request 5193). That number can be any descriptor of
+the capture: the open bundle's database, a ring buffer, the spool lock. A test run lost
+pytest's own stderr to it. So the mappings are read from /proc/PID/maps and the symbols
+from each file's ``.symtab`` and ``.dynsym`` here, in Python: a file is read once for
+every process that maps it (BCC read it once per process).
+
+Files are opened through /proc/PID/map_files (the very file mapped, even if deleted or in
+another mount namespace), else /proc/PID/root. ELF64 little-endian only (x86_64, aarch64).
+A stripped file's symbols are looked for in its separate debug file (build id, then
+``.gnu_debuglink``) under /usr/lib/debug. JIT code is named from /tmp/perf-PID.map.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import functools
+import os
+import struct
+from array import array
+from collections import OrderedDict
+
+_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
+_PHDR = struct.Struct("<IIQQQQQQ")
+_SHDR = struct.Struct("<IIQQQQIIQQ")
+_SYM = struct.Struct("<IBBHQQ")
+PT_LOAD, PT_NOTE = 1, 4
+SHT_SYMTAB, SHT_NOTE, SHT_DYNSYM = 2, 7, 11
+STT_FUNC, STT_GNU_IFUNC = 2, 10
+NT_GNU_BUILD_ID = 3
+DEBUG_DIR = "/usr/lib/debug"
+#: symbols kept per file at most (a hostile or broken header must not exhaust memory)
+MAX_SYMBOLS = 20_000_000
+#: parsed files kept (by identity: device, inode, size, mtime), least recently used out
+FILE_CACHE = 128
+
+
+class ElfSymbols:
+    """The function symbols of one ELF file, by address, and its loadable segments (to
+    turn an offset in the file into an address)."""
+
+    def __init__(self, segments, values, sizes, names, strtabs) -> None:
+        self.segments = segments          # [(file offset, address, size in file)]
+        self.values, self.sizes = values, sizes
+        self.names = names                # (strtab index << 32 | offset in it)
+        self.strtabs = strtabs
+
+    def address(self, file_offset: int) -> int | None:
+        for off, vaddr, size in self.segments:
+            if off <= file_offset < off + size:
+                return file_offset - off + vaddr
+        return None
+
+    def lookup(self, vaddr: int) -> tuple[str, int] | None:
+        """(name, offset into the function) of the function holding ``vaddr``."""
+        i = bisect.bisect_right(self.values, vaddr) - 1
+        for k in range(i, max(i - 8, -1), -1):       # nested or aliased symbols
+            start, size = self.values[k], self.sizes[k]
+            if vaddr < start + size or (size == 0 and k == i):
+                return self._name(k), vaddr - start
+        return None
+
+    def _name(self, k: int) -> str:
+        ref = self.names[k]
+        tab = self.strtabs[ref >> 32]
+        start = ref & 0xFFFFFFFF
+        end = tab.find(b"\0", start)
+        return demangle(tab[start:end if end >= 0 else len(tab)])
+
+
+def _read(fd: int, off: int, size: int, file_size: int) -> bytes:
+    if off < 0 or size < 0 or off + size > file_size:
+        raise ValueError("section beyond the end of the file")
+    data = os.pread(fd, size, off)
+    if len(data) != size:
+        raise ValueError("short read")
+    return data
+
+
+def _parse(fd: int, file_size: int):
+    """(segments, symbol tables as (section type, symbols, strings), build id,
+    debuglink)."""
+    head = _read(fd, 0, _EHDR.size, file_size)
+    (ident, _type, _mach, _ver, _entry, phoff, shoff, _flags, _ehsize, phentsize, phnum,
+     shentsize, shnum, _shstrndx) = _EHDR.unpack(head)
+    if ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF file")
+    segments, build_id, debuglink, tables = [], None, None, []
+    if phnum and phentsize == _PHDR.size:
+        raw = _read(fd, phoff, phnum * _PHDR.size, file_size)
+        for p_type, _f, p_off, p_vaddr, _pa, p_filesz, _m, _al in _PHDR.iter_unpack(raw):
+            if p_type == PT_LOAD:
+                segments.append((p_off, p_vaddr, p_filesz))
+    if not shnum or shentsize != _SHDR.size:
+        return segments, tables, build_id, debuglink
+    shdrs = list(_SHDR.iter_unpack(_read(fd, shoff, shnum * _SHDR.size, file_size)))
+    names = b""
+    if 0 <= _shstrndx < shnum:
+        s = shdrs[_shstrndx]
+        names = _read(fd, s[4], s[5], file_size)
+    for sh_name, sh_type, _fl, _addr, sh_off, sh_size, sh_link, _info, _al, _es in shdrs:
+        name = names[sh_name:names.find(b"\0", sh_name)] if sh_name < len(names) else b""
+        if sh_type in (SHT_SYMTAB, SHT_DYNSYM) and 0 <= sh_link < shnum:
+            if sh_size // _SYM.size > MAX_SYMBOLS:
+                raise ValueError("symbol table too large")
+            link = shdrs[sh_link]
+            tables.append((sh_type, _read(fd, sh_off, sh_size - sh_size % _SYM.size,
+                                          file_size), _read(fd, link[4], link[5], file_size)))
+        elif sh_type == SHT_NOTE and name == b".note.gnu.build-id":
+            note = _read(fd, sh_off, sh_size, file_size)
+            if len(note) >= 12:
+                namesz, descsz, ntype = struct.unpack_from("<III", note)
+                start = 12 + (namesz + 3) // 4 * 4
+                if ntype == NT_GNU_BUILD_ID and start + descsz <= len(note):
+                    build_id = note[start:start + descsz].hex()
+        elif name == b".gnu_debuglink" and sh_size <= 4096:
+            link = _read(fd, sh_off, sh_size, file_size)
+            debuglink = link[:link.find(b"\0")].decode("utf-8", "replace") or None
+    return segments, tables, build_id, debuglink
+
+
+def _symbols(tables) -> tuple[array, array, array, list[bytes]]:
+    rows = []
+    strtabs = []
+    for k, (_kind, syms, strtab) in enumerate(tables):
+        strtabs.append(strtab)
+        for st_name, st_info, _other, shndx, value, size in _SYM.iter_unpack(syms):
+            if value and shndx and (st_info & 0xF) in (STT_FUNC, STT_GNU_IFUNC) \
+                    and st_name < len(strtab):
+                rows.append((value, size, st_info >> 4, k << 32 | st_name))
+    rows.sort()
+    values, sizes, names = array("Q"), array("Q"), array("Q")
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        while j < len(rows) and rows[j][:2] == rows[i][:2]:
+            j += 1
+        ref = rows[i][3] if j == i + 1 else min(rows[i:j], key=lambda r: _alias_rank(
+            r, strtabs))[3]
+        values.append(rows[i][0])
+        sizes.append(rows[i][1])
+        names.append(ref)
+        i = j
+    return values, sizes, names, strtabs
+
+
+def _alias_rank(row, strtabs) -> tuple:
+    """Of the names of one function (printf and _IO_printf, ncclAllReduce and
+    pncclAllReduce, one symbol in both tables), the one a person calls it by: the
+    fewest leading underscores, the shortest, global before weak before local."""
+    _v, _s, bind, ref = row
+    tab, start = strtabs[ref >> 32], ref & 0xFFFFFFFF
+    end = tab.find(b"\0", start)
+    name = tab[start:end if end >= 0 else len(tab)]
+    return (len(name) - len(name.lstrip(b"_")), len(name), {1: 0, 2: 1}.get(bind, 2), name)
+
+
+_files: OrderedDict = OrderedDict()
+
+
+def _debug_file(root: str, path: str, build_id: str | None, debuglink: str | None):
+    """A separate debug file for a stripped ELF file, as distributions install them."""
+    candidates = []
+    if build_id and len(build_id) > 2:
+        candidates.append(f"{DEBUG_DIR}/.build-id/{build_id[:2]}/{build_id[2:]}.debug")
+    if debuglink and "/" not in debuglink:
+        d = os.path.dirname(path)
+        candidates += [f"{d}/{debuglink}", f"{d}/.debug/{debuglink}",
+                       f"{DEBUG_DIR}{d}/{debuglink}"]
+    for c in candidates:
+        for p in (root + c, c) if root else (c,):
+            if os.path.isfile(p):
+                return p
+    return None
+
+
+def elf_symbols(path: str, root: str = "", logical: str = "") -> ElfSymbols | None:
+    """The symbols of the ELF file at ``path`` (None when it cannot be read as one),
+    shared by every process that maps the same file. ``root``: the process's
+    /proc/PID/root, where its debug files are; ``logical``: the file's path as the
+    process sees it (for .gnu_debuglink)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        hit = _files.get(key, False)
+        if hit is not False:
+            _files.move_to_end(key)
+            return hit
+        try:
+            segments, tables, build_id, debuglink = _parse(fd, st.st_size)
+            if not any(kind == SHT_SYMTAB and syms for kind, syms, _s in tables):
+                dbg = _debug_file(root, logical or path, build_id, debuglink)
+                tables = tables + (_debug_tables(dbg) if dbg else [])
+            found = ElfSymbols(segments, *_symbols(tables))
+        except (ValueError, struct.error, OSError):
+            found = None
+    finally:
+        os.close(fd)
+    _files[key] = found
+    if len(_files) > FILE_CACHE:
+        _files.popitem(last=False)
+    return found
+
+
+def _debug_tables(path: str) -> list:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        return _parse(fd, os.fstat(fd).st_size)[1]
+    except (ValueError, struct.error, OSError):
+        return []
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=1)
+def _cxa_demangle():
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    fn = lib.__cxa_demangle
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_int)]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return fn, libc.free
+
+
+def demangle(raw: bytes) -> str:
+    """A C++ name as a person reads it (libstdc++'s demangler, as BCC did); others as
+    they are."""
+    if raw.startswith(b"_Z") and (cxa := _cxa_demangle()) is not None:
+        fn, free = cxa
+        status = ctypes.c_int(0)
+        out = fn(raw, None, None, ctypes.byref(status))
+        if out:
+            try:
+                if status.value == 0:
+                    return ctypes.string_at(out).decode("utf-8", "replace")
+            finally:
+                free(out)
+    return raw.decode("utf-8", "replace")
+
+
+class ProcessSymbols:
+    """The executable mappings of one process, read from /proc/PID/maps at creation and
+    on ``refresh``; ``resolve`` names an address."""
+
+    def __init__(self, pid: int, proc: str = "/proc") -> None:
+        self.pid = pid
+        self.proc = proc
+        self.maps: list[tuple[int, int, int, str]] = []   # (start, end, offset, path)
+        self.starts: list[int] = []
+        self._perf_map: tuple[list[int], list[tuple[int, int, str]]] | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        maps = []
+        try:
+            with open(f"{self.proc}/{self.pid}/maps", "rb") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            parts = line.split(None, 5)
+            if len(parts) < 6 or b"x" not in parts[1]:
+                continue
+            try:
+                lo, hi = (int(x, 16) for x in parts[0].split(b"-"))
+                off = int(parts[2], 16)
+            except ValueError:
+                continue
+            path = parts[5].decode("utf-8", "replace")
+            maps.append((lo, hi, off, path))
+        maps.sort()
+        self.maps = maps
+        self.starts = [m[0] for m in maps]
+        self._perf_map = None
+
+    def resolve(self, addr: int) -> tuple[str | None, int, str | None]:
+        """(symbol, offset, module path): offset into the symbol, or into the module
+        when the symbol is unknown; (None, addr, None) outside every known mapping."""
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i < 0 or addr >= self.maps[i][1]:
+            return self._jit(addr)
+        lo, hi, off, path = self.maps[i]
+        if not path.startswith("/") or path.startswith("/memfd:"):
+            jit = self._jit(addr)                         # anonymous: a JIT's code
+            if jit[0] is not None or not path:
+                return jit
+            return None, addr - lo, path                  # [vdso], a memfd
+        shown = path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
+        root = f"{self.proc}/{self.pid}/root"
+        elf = elf_symbols(f"{self.proc}/{self.pid}/map_files/{lo:x}-{hi:x}", root, shown)
+        if elf is None:
+            elf = elf_symbols(root + shown, root, shown)
+        file_offset = addr - lo + off
+        if elf is None:                                   # not ELF: /dev/zero, for one
+            jit = self._jit(addr)
+            return jit if jit[0] is not None else (None, file_offset, shown)
+        vaddr = elf.address(file_offset)
+        if vaddr is None:
+            return None, file_offset, shown
+        hit = elf.lookup(vaddr)
+        if hit is None:
+            return None, vaddr, shown
+        return hit[0], hit[1], shown
+
+    def _jit(self, addr: int) -> tuple[str | None, int, str | None]:
+        """Code a JIT described in /tmp/perf-PID.map (perf's convention)."""
+        if self._perf_map is None:
+            entries = []
+            path = f"{self.proc}/{self.pid}/root/tmp/perf-{self.pid}.map"
+            try:
+                with open(path, "rb") as f:
+                    for line in f:
+                        parts = line.split(None, 2)
+                        try:
+                            start, size = int(parts[0], 16), int(parts[1], 16)
+                        except (ValueError, IndexError):
+                            continue
+                        name = parts[2].strip().decode("utf-8", "replace")
+                        entries.append((start, size, name))
+            except OSError:
+                pass
+            entries.sort()
+            self._perf_map = ([e[0] for e in entries], entries)
+        starts, entries = self._perf_map
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr < entries[i][0] + entries[i][1]:
+            return entries[i][2], addr - entries[i][0], f"/tmp/perf-{self.pid}.map"
+        return None, addr, None
