@@ -81,3 +81,22 @@ def true_lateness(fleet_db, true_mono=None) -> dict[str, float]:
         for nid, t in per.items():
             late[nid].append((t - med) / 1e6)
     return {names[nid]: round(statistics.median(v), 3) for nid, v in late.items()}
+
+
+def inbound_message_slack(fleet_db, node: str) -> float | None:
+    """Median over the arrivals ``node`` recorded (tcp_progress) of the time from the
+    start of the send that carried those bytes to their arrival, on the shared clock,
+    in ms: the best a send-before-receive pair into ``node`` can place its clock. Sends
+    that wait for the receiver's window (a reader starved of CPU) start long before
+    their bytes leave. None without such pairs."""
+    with connect(fleet_db) as con:
+        slacks = [r[0] for r in con.execute(
+            "SELECT (SELECT r.mono_ns - s.mono_ns FROM tcp_progress s "
+            "        WHERE s.direction = 'send' AND s.node_id != r.node_id "
+            "          AND s.saddr = r.daddr AND s.sport = r.dport "
+            "          AND s.daddr = r.saddr AND s.dport = r.sport "
+            "          AND s.stream_offset <= r.stream_offset "
+            "        ORDER BY s.stream_offset DESC LIMIT 1) "
+            "FROM tcp_progress r JOIN nodes n USING (node_id) "
+            "WHERE n.name = ? AND r.direction = 'arrive'", (node,)) if r[0] is not None]
+    return round(statistics.median(slacks) / 1e6, 3) if slacks else None
