@@ -57,7 +57,11 @@ def pytest_runtest_call(item):
                             open(os.devnull, "rb") as stand_in:
                         os.dup2(stand_in.fileno(), fd)
             after = _open_fds()             # said once, not by every later test
-            _RUNNER_FDS.update((fd, after.get(fd, was)) for fd, was in gone.items())
+            for fd in gone:
+                if fd in after:
+                    _RUNNER_FDS[fd] = after[fd]
+                else:
+                    del _RUNNER_FDS[fd]
             raise AssertionError(
                 "this test closed or replaced descriptors pytest held since the start "
                 f"(a close of a descriptor the code did not own): {gone}")

@@ -37,6 +37,8 @@ MAX_STATED_UNCERTAINTY_US = 5_000.0
 #: sends into a node that start this long (median) before their bytes arrive cannot
 #: place its clock within MAX_ALIGNMENT_ERROR_US (see test_skewed_clock_recovered)
 LOOSE_INBOUND_MS = 1.0
+#: then: the error allowed (measured 0.07-1.4 ms with sends held back 165 ms)
+LOOSE_MAX_ERROR_US = 5_000.0
 
 
 def show(scenario, outcome) -> str:
@@ -165,6 +167,10 @@ def test_skewed_clock_recovered(runs, role, offset_ns, tmp_path):
     assert stated[node] is not None and errors[node] <= stated[node], (errors, stated)
     if inbound_ms is not None and inbound_ms > LOOSE_INBOUND_MS:
         assert role == "straggler", inbound_ms     # only a starved reader does this
+        # bound from one side only, by its own sends: still far inside what the
+        # held-back sends allow, and small beside its lateness (the verdict below)
+        assert errors[node] <= LOOSE_MAX_ERROR_US, (errors, stated, inbound_ms)
+        assert stated[node] <= inbound_ms * 1e3 / 4, (stated, inbound_ms)
     else:
         assert errors[node] <= MAX_ALIGNMENT_ERROR_US, (errors, stated, inbound_ms)
         assert stated[node] <= MAX_STATED_UNCERTAINTY_US, stated

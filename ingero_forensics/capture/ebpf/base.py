@@ -254,7 +254,10 @@ class Symbolizer:
         return proc
 
     def _frame(self, tgid: int, addr: int) -> dict:
-        name, offset, module = self._process(tgid).resolve(addr)
+        try:
+            name, offset, module = self._process(tgid).resolve(addr)
+        except Exception:   # noqa: BLE001 - a file no reader foresaw: an unknown frame
+            name, offset, module = None, addr, None
         return {"module": os.path.basename(module) if module else None,
                 "symbol": name, "offset": offset}
 

@@ -21,7 +21,9 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import stat
 import struct
+import zlib
 from array import array
 from collections import OrderedDict
 
@@ -34,10 +36,15 @@ SHT_SYMTAB, SHT_NOTE, SHT_DYNSYM = 2, 7, 11
 STT_FUNC, STT_GNU_IFUNC = 2, 10
 NT_GNU_BUILD_ID = 3
 DEBUG_DIR = "/usr/lib/debug"
-#: symbols kept per file at most (a hostile or broken header must not exhaust memory)
-MAX_SYMBOLS = 20_000_000
+#: symbol table entries read per file at most, all tables together (a hostile or broken
+#: header must not exhaust memory: libtorch's largest has about a million)
+MAX_SYMBOLS = 4_000_000
+#: a perf map read at most (JIT maps are a line per compiled function)
+MAX_PERF_MAP = 64 << 20
 #: parsed files kept (by identity: device, inode, size, mtime), least recently used out
 FILE_CACHE = 128
+#: elf_symbols: the file could not be opened as a regular file (not: it is not ELF)
+UNREADABLE = object()
 
 
 class ElfSymbols:
@@ -103,15 +110,17 @@ def _parse(fd: int, file_size: int):
     if 0 <= _shstrndx < shnum:
         s = shdrs[_shstrndx]
         names = _read(fd, s[4], s[5], file_size)
+    entries = 0
     for sh_name, sh_type, _fl, _addr, sh_off, sh_size, sh_link, _info, _al, _es in shdrs:
         name = names[sh_name:names.find(b"\0", sh_name)] if sh_name < len(names) else b""
         if sh_type in (SHT_SYMTAB, SHT_DYNSYM) and 0 <= sh_link < shnum:
-            if sh_size // _SYM.size > MAX_SYMBOLS:
-                raise ValueError("symbol table too large")
+            entries += sh_size // _SYM.size
+            if entries > MAX_SYMBOLS:
+                raise ValueError("symbol tables too large")
             link = shdrs[sh_link]
             tables.append((sh_type, _read(fd, sh_off, sh_size - sh_size % _SYM.size,
                                           file_size), _read(fd, link[4], link[5], file_size)))
-        elif sh_type == SHT_NOTE and name == b".note.gnu.build-id":
+        elif sh_type == SHT_NOTE and name == b".note.gnu.build-id" and sh_size <= 4096:
             note = _read(fd, sh_off, sh_size, file_size)
             if len(note) >= 12:
                 namesz, descsz, ntype = struct.unpack_from("<III", note)
@@ -120,7 +129,11 @@ def _parse(fd: int, file_size: int):
                     build_id = note[start:start + descsz].hex()
         elif name == b".gnu_debuglink" and sh_size <= 4096:
             link = _read(fd, sh_off, sh_size, file_size)
-            debuglink = link[:link.find(b"\0")].decode("utf-8", "replace") or None
+            end = link.find(b"\0")
+            at = (end + 4) // 4 * 4                   # the CRC32 follows, 4-aligned
+            if end > 0 and at + 4 <= len(link):
+                debuglink = (link[:end].decode("utf-8", "replace"),
+                             struct.unpack_from("<I", link, at)[0])
     return segments, tables, build_id, debuglink
 
 
@@ -163,31 +176,67 @@ def _alias_rank(row, strtabs) -> tuple:
 _files: OrderedDict = OrderedDict()
 
 
-def _debug_file(root: str, path: str, build_id: str | None, debuglink: str | None):
-    """A separate debug file for a stripped ELF file, as distributions install them."""
+def _debug_file(root: str, path: str, build_id: str | None, debuglink):
+    """A separate debug file for a stripped ELF file, as distributions install them,
+    seen from the process's root (a container's own), and only one that belongs to it:
+    the same build id, or without one the CRC32 its .gnu_debuglink names."""
     candidates = []
     if build_id and len(build_id) > 2:
         candidates.append(f"{DEBUG_DIR}/.build-id/{build_id[:2]}/{build_id[2:]}.debug")
-    if debuglink and "/" not in debuglink:
-        d = os.path.dirname(path)
-        candidates += [f"{d}/{debuglink}", f"{d}/.debug/{debuglink}",
-                       f"{DEBUG_DIR}{d}/{debuglink}"]
+    if debuglink and "/" not in debuglink[0]:
+        d, name = os.path.dirname(path), debuglink[0]
+        candidates += [f"{d}/{name}", f"{d}/.debug/{name}", f"{DEBUG_DIR}{d}/{name}"]
     for c in candidates:
-        for p in (root + c, c) if root else (c,):
-            if os.path.isfile(p):
-                return p
+        fd = _open_regular(root + c)
+        if fd is None:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if build_id:
+                if _parse(fd, size)[2] != build_id:
+                    continue
+            elif _crc32(fd) != debuglink[1]:
+                continue
+            return _parse(fd, size)[1]
+        except (ValueError, struct.error, OSError):
+            continue
+        finally:
+            os.close(fd)
+    return []
+
+
+def _crc32(fd: int) -> int:
+    crc, off = 0, 0
+    while chunk := os.pread(fd, 1 << 20, off):
+        crc = zlib.crc32(chunk, crc)
+        off += len(chunk)
+    return crc
+
+
+def _open_regular(path: str) -> int | None:
+    """A descriptor of ``path`` if it is a regular file, else None: never blocks (a FIFO
+    placed where a file was expected)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
     return None
 
 
 def elf_symbols(path: str, root: str = "", logical: str = "") -> ElfSymbols | None:
-    """The symbols of the ELF file at ``path`` (None when it cannot be read as one),
-    shared by every process that maps the same file. ``root``: the process's
-    /proc/PID/root, where its debug files are; ``logical``: the file's path as the
-    process sees it (for .gnu_debuglink)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
+    """The symbols of the ELF file at ``path`` (None when it is not one, UNREADABLE when
+    it cannot be opened as a regular file), shared by every process that maps the same
+    file. ``root``: the process's /proc/PID/root, where its debug files are;
+    ``logical``: the file's path as the process sees it (for .gnu_debuglink)."""
+    fd = _open_regular(path)
+    if fd is None:
+        return UNREADABLE
     try:
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -198,8 +247,7 @@ def elf_symbols(path: str, root: str = "", logical: str = "") -> ElfSymbols | No
         try:
             segments, tables, build_id, debuglink = _parse(fd, st.st_size)
             if not any(kind == SHT_SYMTAB and syms for kind, syms, _s in tables):
-                dbg = _debug_file(root, logical or path, build_id, debuglink)
-                tables = tables + (_debug_tables(dbg) if dbg else [])
+                tables = tables + _debug_file(root, logical or path, build_id, debuglink)
             found = ElfSymbols(segments, *_symbols(tables))
         except (ValueError, struct.error, OSError):
             found = None
@@ -209,19 +257,6 @@ def elf_symbols(path: str, root: str = "", logical: str = "") -> ElfSymbols | No
     if len(_files) > FILE_CACHE:
         _files.popitem(last=False)
     return found
-
-
-def _debug_tables(path: str) -> list:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return []
-    try:
-        return _parse(fd, os.fstat(fd).st_size)[1]
-    except (ValueError, struct.error, OSError):
-        return []
-    finally:
-        os.close(fd)
 
 
 @functools.lru_cache(maxsize=1)
@@ -264,7 +299,7 @@ class ProcessSymbols:
         self.proc = proc
         self.maps: list[tuple[int, int, int, str]] = []   # (start, end, offset, path)
         self.starts: list[int] = []
-        self._perf_map: tuple[list[int], list[tuple[int, int, str]]] | None = None
+        self._perf_map: tuple[list[int], list[tuple[int, int, str]], str] | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -302,13 +337,16 @@ class ProcessSymbols:
             if jit[0] is not None or not path:
                 return jit
             return None, addr - lo, path                  # [vdso], a memfd
-        shown = path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
+        deleted = path.endswith(" (deleted)")
+        shown = path[:-len(" (deleted)")] if deleted else path
         root = f"{self.proc}/{self.pid}/root"
         elf = elf_symbols(f"{self.proc}/{self.pid}/map_files/{lo:x}-{hi:x}", root, shown)
-        if elf is None:
+        if elf is UNREADABLE and not deleted:
+            # map_files needs CAP_SYS_ADMIN; the path may name another file by now, so
+            # only when the very file could not be opened, and never for a deleted one
             elf = elf_symbols(root + shown, root, shown)
         file_offset = addr - lo + off
-        if elf is None:                                   # not ELF: /dev/zero, for one
+        if elf is None or elf is UNREADABLE:              # not ELF: /dev/zero, for one
             jit = self._jit(addr)
             return jit if jit[0] is not None else (None, file_offset, shown)
         vaddr = elf.address(file_offset)
@@ -320,26 +358,50 @@ class ProcessSymbols:
         return hit[0], hit[1], shown
 
     def _jit(self, addr: int) -> tuple[str | None, int, str | None]:
-        """Code a JIT described in /tmp/perf-PID.map (perf's convention)."""
+        """Code a JIT described in /tmp/perf-PID.map (perf's convention; PID as the
+        process knows itself, in its own pid namespace)."""
         if self._perf_map is None:
-            entries = []
-            path = f"{self.proc}/{self.pid}/root/tmp/perf-{self.pid}.map"
-            try:
-                with open(path, "rb") as f:
-                    for line in f:
-                        parts = line.split(None, 2)
-                        try:
-                            start, size = int(parts[0], 16), int(parts[1], 16)
-                        except (ValueError, IndexError):
-                            continue
-                        name = parts[2].strip().decode("utf-8", "replace")
-                        entries.append((start, size, name))
-            except OSError:
-                pass
-            entries.sort()
-            self._perf_map = ([e[0] for e in entries], entries)
-        starts, entries = self._perf_map
+            self._perf_map = self._read_perf_map()
+        starts, entries, shown = self._perf_map
         i = bisect.bisect_right(starts, addr) - 1
         if i >= 0 and addr < entries[i][0] + entries[i][1]:
-            return entries[i][2], addr - entries[i][0], f"/tmp/perf-{self.pid}.map"
+            return entries[i][2], addr - entries[i][0], shown
         return None, addr, None
+
+    def _read_perf_map(self):
+        nspid, uid = self.pid, None
+        try:
+            with open(f"{self.proc}/{self.pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"NStgid:"):
+                        nspid = int(line.split()[-1])
+                    elif line.startswith(b"Uid:"):
+                        uid = int(line.split()[2])          # effective
+        except (OSError, ValueError, IndexError):
+            pass
+        shown = f"/tmp/perf-{nspid}.map"
+        entries = []
+        # /tmp is anyone's: a regular file of the process's user (or root) only, read
+        # without blocking and up to MAX_PERF_MAP
+        fd = _open_regular(f"{self.proc}/{self.pid}/root{shown}")
+        if fd is not None:
+            try:
+                st = os.fstat(fd)
+                if st.st_uid in (0, uid):
+                    data = os.pread(fd, MAX_PERF_MAP, 0)
+                    for line in data.splitlines():
+                        parts = line.split(None, 2)
+                        if len(parts) < 3:
+                            continue              # a line the JIT is still writing
+                        try:
+                            start, size = int(parts[0], 16), int(parts[1], 16)
+                        except ValueError:
+                            continue
+                        entries.append((start, size, parts[2].strip().decode("utf-8",
+                                                                             "replace")))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        entries.sort()
+        return [e[0] for e in entries], entries, shown

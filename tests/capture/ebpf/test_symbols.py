@@ -66,11 +66,12 @@ def fresh_files():
     symbols._files.clear()
 
 
-def build_lib(tmp_path, strip=False):
+def build_lib(tmp_path, strip=False, extra="", build_id=True):
     src = tmp_path / "lib.c"
-    src.write_text(LIB_C)
+    src.write_text(LIB_C + extra)
     lib = tmp_path / "libsym.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-g", "-Wl,--build-id", "-o", str(lib),
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-g",
+                    "-Wl,--build-id" if build_id else "-Wl,--build-id=none", "-o", str(lib),
                     str(src)], check=True)
     if strip:
         subprocess.run(["objcopy", "--only-keep-debug", str(lib), str(lib) + ".debug"],
@@ -125,6 +126,29 @@ def test_a_stripped_library_is_named_from_its_debug_file(tmp_path, holder, monke
     symbols._files.clear()
     assert ProcessSymbols(proc.pid).resolve(hidden + 2)[:2] == ("hidden_helper", 2)
 
+    # another build's debug file at that path (a different library version) is not used
+    (tmp_path / "other").mkdir()
+    other = build_lib(tmp_path / "other", strip=True,
+                      extra="int another_build(void) { return 7; }\n")
+    shutil.copy(str(other) + ".debug", target)
+    symbols._files.clear()
+    assert ProcessSymbols(proc.pid).resolve(hidden + 2)[0] != "hidden_helper"
+
+
+def test_a_debug_file_named_by_debuglink_must_match_its_crc(tmp_path, holder):
+    """Without a build id, .gnu_debuglink names the debug file and its CRC32."""
+    lib = build_lib(tmp_path, strip=True, build_id=False)
+    debug = str(lib) + ".debug"
+    subprocess.run(["objcopy", f"--add-gnu-debuglink={debug}", str(lib)], check=True,
+                   cwd=tmp_path)
+    proc, addrs = holder(lib, ["call:where_is_hidden"])
+    hidden = addrs["call:where_is_hidden"]
+    assert ProcessSymbols(proc.pid).resolve(hidden + 1)[:2] == ("hidden_helper", 1)
+    with open(debug, "ab") as f:                  # no longer the file it names
+        f.write(b"\0")
+    symbols._files.clear()
+    assert ProcessSymbols(proc.pid).resolve(hidden + 1)[0] != "hidden_helper"
+
 
 def test_jit_code_is_named_from_the_perf_map(tmp_path):
     """An anonymous executable mapping (a JIT's code) is named by /tmp/perf-PID.map."""
@@ -143,12 +167,21 @@ def test_jit_code_is_named_from_the_perf_map(tmp_path):
         base = int(p.stdout.readline())
         table = ProcessSymbols(p.pid)
         assert table.resolve(base + 16) == (None, base + 16, None)
-        with open(perf_map, "w") as f:
-            f.write(f"{base:x} 40 jitted_step\n{base + 0x40:x} 20 [python] train_step\n")
+        # a FIFO where the map should be must not block the capture
+        os.mkfifo(perf_map)
+        table.refresh()
+        assert table.resolve(base + 16) == (None, base + 16, None)
+        os.unlink(perf_map)
+        with open(perf_map, "w") as f:     # the last line is still being written
+            f.write(f"{base:x} 40 jitted_step\n{base + 0x40:x} 20 [python] train_step\n"
+                    f"{base + 0x60:x} 20")
         table.refresh()
         assert table.resolve(base + 16) == ("jitted_step", 16, perf_map)
         assert table.resolve(base + 0x45) == ("[python] train_step", 5, perf_map)
         assert table.resolve(base + 0x70)[0] is None
+        os.chown(perf_map, 65534, 65534)   # another user's file in /tmp: not believed
+        table.refresh()
+        assert table.resolve(base + 16)[0] is None
     finally:
         p.stdin.close()
         p.wait(timeout=30)
