@@ -134,6 +134,9 @@ class Straggler:
     clock_caveat: bool          # lateness not well above the alignment uncertainty
     cause: str | None = None
     cause_confidence: str = "none"   # clear / weak / none
+    #: weak: a second cause scoring at least half the first (the signals cannot tell
+    #: the two apart: say so, rather than name one alone)
+    close_cause: str | None = None
     evidence: list[str] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
     top_offenders: list[dict] = field(default_factory=list)
@@ -176,6 +179,7 @@ class Analysis:
     windows: list[Window] = field(default_factory=list)
     cause: str | None = None
     cause_confidence: str | None = None   # clear / weak / none
+    close_cause: str | None = None        # weak: the runner-up scoring half the cause or more
     clock_caveat: bool = False
     #: no straggler could be established because the nodes' clocks are only known to
     #: within more than the lateness worth reporting
@@ -667,6 +671,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.late_ranks, a.windows = primary.late_ranks, primary.windows
     a.cause, a.cause_confidence, a.clock_caveat = (primary.cause, primary.cause_confidence,
                                                    primary.clock_caveat)
+    a.close_cause = primary.close_cause
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
     a.next_step = primary.next_step
     with con.figure("cause_series"):
@@ -733,6 +738,10 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None) -> 
     short = _cpu_short_of_cost(st, window_seconds(windows))
     if short is not None and st.cause_confidence == "clear":
         st.cause_confidence = "weak"
+    runner, runner_score = ranked[1]
+    if st.cause_confidence == "weak" and runner_score >= WEAK_SCORE and \
+            2 * runner_score >= best_score:
+        st.close_cause = runner
     with con.figure(f"evidence:{st.node_id}"):
         st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes,
                                                        bins)

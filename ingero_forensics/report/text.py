@@ -59,7 +59,9 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         rows = [["node", "ranks", "late, ms", "others waited", "cause", "clock"]]
         for st in a.stragglers:
             cause = CAUSE_TITLES[st.cause] if st.cause else "cannot tell"
-            if st.cause and st.cause_confidence != "clear":
+            if st.cause and st.close_cause:
+                cause += f" or {CAUSE_TITLES[st.close_cause]} (weak)"
+            elif st.cause and st.cause_confidence != "clear":
                 cause += " (weak)"
             rows.append([st.node, rank_text(st.late_ranks or st.ranks),
                          f"{st.lateness_ms:.1f}", f"{st.cost_s:.1f} s ({st.cost_share:.1%})",

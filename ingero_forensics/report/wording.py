@@ -84,6 +84,10 @@ def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
                  "): clock error cannot be ruled out.")
     if st.cause and st.cause_confidence == "clear":
         text += f" Root cause: {CAUSE_TITLES[st.cause]}."
+    elif st.cause and st.close_cause:
+        text += (f" Most likely cause: {CAUSE_TITLES[st.cause]} or "
+                 f"{CAUSE_TITLES[st.close_cause]} (weak evidence: they score within 2x of "
+                 "each other).")
     elif st.cause:
         text += f" Most likely cause: {CAUSE_TITLES[st.cause]} (weak evidence)."
     else:

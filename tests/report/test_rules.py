@@ -398,3 +398,38 @@ def test_diagnose_downgrades_cpu_that_cannot_account_for_the_wait(monkeypatch):
     assert st.evidence[0] == "cited" and "cannot account" in st.evidence[-1]
     st = run(974.4, 73.6, 0.772)
     assert (st.cause, st.cause_confidence) == ("cpu", "clear") and st.evidence == ["cited"]
+
+
+def test_diagnose_names_a_close_runner_up_with_a_weak_cause(monkeypatch):
+    """Two causes within 2x of each other: the best is weak, and the runner-up is named
+    beside it (close_cause, the verdict's "X or Y"); a runner-up under half the best,
+    or under the weak score, is not."""
+    import contextlib
+
+    from ingero_forensics.report import analyze
+    from ingero_forensics.report.evidence import RUNQ_SIGNAL, Signal
+    from ingero_forensics.report.wording import _straggler_text
+
+    class Con:
+        figure = staticmethod(lambda name: contextlib.nullcontext())
+
+    def run(cpu, io):
+        monkeypatch.setattr(analyze, "node_signals", lambda *a, **k: [
+            Signal("cpu", RUNQ_SIGNAL, 90.5, 43.9, cpu),
+            Signal("io", "block I/O time of the job's processes", 40.0, 0.0, io)])
+        monkeypatch.setattr(analyze, "cited_evidence", lambda *a, **k: (["cited"], []))
+        st = analyze.Straggler(node="n", node_id=1, ranks=[0], late_ranks=[0],
+                               windows=[analyze.Window(0, 10**9, 20.0)], lateness_ms=20.0,
+                               late_bins=3, peak_ms=30.0, cost_s=0.01, cost_share=0.07,
+                               relative_uncertainty_ms=0.0, clock_caveat=False)
+        analyze._diagnose(Con(), st, [1, 2, 3], {}, network=False)
+        return st
+
+    st = run(9.31, 8.01)                 # the rig's io run on a slow hour
+    assert (st.cause, st.cause_confidence, st.close_cause) == ("cpu", "weak", "io")
+    text = _straggler_text(st, 1.0, 4)
+    assert "Most likely cause: CPU contention or block I/O (weak evidence" in text, text
+    assert run(9.31, 4.0).close_cause is None           # under half: the best alone
+    assert run(5.0, 2.9).close_cause is None            # under the weak score
+    st = run(4.0, 12.0)                                  # clear: nothing beside it
+    assert (st.cause, st.cause_confidence, st.close_cause) == ("io", "clear", None)
