@@ -51,6 +51,8 @@ MIX = {"nccl_events": 0.20, "cuda_events": 0.30, "sched_events": 0.20, "tcp_even
 CHILD = r"""
 import sys, time
 from ingero_forensics.merge import core
+from ingero_forensics.memory import keep_freed_memory
+keep_freed_memory()     # as ingero-merge does
 t0 = time.perf_counter()
 marks = []
 def wrap(name, label):

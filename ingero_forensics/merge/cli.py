@@ -8,6 +8,7 @@ import click
 
 from .. import accel as _accel
 from .. import cliutil
+from ..memory import keep_freed_memory
 from .core import merge_bundles
 from .fleet_schema import NOT_EVENTS
 from .files import expand_inputs, list_bundles
@@ -94,6 +95,7 @@ def main(bundles, output, list_, verify, strict, integrity, tmpdir, as_json, qui
     inputs = expand_inputs(bundles)
     cliutil.refuse_output_over_input(output, *(str(p) for _, p, _ in inputs if p is not None))
     n_inputs = len(inputs)
+    keep_freed_memory()     # the merge reuses what it frees (ingero_forensics/memory.py)
     with cliutil.progress(2 * n_inputs, "Merging", enabled=not quiet) as update:
         res = merge_bundles(bundles, output, strict=strict, progress=update, tmpdir=tmpdir,
                             integrity=integrity)
