@@ -96,6 +96,10 @@ class CollectiveJob:
         self._stop = bytearray(1)     # set to stop the C path between two collectives
         self.completions_ready = threading.Event()
         self.bundles_read = threading.Event()
+        # set once the collectives are aggregated: entry_window is then (first, last)
+        # aligned entry over all of them (None, None without any)
+        self.aggregated = threading.Event()
+        self.entry_window = (None, None)
         self._con = None
         self._lock = threading.Lock()
         self._stopped = False
@@ -207,6 +211,7 @@ class CollectiveJob:
                           FROM ent e JOIN temp.node_params p USING (node_id))
                       WHERE k = 1) l USING (comm_id_hash, seq)
                 ORDER BY g.comm_id_hash, g.seq""")
+        self._aggregated(con)
         # Scalasca-style clock condition: an observed completion before the latest entry
         # (plus a minimum latency). Before: clock-sample offsets only; after: final.
         violations = {nid: (before, after) for nid, before, after in con.execute(
@@ -216,6 +221,11 @@ class CollectiveJob:
             "JOIN coll_agg g USING (comm_id_hash, seq) GROUP BY s.node_id",
             {"lat": self.min_latency_ns})}
         return CollectiveResults(violations)
+
+    def _aggregated(self, con) -> None:
+        self.entry_window = tuple(con.execute("SELECT MIN(first_entry), MAX(last_entry) "
+                                              "FROM coll_agg").fetchone())
+        self.aggregated.set()
 
     def _attach_completion(self, con) -> None:
         con.execute("ATTACH DATABASE ? AS cp", (str(self.completion_path),))
@@ -243,6 +253,7 @@ class CollectiveJob:
                 SORTED_OPS, self._stop, MAX_GROUP_ROWS)
         con.execute("DETACH DATABASE cp")
         self.completions_ready.set()
+        self._aggregated(con)
         violations: dict = {}
         for nid, before, after in counts:
             b, a = violations.get(nid, (0, 0))

@@ -20,7 +20,9 @@ from ..db import harden
 from . import align
 from .fleet_schema import (COPIED_TABLES, FLEET_TABLES_BY_NAME, index_ddl, table_ddl,
                            time_point_columns)
+from .ranks import COLLECTIVE_RANKS_SQL
 from .screen import row_predicate
+from .summaries import SUMMARY_OF, host_bin_window, write_summary
 from .syncpoints import attached, image_uri
 
 #: Tables copied in pass 1 (small, needed for the alignment) and pass 3 (the rest).
@@ -124,7 +126,9 @@ class TableBuilder:
     ``copies_done`` is then set: the bundle images are no longer needed here. Then the
     indexes, table by table in the given order, each table handed to the main thread by
     ``take_ready()`` as soon as it is complete; the main thread moves it into the still
-    empty fleet table in one transfer. ``interrupt()`` stops it."""
+    empty fleet table in one transfer. What the end of the merge reads from a table is
+    read here beside it (``_derive``), as this thread ends before the main thread's
+    transfers do. ``interrupt()`` stops it."""
 
     def __init__(self, scratch_base, tables, completion_path, job, pending, params,
                  stack_rows):
@@ -148,7 +152,7 @@ class TableBuilder:
         self._future = self._pool.submit(self._run)
 
     def take_ready(self, wait: bool = False) -> list:
-        """(table, scratch path, {bundle_id: (written, skipped)}) of each table finished
+        """(table, scratch path, {bundle_id: (written, skipped)}, _derive()) of each table finished
         since the last call (with ``wait``, once there is one or the thread has ended);
         re-raises the thread's error."""
         while wait and not self._future.done():
@@ -193,17 +197,39 @@ class TableBuilder:
                 with con:
                     for stmt in index_ddl(FLEET_TABLES_BY_NAME[table]):
                         con.execute(stmt)
+                    derived = self._derive(con, table)
                 with self._lock:
                     del self._cons[table]
                 con.close()
                 with self._lock:
-                    self._ready.append((table, image_uri(self.paths[table]), counts[table]))
+                    self._ready.append((table, image_uri(self.paths[table]), counts[table],
+                                        derived))
                     self._ready_event.set()
         finally:
             with self._lock:
                 cons, self._cons = list(self._cons.values()), {}
             for con in cons:
                 con.close()
+
+    def _derive(self, con, table) -> dict:
+        """What the end of the merge reads from this table, read from it here: the
+        distinct ranks of the collectives ("collective_ranks": merge/ranks.py), or its
+        summary table written beside it ("summary": merge/summaries.py, moved in with
+        the table)."""
+        if table == "nccl_events":
+            return {"collective_ranks": con.execute(COLLECTIVE_RANKS_SQL).fetchall()}
+        summary = SUMMARY_OF.get(table)
+        if summary is None:
+            return {}
+        con.execute(table_ddl(FLEET_TABLES_BY_NAME[summary]))
+        window = None
+        if summary == "host_bins":      # its bins start at the first collective
+            while not self.job.aggregated.wait(0.05):
+                if self._stopped:
+                    raise apsw.InterruptError("interrupted")
+            window = host_bin_window(*self.job.entry_window)
+        write_summary(con, summary, window)
+        return {"summary": summary}
 
     def _copy(self, table) -> dict:
         self.remove(table)

@@ -120,6 +120,10 @@ class _Fleet:
         self.stacks = {h: (sid, fr) for sid, h, fr in
                        self.con.execute("SELECT stack_id, hash, frames FROM stacks")}
         self.stacks_added: list = []    # (hash key, stack_id) of the bundle being copied
+        # read by the table builder beside the tables it built (copying.TableBuilder):
+        # the collectives' distinct ranks (None: not read) and the summaries written
+        self.collective_ranks = None
+        self.summarized: set[str] = set()
 
     def log(self, level, event, message, *, input=None, node_id=None, count=None):
         self.con.execute("INSERT INTO merge_log (merged_utc, level, input, node_id, event, "
@@ -463,7 +467,7 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
         with con:
             for stmt in all_index_ddl():
                 con.execute(stmt)
-            update_nodes(con)      # every table is in: nccl_events too
+            update_nodes(con, fl.collective_ranks)     # every table is in: nccl_events too
             jobs = fleet_jobs(con)
             if len(jobs) > 1:
                 msg = (f"this fleet.db now holds {len(jobs)} jobs ({', '.join(jobs[:4])}"
@@ -473,7 +477,8 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                 fl.log("warning", "several_jobs", msg)
                 res.warnings.append(msg)
             settle_in_flight(con)
-            write_summaries(con)    # the report's host_bins, from every table now in
+            # the report's host_bins..., from every table now in (or moved in with it)
+            write_summaries(con, fl.summarized)
     except BaseException:
         job.interrupt()
         if fl.builder is not None:
@@ -612,7 +617,7 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
         # Into an empty fleet table with the same schema and indexes: SQLite moves rows
         # and index entries as they are (its "transfer optimization"), without decoding a
         # row or sorting an index again.
-        for table, source, counts in ready:
+        for table, source, counts, derived in ready:
             moved.append(table)
             if len(moved) == len(built):
                 # The last table is in: the other core has nothing left to do; meanwhile
@@ -627,8 +632,14 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
             try:
                 with con:
                     con.execute(f"INSERT INTO main.{table} SELECT * FROM nb.{table}")
+                    if "summary" in derived:
+                        con.execute(f"INSERT INTO main.{derived['summary']} SELECT * "
+                                    f"FROM nb.{derived['summary']}")
+                        fl.summarized.add(derived["summary"])
             finally:
                 con.execute("DETACH DATABASE nb")
+            if "collective_ranks" in derived:
+                fl.collective_ranks = derived["collective_ranks"]
             builder.remove(table)
             for bundle_id, (written, skipped) in counts.items():
                 by_id[bundle_id]["counts"][table] = written

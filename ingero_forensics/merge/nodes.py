@@ -82,9 +82,11 @@ def check_same_boot(con, node_id: int, m: dict) -> None:
                         "data, not another segment; not merged")
 
 
-def update_nodes(con) -> None:
+def update_nodes(con, collective_ranks=None) -> None:
+    """The nodes' facts from every table now in. collective_ranks: the collectives'
+    distinct ranks when they were read already (ranks.process_ranks)."""
     for (nid,) in con.execute("SELECT node_id FROM nodes").fetchall():
-        ranks = sorted(set(process_ranks(con, nid).values()))
+        ranks = sorted(set(process_ranks(con, nid, collective_ranks).values()))
         jobs = sorted({j for (j,) in con.execute(
             "SELECT DISTINCT job_id FROM processes WHERE node_id = ? AND job_id IS NOT NULL",
             (nid,)) if isinstance(j, str)})

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["HOST_BIN_METRICS", "JOB_BLOCK", "SYNC_WAIT_APIS", "default_bin_s",
-           "host_bin_params", "write_summaries"]
+__all__ = ["HOST_BIN_METRICS", "JOB_BLOCK", "SUMMARY_OF", "SYNC_WAIT_APIS", "default_bin_s",
+           "host_bin_params", "host_bin_window", "write_summaries", "write_summary"]
 
 #: The host metrics the report reads (evidence.py: signals, cause series, cited
 #: evidence, the capture's cost). Others are not summarized; nor are per-CPU rows of
@@ -62,6 +62,14 @@ def default_bin_s(first_ns, last_ns) -> float:
     about 100 bins over the run, between 0.25 s and 10 s each."""
     dur_s = ((last_ns or 0) - (first_ns or 0)) / 1e9
     return min(10.0, max(0.25, dur_s / 100)) if dur_s > 0 else 1.0
+
+
+def host_bin_window(first_ns, last_ns) -> tuple[int, int] | None:
+    """(t0_ns, bin_ns) of host_bins for collectives from first_ns to last_ns (the first
+    and last entry over the fleet); None without collectives."""
+    if first_ns is None:
+        return None
+    return first_ns, int(default_bin_s(first_ns, last_ns) * 1e9)
 
 
 def host_bin_params(con) -> tuple[int, int] | None:
@@ -101,21 +109,36 @@ _SYNC_WAITS_SQL = ("INSERT INTO sync_waits (node_id, pid, cuda_id, timestamp_ns,
                    + ", ".join(f"'{a}'" for a in SYNC_WAIT_APIS) + ") ORDER BY 1, 2, 3")
 
 
-def write_summaries(con) -> None:
+#: The summaries read from one table each, which the thread that builds that table may
+#: write beside it (merge/copying.py, TableBuilder), instead of the main thread at the
+#: end of the merge, where nothing else overlaps it.
+SUMMARY_OF = {"host_samples": "host_bins", "cuda_events": "sync_waits"}
+
+
+def write_summary(con, summary: str, window: tuple[int, int] | None) -> None:
+    """(Re)write one summary of SUMMARY_OF from its table in con's main database.
+    window: host_bin_window() of the fleet (host_bins stays empty without one)."""
+    con.execute(f"DELETE FROM {summary}")
+    if summary == "sync_waits":
+        con.execute(_SYNC_WAITS_SQL)
+    elif window is not None:
+        con.execute(_HOST_BINS_SQL, {"t0": window[0], "bin": window[1]})
+
+
+def write_summaries(con, done=frozenset()) -> None:
     """(Re)write host_bins, job_block_io and sync_waits from the tables now in fleet.db,
-    inside the caller's transaction. Without collectives there is no report bin:
-    host_bins stays empty and fleet_info has no host_bins key (the report reads
-    host_samples)."""
-    for table, sql in (("job_block_io", _JOB_BLOCK_IO_SQL), ("sync_waits", _SYNC_WAITS_SQL)):
-        con.execute(f"DELETE FROM {table}")
-        con.execute(sql)
-    con.execute("DELETE FROM host_bins")
+    inside the caller's transaction, except the summaries in ``done`` (written with
+    their table by the table builder, from the same rows and the same window). Without
+    collectives there is no report bin: host_bins stays empty and fleet_info has no
+    host_bins key (the report reads host_samples)."""
+    con.execute("DELETE FROM job_block_io")
+    con.execute(_JOB_BLOCK_IO_SQL)
     con.execute("DELETE FROM fleet_info WHERE key = 'host_bins'")
-    first, last = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) "
-                              "FROM collectives").fetchone()
-    if first is None:
-        return
-    bin_ns = int(default_bin_s(first, last) * 1e9)
-    con.execute(_HOST_BINS_SQL, {"t0": first, "bin": bin_ns})
-    con.execute("INSERT INTO fleet_info (key, value) VALUES ('host_bins', ?)",
-                (json.dumps({"t0_ns": first, "bin_ns": bin_ns}),))
+    window = host_bin_window(*con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) "
+                                          "FROM collectives").fetchone())
+    for summary in SUMMARY_OF.values():
+        if summary not in done:
+            write_summary(con, summary, window)
+    if window is not None:
+        con.execute("INSERT INTO fleet_info (key, value) VALUES ('host_bins', ?)",
+                    (json.dumps({"t0_ns": window[0], "bin_ns": window[1]}),))

@@ -11,6 +11,7 @@ import pytest
 from .fleetgen import make_fleet
 from ingero_forensics.merge import core, merge_bundles
 from ingero_forensics.merge.copying import PASS3_TABLES, builder_share as _builder_share
+from ingero_forensics.simulate import FleetConfig, simulate_fleet
 
 BIG = ("nccl_events", "cuda_events", "sched_events", "host_samples", "tcp_events",
        "block_events")
@@ -142,3 +143,51 @@ def test_node_ranks_from_the_collectives_wait_for_the_builder(tmp_path, monkeypa
     finally:
         con.close()
     assert ranks == {f"node-{i}": f"[{2 * i}, {2 * i + 1}]" for i in range(3)}
+
+
+def _summaries(db):
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return {t: con.execute(f"SELECT * FROM {t} ORDER BY 1, 2, 3, 4").fetchall()
+                for t in ("host_bins", "sync_waits", "job_block_io")} | {
+            "nodes": con.execute("SELECT name, ranks FROM nodes ORDER BY 1").fetchall(),
+            "bins": con.execute("SELECT value FROM fleet_info WHERE key = 'host_bins'"
+                                ).fetchall()}
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("source", ["fleetgen", "simulator"])
+def test_summaries_written_by_the_builder_equal_the_main_threads(tmp_path, monkeypatch,
+                                                                  source):
+    """host_bins and sync_waits written beside their tables by the builder, and the
+    node ranks read from its nccl_events, are what the main thread writes at the end.
+    fleetgen: ranks from the collectives only; the simulator: host samples and event
+    synchronizations."""
+    if source == "fleetgen":
+        paths = make_fleet(tmp_path / "b", nodes=3, ranks_per_node=2, seconds=3, seed=33,
+                           rank_env=False).paths
+    else:
+        simulate_fleet(tmp_path / "b", FleetConfig(nodes=3, ranks_per_node=2, steps=60,
+                                                   fault="gpu", seed=6), overwrite=True)
+        paths = sorted((tmp_path / "b").glob("*.bundle"))
+    from ingero_forensics.merge import copying
+    written, real = [], copying.write_summary
+
+    def spy(con, summary, window):
+        written.append(summary)
+        return real(con, summary, window)
+    monkeypatch.setattr(copying, "write_summary", spy)
+    got = {}
+    for share in (["nccl_events"], ["nccl_events", "host_samples", "cuda_events"]):
+        monkeypatch.setattr(core, "builder_share", lambda rows, move_cost=None: share)
+        db = tmp_path / f"{len(share)}.db"
+        assert not merge_bundles(paths, db).skipped
+        got[len(share)] = _summaries(db)
+    assert sorted(written) == ["host_bins", "sync_waits"]      # by the builder, once
+    builder, main = got[3], got[1]
+    assert builder == main and main["bins"]
+    if source == "fleetgen":
+        assert main["nodes"] == [(f"node-{i}", f"[{2 * i}, {2 * i + 1}]") for i in range(3)]
+    else:
+        assert len(main["host_bins"]) > 10 and len(main["sync_waits"]) > 10

@@ -50,3 +50,19 @@ def test_equal_communicators_give_the_lowest_rank_whatever_the_row_order():
 def test_a_rank_that_is_not_an_integer_is_no_rank():
     con = _fleet(collectives=[(1, 40, "w", "x", 16), (1, 40, "w", 3, 8), (1, 41, "w", 1, "8")])
     assert process_ranks(con) == {(1, 40): 3}
+
+
+def test_collective_rows_read_before_give_the_same_ranks_without_a_scan():
+    from ingero_forensics.merge.ranks import COLLECTIVE_RANKS_SQL
+    rows = [(2, 20, "tp", 1, 2), (2, 20, "world", 5, 8), (2, 21, "world", 4, 8),
+            (1, 30, "a", 7, 8), (1, 30, "b", 2, 8), (1, 40, "w", "x", 16), (1, 41, "w", 1, "8")]
+    con = _fleet(processes=[(2, 20, None), (2, 21, None)], collectives=rows)
+    read = con.execute(COLLECTIVE_RANKS_SQL).fetchall()
+    for node in (None, 1, 2, 3):
+        expected = process_ranks(con, node)
+        assert expected == process_ranks(con, node, collective_rows=read[::-1])
+    # the rows given are what is read: nccl_events is not scanned again
+    con.execute("DELETE FROM nccl_events")
+    assert process_ranks(con, collective_rows=read[::-1]) == \
+        {(2, 20): 5, (2, 21): 4, (1, 30): 2}
+    assert process_ranks(con) == {}
