@@ -6,6 +6,7 @@ written to clock_alignment, and the rows an incremental merge realigns
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from . import align
@@ -13,13 +14,15 @@ from .causal import FULL_DEPENDENCY_OPS
 from .copying import PASS3_TABLES, aligned_sql, bundle_predicate
 from .fleet_schema import time_point_columns
 from .messages import message_pairs, sample_progress
-from .syncpoints import SORTED_OPS, attached, correct_wakeups
+from .syncpoints import SORTED_OPS, WAKE_COLUMNS, attached, node_wakeups
 
 if TYPE_CHECKING:
     from .core import MergeResult, _Fleet
 
 #: Collectives (at most, about) the alignment looks at; more adds time, not accuracy.
 ALIGN_SAMPLE = 5_000
+#: Nodes whose late wake-ups are looked up at once (one core each).
+WAKEUP_THREADS = 2
 
 
 def clock_claim(source, synchronized, maxerr, ref_off, root_delay, root_disp):
@@ -84,14 +87,30 @@ def sample_sync_points(fl: _Fleet, pending: list) -> None:
                             (item["node_id"], every))
     # TCP sends and receives of the same bytes on two nodes (messages.py)
     sample_progress(con, pending, bundle_predicate)
-    # observations that a late wake-up delayed: back to the wake-up (syncpoints.py)
+    # observations that a late wake-up delayed: back to the wake-up (syncpoints.py). Each
+    # node's images are read on a connection of its own, two nodes at a time (their
+    # sched_events scans release the GIL: this is time the other core would idle); the
+    # moves are applied here.
+    by_node: dict[int, list] = {}
     for item in pending:
-        with attached(con, item["bundle"].db_path, "b"):
-            moved, median_ns = correct_wakeups(con, item["node_id"])
-        if moved:
-            fl.log("info", "late_wakeups", f"{moved} sampled sync returns moved back to their "
-                   f"thread's wake-up (median {median_ns / 1e3:.0f} us of run-queue wait)",
-                   input=item["shown"], node_id=item["node_id"], count=moved)
+        by_node.setdefault(item["node_id"], []).append(item)
+    with ThreadPoolExecutor(max_workers=WAKEUP_THREADS,
+                            thread_name_prefix="ingero-wakeups") as pool:
+        futures = {nid: pool.submit(node_wakeups, [i["bundle"].db_path for i in items], nid,
+                                    con.execute(f"SELECT {WAKE_COLUMNS} FROM temp.sample_sp "
+                                                "WHERE node_id = ? AND tid IS NOT NULL",
+                                                (nid,)).fetchall())
+                   for nid, items in by_node.items()}
+        for nid, items in by_node.items():
+            for item, moves in zip(items, futures[nid].result()):
+                with con:
+                    con.executemany("UPDATE temp.sample_sp SET mono_ns = mono_ns - ? "
+                                    "WHERE id = ?", [(m, i) for i, m in moves])
+                if moves:
+                    fl.log("info", "late_wakeups", f"{len(moves)} sampled sync returns moved "
+                           "back to their thread's wake-up (median "
+                           f"{moves[len(moves) // 2][1] / 1e3:.0f} us of run-queue wait)",
+                           input=item["shown"], node_id=nid, count=len(moves))
 
 
 def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:

@@ -299,7 +299,7 @@ def image_runs(fastcoll, image, out_base, valid_nccl: str, rows: int,
 WAKE_RETURN_NS = 200_000
 
 
-def correct_wakeups(con, node_id: int, schema: str = "b") -> tuple[int, int]:
+def correct_wakeups(con, node_id: int, schema: str = "b") -> list[tuple[int, int]]:
     """Move the sampled observations of one node (temp.sample_sp, raw monotonic) back from
     the sync's return to the moment its thread was woken, where the bundle recorded that
     wake-up's run-queue wait (sched_events, at or above the capture's threshold).
@@ -311,7 +311,7 @@ def correct_wakeups(con, node_id: int, schema: str = "b") -> tuple[int, int]:
     when the thread slept (an off_cpu span in state S or D ending at the same instant:
     a thread preempted while spinning was not woken by the completion) and was woken
     during the sync, and the return came within WAKE_RETURN_NS of getting the CPU.
-    Returns (observations moved, median move in ns)."""
+    Returns the moves made, (temp.sample_sp id, ns), smallest first."""
     # One pass over the node's sched_events: the wake-ups of sampled threads that ended a
     # sleep (the off_cpu and runq_delay spans of one switch-in end at the same instant),
     # indexed by (tid, end) for the lookups below.
@@ -346,7 +346,34 @@ def correct_wakeups(con, node_id: int, schema: str = "b") -> tuple[int, int]:
     con.execute("UPDATE temp.sample_sp SET mono_ns = mono_ns - (SELECT move FROM "
                 "temp.wake_fix w WHERE w.id = sample_sp.id) WHERE id IN "
                 "(SELECT id FROM temp.wake_fix)")
-    moves = [m for (m,) in con.execute("SELECT move FROM temp.wake_fix ORDER BY move")]
+    moves = con.execute("SELECT id, move FROM temp.wake_fix ORDER BY move, id").fetchall()
     for t in ("wake_fix", "slept", "woke"):
         con.execute(f"DROP TABLE temp.{t}")
-    return len(moves), (moves[len(moves) // 2] if moves else 0)
+    return moves
+
+
+#: The columns of temp.sample_sp that correct_wakeups reads.
+WAKE_COLUMNS = "id, node_id, pid, tid, mono_ns, wait_ns"
+
+
+def node_wakeups(images, node_id: int, rows) -> list[list[tuple[int, int]]]:
+    """correct_wakeups() of one node's images, in order, on a connection of its own
+    whose temp.sample_sp holds ``rows`` (WAKE_COLUMNS of the node's sampled
+    observations), so that several nodes' sched_events are scanned at once. Returns
+    each image's moves; a later image sees the earlier ones' (as on one connection)."""
+    con = apsw.Connection(":memory:", flags=apsw.SQLITE_OPEN_READWRITE |
+                          apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI |
+                          apsw.SQLITE_OPEN_NOMUTEX)
+    try:
+        harden(con)
+        con.execute("CREATE TEMP TABLE sample_sp (id INTEGER PRIMARY KEY, node_id INTEGER, "
+                    "pid INTEGER, tid INTEGER, mono_ns INTEGER, wait_ns INTEGER)")
+        with con:
+            con.executemany("INSERT INTO temp.sample_sp VALUES (?, ?, ?, ?, ?, ?)", rows)
+        out = []
+        for image in images:
+            with attached(con, image, "b"):
+                out.append(correct_wakeups(con, node_id))
+        return out
+    finally:
+        con.close()
