@@ -447,6 +447,21 @@ def _late_columns(bundle) -> bool:
                for c in ("comm_handle", "handle_seq"))
 
 
+#: A bundle image with a collective row a late capture recorded (no communicator hash,
+#: its handle and counter instead); those that have none are not read again here.
+HAS_LATE_ROWS_SQL = ("SELECT EXISTS (SELECT 1 FROM {schema}.nccl_events e WHERE e.comm_id_hash "
+                     "IS NULL AND typeof(e.handle_seq) = 'integer' AND "
+                     "typeof(e.comm_handle) = 'integer')")
+
+
+def has_late_rows(con, bundle, schema: str = "b") -> bool:
+    """Whether the image (``schema`` of con) holds rows _read_streams may take (asked
+    by the helper threads of pass 1, so that the main thread does not scan every
+    bundle's collectives for the few captures that attached late)."""
+    return _late_columns(bundle) and bool(
+        con.execute(HAS_LATE_ROWS_SQL.format(schema=schema)).fetchone()[0])
+
+
 def _read_streams(con, pending: list, known: dict) -> dict:
     """The late streams of the bundles being merged, from their images (times raw). A
     process's calls on one handle are one stream per capture run: in time order, its
@@ -456,7 +471,7 @@ def _read_streams(con, pending: list, known: dict) -> dict:
     env_of: dict = {}
     for item in pending:
         bundle = item["bundle"]
-        if not _late_columns(bundle):
+        if not getattr(bundle, "late_rows", True) or not _late_columns(bundle):
             continue
         node = item["node_id"]
         pred = row_predicate("nccl_events", bundle)

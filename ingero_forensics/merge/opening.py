@@ -15,6 +15,7 @@ from ..bundle.container import read_manifest
 from ..bundle.reader import open_bundle
 from ..errors import BundleError
 from .copying import bundle_predicate
+from .lateattach import has_late_rows
 from .syncpoints import extract_sync_points, image_runs
 
 #: Threads that verify, decompress and extract sync points ahead of the copying thread
@@ -35,6 +36,11 @@ def open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
         bundle = open_bundle(path, tmpdir=tmpdir, integrity=integrity)
     except BundleError as e:
         return e
+    try:
+        bundle.late_rows = has_late_rows(bundle.con, bundle, "main")
+    except apsw.Error as e:
+        bundle.close()
+        return BundleError(path, f"cannot read its events ({type(e).__name__}: {e})")
     bundle.con.close()
     bundle.con = None
     bundle.sync_path, bundle.run_paths = None, []

@@ -295,3 +295,40 @@ def test_calls_in_flight_of_a_late_communicator_get_its_identity(tmp_path):
     assert len(open_calls) == 4, open_calls
     for pid, h, seq, last, h_rows in open_calls:
         assert h == h_rows and seq == last + 1, open_calls
+
+
+def test_pass_one_flags_the_bundles_a_late_capture_wrote(tmp_path, monkeypatch):
+    """The helper threads mark which images hold late rows; the main thread reads only
+    those for the inference (the others are not scanned again), and the inference is
+    the same as when it reads every image."""
+    from ingero_forensics import accel
+    from ingero_forensics.merge import lateattach
+    from ingero_forensics.merge.opening import open_one
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=4, seed=8,
+                       step_ms=STEP_MS, late_attach={2: 1.0}, retransmits=False)
+    fc = accel.load("merge._fastcoll", "sqlite3_fastcoll_init")
+    flags = {}
+    for p in fleet.paths:
+        sha, bundle = open_one(p, {}, None, "none", 1_000_000, fc)
+        flags[bundle.node] = bundle.late_rows
+        bundle.close()
+    assert flags == {"node-0": False, "node-1": False, "node-2": True, "node-3": False}
+    read = []
+    real = lateattach._read_streams
+
+    def read_streams(con, pending, known):
+        read.extend(i["bundle"].node for i in pending if getattr(i["bundle"], "late_rows", 1))
+        return real(con, pending, known)
+    monkeypatch.setattr(lateattach, "_read_streams", read_streams)
+    merge_bundles(fleet.paths, tmp_path / "flagged.db")
+    assert read == ["node-2"]       # the only image _read_streams scans
+    monkeypatch.setattr(lateattach, "has_late_rows", lambda con, bundle, schema="b": True)
+    monkeypatch.setattr("ingero_forensics.merge.opening.has_late_rows",
+                        lambda con, bundle, schema="b": True)
+    merge_bundles(fleet.paths, tmp_path / "all.db")
+    inferred = []
+    for db in ("flagged.db", "all.db"):
+        con = apsw.Connection(str(tmp_path / db), flags=apsw.SQLITE_OPEN_READONLY)
+        inferred.append(con.execute("SELECT * FROM inferred_comms ORDER BY 1, 2, 3").fetchall())
+        con.close()
+    assert inferred[0] == inferred[1] and inferred[0]
