@@ -1,5 +1,6 @@
 """ingero_forensics.memory: freed blocks stay in the process after keep_freed_memory()."""
 
+import platform
 import subprocess
 import sys
 import textwrap
@@ -8,7 +9,7 @@ import pytest
 
 # A 24 MiB block, touched, freed: where does the resident memory go?
 _PROBE = textwrap.dedent("""
-    import ctypes, ctypes.util, sys
+    import ctypes, ctypes.util, os, sys
     from ingero_forensics.memory import keep_freed_memory
     if sys.argv[1] == "keep":
         assert keep_freed_memory()
@@ -17,7 +18,8 @@ _PROBE = textwrap.dedent("""
     libc.malloc.argtypes = (ctypes.c_size_t,)
     libc.free.argtypes = (ctypes.c_void_p,)
     def rss_kib():
-        return int(open("/proc/self/statm").read().split()[1]) * 4
+        pages = int(open("/proc/self/statm").read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") // 1024
     size = 24 << 20
     before = rss_kib()
     p = libc.malloc(size)
@@ -34,7 +36,7 @@ def _probe(mode: str) -> tuple[int, int, int]:
     return tuple(map(int, out.split()))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_freed_memory_is_kept_only_when_asked():
     before, touched, after = _probe("default")
     assert touched - before >= 20 << 10

@@ -94,23 +94,30 @@ def sample_sync_points(fl: _Fleet, pending: list) -> None:
     by_node: dict[int, list] = {}
     for item in pending:
         by_node.setdefault(item["node_id"], []).append(item)
-    with ThreadPoolExecutor(max_workers=WAKEUP_THREADS,
-                            thread_name_prefix="ingero-wakeups") as pool:
+    pool = ThreadPoolExecutor(max_workers=WAKEUP_THREADS, thread_name_prefix="ingero-wakeups")
+    try:
         futures = {nid: pool.submit(node_wakeups, [i["bundle"].db_path for i in items], nid,
                                     con.execute(f"SELECT {WAKE_COLUMNS} FROM temp.sample_sp "
                                                 "WHERE node_id = ? AND tid IS NOT NULL",
                                                 (nid,)).fetchall())
                    for nid, items in by_node.items()}
+        moves_of = {}       # bundle_id -> its moves
         for nid, items in by_node.items():
             for item, moves in zip(items, futures[nid].result()):
-                with con:
-                    con.executemany("UPDATE temp.sample_sp SET mono_ns = mono_ns - ? "
-                                    "WHERE id = ?", [(m, i) for i, m in moves])
-                if moves:
-                    fl.log("info", "late_wakeups", f"{len(moves)} sampled sync returns moved "
-                           "back to their thread's wake-up (median "
-                           f"{moves[len(moves) // 2][1] / 1e3:.0f} us of run-queue wait)",
-                           input=item["shown"], node_id=nid, count=len(moves))
+                moves_of[item["bundle_id"]] = moves
+    finally:
+        # an error or Ctrl-C: the nodes not begun are not read
+        pool.shutdown(wait=True, cancel_futures=True)
+    for item in pending:        # in input order, as the log has always been written
+        moves = moves_of[item["bundle_id"]]
+        with con:
+            con.executemany("UPDATE temp.sample_sp SET mono_ns = mono_ns - ? WHERE id = ?",
+                            [(m, i) for i, m in moves])
+        if moves:
+            fl.log("info", "late_wakeups", f"{len(moves)} sampled sync returns moved back to "
+                   "their thread's wake-up (median "
+                   f"{moves[len(moves) // 2][1] / 1e3:.0f} us of run-queue wait)",
+                   input=item["shown"], node_id=item["node_id"], count=len(moves))
 
 
 def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:

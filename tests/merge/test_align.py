@@ -206,3 +206,36 @@ def test_late_wakeups_do_not_move_a_starved_node(tmp_path, rows):
     else:
         assert rel <= -1_000_000, rel      # moved back by its own late returns
         assert not logged
+
+
+def test_late_wakeups_of_several_segments_do_not_depend_on_the_threads(tmp_path,
+                                                                      monkeypatch):
+    """Each node's images are read on a worker thread of their own, in input order (a
+    later segment sees the earlier one's moves): the moves, the logged lines (one per
+    bundle with moves, in input order) and the alignment are the same with one worker
+    as with two."""
+    from ingero_forensics.merge import clocks
+    fleet = make_fleet(tmp_path / "b", nodes=3, ranks_per_node=1, seconds=16, seed=6,
+                       claims=False, ntp_step=False, retransmits=False, late_wakeups=1,
+                       segments=2)
+    paths = sorted(fleet.paths, key=lambda p: (p.name.split("+")[-1], p.name))
+    got = []
+    for threads in (1, 2):
+        monkeypatch.setattr(clocks, "WAKEUP_THREADS", threads)
+        db = tmp_path / f"f{threads}.db"
+        merge_bundles(paths, db)
+        con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+        logged = con.execute("SELECT input, node_id, count, message FROM merge_log "
+                             "WHERE event = 'late_wakeups' ORDER BY rowid").fetchall()
+        al = con.execute("SELECT node_id, offset_ns, slope FROM clock_alignment "
+                         "ORDER BY node_id").fetchall()
+        con.close()
+        got.append((logged, al))
+    assert got[0] == got[1]
+    logged = got[0][0]
+    # the starved node's two segments, each with its own moves
+    assert len(logged) == 2 and len({n for _, n, _, _ in logged}) == 1
+    assert all(c > 20 for _, _, c, _ in logged)
+    order = [str(p) for p in paths]
+    assert [order.index(i) for i, _, _, _ in logged] == \
+        sorted(order.index(i) for i, _, _, _ in logged)
