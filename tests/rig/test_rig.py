@@ -145,11 +145,12 @@ def test_skewed_clock_recovered(runs, role, offset_ns, tmp_path):
     messages); the straggler is still named, with its cause.
 
     Unless the messages into the node cannot place it that closely, which the shared
-    clock shows: when its CPU-starved reader leaves its peers' sends waiting for its
-    receive window, a send starts long before its bytes leave (165 ms on a slow day of
-    this VM, against 15-50 us into the other nodes), so only its own sends bind its
-    clock, from one side. Then it must still land within the uncertainty the merge
-    states, and be named."""
+    clock shows: when sends into it wait (for a CPU-starved reader's receive window,
+    or in a ring stalled behind the straggler), a send starts long before its bytes
+    leave (165 ms into the straggler on a slow day of this VM, 69 ms into a bystander
+    on another, against 15-50 us on a quiet one), and the messages bind its clock from
+    one side only. Then it must still land within the uncertainty the merge states,
+    and the straggler be named."""
     o, node, skew, fleet, report, true_mono = _skewed_variant(runs, role, offset_ns, tmp_path)
     errors = measure.alignment_errors(fleet, true_mono)
     stated = {a["node"]: a["relative_uncertainty_us"] for a in report["alignment"]}
@@ -166,9 +167,8 @@ def test_skewed_clock_recovered(runs, role, offset_ns, tmp_path):
     assert pairs[node] > 0, pairs
     assert stated[node] is not None and errors[node] <= stated[node], (errors, stated)
     if inbound_ms is not None and inbound_ms > LOOSE_INBOUND_MS:
-        assert role == "straggler", inbound_ms     # only a starved reader does this
-        # bound from one side only, by its own sends: still far inside what the
-        # held-back sends allow, and small beside its lateness (the verdict below)
+        # bound from one side only by the messages: still far inside what the
+        # held-back sends allow, and small beside the lateness (the verdict below)
         assert errors[node] <= LOOSE_MAX_ERROR_US, (errors, stated, inbound_ms)
         assert stated[node] <= inbound_ms * 1e3 / 4, (stated, inbound_ms)
     else:
