@@ -578,6 +578,8 @@ def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: i
         if a.method == "collectives":
             a.fit_relative_ns = a.relative_uncertainty_ns
     messages = _apply_messages(result, nodes, messages, connections or {}, min_latency_ns)
+    # the messages' projection moves rates too, with no bound of its own
+    _clamp_rates(result)
     _apply_causal(result, nodes, groups, min_latency_ns, messages)
     _bound_by_messages(result, nodes, messages, min_latency_ns)
     return result
@@ -609,10 +611,12 @@ def _keep_consistent_priors(members, rel, rel_unc, span) -> None:
 
 def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
     """A rate no crystal has (beyond DRIFT_BOUND_PPM) is a fit gone wrong: bound it,
-    keeping the line where it is in the middle of the node's data, and say so."""
+    keeping the line where it is in the middle of the node's data, and say so. Lines
+    the collectives fitted or the messages moved ("causal"); a clock-sample line's rate
+    is the node's own clock's, as its time service measured it."""
     bound = DRIFT_BOUND_PPM * 1e-6
     for a in result.values():
-        if abs(a.slope) <= bound or a.method != "collectives":
+        if abs(a.slope) <= bound or a.method not in ("collectives", "causal"):
             continue
         new = math.copysign(bound, a.slope)
         # keep aligned(m_c) at the centre m_c of the node's clock segments (its capture)

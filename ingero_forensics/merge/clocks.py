@@ -190,9 +190,9 @@ def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
             fl.log("warning", "no_clock_samples", msg, node_id=a.node_id)
             res.warnings.append(msg)
         if a.rate_clamped:
-            msg = (f"node {names[a.node_id]}: the collectives suggested a clock rate beyond "
-                   f"{align.DRIFT_BOUND_PPM:.0f} ppm, which no crystal has; bounded to "
-                   f"{a.drift_ppm:+.0f} ppm (the sync observations may be biased)")
+            msg = (f"node {names[a.node_id]}: the collectives or the TCP messages suggested "
+                   f"a clock rate beyond {align.DRIFT_BOUND_PPM:.0f} ppm, which no crystal "
+                   f"has; bounded to {a.drift_ppm:+.0f} ppm (the observations may be biased)")
             fl.log("warning", "rate_clamped", msg, node_id=a.node_id)
             res.warnings.append(msg)
         if a.causal_moved_ns:

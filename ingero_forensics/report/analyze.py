@@ -552,8 +552,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
     a.slow_bins = len(slow)
     with con.figure("network_suspect"):
-        network_suspect, net_bins = _network_suspect(con, list(nodes), t0, bin_ns, slow,
-                                                     n_bins, n_coll)
+        network_suspect, net_bins = _network_suspect(
+            con, list(nodes), t0, bin_ns, slow, n_bins, n_coll,
+            late={st.node_id for st in a.stragglers})
     for st in a.stragglers:
         # nodes late together are each compared with the healthy nodes, not each other
         peers = [n for n in nodes if nodes[n][0] not in st.late_with]
@@ -766,19 +767,26 @@ def _cpu_short_of_cost(st: Straggler, secs: float) -> str | None:
             "contention cannot account for most of that wait.")
 
 
-def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins,
-                     n_coll) -> tuple[int | None, list[int]]:
+def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
+                     late=frozenset()) -> tuple[int | None, list[int]]:
     """The node whose own job connections retransmit, when collectives are slow for
     everyone while nobody arrives late: retransmits far above the other nodes' (a
     persistent fault leaves no contrast in time, but it does across nodes) and often
-    enough to slow every collective, or the most of them in the slow bins."""
+    enough to slow every collective, or the most of them in the slow bins.
+
+    Retransmits towards a late node (``late``: node ids) do not count: a peer whose
+    sends to a starved or stalled node are retransmitted is that node's victim, not a
+    lossy link of its own (the issue's cpu run blamed exactly that peer)."""
     per: dict[int, set[int]] = defaultdict(set)       # bins with retransmits
     count: dict[int, int] = defaultdict(int)
     in_slow: dict[int, int] = defaultdict(int)
     slow_set = set(slow)
+    towards_late = json.dumps(sorted(node_addresses(con, late))) if late else "[]"
     for nid, b, n in con.execute(
             "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
-            "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' GROUP BY 1, 2", (t0, bin_ns)):
+            "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' "
+            "AND daddr NOT IN (SELECT value FROM json_each(?)) GROUP BY 1, 2",
+            (t0, bin_ns, towards_late)):
         per[nid].add(b)
         count[nid] += n
         if b in slow_set:
@@ -796,6 +804,22 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins,
     if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and max(in_slow.values()) >= 10:
         return max(in_slow, key=in_slow.get), sorted(slow_set)
     return None, []
+
+
+def node_addresses(con, node_ids) -> set[str]:
+    """The local addresses of these nodes: the source addresses of their own TCP rows
+    (tcp_events, tcp_progress), less any address another node uses too (loopback, a
+    NAT): a destination address then names one node or none."""
+    if not node_ids:
+        return set()
+    owners: dict[str, set[int]] = defaultdict(set)
+    have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    for table in ("tcp_events", "tcp_progress"):     # an older fleet.db has no tcp_progress
+        if table not in have:
+            continue
+        for nid, addr in con.execute(f"SELECT DISTINCT node_id, saddr FROM {table}"):
+            owners[addr].add(nid)
+    return {addr for addr, nids in owners.items() if len(nids) == 1 and nids <= set(node_ids)}
 
 
 def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node) -> tuple[list[Window], float]:

@@ -239,3 +239,33 @@ def test_late_wakeups_of_several_segments_do_not_depend_on_the_threads(tmp_path,
     order = [str(p) for p in paths]
     assert [order.index(i) for i, _, _, _ in logged] == \
         sorted(order.index(i) for i, _, _, _ in logged)
+
+
+def test_a_rate_the_messages_ask_beyond_the_bound_is_clamped_and_said():
+    """Two nodes whose clock samples say nothing (unsynchronized) and whose TCP messages
+    ask 600 ppm between them: sends from node 0 are received ever earlier on node 1
+    (600 ppm over 6 s), and node 1's one early send pins the start. The messages'
+    projection (step 4a) would give each line about 300 ppm, a rate no crystal has; it
+    is bounded to 200 ppm and flagged (rate_clamped, the merge's warning), as a fit of
+    the collectives is."""
+    from ingero_forensics.merge.align import DRIFT_BOUND_PPM, NodeInput, align_fleet
+
+    base, s = 1_700_000_000 * 10**9, 10**9
+
+    def node(nid):
+        return NodeInput(nid, samples=[ClockSample(mid=k * s, realtime=base + k * s,
+                                                   half_bracket=1000, claim=None, est=None)
+                                       for k in range(7)],
+                         manifest_pairs=[(base, 0), (base + 6 * s, 6 * s)])
+
+    msgs = [(1, 0, t, 1, t + 50_000 - round(600e-6 * t)) for t in (s // 5, 3 * s, 59 * s // 10)]
+    msgs.append((2, 1, 15 * s // 100, 0, 15 * s // 100 + 50_000))
+    result = align_fleet({0: node(0), 1: node(1)}, lambda: iter(()), messages=msgs,
+                         connections={1: (0, 0, 1, 0), 2: (1, 0, 0, 0)})
+    for a in result.values():
+        assert a.message_pairs and a.method == "causal", a
+        assert a.rate_clamped, a
+        assert abs(a.slope) <= DRIFT_BOUND_PPM * 1e-6 * (1 + 1e-9), a
+        assert abs(a.drift_ppm) <= DRIFT_BOUND_PPM * 1.001, a     # drift_ppm: 1/(1+slope) - 1
+    # the two lines still part the way the messages ask, as far as the bound allows
+    assert result[0].slope < 0 < result[1].slope

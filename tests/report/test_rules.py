@@ -433,3 +433,77 @@ def test_diagnose_names_a_close_runner_up_with_a_weak_cause(monkeypatch):
     assert run(5.0, 2.9).close_cause is None            # under the weak score
     st = run(4.0, 12.0)                                  # clear: nothing beside it
     assert (st.cause, st.cause_confidence, st.close_cause) == ("io", "clear", None)
+
+
+def _retransmits_towards(src, dst, db, out):
+    """A copy of fleet.db ``db`` in which node ``src``'s job connections retransmit
+    towards node ``dst`` (four times the rate that makes a network suspect, spread over
+    the run), and the straggler node-03 has no sched rows (a capture without scheduler
+    tracing there), so that its own cause cannot be clear."""
+    import shutil
+
+    from ingero_forensics.report.analyze import MIN_RETRANSMITS_PER_COLLECTIVE
+
+    shutil.copyfile(db, out)
+    con = apsw.Connection(str(out))
+    try:
+        ids = dict(con.execute("SELECT name, node_id FROM nodes"))
+        addr = dict(con.execute("SELECT node_id, MIN(saddr) FROM tcp_events GROUP BY node_id"))
+        n_coll = con.execute("SELECT COUNT(*) FROM collectives").fetchone()[0]
+        t0, t1 = con.execute("SELECT MIN(timestamp_ns), MAX(timestamp_ns) "
+                             "FROM nccl_events").fetchone()
+        n = int(4 * MIN_RETRANSMITS_PER_COLLECTIVE * n_coll) + 100
+        con.execute("DELETE FROM sched_events WHERE node_id = ?", (ids["node-03"],))
+        template = con.execute("SELECT id FROM tcp_events WHERE node_id = ? LIMIT 1",
+                               (ids[src],)).fetchone()[0]
+        cols = [r[1] for r in con.execute("PRAGMA table_info(tcp_events)") if r[1] != "id"]
+        sel = {c: c for c in cols}
+        sel.update(scope="'job'", event="'tcp_retransmit_skb'", daddr="?2",
+                   timestamp_ns="?3 + k * ?4", mono_ns="mono_ns + (?3 + k * ?4 - timestamp_ns)")
+        con.execute(
+            "WITH RECURSIVE s(k) AS (SELECT 0 UNION ALL SELECT k + 1 FROM s WHERE k + 1 < ?5) "
+            f"INSERT INTO tcp_events ({', '.join(cols)}) SELECT "
+            f"{', '.join(sel[c] for c in cols)} FROM tcp_events, s WHERE id = ?1",
+            (template, addr[ids[dst]], t0, (t1 - t0) // n, n))
+        assert addr[ids[dst]] != addr[ids[src]]
+    finally:
+        con.close()
+    return out
+
+
+def test_retransmits_towards_the_late_node_do_not_make_its_peer_the_suspect(tmp_path):
+    """The issue's cpu run: a starved node's peer retransmitted towards it, and the report
+    named the peer's network. Retransmits towards a late node are its victim's, not a
+    lossy link: the late node stays the straggler even with a weak cause of its own. The
+    same retransmits towards a node that is not late do make the peer the suspect, and
+    the late node with no clear cause of its own its victim (the rule kept)."""
+    truth, db = _simulate(tmp_path, nodes=6, ranks_per_node=2, steps=150, fault="cpu",
+                          seed=5, straggler=3)
+    assert truth["fault"]["straggler"] == "node-03"
+    a = analyze_fleet(_retransmits_towards("node-02", "node-03", db, tmp_path / "to-late.db"))
+    assert [s.node for s in a.stragglers] == ["node-03"], a.verdict
+    assert a.cause != "network" and a.cause_confidence != "clear", a.verdict
+    assert "node-02" not in a.verdict, a.verdict
+    a = analyze_fleet(_retransmits_towards("node-02", "node-05", db, tmp_path / "to-other.db"))
+    assert (a.straggler, a.cause, a.victims) == ("node-02", "network", ["node-03"]), a.verdict
+
+
+def test_a_clamped_clock_rate_is_a_caveat_in_the_report(tmp_path):
+    """A node whose clock rate the merge bounded (clock_alignment.rate_clamped) shows in
+    the report's caveats and its clock table, never silently."""
+    from ingero_forensics.report.render import render_html
+    from ingero_forensics.report.text import render_text
+
+    truth, db = _simulate(tmp_path, nodes=4, ranks_per_node=1, steps=60, fault="none",
+                          seed=3)
+    con = apsw.Connection(str(db))
+    try:
+        con.execute("UPDATE clock_alignment SET rate_clamped = 1, drift_ppm = 200.0 "
+                    "WHERE node_id = (SELECT node_id FROM nodes WHERE name = 'node-02')")
+    finally:
+        con.close()
+    a = analyze_fleet(db)
+    text = render_text(a)
+    (line,) = [ln for ln in text.splitlines() if "rate clamped" in ln]
+    assert line.startswith("- clock of node-02:"), text
+    assert "fitted rate beyond what a crystal does: clamped" in render_html(a)
