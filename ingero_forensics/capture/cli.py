@@ -48,9 +48,11 @@ def _libs(ctx, param, values):
               help="TOML config file with a top-level node = \"...\" "
                    "[default: /etc/ingero-forensics/config.toml if present].")
 @click.option("-p", "--pid", "pids", type=int, multiple=True,
-              help="Trace this process (repeatable).")
+              help="Trace this process and its children, e.g. data-loader workers "
+                   "(repeatable).")
 @click.option("--comm", "comms", multiple=True,
-              help="Trace processes with this name (repeatable). Without --pid/--comm: "
+              help="Trace processes with this name, and their children (repeatable). "
+                   "Without --pid/--comm: "
                    "processes that map libnccl/libcudart or have RANK in their environment.")
 @click.option("--duration", type=FiniteFloatRange(min=0, min_open=True),
               help="Stop this many seconds after every source is on (the eBPF "

@@ -212,6 +212,19 @@ def read_stat_starttime(pid: int, proc: str = "/proc") -> int | None:
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def read_stat_parent(pid: int, proc: str = "/proc") -> tuple[int | None, int | None]:
+    """(parent's pid, start in ns since boot): /proc/PID/stat fields 4 and 22, in one
+    read; (None, None) if gone."""
+    raw = _read(f"{proc}/{pid}/stat", "rb")
+    if not raw:
+        return None, None
+    rest = raw[raw.rfind(b")") + 2:].split()
+    try:
+        return int(rest[1]), int(rest[19]) * 1_000_000_000 // _CLK_TCK
+    except (IndexError, ValueError):
+        return None, None
+
+
 def read_comm(pid: int, proc: str = "/proc", tid: int | None = None) -> str | None:
     path = f"{proc}/{pid}/comm" if tid is None else f"{proc}/{pid}/task/{tid}/comm"
     raw = _read(path)
@@ -321,13 +334,16 @@ class TargetSet:
     def subscribe(self, on_new, on_exit) -> None:
         self._subs.append((on_new, on_exit))
 
-    def _matches(self, pid: int, now: float) -> bool:
+    def _matches(self, pid: int, now: float, live=frozenset()) -> bool:
         if pid in self.explicit_pids:
+            return True
+        if not self.auto and self._child_of(pid, now, live):
             return True
         if self.comms:
             return read_comm(pid, self.proc) in self.comms
         if not self.auto:
-            # --pid given: exactly those processes, never whatever else looks like a rank
+            # --pid given: those processes and their children, never whatever else
+            # looks like a rank
             return False
         start = read_stat_starttime(pid, self.proc)
         prev = self._rejected.get(pid)
@@ -341,6 +357,20 @@ class TargetSet:
         if not hit:
             self._rejected[pid] = (start, now)
         return hit
+
+    def _child_of(self, pid: int, now: float, live) -> bool:
+        """A child of a live target (a data loader's worker, a compile helper) is the
+        job's own, and so is its I/O; a grandchild follows once its parent is in. A
+        process that is not is looked at again after RECHECK_S (a target found later,
+        by --comm, may be its parent)."""
+        prev = self._rejected.get(pid)
+        if prev is not None and now - prev[1] < self.RECHECK_S:
+            return False
+        ppid, start = read_stat_parent(pid, self.proc)
+        if ppid is not None and ppid in live:
+            return True
+        self._rejected[pid] = (start, now)
+        return False
 
     def scan(self, mono_ns: int | None = None) -> tuple[list[int], list[int]]:
         """Refresh; return (new pids, exited pids)."""
@@ -360,12 +390,13 @@ class TargetSet:
                 self._scan_threads(info, now_ns)
         live = {p for p, i in self.known.items() if i.exit_ns is None}
         for pid in sorted(alive - live - self.exclude):
-            if not self._matches(pid, now):
+            if not self._matches(pid, now, live):
                 continue
             info = self._describe(pid, now_ns)
             if info is None:
                 continue
             self.known[pid] = info
+            live.add(pid)
             self._scan_threads(info, now_ns)
             new.append(pid)
         # Forget rejections of processes that are gone (pids get reused).

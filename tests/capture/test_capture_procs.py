@@ -1,5 +1,6 @@
 """Target processes and the allow-listed rank environment."""
 
+import contextlib
 import io
 import json
 import os
@@ -154,8 +155,55 @@ def test_secret_never_reaches_the_bundle(tmp_path, open_all):
     assert rows(b, "SELECT COUNT(*) FROM threads WHERE pid = ?", target.pid)[0][0] >= 1
 
 
+def test_children_of_explicit_targets_are_targets():
+    """--pid PID takes PID's children and their children too (a data loader's workers:
+    their block I/O is the job's, docs/report.md), found on the next scans; so does
+    --comm, whatever the children are called; a process that is not a descendant stays
+    out."""
+    code = ("import os, time\n"
+            "def worker():\n"
+            "    with open('/proc/self/comm', 'w') as f:\n"
+            "        f.write('ld-worker')\n"
+            "if os.fork() == 0:\n"            # the worker
+            "    worker()\n"
+            "    if os.fork() == 0:\n"        # the worker's own helper
+            "        worker()\n"
+            "        time.sleep(60)\n"
+            "    time.sleep(60)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    other = _sleeper({})
+
+    def children(pid):
+        return [int(x) for x in subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)],
+                                               capture_output=True, text=True).stdout.split()]
+    try:
+        wait_for(lambda: children(parent.pid) and children(children(parent.pid)[0]),
+                 what="the worker and its helper")
+        (child,) = children(parent.pid)
+        (grandchild,) = children(child)
+        wait_for(lambda: open(f"/proc/{grandchild}/comm").read().strip() == "ld-worker",
+                 what="the helper's name")
+        ts = TargetSet(pids=[parent.pid])
+        for _ in range(2):          # a grandchild whose pid sorts first: the next scan
+            ts.scan()
+        assert ts.pids() == {parent.pid, child, grandchild}
+        assert other.pid not in ts.pids()
+        named = TargetSet(comms=[ts.known[parent.pid].comm])
+        for _ in range(2):
+            named.scan()
+        assert {parent.pid, child, grandchild} <= named.pids()
+        assert ts.known[child].comm == "ld-worker"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, 9)
+        parent.wait()
+        other.kill()
+        other.wait()
+
+
 def test_explicit_pids_never_pull_in_other_rank_processes():
-    """--pid means exactly those processes, even when others carry RANK."""
+    """--pid means those processes and their descendants, not others that carry RANK."""
     a = _sleeper({})
     rank = _sleeper({"RANK": "3"})
     try:
