@@ -212,17 +212,16 @@ def read_stat_starttime(pid: int, proc: str = "/proc") -> int | None:
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def read_stat_parent(pid: int, proc: str = "/proc") -> tuple[int | None, int | None]:
-    """(parent's pid, start in ns since boot): /proc/PID/stat fields 4 and 22, in one
-    read; (None, None) if gone."""
+def read_stat_ppid(pid: int, proc: str = "/proc") -> int | None:
+    """The parent's pid (/proc/PID/stat field 4), None if gone."""
     raw = _read(f"{proc}/{pid}/stat", "rb")
     if not raw:
-        return None, None
+        return None
     rest = raw[raw.rfind(b")") + 2:].split()
     try:
-        return int(rest[1]), int(rest[19]) * 1_000_000_000 // _CLK_TCK
+        return int(rest[1])
     except (IndexError, ValueError):
-        return None, None
+        return None
 
 
 def read_comm(pid: int, proc: str = "/proc", tid: int | None = None) -> str | None:
@@ -337,7 +336,7 @@ class TargetSet:
     def _matches(self, pid: int, now: float, live=frozenset()) -> bool:
         if pid in self.explicit_pids:
             return True
-        if not self.auto and self._child_of(pid, now, live):
+        if not self.auto and self._child_of(pid, live):
             return True
         if self.comms:
             return read_comm(pid, self.proc) in self.comms
@@ -358,19 +357,13 @@ class TargetSet:
             self._rejected[pid] = (start, now)
         return hit
 
-    def _child_of(self, pid: int, now: float, live) -> bool:
+    def _child_of(self, pid: int, live) -> bool:
         """A child of a live target (a data loader's worker, a compile helper) is the
-        job's own, and so is its I/O; a grandchild follows once its parent is in. A
-        process that is not is looked at again after RECHECK_S (a target found later,
-        by --comm, may be its parent)."""
-        prev = self._rejected.get(pid)
-        if prev is not None and now - prev[1] < self.RECHECK_S:
-            return False
-        ppid, start = read_stat_parent(pid, self.proc)
-        if ppid is not None and ppid in live:
-            return True
-        self._rejected[pid] = (start, now)
-        return False
+        job's own, and so is its I/O; a grandchild follows once its parent is in (in the
+        same scan, or the next when its pid sorts first). One read of /proc/PID/stat
+        per other process and scan, as --comm reads each one's name: no cache, so a
+        reused pid or a parent found later is never missed."""
+        return read_stat_ppid(pid, self.proc) in live
 
     def scan(self, mono_ns: int | None = None) -> tuple[list[int], list[int]]:
         """Refresh; return (new pids, exited pids)."""

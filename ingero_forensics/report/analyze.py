@@ -146,6 +146,11 @@ class Straggler:
     reference: str = "median"
     late_with: list[str] = field(default_factory=list)   # early_half: the others late with it
     jitter_ms: float | None = None    # early_half: the early half's own jitter
+    #: no clear cause of its own, and one node's job connections retransmitted towards
+    #: it often enough to make that node the network suspect: {node, retransmits}. A
+    #: lossy link there would make this node its victim; its own slowness can cause them
+    #: too, so the report names both readings instead of choosing
+    retransmits_towards: dict | None = None
 
 
 @dataclass
@@ -551,14 +556,26 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     base = median(tr_med.values()) if tr_med else 0.0
     slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
     a.slow_bins = len(slow)
+    late_ids = {st.node_id for st in a.stragglers}
     with con.figure("network_suspect"):
         network_suspect, net_bins = _network_suspect(
-            con, list(nodes), t0, bin_ns, slow, n_bins, n_coll,
-            late={st.node_id for st in a.stragglers})
+            con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, late=late_ids)
+        towards_late = None
+        if late_ids:
+            # who would be the suspect if retransmits towards the late nodes counted
+            towards_late, _ = _network_suspect(con, list(nodes), t0, bin_ns, slow, n_bins,
+                                               n_coll)
+            if towards_late == network_suspect or towards_late in late_ids:
+                towards_late = None
     for st in a.stragglers:
         # nodes late together are each compared with the healthy nodes, not each other
         peers = [n for n in nodes if nodes[n][0] not in st.late_with]
         _diagnose(con, st, peers, nodes, network=False, bins=hb)
+        if towards_late is not None and st.cause_confidence != "clear":
+            with con.figure(f"retransmits_towards:{st.node_id}"):
+                n = retransmits_towards(con, towards_late, st.node_id)
+            if n:
+                st.retransmits_towards = {"node": nodes[towards_late][0], "retransmits": n}
     if network_suspect is not None and a.stragglers:
         # A lossy link delays the ranks downstream of it too: they start the next step
         # late and look late. Late nodes with no clear cause of their own are its
@@ -785,7 +802,7 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     for nid, b, n in con.execute(
             "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
             "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' "
-            "AND daddr NOT IN (SELECT value FROM json_each(?)) GROUP BY 1, 2",
+            f"AND {_plain('daddr')} NOT IN (SELECT value FROM json_each(?)) GROUP BY 1, 2",
             (t0, bin_ns, towards_late)):
         per[nid].add(b)
         count[nid] += n
@@ -806,20 +823,43 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     return None, []
 
 
+#: addresses that name no node: loopback and unspecified (merge/messages.py's list)
+_LOCAL_ADDRESSES = ("127.%", "::1", "0.0.0.0", "::", "::ffff:127.%")
+
+
+def _plain(col: str) -> str:
+    """SQL: an address column with an IPv4-mapped IPv6 address (a v4 peer on a v6
+    socket, as tcp_events keeps it) written as the IPv4 address, as tcp_progress has it."""
+    return f"(CASE WHEN {col} LIKE '::ffff:%.%' THEN substr({col}, 8) ELSE {col} END)"
+
+
 def node_addresses(con, node_ids) -> set[str]:
-    """The local addresses of these nodes: the source addresses of their own TCP rows
-    (tcp_events, tcp_progress), less any address another node uses too (loopback, a
-    NAT): a destination address then names one node or none."""
+    """The addresses of these nodes: the source addresses of their own TCP rows
+    (tcp_events, tcp_progress), less loopback and unspecified ones and any another node
+    uses too (a NAT): a destination address then names one node or none. A node whose
+    capture recorded no TCP row of its own has none (nothing is excluded for it)."""
     if not node_ids:
         return set()
     owners: dict[str, set[int]] = defaultdict(set)
     have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    local = " AND ".join(f"saddr NOT LIKE '{p}'" for p in _LOCAL_ADDRESSES)
     for table in ("tcp_events", "tcp_progress"):     # an older fleet.db has no tcp_progress
         if table not in have:
             continue
-        for nid, addr in con.execute(f"SELECT DISTINCT node_id, saddr FROM {table}"):
+        for nid, addr in con.execute(f"SELECT DISTINCT node_id, {_plain('saddr')} "
+                                     f"FROM {table} WHERE {local}"):
             owners[addr].add(nid)
     return {addr for addr, nids in owners.items() if len(nids) == 1 and nids <= set(node_ids)}
+
+
+def retransmits_towards(con, sender: int, node_id: int) -> int:
+    """Job retransmits of node ``sender`` whose destination is one of node_id's
+    addresses."""
+    addrs = json.dumps(sorted(node_addresses(con, {node_id})))
+    return con.execute(
+        "SELECT COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' "
+        f"AND event = 'tcp_retransmit_skb' AND {_plain('daddr')} IN "
+        "(SELECT value FROM json_each(?))", (sender, addrs)).fetchone()[0]
 
 
 def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node) -> tuple[list[Window], float]:

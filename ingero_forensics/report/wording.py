@@ -82,6 +82,11 @@ def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
         text += (" Its lateness is not well above the clock alignment uncertainty between "
                  "it and its peers (" + ("unbounded" if u is None else f"{u:.2f} ms") +
                  "): clock error cannot be ruled out.")
+    if st.retransmits_towards:
+        r = st.retransmits_towards
+        text += (f" {r['node']}'s job connections retransmitted {r['retransmits']} segments "
+                 f"towards it: if {r['node']}'s link is lossy, {st.node} is its victim rather "
+                 "than a straggler of its own; its own slowness can cause them too.")
     if st.cause and st.cause_confidence == "clear":
         text += f" Root cause: {CAUSE_TITLES[st.cause]}."
     elif st.cause and st.close_cause:

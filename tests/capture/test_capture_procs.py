@@ -161,6 +161,8 @@ def test_children_of_explicit_targets_are_targets():
     --comm, whatever the children are called; a process that is not a descendant stays
     out."""
     code = ("import os, time\n"
+            "with open('/proc/self/comm', 'w') as f:\n"
+            "    f.write('ingero-tparent')\n"     # a name no other process here has
             "def worker():\n"
             "    with open('/proc/self/comm', 'w') as f:\n"
             "        f.write('ld-worker')\n"
@@ -189,10 +191,12 @@ def test_children_of_explicit_targets_are_targets():
             ts.scan()
         assert ts.pids() == {parent.pid, child, grandchild}
         assert other.pid not in ts.pids()
-        named = TargetSet(comms=[ts.known[parent.pid].comm])
+        wait_for(lambda: open(f"/proc/{parent.pid}/comm").read().strip() == "ingero-tparent",
+                 what="the parent's name")
+        named = TargetSet(comms=["ingero-tparent"])
         for _ in range(2):
             named.scan()
-        assert {parent.pid, child, grandchild} <= named.pids()
+        assert named.pids() == {parent.pid, child, grandchild}
         assert ts.known[child].comm == "ld-worker"
     finally:
         with contextlib.suppress(ProcessLookupError):

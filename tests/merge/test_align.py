@@ -246,8 +246,8 @@ def test_a_rate_the_messages_ask_beyond_the_bound_is_clamped_and_said():
     ask 600 ppm between them: sends from node 0 are received ever earlier on node 1
     (600 ppm over 6 s), and node 1's one early send pins the start. The messages'
     projection (step 4a) would give each line about 300 ppm, a rate no crystal has; it
-    is bounded to 200 ppm and flagged (rate_clamped, the merge's warning), as a fit of
-    the collectives is."""
+    is bounded to 200 ppm and flagged (rate_clamped, from which merge/clocks.py writes
+    its warning), as a fit of the collectives is."""
     from ingero_forensics.merge.align import DRIFT_BOUND_PPM, NodeInput, align_fleet
 
     base, s = 1_700_000_000 * 10**9, 10**9

@@ -155,9 +155,10 @@ def test_every_node_its_own_clock(runs, scenario, tmp_path):
     stated = {a["node"]: a["relative_uncertainty_us"] for a in report["alignment"]}
     print(f"{scenario}, every node its own clock: alignment error (us) {errors}; stated "
           f"relative uncertainty (us) {stated}; verdict {verdict.summary(report)}")
-    # four clocks as the merge sees them: none placed exactly against the others
-    assert all(stated[n] != 0 for n in errors), stated
-    assert all(stated[n] is None or errors[n] <= stated[n] for n in errors), (errors, stated)
+    # four clocks as the merge sees them: none placed exactly against the others, and
+    # every one within a bound the merge states
+    assert all(stated[n] is not None and stated[n] > 0 for n in errors), stated
+    assert all(errors[n] <= stated[n] for n in errors), (errors, stated)
     truth = o.run.truth
     named = verdict.stragglers(report)
     assert all(s.node == truth.node and s.cause in (truth.cause, None) for s in named), \
