@@ -798,12 +798,13 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     count: dict[int, int] = defaultdict(int)
     in_slow: dict[int, int] = defaultdict(int)
     slow_set = set(slow)
-    towards_late = json.dumps(sorted(node_addresses(con, late))) if late else "[]"
+    towards_late = (f"AND {_plain('daddr')} NOT IN {addresses_of(con, '?')} "
+                    if late else "")
     for nid, b, n in con.execute(
             "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
             "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' "
-            f"AND {_plain('daddr')} NOT IN (SELECT value FROM json_each(?)) GROUP BY 1, 2",
-            (t0, bin_ns, towards_late)):
+            f"{towards_late}GROUP BY 1, 2",
+            (t0, bin_ns) + ((json.dumps(sorted(late)),) if late else ())):
         per[nid].add(b)
         count[nid] += n
         if b in slow_set:
@@ -833,33 +834,29 @@ def _plain(col: str) -> str:
     return f"(CASE WHEN {col} LIKE '::ffff:%.%' THEN substr({col}, 8) ELSE {col} END)"
 
 
-def node_addresses(con, node_ids) -> set[str]:
-    """The addresses of these nodes: the source addresses of their own TCP rows
-    (tcp_events, tcp_progress), less loopback and unspecified ones and any another node
-    uses too (a NAT): a destination address then names one node or none. A node whose
-    capture recorded no TCP row of its own has none (nothing is excluded for it)."""
-    if not node_ids:
-        return set()
-    owners: dict[str, set[int]] = defaultdict(set)
+def addresses_of(con, param: str) -> str:
+    """SQL: the addresses of the nodes whose ids the JSON array ``param`` (a bound
+    parameter) lists: the source addresses of their own TCP rows (tcp_events,
+    tcp_progress), less loopback and unspecified ones and any another node uses too (a
+    NAT), so that a destination address names one node or none. A node whose capture
+    recorded no TCP row of its own has none. Node ids, not addresses, are bound: the
+    statements the report shows name no address."""
     have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
     local = " AND ".join(f"saddr NOT LIKE '{p}'" for p in _LOCAL_ADDRESSES)
-    for table in ("tcp_events", "tcp_progress"):     # an older fleet.db has no tcp_progress
-        if table not in have:
-            continue
-        for nid, addr in con.execute(f"SELECT DISTINCT node_id, {_plain('saddr')} "
-                                     f"FROM {table} WHERE {local}"):
-            owners[addr].add(nid)
-    return {addr for addr, nids in owners.items() if len(nids) == 1 and nids <= set(node_ids)}
+    own = " UNION ".join(f"SELECT DISTINCT node_id, {_plain('saddr')} AS addr FROM {t} "
+                         f"WHERE {local}" for t in ("tcp_events", "tcp_progress")
+                         if t in have)        # an older fleet.db has no tcp_progress
+    return (f"(SELECT addr FROM ({own}) GROUP BY addr HAVING COUNT(DISTINCT node_id) = 1 "
+            f"AND MIN(node_id) IN (SELECT value FROM json_each({param})))")
 
 
 def retransmits_towards(con, sender: int, node_id: int) -> int:
     """Job retransmits of node ``sender`` whose destination is one of node_id's
     addresses."""
-    addrs = json.dumps(sorted(node_addresses(con, {node_id})))
     return con.execute(
         "SELECT COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' "
         f"AND event = 'tcp_retransmit_skb' AND {_plain('daddr')} IN "
-        "(SELECT value FROM json_each(?))", (sender, addrs)).fetchone()[0]
+        f"{addresses_of(con, '?')}", (sender, json.dumps([node_id]))).fetchone()[0]
 
 
 def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node) -> tuple[list[Window], float]:
