@@ -85,8 +85,8 @@ def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
     if st.retransmits_towards:
         r = st.retransmits_towards
         text += (f" {r['node']}'s job connections retransmitted {r['retransmits']} segments "
-                 f"towards it: if {r['node']}'s link is lossy, {st.node} is its victim rather "
-                 "than a straggler of its own; its own slowness can cause them too.")
+                 f"towards it, which fits both a lossy link at {r['node']} ({st.node} then "
+                 f"its victim, not a straggler of its own) and {st.node}'s own slowness.")
     if st.cause and st.cause_confidence == "clear":
         text += f" Root cause: {CAUSE_TITLES[st.cause]}."
     elif st.cause and st.close_cause:
