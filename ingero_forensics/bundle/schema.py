@@ -37,7 +37,7 @@ NCCL_COMM_APIS = (
 MEMCPY_KINDS = ("HtoH", "HtoD", "DtoH", "DtoD", "default")
 TCP_EVENTS = ("tcp_retransmit_skb", "tcp_probe")
 TCP_SCOPES = ("job", "background", "unknown")
-TCP_DIRECTIONS = ("send", "recv", "arrive")
+TCP_DIRECTIONS = ("send", "recv", "arrive", "unsent")
 SCHED_KINDS = ("runq_delay", "off_cpu")
 BLOCK_OPS = ("read", "write", "discard", "flush", "other")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -378,8 +378,9 @@ TABLES: tuple[Table, ...] = (
           "stream. A connection is counted from the moment it was established, so only "
           "connections opened while the capture ran have rows. Both ends of a connection "
           "count the same bytes, so a receive that returned byte N on one node happened "
-          "after the send that began copying byte N on another: the merge uses these pairs "
-          "to bound the nodes' clocks (docs/merge.md). Sampled in the kernel: a call that "
+          "after the send that began copying byte N on another, and after any instant "
+          "the sender had not sent byte N yet: the merge uses these pairs to bound the "
+          "nodes' clocks (docs/merge.md). Sampled in the kernel: a call or segment that "
           "starts a burst (after 50 us of quiet on that end) at most once per "
           "--tcp-progress-interval per connection and kind, any call after ten "
           "intervals. Added in 1.1: optional table.", (
@@ -390,10 +391,17 @@ TABLES: tuple[Table, ...] = (
           "return comes after its first bytes may have arrived); recv: the "
           "call's return, when the bytes were in the process; arrive: when the kernel "
           "queued in-order data for the reader (sock:sk_data_ready, at the packet's "
-          "arrival, however long the reader then waits for a CPU)."),
-        C("direction", "TEXT", False, "", "send, recv or arrive (the first byte the "
-          "reader had not read, at stream_offset, was in the socket by then; bytes is "
-          "1).", TCP_DIRECTIONS),
+          "arrival, however long the reader then waits for a CPU); unsent: when the "
+          "sender took in a segment (tcp:tcp_probe, an ACK as a rule) with the bytes from "
+          "stream_offset on still not sent (snd_nxt), however long ago the application "
+          "wrote them."),
+        C("direction", "TEXT", False, "", "send, recv, arrive (the bytes from "
+          "stream_offset on, `bytes` of them, were in the socket by then: the first one "
+          "the reader had not read, and where the kernel's BTF gives tcp_sock.rcv_nxt "
+          "and copied_seq, the rest the socket held; else bytes is 1) or unsent (added in 1.1 "
+          "after the others: the bytes from stream_offset on had not left the sender by "
+          "then; bytes is 1; readers that do not know it must skip those rows).",
+          TCP_DIRECTIONS),
         C("family", "INTEGER", False, "", "4 or 6."),
         C("saddr", "TEXT", False, "", "Local address as text (IPv4 dotted quad, IPv6 RFC "
           "5952; an IPv4-mapped IPv6 address as IPv4)."),

@@ -3,12 +3,16 @@
 Bundle table ``tcp_progress`` (bundle format 1.1) holds sampled send and receive calls of
 the traced processes with their byte position in the connection's stream, counted on
 both ends from the connection's establishment. A receive on node j that returned bytes up
-to position P happened after the send on node i that began copying the byte at position
-N < P: a send before its receive, the message constraint of post-mortem trace
-synchronization (causal.py), exact whatever the clocks say. On a quiet link a send and
-the receive it wakes are tens of microseconds apart, so these bound a node's clock far
-more tightly than collectives, whose ranks leave together only to within hundreds of
-microseconds to milliseconds.
+to position P (or an arrival that queued them) happened after the send on node i that
+began copying the byte at position N < P, and after any instant at which node i had not
+sent byte N yet ('unsent' rows): a send before its receive, the message constraint of
+post-mortem trace synchronization (causal.py), exact whatever the clocks say. On a quiet
+link a send and the receive it wakes are tens of microseconds apart, so these bound a
+node's clock far more tightly than collectives, whose ranks leave together only to within
+hundreds of microseconds to milliseconds. Where the sender waits for the receiver's
+window, its send began long before its bytes left, and the 'unsent' row of the ACK that
+opened the window is the tight one: each receive is paired with the latest row of
+either kind below it, and the later of the two bounds it.
 
 What is paired, and what is not (each rule keeps a pairing from crossing connections):
 one 4-tuple is one connection when exactly one node sends on it and exactly one other
@@ -33,10 +37,16 @@ SAME_CONNECTION_NS = 1_000_000
 #: Addresses that never leave a node.
 _LOCAL = ("127.%", "::1", "0.0.0.0", "::", "::ffff:127.%")
 
-_COLS = "(node_id, dir, laddr, lport, raddr, rport, connected_ns, mono_ns, pos)"
-#: send: the first byte the call copied; recv: the end of what the call returned
-_POS = "CASE e.direction WHEN 'send' THEN e.stream_offset ELSE e.stream_offset + e.bytes END"
-_DIR = "CASE e.direction WHEN 'send' THEN 0 ELSE 1 END"
+_COLS = "(node_id, dir, kind, laddr, lport, raddr, rport, connected_ns, mono_ns, pos)"
+#: send: the first byte the call copied; unsent: the first byte not sent yet; recv and
+#: arrive: the end of what the call returned or the socket held
+_POS = ("CASE WHEN e.direction IN ('send', 'unsent') THEN e.stream_offset "
+        "ELSE e.stream_offset + e.bytes END")
+#: 0: the sending end, 1: the receiving end
+_DIR = "CASE WHEN e.direction IN ('send', 'unsent') THEN 0 ELSE 1 END"
+#: on the sending end, 0: a send's start, 1: an instant its bytes had not left (each kind's
+#: positions grow with time, so the largest one below a receive is that kind's latest)
+_KIND = "CASE e.direction WHEN 'unsent' THEN 1 ELSE 0 END"
 
 
 def sample_progress(con, pending, bundle_predicate) -> int:
@@ -44,13 +54,14 @@ def sample_progress(con, pending, bundle_predicate) -> int:
     earlier merges in fleet.db (raw times from mono_ns and the old alignment); returns
     how many rows."""
     con.execute("DROP TABLE IF EXISTS temp.flow_sp")
-    con.execute("CREATE TEMP TABLE flow_sp (node_id INTEGER, dir INTEGER, laddr TEXT, "
-                "lport INTEGER, raddr TEXT, rport INTEGER, connected_ns INTEGER, "
+    con.execute("CREATE TEMP TABLE flow_sp (node_id INTEGER, dir INTEGER, kind INTEGER, "
+                "laddr TEXT, lport INTEGER, raddr TEXT, rport INTEGER, connected_ns INTEGER, "
                 "mono_ns INTEGER, pos INTEGER)")
     if _has_table(con, "main", "tcp_progress"):
         # earlier merges: connected_ns is aligned; back to the node's raw clock through
         # the alignment it was written with
-        con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT e.node_id, {_DIR}, e.saddr, "
+        con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT e.node_id, {_DIR}, {_KIND}, "
+                    "e.saddr, "
                     "e.sport, e.daddr, e.dport, CAST(ROUND((e.connected_ns - a.offset_ns) / "
                     f"(1.0 + a.slope)) AS INTEGER), e.mono_ns, {_POS} FROM main.tcp_progress "
                     "e JOIN main.clock_alignment a USING (node_id)")
@@ -59,7 +70,8 @@ def sample_progress(con, pending, bundle_predicate) -> int:
         if "tcp_progress" in getattr(bundle, "absent_tables", ()):
             continue
         with attached(con, bundle.db_path, "b"):
-            con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT ?, {_DIR}, e.saddr, "
+            con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT ?, {_DIR}, {_KIND}, "
+                        "e.saddr, "
                         "e.sport, e.daddr, e.dport, e.connected_ns, e.timestamp_ns, "
                         f"{_POS} FROM b.tcp_progress e WHERE "
                         f"{bundle_predicate(bundle, 'tcp_progress')}", (item["node_id"],))
@@ -103,18 +115,25 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
         return [], {}, stats
     conns = {cid: (sn, sc, rn, rc) for cid, sn, sc, rn, rc in con.execute(
         "SELECT rowid, sn, sc, rn, rc FROM temp.flow_conn")}
-    con.execute("CREATE INDEX temp.flow_send ON flow_sp (laddr, lport, raddr, rport, pos) "
-                "WHERE dir = 0")
-    # each receive with the send that began copying the last byte it could have
-    # returned first: the largest send position below its end; the tightest per
-    # connection and bin (a connection the alignment refuses takes only its own pairs)
+    con.execute("CREATE INDEX temp.flow_send ON flow_sp (laddr, lport, raddr, rport, kind, "
+                "pos) WHERE dir = 0")
+    # each receive with, of each kind, the sending end's row of the largest position
+    # below its end: the send that began copying the last byte it could have returned
+    # first, and the last instant that byte was known not to have left; the later of
+    # the two, then the tightest per connection and bin (a connection the alignment
+    # refuses takes only its own pairs)
+    latest = ("(SELECT s.mono_ns FROM temp.flow_sp s WHERE s.dir = 0 AND s.laddr = c.laddr "
+              "AND s.lport = c.lport AND s.raddr = c.raddr AND s.rport = c.rport AND "
+              "s.kind = {kind} AND s.pos < r.pos ORDER BY s.pos DESC LIMIT 1)")
     rows = con.execute(
-        "WITH p AS (SELECT c.rowid AS cid, c.sn, r.mono_ns AS rt, c.rn, (SELECT s.mono_ns "
-        "FROM temp.flow_sp s WHERE s.dir = 0 AND s.laddr = c.laddr AND s.lport = c.lport "
-        "AND s.raddr = c.raddr AND s.rport = c.rport AND s.pos < r.pos ORDER BY s.pos DESC "
-        "LIMIT 1) AS st FROM temp.flow_conn c JOIN temp.flow_sp r ON r.dir = 1 AND "
+        "WITH q AS (SELECT c.rowid AS cid, c.sn, r.mono_ns AS rt, c.rn, "
+        f"{latest.format(kind=0)} AS st0, {latest.format(kind=1)} AS st1 "
+        "FROM temp.flow_conn c JOIN temp.flow_sp r ON r.dir = 1 AND "
         "r.laddr = c.raddr AND r.lport = c.rport AND r.raddr = c.laddr AND "
         "r.rport = c.lport), "
+        # scalar MAX() is NULL when either is: a missing kind gives way to the other
+        "p AS (SELECT cid, sn, rt, rn, MAX(COALESCE(st0, st1), COALESCE(st1, st0)) AS st "
+        "FROM q), "
         "span AS (SELECT cid, MIN(rt) AS t0, MAX(MIN((MAX(rt) - MIN(rt)) / ?1, ?2), 1) "
         "AS w FROM p GROUP BY cid) "
         # SQLite: the bare columns of a MAX() aggregate come from the row that has it

@@ -53,7 +53,8 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                name_prefix="node", queued=0, claims=True, straggler_every=10,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
                wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False,
-               rank_env=True, messages=False, message_traps=False) -> Fleet:
+               rank_env=True, messages=False, message_traps=False, held_into=None,
+               unsent_rows=False) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
@@ -77,7 +78,10 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     would place a clock seconds or milliseconds wrong: a loopback connection on every
     node with the same 4-tuple, a 4-tuple reused by a second connection between nodes 0
     and 1, and a 4-tuple two nodes send on (containers with the same private
-    addresses)."""
+    addresses). held_into: a node index whose reader the ring's sends into it wait for
+    (a full receive window): each such send starts 5-50 ms before its bytes leave.
+    unsent_rows: the sending ends also record, as the capture does at the ACK that
+    opens the window, an 'unsent' row 5-20 us before the bytes leave."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -160,6 +164,9 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                 last = max(entries[r] for r in range(ni * ranks_per_node,
                                                      (ni + 1) * ranks_per_node))
                 t_send = last + rng.randint(100_000, 300_000)
+                t_leave = t_send
+                if nj == held_into:       # the bytes wait for the reader's window
+                    t_send -= rng.randint(5_000_000, 50_000_000)
                 lag = rng.randint(15_000, 60_000)
                 if nj == late_wakeups:
                     lag += rng.randint(1_500_000, 3_000_000)   # its receiver wakes late
@@ -168,8 +175,13 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                 per_node_rows[ni]["tcp_progress"].append(
                     (src.mono(t_send), "send", 4, f"10.0.0.{ni + 1}", 40000 + ni,
                      f"10.0.0.{nj + 1}", 6000, src.mono(conn[1]), conn[0], chunk, pid, pid))
+                if unsent_rows:
+                    per_node_rows[ni]["tcp_progress"].append(
+                        (src.mono(t_leave - rng.randint(5_000, 20_000)), "unsent", 4,
+                         f"10.0.0.{ni + 1}", 40000 + ni, f"10.0.0.{nj + 1}", 6000,
+                         src.mono(conn[1]), conn[0], 1, pid, pid))
                 per_node_rows[nj]["tcp_progress"].append(
-                    (dst.mono(t_send + lag), "recv", 4, f"10.0.0.{nj + 1}", 6000,
+                    (dst.mono(t_leave + lag), "recv", 4, f"10.0.0.{nj + 1}", 6000,
                      f"10.0.0.{ni + 1}", 40000 + ni, dst.mono(conn[2]), conn[0], chunk,
                      pid_r, pid_r))
                 conn[0] += chunk

@@ -92,3 +92,31 @@ def test_connections_that_cannot_be_told_apart_are_not_used(tmp_path):
     finally:
         con.close()
     assert kept[0] > 0 and kept[1] == 4    # the rows themselves are merged, not lost
+
+
+@pytest.mark.parametrize("unsent", [False, True])
+def test_unsent_rows_place_a_node_whose_sends_wait(tmp_path, unsent):
+    """Sends into node 2 wait 5-50 ms for its reader's window, so each began long before
+    its bytes left: they bound node 2's clock from one side only by milliseconds. The
+    senders' 'unsent' rows (the ACK that opened the window, microseconds before the
+    bytes left) bound it as tightly as a quiet link's sends do; a row of either kind is
+    never paired with a receive of bytes below its position."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=20, seed=5,
+                       claims=False, ntp_step=False, retransmits=False, queued=8,
+                       messages=True, held_into=2, unsent_rows=unsent)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    rel = relative_errors(fleet, tmp_path / "f.db", 20)
+    al = alignment(tmp_path / "f.db")
+    stated = {n: a["relative_uncertainty_ns"] for n, a in al.items()}
+    print(f"unsent={unsent}: relative errors (us) "
+          f"{ {n: round(v / 1e3) for n, v in rel.items()} }; stated (us) "
+          f"{ {n: None if v is None else v // 1000 for n, v in stated.items()} }")
+    held = 3                                          # node-2: node ids count from 1
+    for nid in al:
+        assert stated[nid] is not None and abs(rel[nid]) <= stated[nid] + 1_000, \
+            (nid, rel, stated)
+    if not unsent:
+        assert stated[held] >= 1_000_000, stated      # what the unsent rows improve on
+        return
+    assert max(abs(v) for v in rel.values()) <= 100_000, rel
+    assert max(stated.values()) <= 200_000, stated

@@ -83,20 +83,62 @@ def true_lateness(fleet_db, true_mono=None) -> dict[str, float]:
     return {names[nid]: round(statistics.median(v), 3) for nid, v in late.items()}
 
 
-def inbound_message_slack(fleet_db, node: str) -> float | None:
-    """Median over the arrivals ``node`` recorded (tcp_progress) of the time from the
-    start of the send that carried those bytes to their arrival, on the shared clock,
-    in ms: the best a send-before-receive pair into ``node`` can place its clock. Sends
-    that wait for the receiver's window (a reader starved of CPU) start long before
-    their bytes leave. None without such pairs."""
+#: the sending end's latest row below an arrival's last byte, of one kind: 'send' (the
+#: call began copying it) or 'unsent' (it had not left yet)
+_LATEST = ("(SELECT MAX(s.mono_ns) FROM tcp_progress s WHERE s.direction = '{kind}' "
+           "AND s.node_id != r.node_id AND s.saddr = r.daddr AND s.sport = r.dport "
+           "AND s.daddr = r.saddr AND s.dport = r.sport "
+           "AND s.stream_offset < r.stream_offset + r.bytes)")
+
+
+def inbound_message_slack(fleet_db, node: str) -> dict[str, float | None]:
+    """Per kind of bound on the sending end ('send', 'unsent', and 'best' for the later
+    of the two), the median over the arrivals ``node`` recorded (tcp_progress) of the
+    time from that bound to the arrival, on the shared clock, in ms: the best a
+    send-before-receive pair into ``node`` can place its clock. Sends that wait for the
+    receiver's window (a reader starved of CPU) start long before their bytes leave;
+    the ACK that opens the window ('unsent') comes just before. None without pairs.
+    Each kind's latest row below an arrival is its largest position there (rows of one
+    kind only move forward)."""
     with connect(fleet_db) as con:
-        slacks = [r[0] for r in con.execute(
-            "SELECT (SELECT r.mono_ns - s.mono_ns FROM tcp_progress s "
-            "        WHERE s.direction = 'send' AND s.node_id != r.node_id "
-            "          AND s.saddr = r.daddr AND s.sport = r.dport "
-            "          AND s.daddr = r.saddr AND s.dport = r.sport "
-            "          AND s.stream_offset <= r.stream_offset "
-            "        ORDER BY s.stream_offset DESC LIMIT 1) "
-            "FROM tcp_progress r JOIN nodes n USING (node_id) "
-            "WHERE n.name = ? AND r.direction = 'arrive'", (node,)) if r[0] is not None]
-    return round(statistics.median(slacks) / 1e6, 3) if slacks else None
+        rows = con.execute(
+            f"SELECT r.mono_ns, {_LATEST.format(kind='send')}, "
+            f"{_LATEST.format(kind='unsent')} FROM tcp_progress r JOIN nodes n "
+            "USING (node_id) WHERE n.name = ? AND r.direction = 'arrive'", (node,)).fetchall()
+    out: dict[str, float | None] = {}
+    for kind, pick in (("send", lambda s, u: s), ("unsent", lambda s, u: u),
+                       ("best", lambda s, u: max(x for x in (s, u) if x is not None)
+                        if (s, u) != (None, None) else None)):
+        slacks = [t - b for t, s, u in rows if (b := pick(s, u)) is not None]
+        out[kind] = round(statistics.median(slacks) / 1e6, 3) if slacks else None
+    return out
+
+
+def message_bounds_broken(fleet_db) -> tuple[int, int, list]:
+    """On the shared clock, every receive or arrival of a byte came after the send that
+    began copying it and after any 'unsent' row that said it had not left: (pairs
+    checked, pairs broken, a few broken ones). The claim the merge's message bounds rest
+    on, checked on the real kernel whatever the fault."""
+    with connect(fleet_db) as con:
+        broken = con.execute(
+            "SELECT r.node_id, r.direction, r.mono_ns, r.stream_offset, r.bytes, "
+            "s.direction, s.mono_ns, s.stream_offset FROM tcp_progress r "
+            "JOIN tcp_progress s ON s.direction IN ('send', 'unsent') "
+            "AND s.node_id != r.node_id AND s.saddr = r.daddr AND s.sport = r.dport "
+            "AND s.daddr = r.saddr AND s.dport = r.sport "
+            "AND s.stream_offset < r.stream_offset + r.bytes AND s.mono_ns >= r.mono_ns "
+            "WHERE r.direction IN ('recv', 'arrive') LIMIT 5").fetchall()
+        pairs = con.execute(
+            "SELECT COUNT(*) FROM tcp_progress r JOIN tcp_progress s "
+            "ON s.direction IN ('send', 'unsent') AND s.node_id != r.node_id "
+            "AND s.saddr = r.daddr AND s.sport = r.dport AND s.daddr = r.saddr "
+            "AND s.dport = r.sport AND s.stream_offset < r.stream_offset + r.bytes "
+            "WHERE r.direction IN ('recv', 'arrive')").fetchone()[0]
+        count = con.execute(
+            "SELECT COUNT(*) FROM tcp_progress r JOIN tcp_progress s "
+            "ON s.direction IN ('send', 'unsent') AND s.node_id != r.node_id "
+            "AND s.saddr = r.daddr AND s.sport = r.dport AND s.daddr = r.saddr "
+            "AND s.dport = r.sport AND s.stream_offset < r.stream_offset + r.bytes "
+            "AND s.mono_ns >= r.mono_ns WHERE r.direction IN ('recv', 'arrive')"
+            ).fetchone()[0]
+    return pairs, count, broken

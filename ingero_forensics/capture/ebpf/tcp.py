@@ -25,7 +25,9 @@ import os
 import struct
 import time
 
+from ...bundle.schema import TCP_DIRECTIONS as DIRECTIONS
 from ..source import CaptureContext, RowSink, SourceUnavailable
+from . import btf
 from ._bcc import require_tracepoint, tracepoint_exists
 from .base import BccSource
 
@@ -61,34 +63,36 @@ PROBE_PROGRAM = r"""
 struct conn { u8 saddr[16]; u8 daddr[16]; u16 sport; u16 dport; u16 family; u16 pad; };
 BPF_TABLE("lru_hash", struct conn, u64, probe_last, __PROBE_CONNS__);
 
-TRACEPOINT_PROBE(tcp, tcp_probe) {
-    /* saddr/daddr are struct sockaddr_in or sockaddr_in6 (by family); ports are host order */
+/* saddr/daddr are struct sockaddr_in or sockaddr_in6 (by family); ports are host order */
+static __always_inline void probe_sample(const u8 *saddr, const u8 *daddr, u16 sport,
+                                         u16 dport, u16 family, u32 srtt, u32 snd_cwnd) {
     struct conn c = {};
-    c.sport = args->sport; c.dport = args->dport; c.family = args->family;
-    if (args->family == 2) {   /* sockaddr_in: sin_addr at offset 4 */
-        bpf_probe_read_kernel(c.saddr, 4, args->saddr + 4);
-        bpf_probe_read_kernel(c.daddr, 4, args->daddr + 4);
+    c.sport = sport; c.dport = dport; c.family = family;
+    if (family == 2) {         /* sockaddr_in: sin_addr at offset 4 */
+        bpf_probe_read_kernel(c.saddr, 4, saddr + 4);
+        bpf_probe_read_kernel(c.daddr, 4, daddr + 4);
     } else {                   /* sockaddr_in6: sin6_addr at offset 8 */
-        bpf_probe_read_kernel(c.saddr, 16, args->saddr + 8);
-        bpf_probe_read_kernel(c.daddr, 16, args->daddr + 8);
+        bpf_probe_read_kernel(c.saddr, 16, saddr + 8);
+        bpf_probe_read_kernel(c.daddr, 16, daddr + 8);
     }
     u64 now = bpf_ktime_get_ns();
     u64 *last = probe_last.lookup(&c);
-    if (last && now - *last < __PROBE_INTERVAL_NS__ULL) return 0;
+    if (last && now - *last < __PROBE_INTERVAL_NS__ULL) return;
     probe_last.update(&c, &now);
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
-    if (!e) { count_lost(); return 0; }
+    if (!e) { count_lost(); return; }
     e->ts = now;
     e->pid = bpf_get_current_pid_tgid() >> 32;
     e->state = -1;             /* the tracepoint has no state field */
     e->sport = c.sport; e->dport = c.dport; e->family = c.family; e->kind = KIND_PROBE;
     __builtin_memcpy(e->saddr, c.saddr, 16);
     __builtin_memcpy(e->daddr, c.daddr, 16);
-    e->srtt_us = args->srtt;   /* the kernel stores tp->srtt_us >> 3: microseconds */
-    e->snd_cwnd = args->snd_cwnd;
+    e->srtt_us = srtt;         /* the kernel stores tp->srtt_us >> 3: microseconds */
+    e->snd_cwnd = snd_cwnd;
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-    return 0;
 }
+#define PROBE_SAMPLE() probe_sample(args->saddr, args->daddr, args->sport, args->dport, \
+                                    args->family, args->srtt, args->snd_cwnd)
 """
 
 #: Appended unless CaptureOptions.tcp_progress is off: each traced process's TCP bytes
@@ -101,9 +105,11 @@ TRACEPOINT_PROBE(tcp, tcp_probe) {
 #: tcp_progress). The flows map is keyed by the struct sock address and never reads it.
 PROGRESS_PROGRAM = r"""
 struct flow {
-    u64 connected; u64 sent; u64 rcvd; u64 last[3]; u64 emitted[3];
+    u64 connected; u64 sent; u64 rcvd; u64 last[4]; u64 emitted[4];  /* by row kind */
     u8 saddr[16]; u8 daddr[16]; u16 sport; u16 dport; u16 family; u16 pad;
     u32 tgid; u32 tid;             /* the traced process and thread that last read it */
+    u32 wtgid; u32 wtid;           /* ... and that last wrote it */
+    u64 acked0;                    /* tcp_sock.bytes_acked at establishment (unsent rows) */
 };
 struct progress {
     u64 ts; u64 offset; u64 connected; u32 bytes; u32 pid; u32 tid; u16 sport; u16 dport;
@@ -134,6 +140,11 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
             bpf_probe_read_kernel(f.saddr, 16, args->saddr_v6);
             bpf_probe_read_kernel(f.daddr, 16, args->daddr_v6);
         }
+#ifdef BYTES_ACKED_OFFSET
+        /* an active open's SYN is counted in (its SYN-ACK acknowledged it), a passive
+           one's is not: the stream starts from the count at establishment */
+        bpf_probe_read_kernel(&f.acked0, sizeof(f.acked0), (void *)(sk + BYTES_ACKED_OFFSET));
+#endif
         flows.update(&sk, &f);
     } else if (args->oldstate == 1) {            /* leaving ESTABLISHED: stop counting */
         flows.delete(&sk);
@@ -174,6 +185,7 @@ static __always_inline int progress(u64 sk, int ret, u8 dir, u64 began) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!is_target(tgid)) return 0;
     if (dir) { f->tgid = tgid; f->tid = bpf_get_current_pid_tgid(); }
+    else { f->wtgid = tgid; f->wtid = bpf_get_current_pid_tgid(); }
     u64 since = now - f->emitted[dir & 1];
     if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
     if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return 0;
@@ -200,10 +212,10 @@ TRACEPOINT_PROBE(sock, sock_recv_length) {
 
 TRACEPOINT_PROBE(sock, sk_data_ready) {
     /* The kernel queued in-order data for the reader (softirq, at the packet's
-       arrival): the first byte the reader has not read yet (f->rcvd) is there now. It
-       arrived with this packet when the reader had emptied the socket, which a burst's
-       first packet finds; earlier otherwise. Unlike the read's return, this does not
-       wait for the reader to get a CPU. Only connections a traced process reads. */
+       arrival): the bytes from the first one the reader has not read yet (f->rcvd) to
+       the end of this packet are there now; with the kernel's BTF the row says how
+       many, else only the first. Unlike the read's return, this does not wait for the
+       reader to get a CPU. Only connections a traced process reads. */
     if (args->protocol != 6) return 0;
     u64 sk = (u64)args->skaddr;
     struct flow *f = flows.lookup(&sk);
@@ -215,7 +227,62 @@ TRACEPOINT_PROBE(sock, sk_data_ready) {
     if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
     if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return 0;
     f->emitted[2] = now;
-    emit(f, now, f->rcvd, 1, f->tgid, f->tid, 2);
+    u32 extent = 1;
+#ifdef RCV_NXT_OFFSET
+    /* every byte in the socket arrived by now: rcv_nxt - copied_seq of them after the
+       reader's count (a read in progress has copied more than f->rcvd says: fewer
+       bytes claimed, never more) */
+    u32 nxt = 0, copied = 0;
+    if (!bpf_probe_read_kernel(&nxt, sizeof(nxt), (void *)(sk + RCV_NXT_OFFSET)) &&
+        !bpf_probe_read_kernel(&copied, sizeof(copied), (void *)(sk + COPIED_SEQ_OFFSET)) &&
+        nxt - copied > 0 && nxt - copied < (1u << 31))
+        extent = nxt - copied;
+#endif
+    emit(f, now, f->rcvd, extent, f->tgid, f->tid, 2);
+    return 0;
+}
+"""
+
+#: Appended with the progress program where tcp:tcp_probe and the kernel's BTF are there:
+#: 'unsent' rows. tcp:tcp_probe fires as an established socket takes in a segment (an
+#: ACK, for a sender), before the kernel acts on it: snd_nxt is the first byte this end
+#: has not sent yet, whatever the application already wrote. A send waiting for the
+#: receiver's window (a reader starved of CPU) began long before its bytes left; the ACK
+#: that opens the window is the instant they were still here, so "bytes from snd_nxt
+#: on had not left at T" bounds the other node's arrival of them far more tightly than
+#: the send's start. snd_nxt is a sequence number; tcp_sock.bytes_acked (the bytes
+#: acknowledged since establishment, updated with snd_una under the socket lock) turns
+#: it into the stream position the send and receive rows count. Its offset comes from
+#: the running kernel's BTF (btf.py), not from headers that may be another kernel's.
+UNSENT_PROGRAM = r"""
+static __always_inline void unsent(u64 sk, u32 snd_nxt, u32 snd_una) {
+    struct flow *f = flows.lookup(&sk);
+    if (!f || !f->wtgid) return;               /* connections a traced process writes */
+    u64 now = bpf_ktime_get_ns();
+    u64 quiet = now - f->last[3];
+    f->last[3] = now;
+    u64 since = now - f->emitted[3];
+    if (since < __PROGRESS_INTERVAL_NS__ULL) return;
+    if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return;
+    u64 acked = 0;
+    if (bpf_probe_read_kernel(&acked, sizeof(acked), (void *)(sk + BYTES_ACKED_OFFSET)))
+        return;
+    f->emitted[3] = now;
+    emit(f, now, acked - f->acked0 + (u32)(snd_nxt - snd_una), 1, f->wtgid, f->wtid, 3);
+}
+#define PROGRESS_UNSENT() unsent((u64)args->skaddr, args->snd_nxt, args->snd_una)
+"""
+
+#: One handler for tcp:tcp_probe, whatever uses it (a program text holds one per
+#: tracepoint): the parts' macros are defined only when their part is in the text.
+TCP_PROBE_HANDLER = r"""
+TRACEPOINT_PROBE(tcp, tcp_probe) {
+#ifdef PROBE_SAMPLE
+    PROBE_SAMPLE();
+#endif
+#ifdef PROGRESS_UNSENT
+    PROGRESS_UNSENT();
+#endif
     return 0;
 }
 """
@@ -224,7 +291,6 @@ TRACEPOINT_PROBE(sock, sk_data_ready) {
 PROGRESS_GAP_NS = 50_000
 PROGRESS_CONNS = 16384   # established connections counted at once (LRU)
 PROGRESS = struct.Struct("<QQQIIIHHHBx16s16s4x")
-DIRECTIONS = ("send", "recv", "arrive")
 
 KIND_RETRANSMIT, KIND_PROBE = 0, 1
 EVENT_NAMES = ("tcp_retransmit_skb", "tcp_probe")
@@ -365,6 +431,8 @@ class TcpSource(BccSource):
         self.progress_on = False       # the tcp_progress probes compiled in and attached
         self.progress_began = False    # ... with tcp:tcp_sendmsg_locked (send starts)
         self.progress_arrivals = False  # ... with sock:sk_data_ready (arrivals)
+        self.progress_unsent = False   # ... with tcp:tcp_probe (bytes not sent yet)
+        self.sock_offsets: dict[str, int] | None = None   # tcp_sock members, from BTF
         self.progress_rows = 0
 
     def filter_targets(self, ctx: CaptureContext) -> bool:
@@ -383,12 +451,19 @@ class TcpSource(BccSource):
         if self.progress_on:
             interval_ns = int(self.options.tcp_progress_interval_ms) * 1_000_000
             prog = PROGRESS_PROGRAM
+            if self.sock_offsets:
+                prog = "".join(f"#define {name.upper()}_OFFSET {offset}\n"
+                               for name, offset in self.sock_offsets.items()) + prog
             if not self.progress_arrivals:
                 # no arrival rows: receives are bounded by their returns only
                 prog = prog[:prog.index("TRACEPOINT_PROBE(sock, sk_data_ready)")]
+            if self.progress_unsent:
+                prog += UNSENT_PROGRAM
             text += (prog.replace("__PROGRESS_CONNS__", str(PROGRESS_CONNS))
                          .replace("__PROGRESS_INTERVAL_NS__", str(interval_ns))
                          .replace("__PROGRESS_GAP_NS__", str(PROGRESS_GAP_NS)))
+        if self.probe_on or (self.progress_on and self.progress_unsent):
+            text += TCP_PROBE_HANDLER
         return text
 
     def start(self, ctx: CaptureContext) -> None:
@@ -415,6 +490,8 @@ class TcpSource(BccSource):
             self.progress_began = self.progress_on
             self.progress_arrivals = self.progress_on and tracepoint_exists("sock",
                                                                             "sk_data_ready")
+            if self.progress_on:
+                self._find_sock_offsets()
             if missing:
                 self.notes.append(("warning", f"tracepoint {', '.join(missing)} not found "
                                    "(kernel < 6.3?): no tcp_progress rows, so the merge "
@@ -422,9 +499,34 @@ class TcpSource(BccSource):
         self._start_leaving_off(ctx)
         self.index.refresh_job(ctx.targets.pids(), time.monotonic())
 
+    #: tcp_sock members the progress program reads by offset (btf.py), and their widths
+    SOCK_MEMBERS = {"bytes_acked": 8, "rcv_nxt": 4, "copied_seq": 4}
+
+    def _find_sock_offsets(self) -> None:
+        """'unsent' rows need tcp:tcp_probe and tcp_sock.bytes_acked, and the extent of
+        an arrival rcv_nxt and copied_seq, at their offsets in the running kernel;
+        without them the sends and the first unread byte still bound the clocks, loosely
+        where sends wait for the receiver's window."""
+        try:
+            self.sock_offsets = btf.member_offsets("tcp_sock", self.SOCK_MEMBERS)
+        except btf.BtfError as e:
+            self.notes.append(("warning", f"no 'unsent' tcp_progress rows and arrivals of "
+                               f"one byte: the kernel's BTF does not give tcp_sock's "
+                               f"{', '.join(self.SOCK_MEMBERS)} ({e}), so sends that wait "
+                               f"for the receiver's window bound the clocks loosely"))
+            return
+        if tracepoint_exists("tcp", "tcp_probe"):
+            self.progress_unsent = True
+        else:
+            self.notes.append(("warning", "tracepoint tcp:tcp_probe not found: no 'unsent' "
+                               "tcp_progress rows, so sends that wait for the receiver's "
+                               "window bound the clocks loosely"))
+
     #: (attribute, what the capture loses without it) of the optional parts, the
     #: cheapest to lose first
     OPTIONAL = (("probe_on", "tcp:tcp_probe left off: {why}; only retransmits are recorded"),
+                ("progress_unsent", "tcp_progress 'unsent' rows left off: {why}; sends that "
+                 "wait for the receiver's window bound the clocks loosely"),
                 ("progress_on", "tcp_progress left off: {why}; the merge cannot bound this "
                  "node's clock by its TCP messages"))
 
@@ -441,12 +543,14 @@ class TcpSource(BccSource):
         if not on:
             raise first
         tries = [[part] for part in on] + ([on] if len(on) > 1 else [])
-        began, arrivals = self.progress_began, self.progress_arrivals
+        began, arrivals, unsent = (self.progress_began, self.progress_arrivals,
+                                   self.progress_unsent)
         for off in tries:
             for attr, _ in off:
                 setattr(self, attr, False)
             self.progress_began = self.progress_began and self.progress_on
             self.progress_arrivals = self.progress_arrivals and self.progress_on
+            self.progress_unsent = self.progress_unsent and self.progress_on
             self.attached.clear()
             try:
                 super().start(ctx)
@@ -456,6 +560,7 @@ class TcpSource(BccSource):
                 for attr, _ in off:
                     setattr(self, attr, True)
                 self.progress_began, self.progress_arrivals = began, arrivals
+                self.progress_unsent = unsent
                 continue
             for _, note in off:
                 self.notes.append(("warning", note.format(why=first.reason)))
@@ -471,6 +576,12 @@ class TcpSource(BccSource):
         if self.progress_on:
             began = ", tcp:tcp_sendmsg_locked" if self.progress_began else ""
             began += ", sock:sk_data_ready" if self.progress_arrivals else ""
+            began += (", tcp:tcp_probe (bytes not sent yet)" if self.progress_unsent
+                      else "")
+            if self.sock_offsets:
+                began += (" (tcp_sock " + ", ".join(f"{name} at {offset}" for name, offset
+                                                    in self.sock_offsets.items())
+                          + ", from the kernel's BTF)")
             self.attached.append(
                 f"tracepoints sock:inet_sock_set_state, sock:sock_send_length, "
                 f"sock:sock_recv_length{began}: the traced processes' TCP byte progress, "

@@ -281,11 +281,18 @@ def test_tcp_probe_samples_rate_limited(ebpf_ok, tmp_path):
 
 
 def test_tcp_probe_off_by_default(ebpf_ok, tmp_path):
+    # no tcp_probe rows in tcp_events; the tracepoint itself is on for the progress
+    # rows' 'unsent' kind, and off with them
     opts = options()
     assert opts.tcp_probe is False
     rows, *_rest, sink, _seconds, attached = loopback_transfer(tmp_path, opts, rounds=300)
-    assert b"tcp:tcp_retransmit_skb" in attached and b"tcp:tcp_probe" not in attached
+    assert {b"tcp:tcp_retransmit_skb", b"tcp:tcp_probe"} <= attached
     assert not [r for r in sink.dicts("tcp_events") if r["event"] == "tcp_probe"]
+    assert not any("tcp_probe" in log[3] for log in sink.logs if log[0] == "warning"), \
+        sink.logs
+    opts = options(tcp_progress=False)
+    rows, *_rest, sink, _seconds, attached = loopback_transfer(tmp_path, opts, rounds=300)
+    assert b"tcp:tcp_retransmit_skb" in attached and b"tcp:tcp_probe" not in attached
     assert not any("tcp_probe" in log[3] for log in sink.logs), sink.logs
 
 
@@ -335,7 +342,7 @@ def test_tcp_probe_that_cannot_load_keeps_retransmits(ebpf_ok, monkeypatch):
     from ingero_forensics.capture.ebpf import tcp
     monkeypatch.setattr(tcp, "PROBE_PROGRAM",
                         tcp.PROBE_PROGRAM.replace("args->snd_cwnd", "args->no_such_field"))
-    opts = options(tcp_probe=True)
+    opts = options(tcp_probe=True, tcp_progress=False)
     source = TcpSource(opts)
     with Running(source, StaticTargets(), opts) as run:
         attached = set(source.bpf.tracepoint_fds)
@@ -460,7 +467,7 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
     # untraced process's own sends are not there, and neither is the early connection
     assert {(r["daddr"], r["dport"], r["saddr"], r["sport"], r["pid"]) for r in recvs} == \
         {conn + (recv.pid,), ("127.0.0.1", other_port, "127.0.0.1", port, recv.pid)}
-    assert {r["direction"] for r in rows} == {"send", "recv", "arrive"}
+    assert {r["direction"] for r in rows} == {"send", "recv", "arrive", "unsent"}
     assert early_port not in {r["sport"] for r in rows} | {r["dport"] for r in rows}
     recvs = [r for r in recvs if r["dport"] == sport]
     total = rounds * 3 * chunk
@@ -494,17 +501,20 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
         if k is not None:
             slack.append(r["timestamp_ns"] - sends[k]["timestamp_ns"])
     assert len(slack) > 10 and min(slack) > 0, sorted(slack)[:5]
-    # arrivals: the byte at stream_offset was queued for the (drained) reader then: after
-    # the send that began copying it, and no later than the read that returned it
+    # arrivals: the bytes from stream_offset on, `bytes` of them, were queued for the
+    # reader then: after the send that began copying the last of them, and no later
+    # than the reads that returned them
     assert len(arrivals) > 10, len(arrivals)
+    assert any(a["bytes"] > 1 for a in arrivals), arrivals[:5]     # extents, from BTF
     arrive_slack = []
     for a in arrivals:
-        assert a["bytes"] == 1 and a["pid"] == recv.pid, a
-        k = max((i for i, o in enumerate(offsets) if o <= a["stream_offset"]), default=None)
+        last = a["stream_offset"] + a["bytes"] - 1
+        assert a["bytes"] >= 1 and last < total and a["pid"] == recv.pid, a
+        k = max((i for i, o in enumerate(offsets) if o <= last), default=None)
         if k is not None:
             arrive_slack.append(a["timestamp_ns"] - sends[k]["timestamp_ns"])
-        later = [r for r in recvs if r["stream_offset"] <= a["stream_offset"]
-                 < r["stream_offset"] + r["bytes"]]
+        later = [r for r in recvs if r["stream_offset"] <= last
+                 and a["stream_offset"] < r["stream_offset"] + r["bytes"]]
         assert all(r["timestamp_ns"] >= a["timestamp_ns"] for r in later), (a, later)
     assert arrive_slack and min(arrive_slack) > 0, sorted(arrive_slack)[:5]
     print("tcp_progress: %d sends, %d receives, %d arrivals; slack to the receive: min "
@@ -536,3 +546,214 @@ def test_tcp_progress_off(ebpf_ok, tmp_path):
     assert not attached & {b"sock:sock_send_length", b"sock:sock_recv_length",
                            b"sock:inet_sock_set_state", b"tcp:tcp_sendmsg_locked"}
     assert not sink.dicts("tcp_progress")
+
+
+# -- 'unsent' rows: bytes the sender still held, at tcp:tcp_probe ---------------------
+
+# One process, both ends: K-byte requests answered by R-byte replies, a pause between
+# rounds, so each end's sends are whole and every byte was acknowledged by the next
+# round.
+PINGPONG = textwrap.dedent(r"""
+    import socket, sys, threading, time
+    k, r, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    sys.stdin.readline()
+    def take(c, n):
+        got = 0
+        while got < n:
+            got += len(c.recv(n - got))
+    def serve():
+        c, _ = srv.accept()
+        for _ in range(rounds):
+            take(c, k)
+            c.sendall(b"r" * r)
+        c.recv(1)
+    t = threading.Thread(target=serve)
+    t.start()
+    s = socket.create_connection(("127.0.0.1", srv.getsockname()[1]))
+    print(s.getsockname()[1], flush=True)
+    for _ in range(rounds):
+        s.sendall(b"k" * k)
+        take(s, r)
+        time.sleep(0.01)
+    s.close()
+    t.join()
+    print("done", flush=True)
+""")
+
+
+def _run_traced(script: str, args: list[str], opts, tmp_path):
+    """Run one traced script under a TcpSource: (its rows, its pid, the ports it printed,
+    its last line, tracepoints attached, the source, its warnings)."""
+    path = tmp_path / "traced.py"
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(path), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        source = TcpSource(opts)
+        with Running(source, StaticTargets([proc.pid]), opts) as run:
+            attached = set(source.bpf.tracepoint_fds)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            client = int(proc.stdout.readline())
+            last = proc.stdout.readline().strip()
+            time.sleep(0.2)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rows = [r for r in run.sink.dicts("tcp_progress") if {r["sport"], r["dport"]} ==
+            {port, client}]
+    warnings = [log[3] for log in run.sink.logs if log[0] == "warning"]
+    return rows, proc.pid, port, client, last, attached, source, warnings
+
+
+def test_unsent_positions_are_exact(ebpf_ok, tmp_path):
+    """An 'unsent' row's position is the stream position of the first byte its end had
+    not sent: after whole K-byte sends, a multiple of K on the client and of R on the
+    server (tcp_sock.bytes_acked from BTF, plus snd_nxt - snd_una; a SYN counted in, or
+    a wrong offset, would be off by one or wildly)."""
+    k, r, rounds = 1000, 3000, 60
+    opts = options(tcp_progress_interval_ms=5)
+    rows, pid, port, client, last, attached, source, _warnings = _run_traced(
+        PINGPONG, [str(k), str(r), str(rounds)], opts, tmp_path)
+    assert last == "done"
+    assert b"tcp:tcp_probe" in attached and source.progress_unsent
+    assert any("bytes_acked at" in a for a in source.attached), source.attached
+    unsent = [x for x in rows if x["direction"] == "unsent"]
+    by_end = {client: [x for x in unsent if x["sport"] == client],
+              port: [x for x in unsent if x["sport"] == port]}
+    for end, size in ((client, k), (port, r)):
+        got = by_end[end]
+        assert len(got) >= rounds / 4, (end, len(got), rows[:5])
+        assert all(x["bytes"] == 1 and x["pid"] == pid for x in got), got[:3]
+        offsets = [x["stream_offset"] for x in got]
+        assert all(o % size == 0 and size <= o <= rounds * size for o in offsets), \
+            (end, size, offsets)
+        # rounds are sequential: positions only grow
+        assert offsets == sorted(offsets), offsets
+    # and each matches how far that end had written: the send rows' own positions
+    sends = {(x["sport"], x["stream_offset"] + x["bytes"]) for x in rows
+             if x["direction"] == "send"}
+    assert any((x["sport"], x["stream_offset"]) in sends for x in unsent), (unsent[:3], sends)
+
+
+# A reader starved on purpose: a small receive buffer, a pause after every read; the
+# sender's calls wait for the window, as a ring's do into a CPU-starved rank.
+SLOW_READER = textwrap.dedent(r"""
+    import select, socket, sys, threading, time
+    total, chunk = int(sys.argv[1]), int(sys.argv[2])
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    sys.stdin.readline()
+    def read_slowly():
+        c, _ = srv.accept()
+        c.setblocking(False)
+        n = 0
+        while n < total:
+            try:
+                n += len(c.recv(1 << 16))
+            except BlockingIOError:
+                select.select([c], [], [])
+                continue
+            time.sleep(0.012)           # busy elsewhere: the window closes meanwhile
+    t = threading.Thread(target=read_slowly)
+    t.start()
+    s = socket.create_connection(("127.0.0.1", srv.getsockname()[1]))
+    print(s.getsockname()[1], flush=True)
+    for _ in range(total // chunk):
+        s.sendall(b"x" * chunk)
+    t.join()
+    print("done", flush=True)
+""")
+
+
+def test_unsent_rows_bound_arrivals_where_sends_wait(ebpf_ok, tmp_path):
+    """Into a starved reader, sends begin long before their bytes leave; 'unsent' rows
+    are dated when the bytes were still on the sender, so every later arrival or
+    receive of them comes after the row (one kernel, one clock), and they bound the
+    arrivals far more tightly than the sends' starts."""
+    total, chunk = 4_000_000, 200_000
+    opts = options(tcp_progress_interval_ms=5)
+    rows, pid, port, client, last, *_rest = _run_traced(
+        SLOW_READER, [str(total), str(chunk)], opts, tmp_path)
+    assert last == "done"
+    out = [x for x in rows if x["sport"] == client]        # the sender's end
+    inbound = [x for x in rows if x["sport"] == port]      # the reader's end
+    unsent = sorted((x for x in out if x["direction"] == "unsent"),
+                    key=lambda x: x["timestamp_ns"])
+    sends = sorted((x for x in out if x["direction"] == "send"),
+                   key=lambda x: x["timestamp_ns"])
+    arrivals = [x for x in inbound if x["direction"] == "arrive"]
+    recvs = [x for x in inbound if x["direction"] == "recv"]
+    assert len(unsent) > 20 and sends and len(arrivals) > 20, \
+        (len(unsent), len(sends), len(arrivals))
+    assert all(0 <= x["stream_offset"] <= total for x in unsent), unsent[:3]
+    # causality: a byte the sender had not sent at T reached the reader after T
+    for u in unsent:
+        t, n = u["timestamp_ns"], u["stream_offset"]
+        early = [a for a in arrivals if a["stream_offset"] + a["bytes"] > n
+                 and a["timestamp_ns"] <= t]
+        early += [x for x in recvs if x["stream_offset"] + x["bytes"] > n
+                  and x["timestamp_ns"] <= t]
+        assert not early, (u, early[:3])
+
+    def slack(rows_of_kind):
+        got = []
+        for a in arrivals:
+            best = max((x["timestamp_ns"] for x in rows_of_kind
+                        if x["stream_offset"] < a["stream_offset"] + a["bytes"]),
+                       default=None)
+            if best is not None:
+                got.append(a["timestamp_ns"] - best)
+        return got
+    by_unsent, by_send = slack(unsent), slack(sends)
+    assert by_unsent and by_send and min(by_unsent) > 0 and min(by_send) > 0
+    print("arrival - bound: unsent rows median %.0f us (min %.0f), send starts median "
+          "%.0f us (min %.0f); %d unsent rows, %d sends, %d arrivals"
+          % (statistics.median(by_unsent) / 1e3, min(by_unsent) / 1e3,
+             statistics.median(by_send) / 1e3, min(by_send) / 1e3, len(unsent),
+             len(sends), len(arrivals)))
+    assert statistics.median(by_unsent) * 10 < statistics.median(by_send), \
+        (statistics.median(by_unsent), statistics.median(by_send))
+
+
+def test_unsent_that_cannot_load_keeps_the_other_progress_rows(ebpf_ok, monkeypatch,
+                                                              tmp_path):
+    # a tcp_probe layout the 'unsent' part does not know costs only those rows
+    from ingero_forensics.capture.ebpf import tcp
+    monkeypatch.setattr(tcp, "UNSENT_PROGRAM",
+                        tcp.UNSENT_PROGRAM.replace("args->snd_una", "args->no_such_field"))
+    opts = options(tcp_progress_interval_ms=5)
+    rows, *_rest, attached, source, warnings = _run_traced(
+        PINGPONG, ["1000", "3000", "30"], opts, tmp_path)
+    assert not source.progress_unsent and source.progress_on
+    assert b"tcp:tcp_probe" not in attached and b"sock:sock_send_length" in attached
+    kinds = {r["direction"] for r in rows}
+    assert "unsent" not in kinds and {"send", "recv"} <= kinds, kinds
+    assert len(warnings) == 1 and warnings[0].startswith("tcp_progress 'unsent' rows left "
+                                                         "off: "), warnings
+
+
+def test_no_btf_no_unsent_rows_and_one_byte_arrivals(ebpf_ok, monkeypatch, tmp_path):
+    # a kernel without BTF (or without the members): the rest of the progress rows, as
+    # before, and a warning that says what is lost
+    from ingero_forensics.capture.ebpf import btf
+    monkeypatch.setattr(btf, "VMLINUX", str(tmp_path / "no-such-btf"))
+    opts = options(tcp_progress_interval_ms=5)
+    rows, *_rest, attached, source, warnings = _run_traced(
+        SLOW_READER, ["1000000", "200000"], opts, tmp_path)
+    assert source.progress_on and not source.progress_unsent and b"tcp:tcp_probe" \
+        not in attached
+    arrivals = [r for r in rows if r["direction"] == "arrive"]
+    assert arrivals and all(r["bytes"] == 1 for r in arrivals), arrivals[:3]
+    assert "unsent" not in {r["direction"] for r in rows}
+    assert len(warnings) == 1 and "BTF" in warnings[0] and "no-such-btf" in warnings[0], \
+        warnings
