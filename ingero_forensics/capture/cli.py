@@ -91,8 +91,11 @@ def _libs(ctx, param, values):
                    "kernel (about 1.2 us per call on a 2-core VM: docs/performance.md).")
 @click.option("--tcp-progress-interval", type=click.IntRange(min=1), default=1000,
               show_default=True, metavar="MS",
-              help="Milliseconds between two tcp_progress rows of one connection and "
-                   "kind (send, receive, arrival; a call that starts a burst is preferred).")
+              help="Milliseconds between two time-based tcp_progress rows of one "
+                   "connection and kind (send, receive, arrival, unsent; a call that "
+                   "starts a burst is preferred). Rows at fixed stream positions, the "
+                   "same bytes on both ends, come on top: 32 per doubling of the bytes "
+                   "moved.")
 @click.option("--launch-budget", type=click.IntRange(min=0), default=5000, show_default=True,
               metavar="CALLS_PER_S",
               help="Kernel launches the capture counts per second before it samples them. "

@@ -110,6 +110,8 @@ struct flow {
     u32 tgid; u32 tid;             /* the traced process and thread that last read it */
     u32 wtgid; u32 wtid;           /* ... and that last wrote it */
     u64 acked0;                    /* tcp_sock.bytes_acked at establishment (unsent rows) */
+    u64 mark[4];                   /* by row kind: the next grid position (next_mark) */
+    u64 cand_ts; u64 cand_off;     /* unsent: the last instant the mark had not left */
 };
 struct progress {
     u64 ts; u64 offset; u64 connected; u32 bytes; u32 pid; u32 tid; u16 sport; u16 dport;
@@ -159,6 +161,43 @@ TRACEPOINT_PROBE(tcp, tcp_sendmsg_locked) {
     return 0;
 }
 
+/* The grid both ends of a connection write rows at, whenever else they write them: 32
+   positions per power of two of the stream position, 64 KiB to 1 GiB apart. Computed
+   from the position alone, so the sender's row for the byte at a grid position and the
+   receiver's row for the same byte are written however the two ends' time-based rows
+   fall (a starved reader sees a burst late, and time-based rows on the two ends then
+   pick different bursts). Returns the first grid position above `last`. */
+static __always_inline u64 next_mark(u64 last) {
+    u64 x = last | 1;
+    int lg = 0;
+    if (x >> 32) { lg += 32; x >>= 32; }
+    if (x >> 16) { lg += 16; x >>= 16; }
+    if (x >> 8) { lg += 8; x >>= 8; }
+    if (x >> 4) { lg += 4; x >>= 4; }
+    if (x >> 2) { lg += 2; x >>= 2; }
+    if (x >> 1) { lg += 1; }
+    int shift = lg - 5;
+    if (shift < 16) shift = 16;
+    if (shift > 30) shift = 30;
+    return ((last >> shift) + 1) << shift;
+}
+
+/* A row is due at a call (or segment) that reaches the kind's next grid position, or by
+   time: one that starts a burst (after GAP of quiet) at least an interval after the
+   kind's last row, or any call ten intervals after it. */
+static __always_inline int due(struct flow *f, int kind, u64 end, u64 now, u64 quiet) {
+    u64 since = now - f->emitted[kind & 3];
+    int marked = end > f->mark[kind & 3];
+    if (marked) f->mark[kind & 3] = next_mark(end - 1);
+    if (!marked) {
+        if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
+        if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL)
+            return 0;
+    }
+    f->emitted[kind & 3] = now;
+    return 1;
+}
+
 static __always_inline void emit(struct flow *f, u64 ts, u64 offset, u32 bytes, u32 tgid,
                                  u32 tid, u8 dir) {
     struct progress *e = events.ringbuf_reserve(sizeof(struct progress));
@@ -186,10 +225,7 @@ static __always_inline int progress(u64 sk, int ret, u8 dir, u64 began) {
     if (!is_target(tgid)) return 0;
     if (dir) { f->tgid = tgid; f->tid = bpf_get_current_pid_tgid(); }
     else { f->wtgid = tgid; f->wtid = bpf_get_current_pid_tgid(); }
-    u64 since = now - f->emitted[dir & 1];
-    if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
-    if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return 0;
-    f->emitted[dir & 1] = now;
+    if (!due(f, dir & 1, offset + ret, now, quiet)) return 0;
     emit(f, start, offset, ret, tgid, bpf_get_current_pid_tgid(), dir);
     return 0;
 }
@@ -223,10 +259,6 @@ TRACEPOINT_PROBE(sock, sk_data_ready) {
     u64 now = bpf_ktime_get_ns();
     u64 quiet = now - f->last[2];
     f->last[2] = now;
-    u64 since = now - f->emitted[2];
-    if (since < __PROGRESS_INTERVAL_NS__ULL) return 0;
-    if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return 0;
-    f->emitted[2] = now;
     u32 extent = 1;
 #ifdef RCV_NXT_OFFSET
     /* every byte in the socket arrived by now: rcv_nxt - copied_seq of them after the
@@ -238,6 +270,7 @@ TRACEPOINT_PROBE(sock, sk_data_ready) {
         nxt - copied > 0 && nxt - copied < (1u << 31))
         extent = nxt - copied;
 #endif
+    if (!due(f, 2, f->rcvd + extent, now, quiet)) return 0;
     emit(f, now, f->rcvd, extent, f->tgid, f->tid, 2);
     return 0;
 }
@@ -261,14 +294,23 @@ static __always_inline void unsent(u64 sk, u32 snd_nxt, u32 snd_una) {
     u64 now = bpf_ktime_get_ns();
     u64 quiet = now - f->last[3];
     f->last[3] = now;
-    u64 since = now - f->emitted[3];
-    if (since < __PROGRESS_INTERVAL_NS__ULL) return;
-    if (quiet < __PROGRESS_GAP_NS__ULL && since < 10 * __PROGRESS_INTERVAL_NS__ULL) return;
     u64 acked = 0;
     if (bpf_probe_read_kernel(&acked, sizeof(acked), (void *)(sk + BYTES_ACKED_OFFSET)))
         return;
-    f->emitted[3] = now;
-    emit(f, now, acked - f->acked0 + (u32)(snd_nxt - snd_una), 1, f->wtgid, f->wtid, 3);
+    u64 first = acked - f->acked0 + (u32)(snd_nxt - snd_una);   /* not sent yet */
+    u64 mark = f->mark[3];
+    if (first > mark && f->cand_ts) {
+        /* the grid byte left since the last segment: the row is the last instant it
+           had not, which its arrival on the other node follows */
+        f->mark[3] = next_mark(first - 1);
+        f->emitted[3] = f->cand_ts;
+        emit(f, f->cand_ts, f->cand_off, 1, f->wtgid, f->wtid, 3);
+    } else if (due(f, 3, first, now, quiet)) {
+        /* by time, or a first segment past the mark (no earlier instant known) */
+        emit(f, now, first, 1, f->wtgid, f->wtid, 3);
+    }
+    f->cand_ts = now;
+    f->cand_off = first;
 }
 #define PROGRESS_UNSENT() unsent((u64)args->skaddr, args->snd_nxt, args->snd_una)
 """
