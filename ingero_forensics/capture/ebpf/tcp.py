@@ -162,7 +162,7 @@ TRACEPOINT_PROBE(tcp, tcp_sendmsg_locked) {
 }
 
 /* The grid both ends of a connection write rows at, whenever else they write them: 32
-   positions per power of two of the stream position, 64 KiB to 1 GiB apart. Computed
+   positions per power of two of the stream position, 64 KiB to 16 GiB apart. Computed
    from the position alone, so the sender's row for the byte at a grid position and the
    receiver's row for the same byte are written however the two ends' time-based rows
    fall (a starved reader sees a burst late, and time-based rows on the two ends then
@@ -178,7 +178,7 @@ static __always_inline u64 next_mark(u64 last) {
     if (x >> 1) { lg += 1; }
     int shift = lg - 5;
     if (shift < 16) shift = 16;
-    if (shift > 30) shift = 30;
+    if (shift > 34) shift = 34;
     return ((last >> shift) + 1) << shift;
 }
 

@@ -405,11 +405,11 @@ PROGRESS_SENDER = textwrap.dedent(r"""
 
 def grid_positions(total: int) -> list[int]:
     """The stream positions below `total` that every end writes a row at (next_mark in
-    tcp.py): 0, then 32 per power of two, 64 KiB to 1 GiB apart."""
+    tcp.py): 0, then 32 per power of two, 64 KiB to 16 GiB apart."""
     out = [0]
     for g in range(1 << 16, total, 1 << 16):
         k = g.bit_length() - 1
-        if g % (1 << min(max(k - 5, 16), 30)) == 0:
+        if g % (1 << min(max(k - 5, 16), 34)) == 0:
             out.append(g)
     return out
 
