@@ -383,7 +383,8 @@ TABLES: tuple[Table, ...] = (
           "nodes' clocks (docs/merge.md). Sampled in the kernel: a call or segment that "
           "starts a burst (after 50 us of quiet on that end) at most once per "
           "--tcp-progress-interval per connection and kind, any call after ten "
-          "intervals. Added in 1.1: optional table.", (
+          "intervals, and the calls that reach a grid of stream positions both ends "
+          "share (docs/ebpf.md). Added in 1.1: optional table.", (
         _id(),
         C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC",
           "send: when the call began copying its bytes into the socket (its first "
@@ -391,14 +392,15 @@ TABLES: tuple[Table, ...] = (
           "return comes after its first bytes may have arrived); recv: the "
           "call's return, when the bytes were in the process; arrive: when the kernel "
           "queued in-order data for the reader (sock:sk_data_ready, at the packet's "
-          "arrival, however long the reader then waits for a CPU); unsent: when the "
+          "arrival or, when the socket was busy, just after, however long the reader "
+          "then waits for a CPU); unsent: when the "
           "sender took in a segment (tcp:tcp_probe, an ACK as a rule) with the bytes from "
           "stream_offset on still not sent (snd_nxt), however long ago the application "
           "wrote them."),
         C("direction", "TEXT", False, "", "send, recv, arrive (the bytes from "
-          "stream_offset on, `bytes` of them, were in the socket by then: the first one "
-          "the reader had not read, and where the kernel's BTF gives tcp_sock.rcv_nxt "
-          "and copied_seq, the rest the socket held; else bytes is 1) or unsent (added in 1.1 "
+          "stream_offset on, `bytes` of them, had arrived by then: the first one the "
+          "reader had not read, and where the kernel's BTF gives tcp_sock.rcv_nxt and "
+          "copied_seq, the rest up to rcv_nxt; else bytes is 1) or unsent (added in 1.1 "
           "after the others: the bytes from stream_offset on had not left the sender by "
           "then; bytes is 1; readers that do not know it must skip those rows).",
           TCP_DIRECTIONS),

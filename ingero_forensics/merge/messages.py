@@ -45,7 +45,8 @@ _POS = ("CASE WHEN e.direction IN ('send', 'unsent') THEN e.stream_offset "
 #: 0: the sending end, 1: the receiving end
 _DIR = "CASE WHEN e.direction IN ('send', 'unsent') THEN 0 ELSE 1 END"
 #: on the sending end, 0: a send's start, 1: an instant its bytes had not left (each kind's
-#: positions grow with time, so the largest one below a receive is that kind's latest)
+#: positions grow with time, so the largest one below a receive, the latest of equal
+#: ones, is that kind's latest row: 'unsent' rows repeat a position while a send waits)
 _KIND = "CASE e.direction WHEN 'unsent' THEN 1 ELSE 0 END"
 
 
@@ -116,7 +117,7 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
     conns = {cid: (sn, sc, rn, rc) for cid, sn, sc, rn, rc in con.execute(
         "SELECT rowid, sn, sc, rn, rc FROM temp.flow_conn")}
     con.execute("CREATE INDEX temp.flow_send ON flow_sp (laddr, lport, raddr, rport, kind, "
-                "pos) WHERE dir = 0")
+                "pos, mono_ns) WHERE dir = 0")
     # each receive with, of each kind, the sending end's row of the largest position
     # below its end: the send that began copying the last byte it could have returned
     # first, and the last instant that byte was known not to have left; the later of
@@ -124,7 +125,8 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
     # refuses takes only its own pairs)
     latest = ("(SELECT s.mono_ns FROM temp.flow_sp s WHERE s.dir = 0 AND s.laddr = c.laddr "
               "AND s.lport = c.lport AND s.raddr = c.raddr AND s.rport = c.rport AND "
-              "s.kind = {kind} AND s.pos < r.pos ORDER BY s.pos DESC LIMIT 1)")
+              "s.kind = {kind} AND s.pos < r.pos ORDER BY s.pos DESC, s.mono_ns DESC "
+              "LIMIT 1)")
     rows = con.execute(
         "WITH q AS (SELECT c.rowid AS cid, c.sn, r.mono_ns AS rt, c.rn, "
         f"{latest.format(kind=0)} AS st0, {latest.format(kind=1)} AS st1 "

@@ -19,7 +19,7 @@ _HEADER = struct.Struct("<HBBIIIII")     # magic, version, flags, hdr_len, type/
 _TYPE = struct.Struct("<III")            # name_off, info, size or type
 _MEMBER = struct.Struct("<III")          # name_off, type, offset (bits, or bitfield form)
 
-KIND_INT, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF = 1, 4, 5, 8
+KIND_INT, KIND_PTR, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF = 1, 2, 4, 5, 8
 KIND_VOLATILE, KIND_CONST, KIND_RESTRICT, KIND_TYPE_TAG = 9, 10, 11, 18
 #: bytes that follow a type record, per kind: a fixed part, and a part per vlen item
 _EXTRA = {1: (4, 0), 2: (0, 0), 3: (12, 0), 4: (0, 12), 5: (0, 12), 6: (0, 8), 7: (0, 0),
@@ -86,9 +86,22 @@ class Btf:
 
     def size(self, tid: int) -> int:
         t = self.types[self._resolve(tid)]
+        if t is not None and t[0] == KIND_PTR:
+            return 8                     # the vmlinux BTF read here is a 64-bit kernel's
         if t is None or t[0] not in (KIND_INT, KIND_STRUCT, KIND_UNION):
             raise BtfError(f"type {tid} has no plain size")
         return t[2]
+
+    def offsets(self, struct_name: str, members: dict[str, int | None]) -> dict[str, int]:
+        """Byte offsets of struct_name's members, each of which must be as many bytes
+        wide as `members` says (None: any width)."""
+        out = {}
+        for member, size in members.items():
+            offset, width = self.member(struct_name, member)
+            if size is not None and width != size:
+                raise BtfError(f"{struct_name}.{member} is {width} bytes, not {size}")
+            out[member] = offset
+        return out
 
     def member(self, struct_name: str, member: str) -> tuple[int, int]:
         """(byte offset, byte size) of a member of a struct, looking into anonymous
@@ -117,22 +130,19 @@ class Btf:
         return None
 
 
-def member_offsets(struct_name: str, members: dict[str, int],
-                   path: str | None = None) -> dict[str, int]:
-    """Byte offsets of struct_name's members in the running kernel, each of which must be
-    as many bytes wide as `members` says; BtfError (with the reason) when the kernel has
-    no BTF or the struct lacks one of them."""
+def load(path: str | None = None) -> Btf:
+    """The running kernel's BTF (or the file at `path`); BtfError when it cannot be read
+    or parsed."""
     path = path or VMLINUX
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise BtfError(f"cannot read {path}: {e.strerror}") from None
-    types = Btf(data)
-    out = {}
-    for member, size in members.items():
-        offset, width = types.member(struct_name, member)
-        if width != size:
-            raise BtfError(f"{struct_name}.{member} is {width} bytes, not {size}")
-        out[member] = offset
-    return out
+    return Btf(data)
+
+
+def member_offsets(struct_name: str, members: dict[str, int | None],
+                   path: str | None = None) -> dict[str, int]:
+    """Byte offsets of struct_name's members in the running kernel (Btf.offsets)."""
+    return load(path).offsets(struct_name, members)

@@ -15,7 +15,9 @@ per ``tcp_probe_interval_ms``, the last emission time kept in an LRU hash, so a 
 socket costs a map lookup per segment and not a ring buffer record. Its rows carry
 srtt_us and snd_cwnd and are attributed exactly like retransmits.
 
-Addresses and ports come from the tracepoints' own fields (no struct sock reads).
+Addresses and ports come from the tracepoints' own fields (no struct sock reads). The
+tcp_progress rows read five tcp_sock fields and one of its inet_connection_sock, at the
+offsets the running kernel's BTF gives (btf.py), never through compiled-in headers.
 """
 
 from __future__ import annotations
@@ -100,9 +102,12 @@ static __always_inline void probe_sample(const u8 *saddr, const u8 *daddr, u16 s
 #: kernel, at every send and receive (sock:sock_send_length, sock:sock_recv_length);
 #: tcp:tcp_sendmsg_locked marks when a send began copying. A record is written for a call
 #: that starts a burst on its end of the connection (after PROGRESS_GAP_NS of quiet), at
-#: most once per interval per connection and direction, and for any call after ten
-#: intervals: the calls that pair tightly with the other node's (bundle table
-#: tcp_progress). The flows map is keyed by the struct sock address and never reads it.
+#: most once per interval per connection and kind, for any call after ten intervals, and
+#: for a call that reaches the kind's next position on the grid both ends share
+#: (next_mark): the calls that pair tightly with the other node's (bundle table
+#: tcp_progress). The flows map is keyed by the struct sock address; with the kernel's
+#: BTF the socket's tcp_sock fields are read at their offsets (establishment, arrivals,
+#: unsent rows).
 PROGRESS_PROGRAM = r"""
 struct flow {
     u64 connected; u64 sent; u64 rcvd; u64 last[4]; u64 emitted[4];  /* by row kind */
@@ -146,6 +151,16 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
         /* an active open's SYN is counted in (its SYN-ACK acknowledged it), a passive
            one's is not: the stream starts from the count at establishment */
         bpf_probe_read_kernel(&f.acked0, sizeof(f.acked0), (void *)(sk + BYTES_ACKED_OFFSET));
+        /* data that moved before establishment (TCP Fast Open: in the SYN, or sent by a
+           server from SYN_RECV) is in one end's sequence space and not in the other's
+           counts: such a connection is not counted at all (a client's SYN data shows in
+           what its SYN-ACK acknowledged, more than the SYN's one) */
+        u32 nxt = 0, una = 1, rnxt = 0, copied = 1;
+        bpf_probe_read_kernel(&nxt, sizeof(nxt), (void *)(sk + SND_NXT_OFFSET));
+        bpf_probe_read_kernel(&una, sizeof(una), (void *)(sk + SND_UNA_OFFSET));
+        bpf_probe_read_kernel(&rnxt, sizeof(rnxt), (void *)(sk + RCV_NXT_OFFSET));
+        bpf_probe_read_kernel(&copied, sizeof(copied), (void *)(sk + COPIED_SEQ_OFFSET));
+        if (nxt != una || rnxt != copied || f.acked0 > 1) return 0;
 #endif
         flows.update(&sk, &f);
     } else if (args->oldstate == 1) {            /* leaving ESTABLISHED: stop counting */
@@ -241,17 +256,19 @@ TRACEPOINT_PROBE(sock, sock_send_length) {
 
 TRACEPOINT_PROBE(sock, sock_recv_length) {
     /* MSG_PEEK (2) leaves the bytes in the socket, MSG_ERRQUEUE (0x2000) reads the
-       error queue: not the stream's bytes */
-    if (args->protocol != 6 || args->ret <= 0 || (args->flags & 0x2002)) return 0;
+       error queue: not the stream's bytes; MSG_OOB (1) reads the urgent byte before
+       copied_seq passes it (left out, the count only falls behind: weaker claims) */
+    if (args->protocol != 6 || args->ret <= 0 || (args->flags & 0x2003)) return 0;
     return progress((u64)args->sk, args->ret, 1, 0);
 }
 
 TRACEPOINT_PROBE(sock, sk_data_ready) {
-    /* The kernel queued in-order data for the reader (softirq, at the packet's
-       arrival): the bytes from the first one the reader has not read yet (f->rcvd) to
-       the end of this packet are there now; with the kernel's BTF the row says how
-       many, else only the first. Unlike the read's return, this does not wait for the
-       reader to get a CPU. Only connections a traced process reads. */
+    /* The kernel queued in-order data for the reader (softirq at the packet's arrival,
+       or the owner's process context when the socket was busy): the bytes from the
+       first one the reader has not read yet (f->rcvd) up to rcv_nxt have arrived by
+       now; with the kernel's BTF the row says how many, else only the first. Unlike
+       the read's return, this does not wait for the reader to get a CPU. Only
+       connections a traced process reads. */
     if (args->protocol != 6) return 0;
     u64 sk = (u64)args->skaddr;
     struct flow *f = flows.lookup(&sk);
@@ -259,19 +276,25 @@ TRACEPOINT_PROBE(sock, sk_data_ready) {
     u64 now = bpf_ktime_get_ns();
     u64 quiet = now - f->last[2];
     f->last[2] = now;
+    u64 rcvd = f->rcvd;
     u32 extent = 1;
 #ifdef RCV_NXT_OFFSET
-    /* every byte in the socket arrived by now: rcv_nxt - copied_seq of them after the
-       reader's count (a read in progress has copied more than f->rcvd says: fewer
-       bytes claimed, never more) */
+    /* every byte up to rcv_nxt has arrived by now: rcv_nxt - copied_seq of them after
+       the reader's count (a read in progress, or a splice or zero-copy read the count
+       does not see, has taken more than f->rcvd says: fewer bytes claimed, never
+       more). Sequence space is the stream's only without an upper-layer protocol
+       (kernel TLS counts record headers and tags in it): then only the first byte. */
     u32 nxt = 0, copied = 0;
-    if (!bpf_probe_read_kernel(&nxt, sizeof(nxt), (void *)(sk + RCV_NXT_OFFSET)) &&
-        !bpf_probe_read_kernel(&copied, sizeof(copied), (void *)(sk + COPIED_SEQ_OFFSET)) &&
-        nxt - copied > 0 && nxt - copied < (1u << 31))
-        extent = nxt - copied;
+    u64 ulp = 1;
+    if (bpf_probe_read_kernel(&nxt, sizeof(nxt), (void *)(sk + RCV_NXT_OFFSET)) ||
+        bpf_probe_read_kernel(&copied, sizeof(copied), (void *)(sk + COPIED_SEQ_OFFSET)) ||
+        bpf_probe_read_kernel(&ulp, sizeof(ulp), (void *)(sk + ICSK_ULP_OPS_OFFSET)))
+        return 0;
+    if (nxt - copied == 0 || nxt - copied >= (1u << 31)) return 0;   /* nothing queued */
+    if (!ulp) extent = nxt - copied;
 #endif
-    if (!due(f, 2, f->rcvd + extent, now, quiet)) return 0;
-    emit(f, now, f->rcvd, extent, f->tgid, f->tid, 2);
+    if (!due(f, 2, rcvd + extent, now, quiet)) return 0;
+    emit(f, now, rcvd, extent, f->tgid, f->tid, 2);
     return 0;
 }
 """
@@ -303,8 +326,10 @@ static __always_inline void unsent(u64 sk, u32 snd_nxt, u32 snd_una) {
         /* the grid byte left since the last segment: the row is the last instant it
            had not, which its arrival on the other node follows */
         f->mark[3] = next_mark(first - 1);
-        f->emitted[3] = f->cand_ts;
-        emit(f, f->cand_ts, f->cand_off, 1, f->wtgid, f->wtid, 3);
+        if (f->emitted[3] != f->cand_ts) {     /* not written by time already */
+            f->emitted[3] = f->cand_ts;
+            emit(f, f->cand_ts, f->cand_off, 1, f->wtgid, f->wtid, 3);
+        }
     } else if (due(f, 3, first, now, quiet)) {
         /* by time, or a first segment past the mark (no earlier instant known) */
         emit(f, now, first, 1, f->wtgid, f->wtid, 3);
@@ -542,7 +567,10 @@ class TcpSource(BccSource):
         self.index.refresh_job(ctx.targets.pids(), time.monotonic())
 
     #: tcp_sock members the progress program reads by offset (btf.py), and their widths
-    SOCK_MEMBERS = {"bytes_acked": 8, "rcv_nxt": 4, "copied_seq": 4}
+    SOCK_MEMBERS = {"bytes_acked": 8, "rcv_nxt": 4, "copied_seq": 4, "snd_nxt": 4,
+                    "snd_una": 4}
+    #: ... and of inet_connection_sock, which a tcp_sock begins with
+    ICSK_MEMBERS = {"icsk_ulp_ops": 8}
 
     def _find_sock_offsets(self) -> None:
         """'unsent' rows need tcp:tcp_probe and tcp_sock.bytes_acked, and the extent of
@@ -550,11 +578,17 @@ class TcpSource(BccSource):
         without them the sends and the first unread byte still bound the clocks, loosely
         where sends wait for the receiver's window."""
         try:
-            self.sock_offsets = btf.member_offsets("tcp_sock", self.SOCK_MEMBERS)
+            types = btf.load()
+            offsets = types.offsets("tcp_sock", self.SOCK_MEMBERS)
+            offsets.update(types.offsets("inet_connection_sock", self.ICSK_MEMBERS))
+            if types.offsets("tcp_sock", {"inet_conn": None}) != {"inet_conn": 0}:
+                raise btf.BtfError("tcp_sock does not begin with its inet_connection_sock")
+            self.sock_offsets = offsets
         except btf.BtfError as e:
             self.notes.append(("warning", f"no 'unsent' tcp_progress rows and arrivals of "
                                f"one byte: the kernel's BTF does not give tcp_sock's "
-                               f"{', '.join(self.SOCK_MEMBERS)} ({e}), so sends that wait "
+                               f"{', '.join(self.SOCK_MEMBERS | self.ICSK_MEMBERS)} "
+                               f"({e}), so sends that wait "
                                f"for the receiver's window bound the clocks loosely"))
             return
         if tracepoint_exists("tcp", "tcp_probe"):
@@ -627,7 +661,8 @@ class TcpSource(BccSource):
             self.attached.append(
                 f"tracepoints sock:inet_sock_set_state, sock:sock_send_length, "
                 f"sock:sock_recv_length{began}: the traced processes' TCP byte progress, "
-                f"at most once per connection and kind per "
+                f"at grid positions of each stream and at most once per connection and "
+                f"kind per "
                 f"{self.options.tcp_progress_interval_ms} ms")
             # every program is attached (BCC did it on load): connections may be counted
             armed = self.bpf[b"armed"]

@@ -605,9 +605,10 @@ PINGPONG = textwrap.dedent(r"""
 """)
 
 
-def _run_traced(script: str, args: list[str], opts, tmp_path):
-    """Run one traced script under a TcpSource: (its rows, its pid, the ports it printed,
-    its last line, tracepoints attached, the source, its warnings)."""
+def _traced(script: str, args: list[str], opts, tmp_path, lines: int):
+    """Run one traced script under a TcpSource: it prints a port, waits for a line, then
+    prints `lines` lines. (the run, its pid, the port, those lines, tracepoints
+    attached, the source)."""
     path = tmp_path / "traced.py"
     path.write_text(script)
     proc = subprocess.Popen([sys.executable, str(path), *args], stdin=subprocess.PIPE,
@@ -619,18 +620,27 @@ def _run_traced(script: str, args: list[str], opts, tmp_path):
             attached = set(source.bpf.tracepoint_fds)
             proc.stdin.write("go\n")
             proc.stdin.flush()
-            client = int(proc.stdout.readline())
-            last = proc.stdout.readline().strip()
+            printed = [proc.stdout.readline().strip() for _ in range(lines)]
             time.sleep(0.2)
         proc.wait(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return run, proc.pid, port, printed, attached, source
+
+
+def _run_traced(script: str, args: list[str], opts, tmp_path):
+    """_traced for a script that prints its client port and a last line: (the rows of
+    that connection, its pid, the ports, the last line, tracepoints attached, the
+    source, its warnings)."""
+    run, pid, port, (client, last), attached, source = _traced(script, args, opts,
+                                                                tmp_path, 2)
+    client = int(client)
     rows = [r for r in run.sink.dicts("tcp_progress") if {r["sport"], r["dport"]} ==
             {port, client}]
     warnings = [log[3] for log in run.sink.logs if log[0] == "warning"]
-    return rows, proc.pid, port, client, last, attached, source, warnings
+    return rows, pid, port, client, last, attached, source, warnings
 
 
 def test_unsent_positions_are_exact(ebpf_ok, tmp_path):
@@ -777,3 +787,65 @@ def test_no_btf_no_unsent_rows_and_one_byte_arrivals(ebpf_ok, monkeypatch, tmp_p
     assert "unsent" not in {r["direction"] for r in rows}
     assert len(warnings) == 1 and "BTF" in warnings[0] and "no-such-btf" in warnings[0], \
         warnings
+
+
+# TCP Fast Open on loopback: the first connection fetches a cookie (its first 1000 bytes
+# are written before it is established), the second carries them in the SYN; a third is
+# an ordinary connect().
+FASTOPEN = textwrap.dedent(r"""
+    import socket, sys, threading, time
+    srv = socket.socket()
+    srv.setsockopt(socket.IPPROTO_TCP, socket.TCP_FASTOPEN, 16)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    print(port, flush=True)
+    sys.stdin.readline()
+    def serve():
+        for _ in range(3):
+            c, _ = srv.accept()
+            got = 0
+            while got < 201000:
+                got += len(c.recv(1 << 16))
+            c.sendall(b"ok")
+            c.close()
+    t = threading.Thread(target=serve)
+    t.start()
+    ports = []
+    for i in range(3):
+        s = socket.socket()
+        if i < 2:
+            s.sendto(b"s" * 1000, socket.MSG_FASTOPEN, ("127.0.0.1", port))
+        else:
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"s" * 1000)
+        ports.append(s.getsockname()[1])
+        s.sendall(b"x" * 200000)
+        s.recv(2)
+        s.close()
+        time.sleep(0.05)
+    t.join()
+    for p in ports:
+        print(p, flush=True)
+""")
+
+
+def test_fast_open_connections_are_not_counted(ebpf_ok, tmp_path):
+    """Data written before establishment (Fast Open: in the SYN, or queued while the
+    cookie is fetched) is in one end's count and not in the other's: such a connection
+    gets no rows at all, on either end, while an ordinary one does."""
+    with open("/proc/sys/net/ipv4/tcp_fastopen") as f:
+        saved = f.read().strip()
+    with open("/proc/sys/net/ipv4/tcp_fastopen", "w") as f:
+        f.write("3")                            # client and server
+    try:
+        run, _pid, port, printed, _attached, _source = _traced(
+            FASTOPEN, [], options(tcp_progress_interval_ms=5), tmp_path, 3)
+        cookie, fast, plain = (int(p) for p in printed)
+    finally:
+        with open("/proc/sys/net/ipv4/tcp_fastopen", "w") as f:
+            f.write(saved)
+    rows = run.sink.dicts("tcp_progress")
+    ends = {(r["sport"], r["dport"]) for r in rows}
+    assert (plain, port) in ends and (port, plain) in ends, ends
+    assert not {(fast, port), (port, fast), (cookie, port), (port, cookie)} & ends, ends
