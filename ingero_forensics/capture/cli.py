@@ -84,11 +84,13 @@ def _libs(ctx, param, values):
 @click.option("--no-tcp-progress", is_flag=True,
               help="Do not record the traced processes' TCP byte progress (table "
                    "tcp_progress: sampled send and receive calls with their position in "
-                   "the connection's stream). The merge pairs one node's sends with "
-                   "another's receives of the same bytes to bound the nodes' clocks far "
-                   "tighter than collectives can. It costs every TCP send and receive "
-                   "call of every process on the node a few map operations in the "
-                   "kernel (about 1.2 us per call on a 2-core VM: docs/performance.md).")
+                   "the connection's stream, the kernel's arrivals, and, from incoming "
+                   "ACKs, the bytes a sender still held). The merge pairs one node's "
+                   "sends with another's receives of the same bytes to bound the nodes' "
+                   "clocks far tighter than collectives can. It costs every TCP send and "
+                   "receive call of every process on the node, and every segment it "
+                   "takes in, a few map operations in the kernel (0.6-1.2 us per call "
+                   "on a 2-core VM: docs/performance.md).")
 @click.option("--tcp-progress-interval", type=click.IntRange(min=1), default=1000,
               show_default=True, metavar="MS",
               help="Milliseconds between two time-based tcp_progress rows of one "
