@@ -286,6 +286,7 @@ class ProcessInfo:
     last_seen_ns: int
     exit_ns: int | None = None
     threads: dict[int, list] = field(default_factory=dict)  # tid -> [comm, first, last]
+    exec_seen: int = 0      # scans that saw a new exe with no command line yet (mid-exec)
 
     def row(self) -> tuple:
         r = rank_fields(self.env)
@@ -417,13 +418,23 @@ class TargetSet:
                            env=read_rank_env(pid, self.proc) or {},
                            first_seen_ns=now_ns, last_seen_ns=now_ns)
 
+    #: scans a new exe with an empty command line waits for its arguments
+    EXEC_SCANS = 3
+
     def _refresh_after_exec(self, info: ProcessInfo) -> None:
         """A launcher that execs the trainer (``sh -c 'exec python train.py'``) keeps its
         pid and start time: the record follows the program it runs now."""
         exe = read_exe(info.pid, self.proc)
         if exe is not None and exe != info.exe:
+            argv = read_cmdline(info.pid, self.proc)
+            # caught mid-exec, the new program's arguments are not in place yet: look
+            # again at the next scan (a program that really has none, after three)
+            info.exec_seen += 1
+            if argv == [] and info.exec_seen < self.EXEC_SCANS:
+                return
+            info.exec_seen = 0
             info.exe = exe
-            info.cmdline = mask_cmdline(read_cmdline(info.pid, self.proc), self.cmdline_mode)
+            info.cmdline = mask_cmdline(argv, self.cmdline_mode)
             info.env = read_rank_env(info.pid, self.proc) or info.env
         comm = read_comm(info.pid, self.proc)
         if comm is not None:

@@ -13,7 +13,7 @@ import zstandard
 
 from ingero_forensics.bundle import open_bundle
 from ingero_forensics.capture.procs import (RANK_ENV_NAMES, TargetSet, parse_environ_stream,
-                                            rank_fields, read_rank_env)
+                                            rank_fields, read_cmdline, read_rank_env)
 
 from .conftest import bundles, capture_env, rows, run_capture, start_capture, wait_for
 
@@ -326,7 +326,10 @@ def test_record_follows_an_exec(tmp_path):
         (before,) = [r for r in t.records() if r.pid == p.pid]
         assert before.comm == "sh" and before.exe.endswith("sh")
         go.touch()
-        wait_for(lambda: os.readlink(f"/proc/{p.pid}/exe") == os.path.realpath(sys.executable))
+        # the exec done: its binary and its arguments in place (a scan caught between
+        # the two waits: test_an_exec_caught_midway_waits_for_its_arguments)
+        wait_for(lambda: os.readlink(f"/proc/{p.pid}/exe") == os.path.realpath(sys.executable)
+                 and (read_cmdline(p.pid) or [""])[-1] == "trainer")
         t.scan()
         (after,) = [r for r in t.records() if r.pid == p.pid]
         assert after is before                  # the same process record, refreshed
@@ -379,3 +382,47 @@ def test_a_capture_that_traced_no_process_says_so(tmp_path):
     with open_bundle(path) as b:
         assert rows(b, "SELECT COUNT(*) FROM capture_log WHERE level = 'warning' AND "
                        "message LIKE 'no process was traced%'") == [(1,)]
+
+
+def test_an_exec_caught_midway_waits_for_its_arguments(tmp_path):
+    """A scan that reads /proc between the exec's new binary and its new arguments (exe
+    already the trainer, cmdline still empty) does not take that half-done state: the
+    record keeps the shell until the arguments are there; a program that truly has none
+    is taken after TargetSet.EXEC_SCANS scans."""
+    proc = tmp_path / "proc"
+    pid = 4242
+    d = proc / str(pid)
+    (d / "task" / str(pid)).mkdir(parents=True)
+    stat = f"{pid} (sh) S 1 " + " ".join(["0"] * 17) + " 12345 0 0"
+    (d / "stat").write_text(stat)
+    (d / "comm").write_text("sh\n")
+    (d / "task" / str(pid) / "comm").write_text("sh\n")
+    (d / "cmdline").write_bytes(b"/bin/sh\0-c\0exec trainer\0")
+    (d / "environ").write_bytes(b"RANK=3\0")
+    os.symlink("/bin/sh", d / "exe")
+    t = TargetSet(pids=[pid], proc=str(proc))
+    t.scan()
+    (rec,) = t.records()
+    assert rec.exe == "/bin/sh" and rec.cmdline[0] == "/bin/sh"
+    # the exec, halfway: the new binary, no arguments yet
+    os.unlink(d / "exe")
+    os.symlink("/usr/bin/trainer", d / "exe")
+    (d / "cmdline").write_bytes(b"")
+    t.scan()
+    assert rec.exe == "/bin/sh" and rec.cmdline[0] == "/bin/sh"
+    # done: the arguments are there
+    (d / "cmdline").write_bytes(b"/usr/bin/trainer\0--epochs\0" + b"3\0")
+    (d / "comm").write_text("trainer\n")
+    t.scan()
+    assert (rec.exe, rec.cmdline, rec.comm) == ("/usr/bin/trainer",
+                                                ["/usr/bin/trainer", "--epochs", "3"],
+                                                "trainer")
+    # a program with no arguments at all is taken all the same, a few scans later
+    os.unlink(d / "exe")
+    os.symlink("/usr/bin/argless", d / "exe")
+    (d / "cmdline").write_bytes(b"")
+    for _ in range(TargetSet.EXEC_SCANS - 1):
+        t.scan()
+        assert rec.exe == "/usr/bin/trainer"
+    t.scan()
+    assert rec.exe == "/usr/bin/argless" and rec.cmdline == []
