@@ -28,7 +28,7 @@ import struct
 import time
 
 from ...bundle.schema import TCP_DIRECTIONS as DIRECTIONS
-from ..source import CaptureContext, RowSink, SourceUnavailable
+from ..source import CaptureContext, RowSink, SourceStatus, SourceUnavailable
 from . import btf
 from ._bcc import require_tracepoint, tracepoint_exists
 from .base import BccSource
@@ -572,18 +572,35 @@ class TcpSource(BccSource):
     #: ... and of inet_connection_sock, which a tcp_sock begins with
     ICSK_MEMBERS = {"icsk_ulp_ops": 8}
 
+    @classmethod
+    def sock_offsets_from_btf(cls) -> dict[str, int]:
+        """Offsets of SOCK_MEMBERS and ICSK_MEMBERS in the running kernel; BtfError."""
+        types = btf.load()
+        offsets = types.offsets("tcp_sock", cls.SOCK_MEMBERS)
+        offsets.update(types.offsets("inet_connection_sock", cls.ICSK_MEMBERS))
+        if types.offsets("tcp_sock", {"inet_conn": None}) != {"inet_conn": 0}:
+            raise btf.BtfError("tcp_sock does not begin with its inet_connection_sock")
+        return offsets
+
+    @classmethod
+    def probe(cls) -> SourceStatus:
+        """--check: as every eBPF source, and what the tcp_progress rows would lack."""
+        status = super().probe()
+        if status.available:
+            try:
+                cls.sock_offsets_from_btf()
+            except btf.BtfError as e:
+                return SourceStatus(cls.name, True, f"no 'unsent' tcp_progress rows, "
+                                    f"one-byte arrivals: {e}")
+        return status
+
     def _find_sock_offsets(self) -> None:
         """'unsent' rows need tcp:tcp_probe and tcp_sock.bytes_acked, and the extent of
         an arrival rcv_nxt and copied_seq, at their offsets in the running kernel;
         without them the sends and the first unread byte still bound the clocks, loosely
         where sends wait for the receiver's window."""
         try:
-            types = btf.load()
-            offsets = types.offsets("tcp_sock", self.SOCK_MEMBERS)
-            offsets.update(types.offsets("inet_connection_sock", self.ICSK_MEMBERS))
-            if types.offsets("tcp_sock", {"inet_conn": None}) != {"inet_conn": 0}:
-                raise btf.BtfError("tcp_sock does not begin with its inet_connection_sock")
-            self.sock_offsets = offsets
+            self.sock_offsets = self.sock_offsets_from_btf()
         except btf.BtfError as e:
             self.notes.append(("warning", f"no 'unsent' tcp_progress rows and arrivals of "
                                f"one byte: the kernel's BTF does not give tcp_sock's "

@@ -508,3 +508,15 @@ def test_fast_open_connections_are_not_counted(ebpf_ok, tmp_path):
     ends = {(r["sport"], r["dport"]) for r in rows}
     assert (plain, port) in ends and (port, plain) in ends, ends
     assert not {(fast, port), (port, fast), (cookie, port), (port, cookie)} & ends, ends
+
+
+def test_check_says_what_a_kernel_without_btf_costs(ebpf_ok, monkeypatch, tmp_path):
+    # --check: the tcp source runs either way; without the kernel's BTF it says which
+    # rows it will lack, before a capture finds out
+    assert TcpSource.probe().reason is None
+    from ingero_forensics.capture.ebpf import btf
+    monkeypatch.setattr(btf, "VMLINUX", str(tmp_path / "no-such-btf"))
+    status = TcpSource.probe()
+    assert status.available and status.reason.startswith("no 'unsent' tcp_progress rows, "
+                                                         "one-byte arrivals: cannot read ")
+    assert "no-such-btf" in status.reason
