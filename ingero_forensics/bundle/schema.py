@@ -256,9 +256,11 @@ TABLES: tuple[Table, ...] = (
         C("bytes", "INTEGER", False, "bytes", "Request size."),
         C("op", "TEXT", False, "", "Direction.", BLOCK_OPS),
         C("rwbs", "TEXT", True, "", "Kernel rwbs flags string, e.g. WS."),
-        C("pid", "INTEGER", True, "", "Issuing process when known (not for writeback)."),
-        C("tid", "INTEGER", True, "", "Issuing thread when known."),
-        C("comm", "TEXT", True, "", "Issuing thread name when known."),
+        C("pid", "INTEGER", True, "", "Process whose request it is: the one that created "
+          "it (kernel 6.5+; a kworker for writeback), else the one current at its first "
+          "issue."),
+        C("tid", "INTEGER", True, "", "Thread whose request it is (as pid)."),
+        C("comm", "TEXT", True, "", "Name of that thread."),
         C("error", "INTEGER", True, "", "Completion error (0 = success)."),
     ), indexes=(("timestamp_ns",),)),
     Table("host_samples", "Host and GPU counters in long form: one row per sample, metric "

@@ -1,7 +1,10 @@
 """Block I/O: block_rq_issue to block_rq_complete, per request, from tracepoint fields.
 
-Requests are matched by (device, sector). The issuing task is the one current at issue:
-the submitter for direct and synchronous I/O, a kworker for writeback (its name says so).
+Requests are matched by (device, sector). The request's task is the one that created it:
+block_io_start (kernel 6.5+) runs in the submitter's context, so a request that kblockd
+issues later (a plug flushed as its task slept in a page fault, a requeue) stays the
+submitter's; a kworker for writeback (its name says so). Without that tracepoint, the
+task current at the first issue: kblockd's for such requests.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 import struct
 
 from ..source import CaptureContext, RowSink
-from ._bcc import require_tracepoint
+from ._bcc import require_tracepoint, tracepoint_exists
 from .base import BccSource
 from .sched import cstr
 
@@ -18,6 +21,23 @@ PROGRAM = r"""
 struct rq_key { u32 dev; u32 pad; u64 sector; };
 struct rq_start { u64 ts; u32 bytes; u32 pid; u32 tid; char rwbs[12]; char comm[16]; };
 BPF_HASH(inflight, struct rq_key, struct rq_start, 65536);
+
+#ifdef OWNER_AT_START
+/* The task that created each request, in its own context. LRU: the entry of a request
+   whose start sector moved (a front merge) is never looked up again. */
+struct owner { u32 pid; u32 tid; char comm[16]; };
+BPF_TABLE("lru_hash", struct rq_key, struct owner, owners, 65536);
+
+TRACEPOINT_PROBE(block, block_io_start) {
+    struct rq_key k = {.dev = args->dev, .sector = args->sector};
+    struct owner o = {};
+    u64 id = bpf_get_current_pid_tgid();
+    o.pid = id >> 32; o.tid = id;
+    bpf_get_current_comm(o.comm, sizeof(o.comm));
+    owners.update(&k, &o);
+    return 0;
+}
+#endif
 
 struct event {
     u64 ts; u64 dur; u64 sector; u32 dev; u32 bytes; u32 pid; u32 tid; s32 error;
@@ -27,10 +47,26 @@ struct event {
 TRACEPOINT_PROBE(block, block_rq_issue) {
     struct rq_key k = {.dev = args->dev, .sector = args->sector};
     struct rq_start s = {};
-    u64 id = bpf_get_current_pid_tgid();
-    s.ts = bpf_ktime_get_ns(); s.bytes = args->bytes; s.pid = id >> 32; s.tid = id;
+    s.ts = bpf_ktime_get_ns(); s.bytes = args->bytes;
     bpf_probe_read_kernel(s.rwbs, 10, args->rwbs);
-    bpf_probe_read_kernel(s.comm, 16, args->comm);
+    /* the current task may be kblockd issuing someone else's request: its creator if
+       known, else the task of its first issue (a requeued request is issued again) */
+    struct rq_start *first = inflight.lookup(&k);
+#ifdef OWNER_AT_START
+    struct owner *o = owners.lookup(&k);
+    if (o) {
+        s.pid = o->pid; s.tid = o->tid;
+        __builtin_memcpy(s.comm, o->comm, 16);
+    } else
+#endif
+    if (first) {
+        s.pid = first->pid; s.tid = first->tid;
+        __builtin_memcpy(s.comm, first->comm, 16);
+    } else {
+        u64 id = bpf_get_current_pid_tgid();
+        s.pid = id >> 32; s.tid = id;
+        bpf_probe_read_kernel(s.comm, 16, args->comm);
+    }
     inflight.update(&k, &s);
     return 0;
 }
@@ -51,6 +87,9 @@ TRACEPOINT_PROBE(block, block_rq_complete) {
         count_lost();
     }
     inflight.delete(&k);
+#ifdef OWNER_AT_START
+    owners.delete(&k);
+#endif
     return 0;
 }
 """
@@ -94,12 +133,20 @@ class BlockSource(BccSource):
     def __init__(self, options):
         super().__init__(options)
         self.devices = DeviceNames()
+        self.owner_at_start = False     # set by start(): the kernel has block_io_start
 
     def filter_targets(self, ctx: CaptureContext) -> bool:
         return False   # disks are shared by the node; the issuer is recorded instead
 
     def program(self, ctx: CaptureContext) -> str:
-        return PROGRAM
+        # compiled before start(): the optional tracepoint is looked for here
+        self.owner_at_start = tracepoint_exists("block", "block_io_start")
+        if not self.owner_at_start:
+            self.notes.append(("warning", "no block:block_io_start tracepoint (kernel "
+                               "before 6.5): a request that kblockd issues for a task (a "
+                               "plug flushed while the task slept in a page fault, a "
+                               "requeue) is recorded as kblockd's"))
+        return ("#define OWNER_AT_START\n" if self.owner_at_start else "") + PROGRAM
 
     def start(self, ctx: CaptureContext) -> None:
         for tp in ("block_rq_issue", "block_rq_complete"):
@@ -107,7 +154,8 @@ class BlockSource(BccSource):
         super().start(ctx)
 
     def attach(self, ctx: CaptureContext) -> None:
-        self.attached.append("tracepoints block:block_rq_issue, block_rq_complete")
+        self.attached.append("tracepoints block:block_rq_issue, block_rq_complete"
+                             + (", block_io_start" if self.owner_at_start else ""))
 
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
         rows = []

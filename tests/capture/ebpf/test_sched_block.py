@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import Running, StaticTargets, options, wait_for
+from ingero_forensics.capture.ebpf._bcc import tracepoint_exists
 from ingero_forensics.capture.ebpf.block import BlockSource, DeviceNames, block_op
 from ingero_forensics.capture.ebpf.sched import SchedSource, state_letter
 
@@ -141,6 +142,76 @@ def test_block_direct_writes(ebpf_ok):
     assert all(r["device"] == disk and r["duration_ns"] > 0 and r["error"] == 0 for r in writes)
     assert all(r["comm"] and r["tid"] and "W" in r["rwbs"] for r in writes)
     assert all(r["sector"] is not None for r in writes)
+
+
+def _direct_write_from_a_cold_mapping(run_factory, size: int = 8 << 20):
+    """O_DIRECT write of `size` bytes whose source is a file mapping not in memory: the
+    task faults the pages in (reads) while its first write requests wait in its plug,
+    which is flushed as it sleeps, so kblockd issues them. Returns the block rows."""
+    workdir = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.NamedTemporaryFile(dir=workdir) as src, \
+            tempfile.NamedTemporaryFile(dir=workdir) as dst:
+        src.write(os.urandom(size))
+        src.flush()
+        os.fsync(src.fileno())
+        os.posix_fadvise(src.fileno(), 0, size, os.POSIX_FADV_DONTNEED)
+        cold = mmap.mmap(src.fileno(), size, prot=mmap.PROT_READ)
+        try:
+            fd = os.open(dst.name, os.O_WRONLY | os.O_DIRECT)
+        except OSError as e:
+            pytest.skip(f"O_DIRECT not supported here: {e}")
+        try:
+            with run_factory() as run:
+                assert os.pwrite(fd, cold, 0) == size
+                os.fsync(fd)
+                wait_for(lambda: sum(r["bytes"] for r in run.sink.dicts("block_events")
+                                     if r["op"] == "write") >= size)
+        finally:
+            os.close(fd)
+            cold.close()
+    return run
+
+
+def test_block_requests_kblockd_issues_stay_the_submitters(ebpf_ok):
+    """The request's task is the one that created it (block_io_start, in its context),
+    not kblockd, which issues it here: before, these 8 MiB of writes were recorded as
+    kblockd's but for 4 KiB, and 6-7 of the fault's 8 MiB of reads too."""
+    if not tracepoint_exists("block", "block_io_start"):
+        pytest.skip("no block:block_io_start tracepoint (kernel before 6.5)")
+    opts = options()
+    size = 8 << 20
+    run = _direct_write_from_a_cold_mapping(
+        lambda: Running(BlockSource(opts), StaticTargets(), opts), size)
+    rows = run.sink.dicts("block_events")
+    mine = [r for r in rows if r["pid"] == os.getpid()]
+    assert sum(r["bytes"] for r in mine if r["op"] == "write") >= size
+    assert sum(r["bytes"] for r in mine if r["op"] == "read") >= size   # the faults
+    assert all(r["tid"] and r["comm"] for r in mine)
+    assert not any(r["comm"].startswith("kworker") for r in mine)
+    assert any("block_io_start" in log[3] for log in run.sink.logs), run.sink.logs
+
+
+def test_block_without_io_start_warns(ebpf_ok, monkeypatch):
+    """On a kernel without block_io_start the capture still records every request (by
+    the task of its first issue) and says in capture_log what it cannot attribute."""
+    import ingero_forensics.capture.ebpf.block as block
+    monkeypatch.setattr(block, "tracepoint_exists",
+                        lambda cat, ev: ev != "block_io_start")
+    opts = options()
+    size = 64 * 1024
+    buf = mmap.mmap(-1, size)
+    buf.write(os.urandom(size))
+    workdir = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.NamedTemporaryFile(dir=workdir) as f:
+        fd = os.open(f.name, os.O_WRONLY | os.O_DIRECT)
+        with Running(BlockSource(opts), StaticTargets(), opts) as run:
+            os.pwrite(fd, buf, 0)
+            os.fsync(fd)
+            os.close(fd)
+            wait_for(lambda: any(r["op"] == "write" for r in run.sink.dicts("block_events")))
+    assert any(r["op"] == "write" and r["bytes"] > 0 for r in run.sink.dicts("block_events"))
+    warnings = [m for level, _, _, m, _ in run.sink.logs if level == "warning"]
+    assert any("block_io_start" in m and "kblockd" in m for m in warnings), run.sink.logs
 
 
 def test_capture_bpf_run_time_is_recorded_when_the_kernel_keeps_it(ebpf_ok):
