@@ -22,7 +22,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -33,56 +32,12 @@ sys.path.insert(0, str(ROOT))
 from ingero_forensics.capture.ebpf import block  # noqa: E402
 from ingero_forensics.capture.ebpf._bcc import tracepoint_exists  # noqa: E402
 from ingero_forensics.capture.host import bpf_run_time_ns  # noqa: E402
-from ingero_forensics.capture.source import CaptureContext, CaptureOptions  # noqa: E402
+from ingero_forensics.capture.source import CaptureOptions  # noqa: E402
+
+from polled import Polled  # noqa: E402  (bench/polled.py)
 
 FILE_SIZE = 64 << 20
 READ = 4096
-
-
-class Polled:
-    """A BlockSource polled every 50 ms from a thread, as the capture does; counts rows
-    of this process."""
-
-    def __init__(self, owner_at_start: bool):
-        self.opts = CaptureOptions()
-        self.owner_at_start = owner_at_start
-        self.rows = self.mine = 0
-        self.stop = threading.Event()
-
-    def __enter__(self):
-        class Targets:
-            auto = False
-
-            def pids(self_):
-                return set()
-
-            def subscribe(self_, on_new, on_exit):
-                pass
-        exists = (lambda cat, ev: tracepoint_exists(cat, ev)) if self.owner_at_start \
-            else (lambda cat, ev: ev != "block_io_start" and tracepoint_exists(cat, ev))
-        with mock.patch.object(block, "tracepoint_exists", exists):
-            self.source = block.BlockSource(self.opts)
-            self.source.prepare(CaptureContext("bench", self.opts, Targets()))
-            self.source.start(CaptureContext("bench", self.opts, Targets()))
-        self.thread = threading.Thread(target=self.loop, daemon=True)
-        self.thread.start()
-        return self
-
-    def add_many(self, table, rows):
-        self.rows += len(rows)
-        self.mine += sum(1 for r in rows if r[7] == os.getpid())
-
-    def log(self, *a, **k):
-        pass
-
-    def loop(self):
-        while not self.stop.wait(0.05):
-            self.source.poll(self)
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.source.stop(self)
 
 
 def reads(path: str, n: int, seed: int) -> float:
@@ -105,12 +60,25 @@ def one_run(path: str, n: int, capture: str | None, seed: int) -> tuple[float, i
     (the task at issue) or 'start' (block_io_start)."""
     if capture is None:
         return reads(path, n, seed), 0, 0, 0
-    with Polled(capture == "start") as p:
+    opts = CaptureOptions()
+    mine = []
+    p = Polled(block.BlockSource(opts), opts,
+               on_rows=lambda table, rows: mine.extend(r for r in rows if r[7] == os.getpid()))
+    if capture == "start":
+        exists = tracepoint_exists
+    else:       # the source as it was: no block_io_start
+        def exists(cat, ev):
+            return ev != "block_io_start" and tracepoint_exists(cat, ev)
+    with mock.patch.object(block, "tracepoint_exists", exists):
+        p.__enter__()           # compiles the program, which looks for the tracepoint
+    try:
         before = bpf_run_time_ns() or 0
         secs = reads(path, n, seed)
         ns = (bpf_run_time_ns() or 0) - before
         time.sleep(0.1)
-    return secs, p.rows, p.mine, ns
+    finally:
+        p.__exit__(None, None, None)
+    return secs, p.rows, len(mine), ns
 
 
 def main():

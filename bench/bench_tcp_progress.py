@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from ingero_forensics.capture.ebpf.tcp import TcpSource  # noqa: E402
 from ingero_forensics.capture.host import bpf_run_time_ns  # noqa: E402
-from ingero_forensics.capture.source import CaptureContext, CaptureOptions  # noqa: E402
+from ingero_forensics.capture.source import CaptureOptions  # noqa: E402
+
+from polled import Polled  # noqa: E402  (bench/polled.py)
 
 SERVER = textwrap.dedent(r"""
     import select, socket, sys
@@ -87,53 +88,6 @@ CLIENT = textwrap.dedent(r"""
 """)
 
 
-class Polled:
-    """A TcpSource polled every 50 ms from a thread, as the capture does."""
-
-    def __init__(self, progress: bool, pids):
-        self.opts = CaptureOptions(tcp_progress=progress)
-        self.source = TcpSource(self.opts)
-        self.pids = set(pids)
-        self.rows = 0
-        self.stop = threading.Event()
-
-    def pids_fn(self):
-        return set(self.pids)
-
-    def __enter__(self):
-        class Targets:
-            auto = False
-            pids = self.pids_fn
-
-            def subscribe(self_, on_new, on_exit):
-                pass
-        self.source.start(CaptureContext("bench", self.opts, Targets()))
-        self.thread = threading.Thread(target=self.loop, daemon=True)
-        self.thread.start()
-        return self
-
-    def add_many(self, table, rows):
-        self.rows += len(rows)
-
-    def add(self, table, row):
-        self.rows += 1
-
-    def add_stack(self, frames):
-        return 1
-
-    def log(self, *a, **k):
-        pass
-
-    def loop(self):
-        while not self.stop.wait(0.05):
-            self.source.poll(self)
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.source.stop(self)
-
-
 def one_run(tmp: Path, mode: str, n: int, capture: str | None
             ) -> tuple[float, int, int, int]:
     """(seconds, calls, rows written, BPF run time in ns) of one transfer; capture None,
@@ -147,7 +101,8 @@ def one_run(tmp: Path, mode: str, n: int, capture: str | None
         if capture is not None:
             # the source starts before the connection: tcp_progress counts from the
             # establishment, as in a capture started before the job
-            cap = Polled(capture == "on", [server.pid])
+            opts = CaptureOptions(tcp_progress=capture == "on")
+            cap = Polled(TcpSource(opts), opts, [server.pid])
             cap.__enter__()
         client = subprocess.Popen([sys.executable, "-c", CLIENT, str(port), mode, str(n)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
