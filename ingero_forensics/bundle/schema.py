@@ -252,13 +252,15 @@ TABLES: tuple[Table, ...] = (
         C("timestamp_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "Issue to the device driver."),
         C("duration_ns", "INTEGER", False, "ns", "Issue to completion."),
         C("device", "TEXT", False, "", "Disk name (e.g. nvme0n1) or MAJOR:MINOR when unnamed."),
-        C("sector", "INTEGER", True, "512-byte sectors", "Start sector."),
+        C("sector", "INTEGER", True, "512-byte sectors", "Start sector; NULL for a "
+          "request without one (a cache flush, a passthrough command)."),
         C("bytes", "INTEGER", False, "bytes", "Request size."),
         C("op", "TEXT", False, "", "Direction.", BLOCK_OPS),
         C("rwbs", "TEXT", True, "", "Kernel rwbs flags string, e.g. WS."),
-        C("pid", "INTEGER", True, "", "Process whose request it is: the one that created "
-          "it (kernel 6.5+; a kworker for writeback), else the one current at its first "
-          "issue."),
+        C("pid", "INTEGER", True, "", "Process whose request it is: the one current where "
+          "the request was created (kernel 6.5+: the submitter of direct I/O and page-fault "
+          "reads, a kworker for writeback); where that was not seen (an older kernel, a "
+          "flush sequence's own request), the one current at issue."),
         C("tid", "INTEGER", True, "", "Thread whose request it is (as pid)."),
         C("comm", "TEXT", True, "", "Name of that thread."),
         C("error", "INTEGER", True, "", "Completion error (0 = success)."),

@@ -1,10 +1,12 @@
 """Block I/O: block_rq_issue to block_rq_complete, per request, from tracepoint fields.
 
-Requests are matched by (device, sector). The request's task is the one that created it:
-block_io_start (kernel 6.5+) runs in the submitter's context, so a request that kblockd
-issues later (a plug flushed as its task slept in a page fault, a requeue) stays the
-submitter's; a kworker for writeback (its name says so). Without that tracepoint, the
-task current at the first issue: kblockd's for such requests.
+Requests are matched by (device, sector); a flush or passthrough request, which has no
+sector, by (device, 0). The request's task is the one current where it was created from
+a bio (block_io_start, kernel 6.5+): the submitter for direct I/O and page-fault reads,
+so a request that kblockd issues later (its task slept under its plug, or a requeue)
+stays the submitter's; a kworker for writeback and for stacked drivers (dm, md, loop)
+that create their own. Where that was not seen (a kernel before 6.5, a flush sequence's
+own request, a front merge), the task current at issue, kept across a requeue.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from .sched import cstr
 
 PROGRAM = r"""
 struct rq_key { u32 dev; u32 pad; u64 sector; };
-struct rq_start { u64 ts; u32 bytes; u32 pid; u32 tid; char rwbs[12]; char comm[16]; };
+struct rq_start {
+    u64 ts; u32 bytes; u32 pid; u32 tid; u32 requeued; char rwbs[12]; char comm[16];
+};
 BPF_HASH(inflight, struct rq_key, struct rq_start, 65536);
 
 #ifdef OWNER_AT_START
@@ -50,7 +54,7 @@ TRACEPOINT_PROBE(block, block_rq_issue) {
     s.ts = bpf_ktime_get_ns(); s.bytes = args->bytes;
     bpf_probe_read_kernel(s.rwbs, 10, args->rwbs);
     /* the current task may be kblockd issuing someone else's request: its creator if
-       known, else the task of its first issue (a requeued request is issued again) */
+       known, else, for a requeued request issued again, the task of its first issue */
     struct rq_start *first = inflight.lookup(&k);
 #ifdef OWNER_AT_START
     struct owner *o = owners.lookup(&k);
@@ -59,7 +63,7 @@ TRACEPOINT_PROBE(block, block_rq_issue) {
         __builtin_memcpy(s.comm, o->comm, 16);
     } else
 #endif
-    if (first) {
+    if (first && first->requeued) {
         s.pid = first->pid; s.tid = first->tid;
         __builtin_memcpy(s.comm, first->comm, 16);
     } else {
@@ -71,8 +75,18 @@ TRACEPOINT_PROBE(block, block_rq_issue) {
     return 0;
 }
 
-TRACEPOINT_PROBE(block, block_rq_complete) {
+TRACEPOINT_PROBE(block, block_rq_requeue) {
     struct rq_key k = {.dev = args->dev, .sector = args->sector};
+    struct rq_start *s = inflight.lookup(&k);
+    if (s) s->requeued = 1;
+    return 0;
+}
+
+TRACEPOINT_PROBE(block, block_rq_complete) {
+    /* the other events key on blk_rq_trace_sector(): 0 for a request without a sector
+       (a flush, a passthrough command), which this one gives as -1 */
+    u64 sector = args->sector == (u64)-1 ? 0 : args->sector;
+    struct rq_key k = {.dev = args->dev, .sector = sector};
     struct rq_start *s = inflight.lookup(&k);
     if (!s) return 0;
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
@@ -95,6 +109,8 @@ TRACEPOINT_PROBE(block, block_rq_complete) {
 """
 
 EVENT = struct.Struct("<3Q4Ii12s16s")
+#: The sector of a request that has none (a flush, a passthrough command): (sector_t)-1.
+NO_SECTOR = (1 << 64) - 1
 MINORBITS = 20   # kernel-internal dev_t: major << 20 | minor
 
 
@@ -149,12 +165,13 @@ class BlockSource(BccSource):
         return ("#define OWNER_AT_START\n" if self.owner_at_start else "") + PROGRAM
 
     def start(self, ctx: CaptureContext) -> None:
-        for tp in ("block_rq_issue", "block_rq_complete"):
+        for tp in ("block_rq_issue", "block_rq_complete", "block_rq_requeue"):
             require_tracepoint("block", tp)
         super().start(ctx)
 
     def attach(self, ctx: CaptureContext) -> None:
-        self.attached.append("tracepoints block:block_rq_issue, block_rq_complete"
+        self.attached.append("tracepoints block:block_rq_issue, block_rq_complete, "
+                             "block_rq_requeue"
                              + (", block_io_start" if self.owner_at_start else ""))
 
     def handle(self, raw: list[bytes], sink: RowSink) -> None:
@@ -162,7 +179,8 @@ class BlockSource(BccSource):
         for rec in raw:
             ts, dur, sector, dev, nbytes, pid, tid, error, rwbs, comm = EVENT.unpack(rec)
             flags = cstr(rwbs)
-            rows.append((ts, dur, self.devices.name(dev), sector, nbytes, block_op(flags),
+            rows.append((ts, dur, self.devices.name(dev),
+                         None if sector == NO_SECTOR else sector, nbytes, block_op(flags),
                          flags, pid or None, tid or None, cstr(comm) or None, error))
         sink.add_many("block_events", rows)
         self.events += len(rows)
