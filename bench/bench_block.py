@@ -3,9 +3,9 @@ block_io_start (needs root, BCC: scripts/setup-ebpf.sh).
 
 N direct (O_DIRECT) 4 KiB reads at random offsets of a 64 MiB file on the disk under
 /var/tmp: one block request each, issued and completed while the reader waits. Timed
-without a capture, with the block source as it was before (the task current at issue:
-block_rq_issue and block_rq_complete only) and as it is now (block_io_start as well, where
-the kernel has it), alternating, median of --repeats. A disk read takes tens of
+without a capture, with the block source as on a kernel without block_io_start (the task
+current at issue) and as it runs here (block_io_start as well), alternating, median of
+--repeats. A disk read takes tens of
 microseconds and scatters by more than the probes cost, so the probes are also measured
 in the kernel: the run time of the source's BPF programs (kernel.bpf_stats_enabled,
 switched on for the bench and restored) per request.
