@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import struct
 
-from ..source import CaptureContext, RowSink
+from ..source import CaptureContext, RowSink, SourceStatus
 from ._bcc import require_tracepoint, tracepoint_exists
 from .base import BccSource
 from .sched import cstr
@@ -150,6 +150,16 @@ class BlockSource(BccSource):
         super().__init__(options)
         self.devices = DeviceNames()
         self.owner_at_start = False     # set by start(): the kernel has block_io_start
+
+    @classmethod
+    def probe(cls) -> SourceStatus:
+        """--check: as every eBPF source, and whose requests it cannot attribute."""
+        status = super().probe()
+        if status.available and not tracepoint_exists("block", "block_io_start"):
+            return SourceStatus(cls.name, True, "requests kblockd issues for a task are "
+                                "recorded as kblockd's: no block:block_io_start tracepoint "
+                                f"(kernel {os.uname().release}; 6.5 or newer has it)")
+        return status
 
     def filter_targets(self, ctx: CaptureContext) -> bool:
         return False   # disks are shared by the node; the issuer is recorded instead

@@ -267,6 +267,19 @@ def test_block_without_io_start_warns(ebpf_ok, monkeypatch):
     assert any("block_io_start" in m and "kblockd" in m for m in warnings), run.sink.logs
 
 
+def test_check_says_whose_requests_a_kernel_without_io_start_misattributes(ebpf_ok,
+                                                                          monkeypatch):
+    # --check: the block source runs either way; without block_io_start it says so
+    assert BlockSource.probe().available and BlockSource.probe().reason is None
+    exists = block.tracepoint_exists
+    monkeypatch.setattr(block, "tracepoint_exists",
+                        lambda cat, ev: ev != "block_io_start" and exists(cat, ev))
+    status = BlockSource.probe()
+    assert status.available
+    assert status.reason.startswith("requests kblockd issues for a task are recorded as "
+                                    "kblockd's: no block:block_io_start")
+
+
 def test_capture_bpf_run_time_is_recorded_when_the_kernel_keeps_it(ebpf_ok):
     """capture.bpf_cpu_pct: the in-kernel run time of the capture's own BPF programs
     (fdinfo run_time_ns), only while kernel.bpf_stats_enabled is 1; a real program on
