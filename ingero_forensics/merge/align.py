@@ -613,7 +613,9 @@ def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
     """A rate no crystal has (beyond DRIFT_BOUND_PPM) is a fit gone wrong: bound it,
     keeping the line where it is in the middle of the node's data, and say so. Lines
     the collectives fitted or the messages moved ("causal"); a clock-sample line's rate
-    is the node's own clock's, as its time service measured it."""
+    is the node's own clock's, as its time service measured it. The bounded line leaves
+    the fitted one towards the ends of the data; the uncertainties widen by as much (the
+    fit may have been right: a clock beyond the bound, or a simulated one)."""
     bound = DRIFT_BOUND_PPM * 1e-6
     for a in result.values():
         if abs(a.slope) <= bound or a.method not in ("collectives", "causal"):
@@ -622,6 +624,12 @@ def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
         # keep aligned(m_c) at the centre m_c of the node's clock segments (its capture)
         segs = a.segments
         m_c = (segs[0]["mono_start_ns"] + segs[-1]["mono_end_ns"]) // 2 if segs else 0
+        half = (segs[-1]["mono_end_ns"] - segs[0]["mono_start_ns"]) / 2 if segs else 0
+        away = math.ceil(abs(a.slope - new) * half)
+        if a.relative_uncertainty_ns is not None:
+            a.relative_uncertainty_ns += away
+        if a.uncertainty_ns is not None:
+            a.uncertainty_ns += away
         a.offset_ns += round(m_c * a.slope) - round(m_c * new)
         a.slope = new
         a.drift_ppm = ((1.0 / (1.0 + new)) - 1.0) * 1e6

@@ -108,3 +108,53 @@ def test_lying_clock_flagged_and_still_aligned(tmp_path):
         assert bool(a["exceeds_claim"]) == (name in liars), name
         assert abs(medians[name] - common) <= 50_000, name
         assert max(abs(e[0]), abs(e[-1])) <= a["uncertainty_ns"], name
+
+
+def _edge_errors_ns(truth, db, rows=40):
+    """{node: (median error of its first, of its last ``rows`` nccl_events)}, with its
+    clock_alignment row: a line whose rate is wrong is furthest off at the ends."""
+    clocks = {n["name"]: n["clock"]["true_utc_of_mono"] for n in truth["nodes"]}
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        cols = [d[0] for d in con.execute("SELECT * FROM clock_alignment").description]
+        al = {r[0]: dict(zip(cols, r)) for r in con.execute("SELECT * FROM clock_alignment")}
+        out = {}
+        for nid, name in con.execute("SELECT node_id, name FROM nodes").fetchall():
+            c = clocks[name]
+            out[name] = (tuple(statistics.median(e for (e,) in con.execute(
+                "SELECT (timestamp_ns - :boot) - mono_ns * :rate FROM nccl_events "
+                f"WHERE node_id = :node ORDER BY mono_ns {order} LIMIT {rows}",
+                {"boot": c["boot_utc_ns"], "rate": c["rate"], "node": nid}))
+                for order in ("ASC", "DESC")), al[nid])
+        return out
+    finally:
+        con.close()
+
+
+def test_a_bounded_rate_widens_the_stated_uncertainty(tmp_path):
+    """Clocks drifting up to 500 ppm (beyond what the merge accepts: DRIFT_BOUND_PPM):
+    the lines of the nodes whose rate was bounded leave the truth towards the ends of the
+    run, by milliseconds. What the merge states must cover it: for every pair of nodes, at
+    both ends, their true relative error is within the sum of their relative
+    uncertainties (the report's pair bound). Before the widening, a pair with a bounded
+    node was 10.0 ms apart at one end against 8.3 ms of stated room."""
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=8, ranks_per_node=2, steps=200,
+                                               max_drift_ppm=500.0, max_offset_ms=5000.0,
+                                               fault="none", seed=7))
+    truth = json.loads((tmp_path / "b" / "truth.json").read_text())
+    merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
+    errs = _edge_errors_ns(truth, tmp_path / "fleet.db")
+    clamped = [n for n, (_, a) in errs.items() if a["rate_clamped"]]
+    assert clamped, "no rate was bounded: the case is not exercised"
+    worst = 0.0
+    for i, (ei, ai) in errs.items():
+        for j, (ej, aj) in errs.items():
+            if i >= j:
+                continue
+            room = ai["relative_uncertainty_ns"] + aj["relative_uncertainty_ns"]
+            for k in (0, 1):
+                off = abs(ei[k] - ej[k])
+                assert off <= room, (i, j, k, off, room, ai, aj)
+                if i in clamped or j in clamped:
+                    worst = max(worst, off)
+    assert worst > 1e6, "the bounded lines are not off by milliseconds: the case is too easy"
