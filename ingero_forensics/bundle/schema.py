@@ -44,6 +44,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 CLOCK_SOURCES = ("system", "chrony", "ptp")
 STAT_SOURCES = ("nccl", "cuda", "sched", "block", "tcp")
 IN_FLIGHT_WHY = ("seal", "stop")
+#: Tables whose rows are not events: every count of "events" or "rows" (the simulator's,
+#: a bundle's, a node's, the merge's total) leaves them out (stacks are shared by the
+#: fleet, meta is facts about a segment).
+NOT_EVENTS = ("meta", "stacks")
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,10 @@ import orjson
 
 from .. import __version__
 from ..errors import IngeroError
+from ..merge.nodes import data_start
 from .fleet import load_nodes, open_fleet, rank_ranges
 from .options import (KINDS, NS, RANGED_TABLES, AccelUnsupported, ExportError, ExportOptions,
-                      ExportStats, data_start, iso_utc, load_accel, parse_ranks, parse_time)
+                      ExportStats, iso_utc, load_accel, parse_ranks, parse_time)
 from .output import Assembler, InlineSections, NodeResult, PartFile, Sink, Spill
 from .streams import EventStreams
 from .tracks import Tracks

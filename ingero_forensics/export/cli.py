@@ -11,12 +11,12 @@ from ..cliutil import (EXIT_CODES_HELP, BadUsage, echo_json, handle_errors, huma
                        refuse_output_over_input, require_output_dir, sqlite_message,
                        version_option)
 from ..errors import IngeroError
+from ..merge.nodes import data_start
 from ..redact import redacted_input
 from ..redact.core import NODE_PREFIX
 from .chrome_trace import export_chrome_trace
 from .fleet import load_nodes, open_fleet, rank_ranges
-from .options import (KINDS, ExportError, ExportOptions, data_start, iso_utc, parse_ranks,
-                      parse_time)
+from .options import KINDS, ExportError, ExportOptions, iso_utc, parse_ranks, parse_time
 
 
 def _split(values) -> tuple[str, ...]:

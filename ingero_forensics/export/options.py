@@ -107,19 +107,6 @@ def parse_time(text: str, data_start_ns: int) -> int:
     return int(t.timestamp()) * NS + frac_ns
 
 
-def data_start(con) -> int:
-    """Where --from/--to offsets count from: the first node's first UTC time, else the
-    earliest event."""
-    v = con.execute("SELECT MIN(first_utc_ns) FROM nodes").fetchone()[0]
-    if v is None:
-        lows = [con.execute(f"SELECT MIN(timestamp_ns) FROM {t}").fetchone()[0]
-                for t in ("nccl_events", "cuda_events", "sched_events", "block_events",
-                          "tcp_events", "host_samples")]
-        lows = [x for x in lows if x is not None]
-        v = min(lows) if lows else 0
-    return v
-
-
 def iso_utc(ns: int) -> str:
     sec, frac = divmod(ns, NS)
     base = _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..bundle.schema import TABLES as BUNDLE_TABLES
-from ..bundle.schema import Column, C
+from ..bundle.schema import NOT_EVENTS, Column, C
 
 #: 2: clock_alignment causal bounds, collectives.completion_tight, sync_points.tight,
 #: cuda_events queued work (bundle format 1.1). 3: calls_in_flight (bundle format 1.1).
@@ -107,9 +107,6 @@ def _extras(table_name: str, aligned: tuple[str, ...]) -> tuple[Column, ...]:
     return tuple(cols)
 
 
-#: Tables whose rows are not events: a bundle's or node's "rows" and the merge's total
-#: leave them out (stacks are shared by the fleet, meta is facts about a segment).
-NOT_EVENTS = ("meta", "stacks")
 
 
 #: Tables read as per-thread timelines, which get a (node_id, pid, tid, timestamp_ns) index.

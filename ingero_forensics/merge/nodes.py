@@ -142,3 +142,17 @@ def node_summary(con) -> list[dict]:
                                   "violations_before": vb, "violations_after": va,
                                   "exceeds_claim": bool(exc), "steps": steps}})
     return out
+
+
+def data_start(con) -> int:
+    """The start of the data: where ingero-export's --from/--to offsets and the report's
+    "seconds from the start of the data" count from. The first node's first UTC time
+    (its capture's start), else the earliest event."""
+    v = con.execute("SELECT MIN(first_utc_ns) FROM nodes").fetchone()[0]
+    if v is None:
+        lows = [con.execute(f"SELECT MIN(timestamp_ns) FROM {t}").fetchone()[0]
+                for t in ("nccl_events", "cuda_events", "sched_events", "block_events",
+                          "tcp_events", "host_samples")]
+        lows = [x for x in lows if x is not None]
+        v = min(lows) if lows else 0
+    return v

@@ -45,6 +45,7 @@ from statistics import NormalDist
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..fleetfile import check_fleet_file
+from ..merge.nodes import data_start
 from ..merge.ranks import process_ranks
 from ..merge.summaries import default_bin_s
 from .commands import next_commands
@@ -217,7 +218,11 @@ class Analysis:
     job_ids: list[str] = field(default_factory=list)
     #: first and last fleet time any node's capture saw (the title's span)
     capture_span: list = field(default_factory=list)
-    #: the page's title (ingero-report --title); empty: the job, node count and time span
+    #: where the page's "seconds from the start of the data" count from: the same
+    #: origin as ingero-export's --from/--to offsets (merge.nodes.data_start)
+    data_start_ns: int | None = None
+    #: the page's title (ingero-report --title, else the job, node count and time span,
+    #: render.report_title: set by the command; empty here means not set yet)
     title: str = ""
     #: no node could be compared with another (one node, no NCCL): the verdict says
     #: what is missing, and ``host`` holds what the capture shows
@@ -257,6 +262,7 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
                                    "WHERE job_id IS NOT NULL")})
             a.capture_span = list(rec.execute(
                 "SELECT MIN(first_utc_ns), MAX(last_utc_ns) FROM nodes").fetchone())
+            a.data_start_ns = data_start(con)
         with rec.figure("hangs"):
             a.hangs = find_hangs(rec, lambda: process_ranks(con))
         with rec.figure("inferred_communicators"):

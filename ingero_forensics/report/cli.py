@@ -12,7 +12,7 @@ from ..cliutil import (EXIT_CODES_HELP, BadUsage, FiniteFloatRange, echo_json, h
 from ..fleetfile import check_fleet_file
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
-from .render import write_text
+from .render import report_title, write_text
 from .text import render_text
 
 
@@ -72,8 +72,8 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
     with reading_database(fleet_db):
         with redacted_input(fleet_db, redact) as source:
             analysis = analyze_fleet(source, bin_s=bin_s)
-    if title:
-        analysis.title = title
+    # --json carries the title the page and the text show
+    analysis.title = title or report_title(analysis)
     if redact and analysis.commands:
         # the commands read the redacted copy (its node ids are the page's), which is gone
         # with the run: say how to make it, without the input's path (a user's or a

@@ -20,6 +20,7 @@ from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
+from .wording import clock_check_text
 
 _ENV: jinja2.Environment | None = None
 
@@ -99,10 +100,12 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: str,
                 windows: list[tuple[float, float]] = (), width=720, height=200,
-                t_end: float | None = None) -> Markup:
+                t_end: float | None = None, origin_s: float = 0.0) -> Markup:
     """Lines over time: points are dicts with 't_s' and one key per series
     (key, label, css class); windows are shaded (start_s, end_s). Every chart of a page
-    gets the same t_end: one time axis, with round ticks; the y axis carries its unit."""
+    gets the same t_end: one time axis, with round ticks; the y axis carries its unit.
+    origin_s: where t_s = 0 lies in seconds from the start of the data, which the tick
+    labels count from."""
     pts = [p for p in points if any(k in p for k, _, _ in series)]
     if len(pts) < 2:
         return Markup("")
@@ -111,7 +114,9 @@ def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: st
     vals = [p[k] for p in pts for k, _, _ in series if k in p]
     yt = nice_ticks(min(0.0, min(vals)), max(vals), 4)
     vmin, vmax = yt[0], yt[-1]
-    xt = [t for t in nice_ticks(0.0, tmax, 6) if t <= tmax * 1.0001]
+    # ticks in seconds from the start of the data, drawn at t_s = tick - origin_s
+    xt = [t for t in nice_ticks(origin_s, origin_s + tmax, 6)
+          if origin_s - tmax * 1e-4 <= t <= origin_s + tmax * 1.0001]
     pw, ph = width - left - right, height - top - bottom
 
     def x(t):
@@ -134,7 +139,7 @@ def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: st
     parts.append(f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}"/>')
     tstep = xt[1] - xt[0] if len(xt) > 1 else 1.0
     for t in xt:
-        parts.append(f'<text x="{x(t):.1f}" y="{height - 18}" text-anchor="middle">'
+        parts.append(f'<text x="{x(t - origin_s):.1f}" y="{height - 18}" text-anchor="middle">'
                      f'{_num(t, tstep)} s</text>')
     parts.append(f'<text x="{left}" y="{height - 3}">y: {escape(unit)}; x: seconds from the start '
                  f'of the data{"; shaded: fault windows" if windows else ""}</text>')
@@ -202,6 +207,10 @@ def report_title(a: Analysis) -> str:
 
 def render_html(a: Analysis) -> str:
     t0 = a.start_ns or 0
+    # the charts span the collectives (from t0); their ticks and the windows' offsets
+    # count from the start of the data, as ingero-export's --from +Ns does
+    origin_s = (t0 - a.data_start_ns) / 1e9 if a.data_start_ns is not None and a.start_ns \
+        else 0.0
     t_end = (a.end_ns - t0) / 1e9 if a.end_ns and a.start_ns else None
     windows_s = [((w.start_ns - t0) / 1e9, (w.end_ns - t0) / 1e9) for w in a.windows]
     lateness_chart = _bar_chart(
@@ -211,13 +220,14 @@ def render_html(a: Analysis) -> str:
     if any("suspect_ms" in p for p in a.timeline):
         timeline_series.insert(0, ("suspect_ms", a.straggler or "suspect", "line suspect"))
     timeline_chart = _line_chart(a.timeline, timeline_series, "lateness at collectives, ms",
-                                 windows_s, t_end=t_end)
+                                 windows_s, t_end=t_end, origin_s=origin_s)
     transfer_chart = Markup("")
     transfer_ms = [p["transfer_ms"] for p in a.timeline if p.get("transfer_ms")]
     if a.slow_bins:
         transfer_chart = _line_chart(
             a.timeline, [("transfer_ms", "last arrival to completion", "line fleet")],
-            "last arrival to completion, ms (median per bin)", windows_s, t_end=t_end)
+            "last arrival to completion, ms (median per bin)", windows_s, t_end=t_end,
+            origin_s=origin_s)
     cause_chart = Markup("")
     if a.cause_series.get("points"):
         metric = a.cause_series["metric"]
@@ -225,14 +235,15 @@ def render_html(a: Analysis) -> str:
         cause_chart = _line_chart(
             pts, [("suspect", a.straggler or "suspect", "line suspect"),
                   ("others", "other nodes (median)", "line fleet")],
-            METRIC_LABELS.get(metric, metric), windows_s, t_end=t_end)
+            METRIC_LABELS.get(metric, metric), windows_s, t_end=t_end, origin_s=origin_s)
     window_rows = [{"start": _utc(w.start_ns), "end": _utc(w.end_ns),
-                    "from_start": f"+{(w.start_ns - t0) / 1e9:.1f} s",
+                    "from_start": f"+{(w.start_ns - t0) / 1e9 + origin_s:.1f} s",
                     "length": f"{(w.end_ns - w.start_ns) / 1e9:.1f} s",
                     "lateness": w.lateness_ms} for w in a.windows]
     tpl = environment().get_template("report.html")
     return tpl.render(
         a=a, sql=lambda *keys, what="": sql_details(a, *keys, what=what),
+        clock_check=clock_check_text,
         title=report_title(a), window_rows=window_rows,
         cause_title=CAUSE_TITLES.get(a.cause or "", ""), cause_titles=CAUSE_TITLES,
         lateness_chart=lateness_chart, timeline_chart=timeline_chart,

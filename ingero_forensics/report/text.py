@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 
 from .analyze import CAUSE_TITLES, Analysis
-from .wording import rank_text
+from .wording import clock_check_text, rank_text
 from .render import report_title
 
 
@@ -65,7 +65,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                 cause += " (weak)"
             rows.append([st.node, rank_text(st.late_ranks or st.ranks),
                          f"{st.lateness_ms:.1f}", f"{st.cost_s:.1f} s ({st.cost_share:.1%})",
-                         cause, "cannot rule out clock error" if st.clock_caveat else "ok"])
+                         cause, clock_check_text(st)])
         lines += _table(rows, markdown) + [""]
         for st in a.stragglers:
             if st.next_step:

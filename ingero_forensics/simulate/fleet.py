@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bundle.container import BUNDLE_SUFFIX
+from ..bundle.schema import NOT_EVENTS
 from ..errors import IngeroError
 from .config import FleetConfig, node_name
 from .model import (BUCKET_BYTES, BUCKET_READY, N_BUCKETS, compute_schedule,
@@ -40,8 +41,9 @@ class FleetTruth:
 
     @property
     def events(self) -> int:
-        """Rows written across all tables and nodes (what the speed figure counts)."""
-        return sum(self.rows.values())
+        """Event rows written across all nodes (what the speed figure counts): every
+        table but meta and stacks, as the merge, --list and --verify count them."""
+        return sum(n for t, n in self.rows.items() if t not in NOT_EVENTS)
 
     def summary(self) -> dict:
         return {"out_dir": str(self.out_dir), "truth": str(self.truth_path),

@@ -44,3 +44,60 @@ def test_title_axes_and_labels(fleets, tmp_path):
     assert r.exit_code == 0 and "<h1>Run 7 &lt;x&gt;</h1>" in out.read_text()
     r = CliRunner().invoke(main, [str(db), "--format", "text", "--title", "Run 7"])
     assert r.output.startswith("Straggler report: Run 7\n")
+
+
+def test_offsets_count_from_where_the_export_counts(fleets, tmp_path):
+    """"Seconds from the start of the data" on the page (the windows' offsets, the charts'
+    ticks) count from where ingero-export's --from +Ns counts: a window's offset copied
+    into --from/--to exports that window's collectives (a review found the page counting
+    from the first collective, the export from the first capture start: 29 s apart,
+    nothing exported)."""
+    import json
+
+    from ingero_forensics.db import connect_readonly
+    from ingero_forensics.export.cli import main as export_main
+    from ingero_forensics.merge.nodes import data_start
+
+    db, truth = fleets("cpu")
+    a = analyze_fleet(db)
+    con = connect_readonly(db)
+    try:
+        start = data_start(con)
+    finally:
+        con.close()
+    assert a.data_start_ns == start
+    lead_s = (a.start_ns - start) / 1e9
+    assert lead_s > 1.0, "captures start with the job here: the case is not exercised"
+    page = render_html(a)
+    w = a.windows[0]
+    off = float(re.search(r'<td class="num">\+([\d.]+) s</td>', page).group(1))
+    assert abs(start + off * 1e9 - w.start_ns) <= 0.051e9, (off, w.start_ns - start)
+    # the charts' ticks: the same origin, within the collectives' span
+    ticks = [float(t.replace(",", "")) for t in re.findall(
+        r'text-anchor="middle">([^<]*) s</text>', re.search(
+            r'<svg class="chart".*?</svg>', page, re.S).group(0))]
+    step = ticks[1] - ticks[0]
+    assert lead_s - step <= ticks[0] and ticks[-1] <= (a.end_ns - start) / 1e9 + step, ticks
+    end = off + (w.end_ns - w.start_ns) / 1e9
+    r = CliRunner().invoke(export_main, [str(db), "--chrome-trace", "--from", f"+{off}s",
+                                         "--to", f"+{end:.1f}s", "--kinds", "nccl",
+                                         "-o", str(tmp_path / "w.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["by_kind"]["nccl"] > 0
+
+
+def test_json_carries_the_title_and_short_windows_keep_their_decimals(fleets):
+    """--json's title is the page's (it was empty unless --title was given); a window
+    total under a second is not rounded to "0 s"."""
+    import json
+
+    from ingero_forensics.report.render import report_title
+    from ingero_forensics.report.wording import seconds_text
+
+    db, truth = fleets("cpu")
+    a = analyze_fleet(db)
+    r = CliRunner().invoke(main, [str(db), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["title"] == report_title(a) != ""
+    assert [seconds_text(x) for x in (0.48, 0.044, 3.26, 61.4)] == \
+        ["0.48 s", "0.04 s", "3.3 s", "61 s"]

@@ -583,3 +583,43 @@ def test_a_straggler_within_the_clock_uncertainty_carries_the_caveat(tmp_path):
         assert s.clock_caveat == caveat == (s.peak_ms <= CLOCK_MARGIN * s.relative_uncertainty_ms)
         assert ("clock error cannot be ruled out" in a.verdict) == caveat, a.verdict
         assert (s.cause_confidence == "clear") == (not caveat), a.verdict
+
+
+def test_the_clock_check_shows_the_figures_it_compares(tmp_path):
+    """The clock check compares a straggler's peak lateness with CLOCK_MARGIN times its
+    pair uncertainty, while the verdict quotes its mean lateness. With the uncertainty
+    between a third of the mean and a third of the peak, the check passes on a figure
+    the reader has not seen: the verdict then names the peak and the uncertainty, and
+    the text's clock column shows the comparison (a review found "ok" beside 12.0 ms of
+    lateness and 8.3 ms of uncertainty). Below a third of the mean, no such sentence."""
+    import shutil
+
+    from ingero_forensics.report.analyze import CLOCK_MARGIN
+    from ingero_forensics.report.text import render_text
+
+    truth, db = _simulate(tmp_path, nodes=6, ranks_per_node=2, steps=150, fault="cpu",
+                          seed=5, straggler=3)
+    (st,) = analyze_fleet(db).stragglers
+    lo, hi = st.lateness_ms / CLOCK_MARGIN, st.peak_ms / CLOCK_MARGIN
+    assert lo < hi, (st.lateness_ms, st.peak_ms)      # the case exists in this fleet
+    for pair_u, said in (((lo + hi) / 2, True), (lo / 4, False)):
+        doctored = tmp_path / f"unc-{pair_u:.3f}.db"
+        shutil.copyfile(db, doctored)
+        con = apsw.Connection(str(doctored))
+        try:    # the pair uncertainty: its own plus its peers' median, all equal here
+            con.execute("UPDATE clock_alignment SET relative_uncertainty_ns = ?",
+                        (round(pair_u / 2 * 1e6),))
+        finally:
+            con.close()
+        a = analyze_fleet(doctored)
+        (s,) = a.stragglers
+        u = s.relative_uncertainty_ms
+        assert not s.clock_caveat and s.cause_confidence == "clear", a.verdict
+        assert (s.lateness_ms <= CLOCK_MARGIN * u) == said
+        assert ("so clock error does not explain it" in a.verdict) == said, a.verdict
+        if said:
+            assert f"({s.peak_ms:.1f} ms:" in a.verdict and f"({u:.2f} ms)" in a.verdict
+        (row,) = [ln for ln in render_text(a).splitlines()
+                  if ln.startswith("node-03 ") and " peak " in ln]     # the Stragglers table
+        assert row.rstrip().endswith(f"ok: peak {s.peak_ms:.1f} ms > {CLOCK_MARGIN:g} x "
+                                     f"{u:.2f} ms"), row
