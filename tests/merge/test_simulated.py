@@ -29,13 +29,19 @@ def _simulate_and_merge(d, **cfg):
     return truth, d / "fleet.db"
 
 
-def _errors(truth, db):
-    """{node name: (sorted aligned - true errors of its nccl/cuda rows, clock_alignment)}."""
+def _open_with_truth(truth, db):
+    """({node name: true clock}, fleet.db connection, {node_id: clock_alignment row})."""
     clocks = {n["name"]: n["clock"]["true_utc_of_mono"] for n in truth["nodes"]}
     con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    cols = [d[0] for d in con.execute("SELECT * FROM clock_alignment").description]
+    al = {r[0]: dict(zip(cols, r)) for r in con.execute("SELECT * FROM clock_alignment")}
+    return clocks, con, al
+
+
+def _errors(truth, db):
+    """{node name: (sorted aligned - true errors of its nccl/cuda rows, clock_alignment)}."""
+    clocks, con, al = _open_with_truth(truth, db)
     try:
-        cols = [d[0] for d in con.execute("SELECT * FROM clock_alignment").description]
-        al = {r[0]: dict(zip(cols, r)) for r in con.execute("SELECT * FROM clock_alignment")}
         out = {}
         for nid, name in con.execute("SELECT node_id, name FROM nodes").fetchall():
             c = clocks[name]
@@ -113,11 +119,8 @@ def test_lying_clock_flagged_and_still_aligned(tmp_path):
 def _edge_errors_ns(truth, db, rows=40):
     """{node: (median error of its first, of its last ``rows`` nccl_events)}, with its
     clock_alignment row: a line whose rate is wrong is furthest off at the ends."""
-    clocks = {n["name"]: n["clock"]["true_utc_of_mono"] for n in truth["nodes"]}
-    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    clocks, con, al = _open_with_truth(truth, db)
     try:
-        cols = [d[0] for d in con.execute("SELECT * FROM clock_alignment").description]
-        al = {r[0]: dict(zip(cols, r)) for r in con.execute("SELECT * FROM clock_alignment")}
         out = {}
         for nid, name in con.execute("SELECT node_id, name FROM nodes").fetchall():
             c = clocks[name]
