@@ -21,9 +21,13 @@ def test_every_package_is_listed():
 def test_console_scripts_resolve():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     import importlib
+    from ingero_forensics import entry
     for name, target in scripts.items():
         mod, func = target.split(":")
         assert callable(getattr(importlib.import_module(mod), func)), name
+        # the entry points load their command when run: that module has the main()
+        assert mod == "ingero_forensics.entry" and func in entry.COMMANDS, target
+        assert callable(importlib.import_module(entry.COMMANDS[func]).main), name
     assert set(scripts) >= {"ingero-capture", "ingero-merge", "ingero-export", "ingero-report",
                             "ingero-simulate", "ingero-query"}
 

@@ -88,6 +88,9 @@ def main(database, sql, sql_file, fmt, json_, params, schema, quiet, timeout):
                 raise click.UsageError("missing SQL (or --schema): none given and stdin is empty")
         else:
             raise click.UsageError("missing SQL (or --schema)")
+    if not schema and not sql.strip():
+        # blank SQL is missing SQL, wherever it came from (one exit code for both)
+        raise click.UsageError("missing SQL (or --schema): the SQL given is blank")
     out = sys.stdout.buffer
     with open_database(database) as db:
         if schema:

@@ -35,6 +35,7 @@ from .. import __version__
 from .. import accel as _accel
 from ..db import harden
 from ..errors import BundleError
+from ..interrupts import interrupts_held
 from . import align
 from .clocks import align_nodes, realign_existing, sample_sync_points, write_alignment
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
@@ -164,9 +165,10 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     finally:
         # removed while still held: a merge that opened it meanwhile finds, once it has
         # the lock, that the name is no longer its file and takes the new one
-        with contextlib.suppress(OSError):
-            os.unlink(lock_path)
-        os.close(lock)
+        with interrupts_held():
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+            os.close(lock)
 
 
 def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
@@ -227,13 +229,14 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
                    Path(tmpdir) if tmpdir else out.parent, integrity, min_wait_ns,
                    min_latency_ns, pending)
         finally:
-            for b in pending:
-                b["bundle"].close()
-            fl.con.close()
-            if fl.flusher is not None:
-                fl.flusher.join()
-            for f in scratch + [r[0] for r in fl.old_runs]:
-                f.unlink(missing_ok=True)
+            with interrupts_held():
+                for b in pending:
+                    b["bundle"].close()
+                fl.con.close()
+                if fl.flusher is not None:
+                    fl.flusher.join()
+                for f in scratch + [r[0] for r in fl.old_runs]:
+                    f.unlink(missing_ok=True)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         if os.path.exists(f"{out}-wal") and os.path.getsize(f"{out}-wal"):
@@ -247,9 +250,10 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         except OSError:
             pass
     except BaseException as e:
-        for suffix in ("", "-journal"):
-            with contextlib.suppress(OSError):      # EROFS too: the error below matters
-                os.unlink(f"{tmp}{suffix}")
+        with interrupts_held():
+            for suffix in ("", "-journal"):
+                with contextlib.suppress(OSError):      # EROFS too: the error below matters
+                    os.unlink(f"{tmp}{suffix}")
         # The output side failed (disk full, an unwritable directory): one line, not a
         # traceback; the previous fleet.db is untouched.
         if isinstance(e, CorruptOutput):

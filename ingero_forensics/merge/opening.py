@@ -6,6 +6,7 @@ main thread in helper threads (docs/merge.md, "How the work is split")."""
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import apsw
 from ..bundle.container import read_manifest
 from ..bundle.reader import open_bundle
 from ..errors import BundleError
+from ..interrupts import interrupts_held
 from .copying import bundle_predicate
 from .lateattach import has_late_rows
 from .syncpoints import extract_sync_points, image_runs
@@ -96,15 +98,33 @@ def prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
     """Yield (shown, path, err, opened) in input order, with the next bundles opened in
     PREFETCH_THREADS helper threads. known_sha is read again by the caller: a bundle may
     repeat within one run. On exit (error, interrupt) bundles opened ahead are closed,
-    removing their temporary files."""
+    removing their temporary files, and so is the one last yielded (the caller may not
+    have taken it into its own cleanup yet; closing twice is harmless)."""
     todo = list(entries)
     pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="ingero-open")
     futures = {}
+    # Bundles opened and not yet let go by the caller, under a lock shared with the
+    # helpers: a Ctrl-C may land anywhere in this thread (between a future's result and
+    # the bookkeeping, in the pool's shutdown), so the images are tracked where they are
+    # made. Once abandoned, a helper that finishes closes its own bundle.
+    lock = threading.Lock()
+    live: set = set()
+    abandoned = False
+
+    def opener(*args):
+        r = open_one(*args)
+        if isinstance(r, tuple) and r[1] is not None:
+            with lock:
+                if abandoned:
+                    r[1].close()
+                else:
+                    live.add(r[1])
+        return r
 
     def submit(i):
         if i < len(todo) and not todo[i][2]:
             known = {sha: set(sizes) for sha, sizes in known_sha.items()}
-            futures[i] = pool.submit(open_one, todo[i][1], known, tmpdir, integrity,
+            futures[i] = pool.submit(opener, todo[i][1], known, tmpdir, integrity,
                                      min_wait_ns, fastcoll)
     try:
         for i in range(PREFETCH_THREADS):
@@ -114,12 +134,18 @@ def prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
             opened = fut.result() if fut is not None else None
             submit(i + PREFETCH_THREADS)
             yield shown, path, err, opened
+            # the caller asks for the next one: it has taken this one (merged, closed)
+            if isinstance(opened, tuple) and opened[1] is not None:
+                with lock:
+                    live.discard(opened[1])
     finally:
-        for fut in futures.values():
-            fut.cancel()
-        pool.shutdown(wait=True)
-        for fut in futures.values():
-            if not fut.cancelled() and fut.exception() is None:
-                r = fut.result()
-                if isinstance(r, tuple) and r[1] is not None:
-                    r[1].close()
+        with interrupts_held():
+            with lock:
+                abandoned = True
+                left = list(live)
+                live.clear()
+            for bundle in left:
+                bundle.close()
+            for fut in futures.values():
+                fut.cancel()
+            pool.shutdown(wait=True)

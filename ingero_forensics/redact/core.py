@@ -11,10 +11,10 @@
   it. The pseudonyms come from a random key drawn for each output, never equal an
   original address and never contain one; loopback and unspecified addresses are kept;
 * command lines (processes.cmdline), executables, stack frames' modules and files, and
-  every path in any text are reduced to base names; URLs to scheme, host pseudonym and
-  base name;
-* user names (from home directories /home/NAME, /Users/NAME, /scratch/NAME, URL user
-  info, user@host words and e-mail addresses) are removed: a path that ends in one
+  every path in any text (and the paths the merge was given, relative ones too) are
+  reduced to base names; URLs to scheme, host pseudonym and base name;
+* user names (from home directories /home/NAME, /Users/NAME, /scratch/NAME, ~NAME/,
+  URL user info, user@host words and e-mail addresses) are removed: a path that ends in one
   becomes ``~`` and any other occurrence ``user``;
 * other machines named in the fleet's DNS domains become ``host.domain`` (a node's own
   name, ``NODE.domain``).
@@ -49,6 +49,7 @@ from ..cliutil import BadUsage, sqlite_message
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..fleetfile import check_fleet_file
+from ..interrupts import interrupts_held
 
 #: Columns holding hashes or fixed vocabularies: never sensitive, not scanned (a user
 #: name that is also a word must not rewrite a metric or API name the report reads).
@@ -74,6 +75,12 @@ _EMAIL = re.compile(r"[^\s@<>\"(),;:=/\[\]]+@([A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\
                     r"(?![A-Za-z0-9-])")
 _USER_AT = re.compile(r"(?<![\w.+-])([A-Za-z_][A-Za-z0-9._-]{0,31})@([A-Za-z0-9][\w.-]*)")
 _HEX_IPV4 = re.compile(r"^[0-9A-F]{8}$")
+#: ~NAME/...: a user's home directory in shell shorthand
+_TILDE_USER = re.compile(r"(?<![\w~])~([A-Za-z_][A-Za-z0-9._-]{0,31})(?=/|\s|$)")
+#: Top-level directories whose bare name says nothing of a site ("/proc and NVML
+#: counters" keeps its slash); any longer path is still cut to its base name
+SYSTEM_ROOTS = frozenset({"proc", "sys", "dev", "tmp", "etc", "usr", "var", "opt", "run",
+                          "bin", "sbin", "lib", "lib64", "boot", "mnt", "srv", "root"})
 
 
 #: What SQLite says of a damaged page met in the working copy: the source's (the backup
@@ -193,6 +200,9 @@ class Redactor:
     names: dict[str, str]                 # host or node name -> node pseudonym
     users: set[str]
     ips: IpPseudonyms
+    #: paths as the merge's user typed them (merge_log.input), relative ones too:
+    #: wherever they appear, they become base names
+    paths: frozenset[str] = frozenset()
     _names_re: re.Pattern | None = field(default=None, init=False)
     _users_re: re.Pattern | None = field(default=None, init=False)
 
@@ -216,13 +226,22 @@ class Redactor:
         if self.users:
             alts = "|".join(re.escape(u) for u in sorted(self.users, key=len, reverse=True))
             self._users_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])")
+        self._paths_re = None
+        known = [p for p in self.paths if "/" in p]
+        if known:
+            alts = "|".join(re.escape(p) for p in sorted(known, key=len, reverse=True))
+            self._paths_re = re.compile(rf"(?<![\w./~-])(?:{alts})(?![\w./-])")
 
     def host(self, host: str) -> str:
         """A host part (name or address) -> its pseudonym, or 'host' when unknown."""
         if _parse_ip(host.strip("[]")) is not None:
             return self.ips.pseudonym(host.strip("[]"))
         low = host.lower()
-        return self._lower.get(low) or self._lower.get(low.split(".", 1)[0]) or "host"
+        known = self._lower.get(low) or self._lower.get(low.split(".", 1)[0])
+        if known:
+            return known
+        m = self._in_domain_re.fullmatch(host) if self._in_domain_re is not None else None
+        return self._in_domain(m) if m else "host"      # another machine of the site: host.domain
 
     def basename(self, path: str) -> str:
         trimmed = path.rstrip("/")
@@ -231,6 +250,8 @@ class Redactor:
         base = trimmed.rsplit("/", 1)[-1]
         if base in self.users or (trimmed.startswith("~") and "/" not in trimmed):
             return "~"
+        if trimmed == f"/{base}" and base in SYSTEM_ROOTS:
+            return path
         return base
 
     def _url(self, m: re.Match) -> str:
@@ -262,8 +283,12 @@ class Redactor:
         return host.lower() in self._lower or _parse_ip(host) is not None
 
     def _user_at(self, m: re.Match) -> str:
+        """user@host: a known user or host, or any host that is a name (login01); not
+        a version (torch@2.1)."""
         user, host = m.group(1), m.group(2)
-        if user in self.users or self.known_host(host):
+        if user == USER_WORD:
+            return m.group(0)       # rewritten already (an e-mail address)
+        if user in self.users or self.known_host(host) or host[:1].isalpha():
             return f"{USER_WORD}@{self.host(host)}"
         return m.group(0)
 
@@ -271,6 +296,8 @@ class Redactor:
         """Free text: URLs, user@host, paths, addresses, names and users rewritten."""
         if not s:
             return s
+        if self._paths_re is not None:
+            s = self._paths_re.sub(lambda m: self.basename(m.group(0)), s)
         s = _URL.sub(self._url, s)
         s = _EMAIL.sub(lambda m: f"{USER_WORD}@{self.host(m.group(1))}", s)
         s = _USER_AT.sub(self._user_at, s)
@@ -293,9 +320,10 @@ class Redactor:
         if "/" not in arg:
             return arg
         m = re.match(r"^(-{1,2}[\w.-]+=)(.*)$", arg, re.S)
-        if m:
-            return m.group(1) + self.basename(m.group(2))
-        return self.basename(arg)
+        opt, value = (m.group(1), m.group(2)) if m else ("", arg)
+        if _URL.fullmatch(value):
+            return arg          # text() left scheme, host pseudonym and base name
+        return opt + self.basename(value)
 
     def _json_list(self, value: str, item, **dump) -> str:
         """A JSON array rewritten item by item; anything else as free text."""
@@ -361,6 +389,8 @@ def _distinct(con, table, column, where="") -> list[str]:
 def _collect(values, users: set, ips: set, hosts: set) -> None:
     for v in values:
         for m in _HOME.finditer(v):
+            users.add(m.group(1))
+        for m in _TILDE_USER.finditer(v):
             users.add(m.group(1))
         for m in _URL.finditer(v):
             auth = m.group(2)
@@ -437,6 +467,23 @@ def private_dir(near: Path, prefix: str) -> str:
     raise AssertionError("unreachable")
 
 
+@contextlib.contextmanager
+def scratch_dir(near: Path, prefix: str):
+    """private_dir(), removed with what it holds when the block ends: made and put in
+    the way of removal with SIGINT held, and removed so, so that a Ctrl-C never leaves
+    it behind (it may hold the unredacted working copy)."""
+    with contextlib.ExitStack() as stack:
+        with interrupts_held():
+            d = private_dir(near, prefix)
+            stack.callback(_remove_held, d)
+        yield d
+
+
+def _remove_held(d: str) -> None:
+    with interrupts_held():
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
     """Write a redacted copy of the fleet.db src to dest (replaced atomically).
 
@@ -457,60 +504,61 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
         source = connect_readonly(src)
     except apsw.Error as e:
         raise RedactError(f"{src}: cannot read fleet.db ({e})") from None
-    try:
-        work_dir = private_dir(src, ".ingero-redact-work-")
-    except BaseException:
-        source.close()
-        raise
-    work = Path(work_dir) / "unredacted-working-copy.db"
     tmp_out = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
-        try:
-            con = apsw.Connection(str(work))
-            with con.backup("main", source, "main") as b:
-                b.step()
-        except apsw.Error as e:
-            raise RedactError(f"{work_dir}: cannot write the working copy of {src} "
-                              f"({sqlite_message(e)}; it is made beside the source, or in "
-                              "TMPDIR when that directory is not writable)") from None
-        finally:
-            source.close()
-        con.execute("PRAGMA journal_mode = OFF")
-        con.execute("PRAGMA synchronous = OFF")
-        try:
-            res = _redact(con, key or secrets.token_bytes(32))
-        except RedactError as e:
-            con.close()
-            raise RedactError(f"{src}: {e}") from None
-        except _DAMAGED as e:
-            # a damaged page of the source (the backup copies pages as they are)
-            con.close()
-            raise RedactError(f"{src}: cannot read fleet.db ({sqlite_message(e)})") from None
-        except apsw.FullError:
-            con.close()
-            raise RedactError(f"{dest}: file system full") from None
-        con.execute("INSERT OR REPLACE INTO fleet_info (key, value) VALUES ('redacted', ?)",
-                    (json.dumps({"tool": f"ingero-redact {__version__}",
-                                 "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}),))
-        tmp_out.unlink(missing_ok=True)
-        try:
-            con.execute("VACUUM INTO ?", (str(tmp_out),))
-        except apsw.FullError:
-            raise RedactError(f"{dest}: file system full") from None
-        except _DAMAGED as e:
-            con.close()
-            raise RedactError(f"{src}: cannot read fleet.db ({sqlite_message(e)})") from None
-        con.close()
-        with open(tmp_out, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_out, dest)
+        with contextlib.closing(source), \
+                scratch_dir(src, ".ingero-redact-work-") as work_dir:
+            res = _write_redacted(source, src, dest, Path(work_dir), tmp_out, key)
     except BaseException:
-        tmp_out.unlink(missing_ok=True)
+        with interrupts_held():
+            tmp_out.unlink(missing_ok=True)
         raise
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
     res.output = str(dest)
     res.elapsed_s = round(time.monotonic() - t0, 3)
+    return res
+
+
+def _write_redacted(source, src, dest, work_dir: Path, tmp_out: Path, key) -> RedactResult:
+    """The working copy of source in work_dir, redacted, VACUUMed INTO tmp_out, which
+    then replaces dest."""
+    work = work_dir / "unredacted-working-copy.db"
+    try:
+        con = apsw.Connection(str(work))
+        with con.backup("main", source, "main") as b:
+            b.step()
+    except apsw.Error as e:
+        raise RedactError(f"{work_dir}: cannot write the working copy of {src} "
+                          f"({sqlite_message(e)}; it is made beside the source, or in "
+                          "TMPDIR when that directory is not writable)") from None
+    con.execute("PRAGMA journal_mode = OFF")
+    con.execute("PRAGMA synchronous = OFF")
+    try:
+        res = _redact(con, key or secrets.token_bytes(32))
+    except RedactError as e:
+        con.close()
+        raise RedactError(f"{src}: {e}") from None
+    except _DAMAGED as e:
+        # a damaged page of the source (the backup copies pages as they are)
+        con.close()
+        raise RedactError(f"{src}: cannot read fleet.db ({sqlite_message(e)})") from None
+    except apsw.FullError:
+        con.close()
+        raise RedactError(f"{dest}: file system full") from None
+    con.execute("INSERT OR REPLACE INTO fleet_info (key, value) VALUES ('redacted', ?)",
+                (json.dumps({"tool": f"ingero-redact {__version__}",
+                             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}),))
+    tmp_out.unlink(missing_ok=True)
+    try:
+        con.execute("VACUUM INTO ?", (str(tmp_out),))
+    except apsw.FullError:
+        raise RedactError(f"{dest}: file system full") from None
+    except _DAMAGED as e:
+        con.close()
+        raise RedactError(f"{src}: cannot read fleet.db ({sqlite_message(e)})") from None
+    con.close()
+    with open(tmp_out, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp_out, dest)
     return res
 
 
@@ -532,11 +580,16 @@ def _redact(con, key: bytes) -> RedactResult:
         chrony = _distinct(con, "clock_samples", "device", "source = 'chrony'")
         ips.update(str(ipaddress.IPv4Address(int(v, 16))) for v in chrony
                    if _HEX_IPV4.match(v))
-    r = Redactor(names, users, IpPseudonyms(key, ips))
+    inputs = frozenset(_distinct(con, "merge_log", "input")) if _has(con, "merge_log") \
+        else frozenset()
+    r = Redactor(names, users, IpPseudonyms(key, ips), inputs)
     changed: dict[str, int] = {}
 
+    def path(v):
+        return r.basename(r.text(v))
+
     special = {("processes", "cmdline"): r.cmdline, ("stacks", "frames"): r.frames,
-               ("processes", "exe"): lambda v: r.basename(r.text(v))}
+               ("processes", "exe"): path, ("merge_log", "input"): path}
     with con:
         # nodes first, by id: the names are what every other rewrite refers to
         for node_id, in list(con.execute("SELECT node_id FROM nodes")):
@@ -588,13 +641,10 @@ def redacted_input(src, enabled: bool = True):
     if not enabled:
         yield src
         return
-    d = private_dir(Path(src), ".ingero-redact-")
-    try:
+    with scratch_dir(Path(src), ".ingero-redact-") as d:
         out = Path(d) / "redacted-fleet.db"
         redact_fleet(src, out)
         yield out
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 __all__ = ["IpPseudonyms", "RedactError", "RedactResult", "Redactor", "redact_fleet",

@@ -254,6 +254,9 @@ def test_sql_sources_conflict_and_bad_file(fleet, tmp_path):
     assert r.exit_code == 1 and r.stderr == f"Error: {empty}: no SQL in it\n"
     r = CliRunner().invoke(main, [str(path)], input="  \n")
     assert r.exit_code == 2 and "stdin is empty" in r.stderr
+    for blank in ("", "  \n"):     # given, but blank: missing SQL as well, exit 2 (was 1)
+        r = run(path, blank)
+        assert r.exit_code == 2 and "missing SQL" in r.stderr, r.stderr
     # a lone "--" still ends the options as usual
     r = run(path, "--json", "--", "-- a comment\nSELECT 7 AS x")
     assert r.exit_code == 0 and json.loads(r.stdout) == [{"x": 7}]

@@ -76,7 +76,8 @@ def test_what_analysis_needs_is_kept(redacted, sensitive_fleet):
     master = cmd[cmd.index("--master") + 1]
     assert cmd[:3] == ["python3", "train.py", "--data=dataset"]
     assert cmd[cmd.index("--ckpt") + 1] == "step-1000.pt"
-    assert cmd[cmd.index("--repo") + 1] == "repo.git"     # a URL is a path too
+    # a URL keeps its scheme, its host's pseudonym and its base name (no user, no path)
+    assert cmd[cmd.index("--repo") + 1] == "https://host.domain/repo.git"
     exe = b.execute("SELECT DISTINCT exe FROM processes WHERE pid = 4242").fetchall()
     assert exe == [("python3",)]
     info = json.loads(b.execute("SELECT value FROM fleet_info WHERE key = 'redacted'")
@@ -262,3 +263,57 @@ def test_a_name_that_looks_like_another_nodes_pseudonym_is_refused(redacted, tmp
                         "but is not that node's; cannot tell them apart\n")
     assert not (tmp_path / "x.db").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("word, want", [
+    # user@host whatever the host, when it is a name (a review found these kept)
+    ("root@login01", "user@host"), ("--ssh=zed@login01", "--ssh=user@host"),
+    ("carol@login01", "user@host"),
+    # a URL in a command line keeps its scheme, host pseudonym and base name
+    ("https://bob:s3cr@git.example.org/team/repo.git", "https://host/repo.git"),
+    ("--db=postgres://dave@db.internal:5432/x", "--db=postgres://host:5432/x"),
+    # versions are no user@host; a path is still cut to its base name
+    ("torch@2.1", "torch@2.1"), ("/data/acme/train.py", "train.py"),
+])
+def test_command_line_words(word, want):
+    r = Redactor({"gpu-17": "nodeid-1"}, set(), IpPseudonyms(b"x" * 32, set()))
+    assert r.word(word) == want
+
+
+def test_bare_system_directories_and_tilde_users():
+    """'/proc and NVML counters' keeps its slash (a bare system directory names nothing
+    of the site); ~NAME/ makes NAME a user name, removed wherever it appears."""
+    from ingero_forensics.redact.core import _collect
+    r = Redactor({}, set(), IpPseudonyms(b"x" * 32, set()))
+    assert r.text("/proc and NVML counters at 10 Hz") == "/proc and NVML counters at 10 Hz"
+    assert r.text("read /proc/pressure/cpu") == "read cpu"
+    users: set = set()
+    _collect(["merged ~dave/c.bundle", "~/x.bundle"], users, set(), set())
+    assert users == {"dave"}
+    r = Redactor({}, users, IpPseudonyms(b"x" * 32, set()))
+    assert "dave" not in r.text("merged ~dave/c.bundle for dave")
+
+
+def test_relative_input_paths_are_cut_to_base_names(tmp_path, monkeypatch):
+    """Bundles merged by a relative path (as docs/airgap.md's runbook does): the
+    directories in it (a user's, a project's) are gone from the redacted fleet.db,
+    merge_log.input and its messages included (a review found them kept)."""
+    from ingero_forensics.merge import merge_bundles
+    from ingero_forensics.simulate import FleetConfig, simulate_fleet
+
+    d = tmp_path / "home" / "bob" / "acme-secretproj"
+    simulate_fleet(d, FleetConfig(nodes=2, ranks_per_node=1, steps=10, fault="none", seed=1))
+    first = sorted(d.glob("*.bundle"))[0]
+    (d / "trunc.bundle").write_bytes(first.read_bytes()[:5000])
+    monkeypatch.chdir(tmp_path)
+    merge_bundles(["home/bob/acme-secretproj"], "fleet.db")
+    con = apsw.Connection("fleet.db", flags=apsw.SQLITE_OPEN_READONLY)
+    inputs = [r[0] for r in con.execute("SELECT input FROM merge_log WHERE input IS NOT NULL")]
+    con.close()
+    assert any(i.startswith("home/bob/acme-secretproj/") for i in inputs), inputs
+    redact_fleet("fleet.db", tmp_path / "out.db")
+    blob = _all_text(tmp_path / "out.db")
+    assert b"bob" not in blob and b"secretproj" not in blob
+    con = apsw.Connection(str(tmp_path / "out.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    assert "trunc.bundle" in {r[0] for r in con.execute("SELECT input FROM merge_log")}
+    con.close()

@@ -1,0 +1,70 @@
+"""The console scripts' entry points. Each loads its command's modules only when run,
+inside the same Ctrl-C handling as the command itself: an interrupt while Python is
+still importing (a second or so for the report and export) ends with one line and exit
+130, like one during the work, never with a traceback (cliutil.EXIT_INTERRUPTED; not
+imported from there, which would load click first). Once the command has finished,
+Ctrl-C is ignored: its exit code stands."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+
+#: entry point -> the module whose main() is the command
+COMMANDS = {
+    "capture": "ingero_forensics.capture.cli",
+    "merge": "ingero_forensics.merge.cli",
+    "export": "ingero_forensics.export.cli",
+    "query": "ingero_forensics.export.query_cli",
+    "report": "ingero_forensics.report.cli",
+    "simulate": "ingero_forensics.simulate.cli",
+    "redact": "ingero_forensics.redact.cli",
+    "kit": "ingero_forensics.kit_cli",
+}
+
+
+def _run(name: str):
+    try:
+        main = importlib.import_module(COMMANDS[name]).main
+    except KeyboardInterrupt:
+        sys.stderr.write("Interrupted.\n")
+        sys.exit(130)
+    try:
+        return main()       # click's: exits with the command's code
+    finally:
+        # The command is over, its outputs written or refused and its code set: a
+        # Ctrl-C from here to the process's end must not turn success into 130.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def capture():
+    return _run("capture")
+
+
+def merge():
+    return _run("merge")
+
+
+def export():
+    return _run("export")
+
+
+def query():
+    return _run("query")
+
+
+def report():
+    return _run("report")
+
+
+def simulate():
+    return _run("simulate")
+
+
+def redact():
+    return _run("redact")
+
+
+def kit():
+    return _run("kit")
