@@ -3,11 +3,12 @@ inside the same Ctrl-C handling as the command itself: an interrupt while Python
 still importing (a second or so for the report and export) ends with one line and exit
 130, like one during the work, never with a traceback (cliutil.EXIT_INTERRUPTED; not
 imported from there, which would load click first). Once the command has finished,
-Ctrl-C is ignored: its exit code stands."""
+a Ctrl-C ends the process at once with the command's own exit code."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 
@@ -30,12 +31,26 @@ def _run(name: str):
     except KeyboardInterrupt:
         sys.stderr.write("Interrupted.\n")
         sys.exit(130)
+    code = 0
     try:
         return main()       # click's: exits with the command's code
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        raise
     finally:
         # The command is over, its outputs written or refused and its code set: a
-        # Ctrl-C from here to the process's end must not turn success into 130.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Ctrl-C from here to the process's end (a slow exit, say) ends it at once with
+        # that code, never turning success into 130.
+        signal.signal(signal.SIGINT, lambda signum, frame: _exit_now(code))
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:       # (closed, a broken pipe): nothing more to say
+            pass
+    os._exit(code)
 
 
 def capture():

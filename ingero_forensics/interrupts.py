@@ -3,8 +3,8 @@
 A Ctrl-C raises KeyboardInterrupt wherever the main thread is, including in the cleanup
 that an earlier one started (a user who presses it twice; ``timeout -s INT``, which
 signals the process and then its group): temporary files, and in ingero-redact's case
-an unredacted working copy, would be left half removed. The cleanup runs with SIGINT
-held instead, and the interrupt is raised once it is done.
+an unredacted working copy, would be left half removed. Cleanup runs with SIGINT held
+instead (``run_held``), and the interrupt is passed on once it is done.
 """
 
 from __future__ import annotations
@@ -16,24 +16,48 @@ import threading
 
 @contextlib.contextmanager
 def interrupts_held():
-    """Run the block with SIGINT held; a Ctrl-C meanwhile raises KeyboardInterrupt when
-    the block ends (when SIGINT was handled that way before). Outside the main thread,
-    where Python delivers no signal, it changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    """Run the block with SIGINT held; a Ctrl-C meanwhile is passed on to the handler
+    that was there before (KeyboardInterrupt for Python's default) when the block ends.
+    Outside the main thread, where Python delivers no signal, it changes nothing."""
     caught = []
-    try:
-        before = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    except ValueError:      # a sub-interpreter: signals are not ours to set
+    before = None
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError):    # a sub-interpreter: not ours to set
+            before = signal.getsignal(signal.SIGINT)
+            if before is not None:      # None: set outside Python, it could not be restored
+                signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    if before is None:
         yield
         return
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, before)
-        if caught and before is signal.default_int_handler:
-            raise KeyboardInterrupt
+        if caught:
+            if before is signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
+            elif callable(before):
+                before(signal.SIGINT, None)     # KeyboardInterrupt, or a command's own
 
 
-__all__ = ["interrupts_held"]
+def run_held(cleanup, *, reraise: bool = True) -> None:
+    """Run cleanup() to its end with SIGINT held, even when a Ctrl-C comes just before
+    the hold is in place (it is then run again: cleanup must be idempotent, as closing
+    and unlinking are). A Ctrl-C is passed on afterwards, unless reraise is False: the
+    command's outputs are complete and only this cleanup was left."""
+    interrupted = False
+    done = False
+    attempts = 0
+    while not done and attempts < 5:    # (a KeyboardInterrupt of cleanup's own: not forever)
+        attempts += 1
+        try:
+            with interrupts_held():
+                cleanup()
+                done = True
+        except KeyboardInterrupt:       # held meanwhile, or just before the hold
+            interrupted = True
+    if interrupted and reraise:
+        raise KeyboardInterrupt
+
+
+__all__ = ["interrupts_held", "run_held"]

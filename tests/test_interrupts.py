@@ -30,6 +30,38 @@ def test_interrupts_held_raises_once_the_block_is_done():
         pass
 
 
+def test_interrupts_held_passes_the_signal_to_the_handler_before():
+    """A command's own SIGINT handler gets the held Ctrl-C (it is not dropped)."""
+    from ingero_forensics.interrupts import run_held
+    got = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert got == []
+        assert got == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, before)
+    # run_held: a Ctrl-C just before the hold (the cleanup is then run again), and one
+    # during it; passed on at the end, or not when the outputs are complete
+    for reraise in (True, False):
+        runs = []
+
+        def cleanup():
+            runs.append(len(runs))
+            if len(runs) == 1:
+                raise KeyboardInterrupt         # as if it came before the hold
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        if reraise:
+            with pytest.raises(KeyboardInterrupt):
+                run_held(cleanup)
+        else:
+            run_held(cleanup, reraise=False)
+        assert runs == [0, 1]
+
+
 def test_entry_point_interrupted_while_importing(monkeypatch, capsys):
     def interrupted(name):
         raise KeyboardInterrupt
@@ -52,7 +84,12 @@ def test_entry_point_ignores_ctrl_c_once_the_command_is_over(monkeypatch):
         with pytest.raises(SystemExit) as e:
             entry.report()
         assert e.value.code == 0
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        handler = signal.getsignal(signal.SIGINT)
+        assert handler not in (signal.SIG_IGN, signal.default_int_handler)
+        exits = []
+        monkeypatch.setattr(entry.os, "_exit", exits.append)
+        handler(signal.SIGINT, None)
+        assert exits == [0]     # the command's code, not 130
     finally:
         signal.signal(signal.SIGINT, before)
 

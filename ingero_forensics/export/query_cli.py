@@ -75,11 +75,11 @@ def main(database, sql, sql_file, fmt, json_, params, schema, quiet, timeout):
     """
     if json_:
         fmt = "json"
-    if sql and sql_file:
+    if sql is not None and sql_file:
         raise click.UsageError("give the SQL either as an argument or with -f, not both")
-    if schema and (sql or sql_file):
+    if schema and (sql is not None or sql_file):
         raise click.UsageError("give either SQL or --schema, not both")
-    if not schema and not sql:
+    if not schema and sql is None:     # ("" given is blank SQL, below)
         if sql_file:
             sql = read_sql(sql_file)
         elif not sys.stdin.isatty():

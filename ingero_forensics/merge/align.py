@@ -630,6 +630,10 @@ def _clamp_rates(result: dict[int, NodeAlignment]) -> None:
             a.relative_uncertainty_ns += away
         if a.uncertainty_ns is not None:
             a.uncertainty_ns += away
+        if a.fit_relative_ns is not None:
+            # (clamped again after the messages moved it: the causal step, which rebuilds
+            # a moved line's bound from the fit's, keeps this departure too)
+            a.fit_relative_ns += away
         a.offset_ns += round(m_c * a.slope) - round(m_c * new)
         a.slope = new
         a.drift_ppm = ((1.0 / (1.0 + new)) - 1.0) * 1e6

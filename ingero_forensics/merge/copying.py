@@ -169,6 +169,10 @@ class TableBuilder:
         """The thread has ended: every table is built, or it failed."""
         return self._future.done()
 
+    def running(self) -> bool:
+        """Started and not ended."""
+        return self._future is not None and not self._future.done()
+
     def join(self):
         try:
             self._future.result()
@@ -237,13 +241,13 @@ class TableBuilder:
 
     def _copy(self, table) -> dict:
         self.remove(table)
-        # URI: the completions and the images are attached by URI (read-only, immutable)
-        con = apsw.Connection(str(self.paths[table]), flags=apsw.SQLITE_OPEN_READWRITE |
-                              apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
         with self._lock:
-            if self._stopped:
-                con.close()
+            if self._stopped:       # before the file exists: none left after a Ctrl-C
                 raise apsw.InterruptError("interrupted")
+            # URI: the completions and the images are attached by URI (read-only,
+            # immutable)
+            con = apsw.Connection(str(self.paths[table]), flags=apsw.SQLITE_OPEN_READWRITE |
+                                  apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
             self._cons[table] = con
         harden(con)
         # The journal in memory (a defensive connection refuses OFF): a new database's

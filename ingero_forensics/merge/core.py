@@ -35,7 +35,7 @@ from .. import __version__
 from .. import accel as _accel
 from ..db import harden
 from ..errors import BundleError
-from ..interrupts import interrupts_held
+from ..interrupts import run_held
 from . import align
 from .clocks import align_nodes, realign_existing, sample_sync_points, write_alignment
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
@@ -159,16 +159,22 @@ def merge_bundles(inputs, out_path, *, strict: bool = False, progress=None,
     fastcoll = _accel.load("merge._fastcoll", "sqlite3_fastcoll_init") if accel else None
     corrupt: dict[str, str] = {}
     lock, lock_path = lock_output(Path(out_path), Path(tmpdir) if tmpdir else None)
-    try:
-        return _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity,
-                               min_wait_ns, min_latency_ns, fastcoll, corrupt)
-    finally:
+
+    def unlock():
         # removed while still held: a merge that opened it meanwhile finds, once it has
         # the lock, that the name is no longer its file and takes the new one
-        with interrupts_held():
-            with contextlib.suppress(OSError):
-                os.unlink(lock_path)
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        with contextlib.suppress(OSError):      # (closed already: a second try)
             os.close(lock)
+    try:
+        res = _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity,
+                              min_wait_ns, min_latency_ns, fastcoll, corrupt)
+    except BaseException:
+        run_held(unlock)
+        raise
+    run_held(unlock, reraise=False)     # fleet.db is in place: a Ctrl-C now changes nothing
+    return res
 
 
 def _merge_attempts(inputs, out_path, strict, progress, tmpdir, integrity, min_wait_ns,
@@ -229,7 +235,11 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
                    Path(tmpdir) if tmpdir else out.parent, integrity, min_wait_ns,
                    min_latency_ns, pending)
         finally:
-            with interrupts_held():
+            def cleanup():
+                # the table builder first: stopped, it creates no scratch file after
+                # the removal below (a Ctrl-C may have cut its interrupt() short)
+                if fl.builder is not None and fl.builder.running():
+                    fl.builder.interrupt()
                 for b in pending:
                     b["bundle"].close()
                 fl.con.close()
@@ -237,6 +247,7 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
                     fl.flusher.join()
                 for f in scratch + [r[0] for r in fl.old_runs]:
                     f.unlink(missing_ok=True)
+            run_held(cleanup)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         if os.path.exists(f"{out}-wal") and os.path.getsize(f"{out}-wal"):
@@ -250,10 +261,11 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         except OSError:
             pass
     except BaseException as e:
-        with interrupts_held():
+        def remove_tmp():
             for suffix in ("", "-journal"):
                 with contextlib.suppress(OSError):      # EROFS too: the error below matters
                     os.unlink(f"{tmp}{suffix}")
+        run_held(remove_tmp)
         # The output side failed (disk full, an unwritable directory): one line, not a
         # traceback; the previous fleet.db is untouched.
         if isinstance(e, CorruptOutput):
@@ -488,12 +500,14 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
             # the report's host_bins..., from every table now in (or moved in with it)
             write_summaries(con, fl.summarized)
     except BaseException:
-        job.interrupt()
-        if fl.builder is not None:
-            fl.builder.interrupt()
+        def stop():
+            job.interrupt()
+            if fl.builder is not None:
+                fl.builder.interrupt()
+        run_held(stop)
         raise
     finally:
-        pool.shutdown(wait=True)
+        run_held(lambda: pool.shutdown(wait=True))
     pending.clear()
 
     # ---------------------------------------------------------------- finish
@@ -702,7 +716,7 @@ def _pass3_fresh(fl: _Fleet, pending: list, params: dict, job, future, idle) -> 
         move_in(builder.take_ready())
     finally:
         if release is not None:
-            release.join()
+            run_held(release.join)
     _wait_staged(job, future)
 
 

@@ -15,7 +15,7 @@ import apsw
 from ..bundle.container import read_manifest
 from ..bundle.reader import open_bundle
 from ..errors import BundleError
-from ..interrupts import interrupts_held
+from ..interrupts import run_held
 from .copying import bundle_predicate
 from .lateattach import has_late_rows
 from .syncpoints import extract_sync_points, image_runs
@@ -40,17 +40,16 @@ def open_one(path, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
         return e
     try:
         bundle.late_rows = has_late_rows(bundle.con, bundle, "main")
-    except apsw.Error as e:
-        bundle.close()
-        return BundleError(path, f"cannot read its events ({type(e).__name__}: {e})")
-    bundle.con.close()
-    bundle.con = None
-    bundle.sync_path, bundle.run_paths = None, []
-    try:
+        bundle.con.close()
+        bundle.con = None
+        bundle.sync_path, bundle.run_paths = None, []
         extract_sync(bundle, min_wait_ns, fastcoll)
     except (apsw.Error, RuntimeError) as e:
         bundle.close()
         return BundleError(path, f"cannot read its events ({type(e).__name__}: {e})")
+    except BaseException:
+        bundle.close()          # (out of memory, say): its image is not left behind
+        raise
     return sha, bundle
 
 
@@ -101,7 +100,8 @@ def prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
     removing their temporary files, and so is the one last yielded (the caller may not
     have taken it into its own cleanup yet; closing twice is harmless)."""
     todo = list(entries)
-    pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="ingero-open")
+    prefix = f"ingero-open-{id(entries):x}"
+    pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix=prefix)
     futures = {}
     # Bundles opened and not yet let go by the caller, under a lock shared with the
     # helpers: a Ctrl-C may land anywhere in this thread (between a future's result and
@@ -139,13 +139,21 @@ def prefetch(entries, known_sha, tmpdir, integrity, min_wait_ns, fastcoll):
                 with lock:
                     live.discard(opened[1])
     finally:
-        with interrupts_held():
+        def cleanup():
+            nonlocal abandoned
             with lock:
                 abandoned = True
                 left = list(live)
-                live.clear()
-            for bundle in left:
+            for bundle in left:         # (run again after an interrupt: idempotent)
                 bundle.close()
+                live.discard(bundle)
             for fut in futures.values():
                 fut.cancel()
             pool.shutdown(wait=True)
+            # a Ctrl-C inside pool.submit() can land after a worker started and before
+            # the pool counted it: shutdown() does not wait for that one (it opens a
+            # bundle it was given, and closes it, abandoned, when done)
+            for t in threading.enumerate():
+                if t.name.startswith(f"{prefix}_"):
+                    t.join()
+        run_held(cleanup)

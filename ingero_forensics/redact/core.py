@@ -14,8 +14,9 @@
   every path in any text (and the paths the merge was given, relative ones too) are
   reduced to base names; URLs to scheme, host pseudonym and base name;
 * user names (from home directories /home/NAME, /Users/NAME, /scratch/NAME, ~NAME/,
-  URL user info, user@host words and e-mail addresses) are removed: a path that ends in one
-  becomes ``~`` and any other occurrence ``user``;
+  URL user info, user@host words whose host is a node or an address) are removed: a
+  path that ends in one becomes ``~`` and any other occurrence ``user``; user@host
+  words with any named host, and e-mail addresses, become ``user@host``;
 * other machines named in the fleet's DNS domains become ``host.domain`` (a node's own
   name, ``NODE.domain``).
 
@@ -49,7 +50,7 @@ from ..cliutil import BadUsage, sqlite_message
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..fleetfile import check_fleet_file
-from ..interrupts import interrupts_held
+from ..interrupts import run_held
 
 #: Columns holding hashes or fixed vocabularies: never sensitive, not scanned (a user
 #: name that is also a word must not rewrite a metric or API name the report reads).
@@ -66,7 +67,8 @@ _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.]*\d)")
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|"
                    r"\d{1,3}(?:\.\d{1,3}){3})?(?![\w:])")
 _URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*)://([^/\s\"'<>]*)([^\s\"'<>]*)")
-_PATH = re.compile(r"(?<![\w.\-/~])(?:~|\.{1,2})?/(?!/)[^\s\"'`,;()<>\[\]{}|*]*")
+_PATH = re.compile(r"(?<![\w.\-/~])(?:~[A-Za-z_][A-Za-z0-9._-]{0,31}|~|\.{1,2})?/(?!/)"
+                   r"[^\s\"'`,;()<>\[\]{}|*]*")
 _HOME = re.compile(r"/(?:" + "|".join(HOME_DIRS) + r")/([A-Za-z0-9._-]+)")
 #: An e-mail address: any local part (dots, plus, digits, quotes), then a DNS name whose
 #: last label is a word (acme.com; not a version such as torch@2.1). It also takes words
@@ -76,6 +78,11 @@ _EMAIL = re.compile(r"[^\s@<>\"(),;:=/\[\]]+@([A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\
 _USER_AT = re.compile(r"(?<![\w.+-])([A-Za-z_][A-Za-z0-9._-]{0,31})@([A-Za-z0-9][\w.-]*)")
 _HEX_IPV4 = re.compile(r"^[0-9A-F]{8}$")
 #: ~NAME/...: a user's home directory in shell shorthand
+#: A word with a slash in it, looked up among the paths the merge was given
+_SLASHED_WORD = re.compile(r"[^\s\"'`,;()<>\[\]{}|*=]*/[^\s\"'`,;()<>\[\]{}|*]*")
+#: The host of user@host when it is a host name: letters, digits, hyphens and dots
+#: (not GLIBC_2.14), and no version (v4), digest (sha256) or linker suffix (plt)
+_HOST_NAME = re.compile(r"(?!v\d|sha\d|plt$|got$)[A-Za-z][A-Za-z0-9-]*(?:\.[A-Za-z0-9-]+)*")
 _TILDE_USER = re.compile(r"(?<![\w~])~([A-Za-z_][A-Za-z0-9._-]{0,31})(?=/|\s|$)")
 #: Top-level directories whose bare name says nothing of a site ("/proc and NVML
 #: counters" keeps its slash); any longer path is still cut to its base name
@@ -226,11 +233,6 @@ class Redactor:
         if self.users:
             alts = "|".join(re.escape(u) for u in sorted(self.users, key=len, reverse=True))
             self._users_re = re.compile(rf"(?<![A-Za-z0-9])(?:{alts})(?![A-Za-z0-9])")
-        self._paths_re = None
-        known = [p for p in self.paths if "/" in p]
-        if known:
-            alts = "|".join(re.escape(p) for p in sorted(known, key=len, reverse=True))
-            self._paths_re = re.compile(rf"(?<![\w./~-])(?:{alts})(?![\w./-])")
 
     def host(self, host: str) -> str:
         """A host part (name or address) -> its pseudonym, or 'host' when unknown."""
@@ -284,20 +286,30 @@ class Redactor:
 
     def _user_at(self, m: re.Match) -> str:
         """user@host: a known user or host, or any host that is a name (login01); not
-        a version (torch@2.1)."""
+        a version (torch@2.1, pkg@v4), a digest (image@sha256:...), a versioned or PLT
+        symbol (memcpy@GLIBC_2.14, foo@plt) or a URL (torch@https://...)."""
         user, host = m.group(1), m.group(2)
         if user == USER_WORD:
             return m.group(0)       # rewritten already (an e-mail address)
-        if user in self.users or self.known_host(host) or host[:1].isalpha():
+        named = _HOST_NAME.fullmatch(host) is not None and \
+            not m.string.startswith("://", m.end())
+        if user in self.users or self.known_host(host) or named:
             return f"{USER_WORD}@{self.host(host)}"
         return m.group(0)
+
+    def _known_path(self, m: re.Match) -> str:
+        word = m.group(0)
+        path = word.rstrip(":.,")
+        if path in self.paths:
+            return self.basename(path) + word[len(path):]
+        return word
 
     def text(self, s: str) -> str:
         """Free text: URLs, user@host, paths, addresses, names and users rewritten."""
         if not s:
             return s
-        if self._paths_re is not None:
-            s = self._paths_re.sub(lambda m: self.basename(m.group(0)), s)
+        if self.paths and "/" in s:
+            s = _SLASHED_WORD.sub(self._known_path, s)
         s = _URL.sub(self._url, s)
         s = _EMAIL.sub(lambda m: f"{USER_WORD}@{self.host(m.group(1))}", s)
         s = _USER_AT.sub(self._user_at, s)
@@ -321,7 +333,7 @@ class Redactor:
             return arg
         m = re.match(r"^(-{1,2}[\w.-]+=)(.*)$", arg, re.S)
         opt, value = (m.group(1), m.group(2)) if m else ("", arg)
-        if _URL.fullmatch(value):
+        if _URL.search(value):
             return arg          # text() left scheme, host pseudonym and base name
         return opt + self.basename(value)
 
@@ -473,15 +485,14 @@ def scratch_dir(near: Path, prefix: str):
     the way of removal with SIGINT held, and removed so, so that a Ctrl-C never leaves
     it behind (it may hold the unredacted working copy)."""
     with contextlib.ExitStack() as stack:
-        with interrupts_held():
-            d = private_dir(near, prefix)
-            stack.callback(_remove_held, d)
-        yield d
+        made = []
 
-
-def _remove_held(d: str) -> None:
-    with interrupts_held():
-        shutil.rmtree(d, ignore_errors=True)
+        def make():
+            if not made:
+                made.append(private_dir(near, prefix))
+                stack.callback(run_held, lambda: shutil.rmtree(made[0], ignore_errors=True))
+        run_held(make)
+        yield made[0]
 
 
 def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
@@ -509,9 +520,11 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
         with contextlib.closing(source), \
                 scratch_dir(src, ".ingero-redact-work-") as work_dir:
             res = _write_redacted(source, src, dest, Path(work_dir), tmp_out, key)
+        # the working copy is gone: the output goes in place last, so that nothing is
+        # left to do (and no Ctrl-C to report) once it is there
+        os.replace(tmp_out, dest)
     except BaseException:
-        with interrupts_held():
-            tmp_out.unlink(missing_ok=True)
+        run_held(lambda: tmp_out.unlink(missing_ok=True))
         raise
     res.output = str(dest)
     res.elapsed_s = round(time.monotonic() - t0, 3)
@@ -519,8 +532,8 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
 
 
 def _write_redacted(source, src, dest, work_dir: Path, tmp_out: Path, key) -> RedactResult:
-    """The working copy of source in work_dir, redacted, VACUUMed INTO tmp_out, which
-    then replaces dest."""
+    """The working copy of source in work_dir, redacted, VACUUMed INTO tmp_out (which
+    the caller moves to dest)."""
     work = work_dir / "unredacted-working-copy.db"
     try:
         con = apsw.Connection(str(work))
@@ -558,7 +571,6 @@ def _write_redacted(source, src, dest, work_dir: Path, tmp_out: Path, key) -> Re
     con.close()
     with open(tmp_out, "rb+") as f:
         os.fsync(f.fileno())
-    os.replace(tmp_out, dest)
     return res
 
 

@@ -236,10 +236,16 @@ def render_html(a: Analysis) -> str:
             pts, [("suspect", a.straggler or "suspect", "line suspect"),
                   ("others", "other nodes (median)", "line fleet")],
             METRIC_LABELS.get(metric, metric), windows_s, t_end=t_end, origin_s=origin_s)
-    window_rows = [{"start": _utc(w.start_ns), "end": _utc(w.end_ns),
-                    "from_start": f"+{(w.start_ns - t0) / 1e9 + origin_s:.1f} s",
-                    "length": f"{(w.end_ns - w.start_ns) / 1e9:.1f} s",
-                    "lateness": w.lateness_ms} for w in a.windows]
+    window_rows = []
+    for w in a.windows:
+        # in tenths, the offset rounded down and the length up so that the end is
+        # covered: --from +OFFSET --to +(OFFSET + LENGTH) exports the whole window
+        start_s = math.floor(((w.start_ns - t0) / 1e9 + origin_s) * 10) / 10
+        end_s = (w.end_ns - t0) / 1e9 + origin_s
+        window_rows.append({"start": _utc(w.start_ns), "end": _utc(w.end_ns),
+                            "from_start": f"+{start_s:.1f} s",
+                            "length": f"{math.ceil((end_s - start_s) * 10 - 1e-6) / 10:.1f} s",
+                            "lateness": w.lateness_ms})
     tpl = environment().get_template("report.html")
     return tpl.render(
         a=a, sql=lambda *keys, what="": sql_details(a, *keys, what=what),

@@ -255,8 +255,8 @@ def test_sql_sources_conflict_and_bad_file(fleet, tmp_path):
     r = CliRunner().invoke(main, [str(path)], input="  \n")
     assert r.exit_code == 2 and "stdin is empty" in r.stderr
     for blank in ("", "  \n"):     # given, but blank: missing SQL as well, exit 2 (was 1)
-        r = run(path, blank)
-        assert r.exit_code == 2 and "missing SQL" in r.stderr, r.stderr
+        r = CliRunner().invoke(main, [str(path), blank], input="SELECT 1")
+        assert r.exit_code == 2 and "the SQL given is blank" in r.stderr, r.stderr
     # a lone "--" still ends the options as usual
     r = run(path, "--json", "--", "-- a comment\nSELECT 7 AS x")
     assert r.exit_code == 0 and json.loads(r.stdout) == [{"x": 7}]

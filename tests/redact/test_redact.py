@@ -272,8 +272,13 @@ def test_a_name_that_looks_like_another_nodes_pseudonym_is_refused(redacted, tmp
     # a URL in a command line keeps its scheme, host pseudonym and base name
     ("https://bob:s3cr@git.example.org/team/repo.git", "https://host/repo.git"),
     ("--db=postgres://dave@db.internal:5432/x", "--db=postgres://host:5432/x"),
-    # versions are no user@host; a path is still cut to its base name
-    ("torch@2.1", "torch@2.1"), ("/data/acme/train.py", "train.py"),
+    # versions, digests, versioned or PLT symbols are no user@host; a path is still cut
+    # to its base name
+    ("torch@2.1", "torch@2.1"), ("pkg@v1.2.3", "pkg@v1.2.3"),
+    ("memcpy@GLIBC_2.14", "memcpy@GLIBC_2.14"), ("foo@plt", "foo@plt"),
+    ("nvcr.io/nvidia/pytorch@sha256:ab12", "pytorch@sha256:ab12"),
+    ("torch@https://download.pytorch.org/whl/cu121", "torch@https://host/cu121"),
+    ("/data/acme/train.py", "train.py"), ("~dave/projX/c.bundle", "c.bundle"),
 ])
 def test_command_line_words(word, want):
     r = Redactor({"gpu-17": "nodeid-1"}, set(), IpPseudonyms(b"x" * 32, set()))
@@ -292,6 +297,7 @@ def test_bare_system_directories_and_tilde_users():
     assert users == {"dave"}
     r = Redactor({}, users, IpPseudonyms(b"x" * 32, set()))
     assert "dave" not in r.text("merged ~dave/c.bundle for dave")
+    assert r.text("merged ~dave/projX/c.bundle") == "merged c.bundle"
 
 
 def test_relative_input_paths_are_cut_to_base_names(tmp_path, monkeypatch):
