@@ -22,7 +22,7 @@ def _size(ctx, param, value):
 def _libs(ctx, param, values):
     """--lib paths: files whose name says which library they are (the probes are chosen
     by it); a path the capture would skip is a usage error, not silence."""
-    from .ebpf.libs import KINDS, lib_kind
+    from .ebpf.libs import KINDS, lib_kind, not_the_library
     for path in values:
         if not os.path.isfile(path):
             raise click.BadParameter(f"{path}: no such file")
@@ -31,7 +31,20 @@ def _libs(ctx, param, values):
                 f"{path}: the file name does not say which library it is (it must start "
                 f"with {', '.join(KINDS.values())}): the probes are chosen by it; give a "
                 "symbolic link with such a name instead")
+        why = not_the_library(path)
+        if why:
+            raise click.BadParameter(f"{path}: {why}")
     return values
+
+
+def _path(ctx, param, value):
+    """A path given as "" (the "$DIR" of an unset variable in a unit file) is a usage
+    error, not the current directory (which pathlib would make of it)."""
+    if value is None:
+        return None
+    if value == "":
+        raise click.BadParameter("an empty path (an unset variable?)")
+    return Path(value)
 
 
 @click.command(name="ingero-capture", context_settings={"help_option_names": ["-h", "--help"]},
@@ -39,12 +52,12 @@ def _libs(ctx, param, values):
                       "(bad configuration, directory in use, file system full: sealed "
                       "segments are kept; with --strict, an eBPF source off); 2 usage "
                       "error.")
-@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False), callback=_path,
               default="/var/ingero", show_default=True,
               help="Directory for sealed segments (and its .spool/ for the live one).")
 @click.option("--node", help="Node name (1-63 of A-Z a-z 0-9 . _ -, not starting with - or .). Default: the config "
               "file's node, else $INGERO_NODE, else the hostname.")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), callback=_path,
               help="TOML config file with a top-level node = \"...\" "
                    "[default: /etc/ingero-forensics/config.toml if present].")
 @click.option("-p", "--pid", "pids", type=int, multiple=True,

@@ -499,7 +499,9 @@ class _Loop:
         self.scan_targets()
         self._flush()
         self._collect_sealed()
-        if time.monotonic() - self.seg_started >= cfg.segment_seconds:
+        # at the tick nearest the segment's length: the ticks run a little ahead of the
+        # segment's start (it began within a tick), so ">= length" would wait a tick more
+        if time.monotonic() - self.seg_started >= cfg.segment_seconds - TICK_S / 2:
             self.rotate("segment-seconds")
         elif run.writer.size_bytes() >= cfg.segment_size:
             self.rotate("segment-size")

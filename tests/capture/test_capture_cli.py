@@ -274,17 +274,56 @@ def test_root_without_bpf_capabilities_is_no_ebpf(tmp_path):
 
 def test_a_lib_the_capture_would_skip_is_a_usage_error(tmp_path):
     """--lib with a missing file or a name that does not say which library it is was
-    skipped in silence (exit 0, nothing probed, nothing said)."""
+    skipped in silence (exit 0, nothing probed, nothing said); so was a file named like
+    the library that is not it (a review: /etc/passwd as libnccl.so.2, libcuda as
+    libcudart.so.12 passed --check --strict and a --strict capture, recording nothing)."""
+    import shutil
+
+    from ..fixtures.build import build_fixtures
+    fx = build_fixtures()
     odd = tmp_path / "my_nccl_build.so"
-    odd.write_bytes(b"\x7fELF")
+    shutil.copyfile(fx.libnccl, odd)
+    not_elf = tmp_path / "not" / "libnccl.so.2"
+    not_elf.parent.mkdir()
+    not_elf.symlink_to("/etc/passwd")
+    other = tmp_path / "other" / "libcudart.so.12"
+    other.parent.mkdir()
+    shutil.copyfile(fx.libcuda, other)       # the driver library under the runtime's name
     for lib, why in ((tmp_path / "libcudart.so.12", "no such file"),
-                     (odd, "the file name does not say which library it is")):
-        r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--node", "n1",
-                                      "--no-ebpf", "--duration", "0.1", "--lib", str(lib)])
-        assert r.exit_code == 2 and why in r.output, r.output
+                     (odd, "the file name does not say which library it is"),
+                     (not_elf, "is not an ELF shared library"),
+                     (other, "has none of the libcudart.so functions the capture probes")):
+        for args in (["--bundle", str(tmp_path / "b"), "--node", "n1", "--no-ebpf",
+                      "--duration", "0.1"], ["--check", "--strict"]):
+            r = CliRunner().invoke(main, [*args, "--lib", str(lib)])
+            assert r.exit_code == 2 and why in r.output, r.output
     assert not (tmp_path / "b").exists()
     link = tmp_path / "libnccl.so.2"
     link.symlink_to(odd)          # the remedy the message gives
     r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--node", "n1",
                                   "--no-ebpf", "--duration", "0.1", "--lib", str(link)])
     assert r.exit_code == 0, r.output
+
+
+def test_an_empty_path_is_a_usage_error(tmp_path, monkeypatch):
+    """--bundle "" (the "$DIR" of an unset variable in a unit file) captured into the
+    current directory and exited 0; --config "" said "Is a directory"."""
+    monkeypatch.chdir(tmp_path)
+    for opt in ("--bundle", "--config"):
+        r = CliRunner().invoke(main, [opt, "", "--node", "n1", "--no-ebpf", "--duration", "0.1"])
+        assert r.exit_code == 2 and "an empty path" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_library_with_none_of_the_functions_is_a_warning():
+    """A library found in the targets' mappings that holds none of the probed
+    functions: a warning in capture_log (it was an info line, hidden by --quiet)."""
+    from types import SimpleNamespace
+
+    from ingero_forensics.capture.ebpf.base import BccSource
+    src = SimpleNamespace(attached=[], notes=[], _announced=True)
+    BccSource.note_attached(src, "/x/libnccl.so.2", "uprobes", 3, ["a", "b", "c"])
+    BccSource.note_attached(src, "/y/libnccl.so.2", "uprobes", 3, ["a"])
+    assert [lvl for lvl, _m in src.notes] == ["warning", "info"]
+    assert "none of the 3 functions probed is in /x/libnccl.so.2" in src.notes[0][1]
+    assert src.attached[1] == "uprobes on /y/libnccl.so.2: 2 functions (not attached: a)"

@@ -85,6 +85,10 @@ def test_rotation_by_time_and_sighup(tmp_path, open_all):
         assert rows(cur, "SELECT COUNT(*) FROM clock_samples")[0][0] >= 1
     rot = rows(opened[1], "SELECT message FROM capture_log WHERE event = 'rotate'")
     assert rot and "segment-seconds" in rot[0][0]
+    # rotated at the tick nearest the length, not one tick later (they lasted 2 s)
+    for b in opened[:n]:
+        cap = b.manifest["capture"]
+        assert cap["end_mono_ns"] - cap["start_mono_ns"] < 1_500_000_000, cap
 
 
 def test_sighup_rotates(tmp_path, open_all):

@@ -502,6 +502,21 @@ class BccSource(Source):
         if not self.attached:
             self.attached.append(waiting)
 
+    def note_attached(self, path: str, what: str, total: int, missing: list[str]) -> None:
+        """Say what attached on a library: in the source's on-message, in capture_log once
+        the source is on, and as a warning when nothing did (a file named like the
+        library that is not it: nothing would be recorded from it, silently)."""
+        msg = f"{what} on {path}: {total - len(missing)} functions"
+        if missing:
+            msg += f" (not attached: {'; '.join(missing)})"
+        self.attached.append(msg)
+        if total and len(missing) == total:
+            self.notes.append(("warning", f"none of the {total} functions probed is in "
+                                          f"{path}: nothing is recorded from it (is it the "
+                                          "library its name says?)"))
+        elif self._announced:
+            self.notes.append(("info", msg))
+
     def attach_probes(self, path: str, probes: list[Probe]) -> list[str]:
         """Attach ``probes`` on the library at ``path``; returns those not attached, with why."""
         was = self.uprobes.mode

@@ -421,22 +421,12 @@ class CudaSource(BccSource):
             launches = [(i, sym) for i, (sym, lib, keep, *_r) in enumerate(APIS)
                         if lib == kind and not keep]
             missing = self.attach_probes(path, kept) + self._add_launch_probes(path, launches)
-            msg = f"uprobes on {path}: {len(kept) + len(launches) - len(missing)} functions"
-            if missing:
-                msg += f" (not attached: {'; '.join(missing)})"
-            self.attached.append(msg)
-            if self._announced:
-                self.notes.append(("info", msg))
+            self.note_attached(path, "uprobes", len(kept) + len(launches), missing)
 
     def _attach_marks(self, path: str) -> None:
         """Return probes on libnccl that restart each thread's queued count."""
         missing = self.attach_probes(path, [Probe(sym, ret="mark_nccl") for sym in NCCL_MARKS])
-        msg = f"queued-work marks on {path}: {len(NCCL_MARKS) - len(missing)} functions"
-        if missing:
-            msg += f" (not attached: {'; '.join(missing)})"
-        self.attached.append(msg)
-        if self._announced:
-            self.notes.append(("info", msg))
+        self.note_attached(path, "queued-work marks", len(NCCL_MARKS), missing)
 
     def housekeeping(self, sink: RowSink) -> None:
         now = time.monotonic()

@@ -23,6 +23,33 @@ def lib_kind(path: str) -> str | None:
     return None
 
 
+def probed_functions(kind: str) -> set[str]:
+    """The functions of a library kind that the capture puts uprobes on."""
+    if kind == "nccl":
+        from .nccl import probes  # noqa: PLC0415 (those modules import this one)
+        return {p.sym for p in probes()}
+    from .cuda import APIS  # noqa: PLC0415
+    return {sym for sym, lib, *_rest in APIS if lib == kind}
+
+
+def not_the_library(path: str) -> str | None:
+    """Why the file at path, named as a library of some kind, cannot be probed as one
+    (not readable, not ELF, or none of the functions probed in it), else None: a
+    --lib that is not the library would attach nothing and record nothing."""
+    from .symbols import UNREADABLE, elf_symbols  # noqa: PLC0415
+    kind = lib_kind(path)
+    syms = elf_symbols(path)
+    if syms is UNREADABLE:
+        return "cannot be read as a regular file"
+    if syms is None:
+        return "is not an ELF shared library"
+    wanted = probed_functions(kind)
+    if not wanted & syms.function_names():
+        return (f"has none of the {KINDS[kind]} functions the capture probes (such as "
+                f"{min(wanted)}): not that library?")
+    return None
+
+
 def libs_in_maps(pid: int, proc: str = "/proc") -> list[str]:
     """Paths of NCCL/CUDA libraries mapped by pid, reachable from this mount namespace."""
     try:

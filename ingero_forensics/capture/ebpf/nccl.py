@@ -408,13 +408,7 @@ class NcclSource(BccSource):
     def _attach_new(self, pids) -> None:
         every = probes()
         for _kind, path in self.libs.new_libraries(pids):
-            missing = self.attach_probes(path, every)
-            msg = f"uprobes on {path}: {len(every) - len(missing)} functions"
-            if missing:
-                msg += f" (not attached: {'; '.join(missing)})"
-            self.attached.append(msg)
-            if self._announced:
-                self.notes.append(("info", msg))
+            self.note_attached(path, "uprobes", len(every), self.attach_probes(path, every))
 
     def housekeeping(self, sink: RowSink) -> None:
         now = time.monotonic()

@@ -72,6 +72,9 @@ class ElfSymbols:
                 return self._name(k), vaddr - start
         return None
 
+    def function_names(self) -> set[str]:
+        return {self._name(k) for k in range(len(self.values))}
+
     def _name(self, k: int) -> str:
         ref = self.names[k]
         tab = self.strtabs[ref >> 32]
