@@ -161,6 +161,8 @@ class KitResult:
     pure: bool = False
     pyz: str | None = None
     elapsed_s: float = 0.0
+    #: what the builder should know: a native kit whose wheel lacks the accelerators
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -234,6 +236,15 @@ def _build(out_dir: Path, target: Target, native: Target, src: Path, pyz: bool) 
         env_pure = {} if is_native else {"INGERO_PURE": "1"}
         _build_project_wheel(src, wheels, env_pure)
         (project,) = wheels.glob("ingero_forensics-*.whl")
+        warnings = []
+        accelerated = is_native and wheel_has_accelerators(project)
+        if is_native and not accelerated:
+            # the build goes on without them (they are optional), but not in silence
+            warnings.append(
+                "the C accelerators were not built (no C compiler or Python headers "
+                "here?): merge and export will run their Python paths, about 2x slower; "
+                "install gcc and the Python headers (python3-dev, python3-devel) and "
+                "build the kit again")
         reqs = _requirements(project)
         platform_args = [] if is_native else [
             *(a for tag in compatible_platforms(target.platform) for a in ("--platform", tag)),
@@ -251,7 +262,7 @@ def _build(out_dir: Path, target: Target, native: Target, src: Path, pyz: bool) 
         (kit / "kit.json").write_text(json.dumps({
             "kit_format": KIT_FORMAT, "version": version, "python": target.python,
             "platform": target.platform, "abi": target.abi, "min_glibc": min_glibc,
-            "accelerators": is_native, "wheels": names, "pyz": pyz_name,
+            "accelerators": accelerated, "wheels": names, "pyz": pyz_name,
             "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
         for extra in NODE_FILES:       # the node's launchers, from the source tree
             shutil.copy(src / "scripts" / extra, kit / extra)
@@ -270,8 +281,14 @@ def _build(out_dir: Path, target: Target, native: Target, src: Path, pyz: bool) 
         digest = sha256_file(tmp_archive)
         os.replace(tmp_archive, archive)
     (out_dir / f"{archive.name}.sha256").write_text(f"{digest}  {archive.name}\n")
-    return KitResult(str(archive), digest, asdict(target), names, min_glibc, not is_native,
-                     pyz_name, round(time.monotonic() - t0, 1))
+    return KitResult(str(archive), digest, asdict(target), names, min_glibc, not accelerated,
+                     pyz_name, round(time.monotonic() - t0, 1), warnings)
+
+
+def wheel_has_accelerators(wheel: Path) -> bool:
+    """The project wheel carries compiled extension modules (the C accelerators)."""
+    with zipfile.ZipFile(wheel) as z:
+        return any(n.endswith(".so") for n in z.namelist())
 
 
 def _tar_filter(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -346,10 +363,13 @@ def _site():
 
 def main():
     if sys.version_info[:2] != PYTHON:
-        sys.stderr.write("Error: %s: built for Python %d.%d, not %d.%d; use the kit for "
-                         "this node's Python (ingero-kit --python %d.%d)\n"
+        fix = ("run it with python%d.%d, or use a kit built for this Python "
+               "(ingero-kit --python %d.%d)" % (PYTHON + sys.version_info[:2])
+               if sys.version_info[:2] >= (3, 10) else
+               "run it with python%d.%d (ingero-forensics needs 3.10 or newer)" % PYTHON)
+        sys.stderr.write("Error: %s: built for Python %d.%d, not %d.%d; %s\n"
                          % (sys.argv[0], PYTHON[0], PYTHON[1], sys.version_info[0],
-                            sys.version_info[1], sys.version_info[0], sys.version_info[1]))
+                            sys.version_info[1], fix))
         sys.exit(1)
     try:
         site = _site()
@@ -420,14 +440,20 @@ INSTALL_SH = r'''#!/bin/sh
 #   sh install.sh [PREFIX]        (default PREFIX: /opt/ingero-forensics)
 # Checks SHA256SUMS, the Python version and the C library against kit.json, creates a
 # virtual environment in PREFIX and installs the wheels with pip --no-index. Needs
-# python3 of the kit's version with its venv module (Debian/Ubuntu: python3-venv).
+# python3 of the kit's version with its venv module (Debian/Ubuntu: python3-venv);
+# python3.X of that version is used when present, PYTHON=... names another.
 # BCC and the kernel headers come from the distribution (docs/airgap.md).
 set -eu
 KIT=$(cd "$(dirname "$0")" && pwd)
 PREFIX=${1:-/opt/ingero-forensics}
 case "$PREFIX" in /*) ;; *) PREFIX="$(pwd)/$PREFIX" ;; esac   # before the cd below
-PY=${PYTHON:-python3}
 cd "$KIT"
+# the kit's Python: python3.X when installed beside another python3 (RHEL: python3.11
+# next to the system's 3.9), else python3; PYTHON=/path/to/python overrides
+KITPY=$(sed -n 's/.*"python": *"\([0-9][0-9.]*\)".*/\1/p' kit.json)
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -n "$KITPY" ] && command -v "python$KITPY" >/dev/null 2>&1; then PY="python$KITPY"
+else PY=python3; fi
 
 if command -v sha256sum >/dev/null 2>&1; then
   sha256sum -c --quiet SHA256SUMS || { echo "Error: $KIT: SHA256SUMS check failed" >&2; exit 1; }
@@ -447,7 +473,8 @@ want = tuple(int(x) for x in kit["python"].split("."))
 if sys.version_info[:2] != want:
     other = ("build a kit with ingero-kit --python %d.%d, or " % sys.version_info[:2]
              if sys.version_info[:2] >= (3, 10) else "ingero-forensics needs 3.10 or newer: ")
-    sys.exit("Error: %s is Python %d.%d; this kit is for Python %s (%sinstall python%s)"
+    sys.exit("Error: %s is Python %d.%d; this kit is for Python %s (%sinstall python%s; "
+             "if it is installed under another name, PYTHON=/path/to/it sh install.sh)"
              % (sys.executable, sys.version_info[0], sys.version_info[1], kit["python"],
                 other, kit["python"]))
 lib, ver = platform.libc_ver()
@@ -456,7 +483,7 @@ if kit["min_glibc"] and lib == "glibc":
     need = tuple(int(x) for x in kit["min_glibc"].split("."))
     if have < need:
         sys.exit("Error: glibc %s is older than %s, which the kit's wheels need; see "
-                 "docs/airgap.md (glibc below the minimum)" % (ver, kit["min_glibc"]))
+                 "airgap.md, section 3, 'The C library'" % (ver, kit["min_glibc"]))
 EOF
 
 VERSION=$("$PY" -c 'import json; print(json.load(open("kit.json"))["version"])')

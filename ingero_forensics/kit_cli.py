@@ -45,6 +45,8 @@ def main(output_dir, python, platform, source, no_pyz, as_json, quiet):
     """
     res = build_kit(output_dir, python=python, platform=platform, source=source,
                     pyz=not no_pyz)
+    for w in res.warnings:
+        click.echo(f"warning: {w}", err=True)
     if as_json:
         echo_json(res.to_dict())
     elif not quiet:

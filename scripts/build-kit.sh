@@ -10,4 +10,5 @@ if [ ! -x .venv/bin/ingero-kit ]; then
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q -e .
 fi
-exec .venv/bin/ingero-kit "$@"
+# --source: this clone, also when .venv holds a plain install (scripts/demo.sh makes one)
+exec .venv/bin/ingero-kit --source "$PWD" "$@"

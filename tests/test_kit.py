@@ -378,3 +378,51 @@ def test_job_wrapper_stops_a_capture_that_never_came_on(tmp_path):
     assert (tmp_path / "slow" / ".capture.rc").exists()   # ended, and waited for
     r = _job("start", tmp_path, {**env, "INGERO_START_TIMEOUT": "2m"})
     assert r.returncode == 2 and "give whole seconds" in r.stderr
+
+
+def test_install_takes_the_kits_python_beside_another_python3(kit, tmp_path):
+    """RHEL: python3 is the system's 3.9, python3.11 is installed beside it. install.sh
+    takes python3.X of the kit's version when it is there (it took python3 and told the
+    operator to install what they had)."""
+    _, archive = kit
+    d = extract(archive, tmp_path / "a")
+    info = json.loads((d / "kit.json").read_text())
+    info["python"] = "3.99"     # a version no python3 here is: the one named after it
+    _rewrite(d, "kit.json", json.dumps(info).encode())
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3.99").symlink_to(node_python())
+    env = clean_env()
+    env["PATH"] = f"{bindir}:{env['PATH']}"
+    r = subprocess.run(["sh", str(d / "install.sh"), str(tmp_path / "p")], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 1 and f"{bindir / 'python3.99'} is Python" in r.stderr, r.stderr
+    assert "PYTHON=/path/to/it sh install.sh" in r.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_kit_built_without_a_compiler_says_so(tmp_path, monkeypatch):
+    """No C compiler where the kit is built: the build goes on, but warns, and kit.json
+    says the accelerators are not there (it said they were, with none in the wheel)."""
+    from ingero_forensics.kit import wheel_has_accelerators
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    res = build_kit(tmp_path / "out", pyz=False)
+    assert res.pure and len(res.warnings) == 1 and "not built" in res.warnings[0]
+    d = extract(Path(res.archive), tmp_path / "x")
+    assert json.loads((d / "kit.json").read_text())["accelerators"] is False
+    (project,) = (d / "wheels").glob("ingero_forensics-*.whl")
+    assert not wheel_has_accelerators(project)
+
+
+def test_build_kit_script_names_its_clone_as_the_source(tmp_path):
+    """scripts/build-kit.sh passes --source (the clone): after scripts/demo.sh, .venv
+    holds a plain install, which cannot find the source tree by itself."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "build-kit.sh", tmp_path / "scripts")
+    stub = tmp_path / ".venv" / "bin" / "ingero-kit"
+    stub.parent.mkdir(parents=True)
+    stub.write_text('#!/bin/sh\necho "$@"\n')
+    stub.chmod(0o755)
+    r = subprocess.run(["bash", str(tmp_path / "scripts" / "build-kit.sh"), "-o", "dist"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == ["--source", str(tmp_path), "-o", "dist"]

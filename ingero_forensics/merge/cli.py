@@ -191,8 +191,10 @@ def format_summary(res) -> str:
                          "pure-Python path, about 2x slower")
         elif _accel.load("merge._fastcoll", "sqlite3_fastcoll_init") is None:
             lines.append("note: the C accelerators are not built (or do not load): this was "
-                         "the pure-Python path, about 2x slower (installing with a C compiler "
-                         "builds them)")
+                         "the pure-Python path, about 2x slower (pip install with a C compiler "
+                         "and the Python headers builds them; from an offline kit, a kit built "
+                         "for this machine's Python and platform on a machine that has them: "
+                         "docs/airgap.md)")
         # else the C path gave up on a collective too large for it: a warning says so
     if res.stacks.get("dedup_ratio"):
         lines.append(f"stacks: {res.stacks['bundle_stacks']} in bundles -> "
