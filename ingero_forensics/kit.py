@@ -514,10 +514,14 @@ or, with nothing installed on the node (BCC from the distribution still needed):
 
   sudo python3 ingero-capture.pyz --check --strict
 
+(python3 of version {python}: python{python} where that is its name, as on RHEL;
+install.sh finds it by itself, PYTHON=/path/to/python names another.)
+
 airgap.md, in this kit, is the whole procedure (docs/airgap.md of the project).
 """
 
 
 __all__ = ["CAPTURE_DEPS", "KitError", "KitResult", "Target", "build_capture_pyz",
-           "build_kit", "compatible_platforms", "native_target", "sha256_file", "source_tree", "wheel_min_glibc",
+           "build_kit", "compatible_platforms", "native_target", "sha256_file", "source_tree",
+           "wheel_has_accelerators", "wheel_min_glibc",
            "write_sha256sums"]
