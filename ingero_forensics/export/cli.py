@@ -32,7 +32,7 @@ def _split(values) -> tuple[str, ...]:
                    "Required: the format is named so that others can be added.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Output file (never FLEET_DB); a name ending in .gz is gzip-compressed. "
-                   "Default: stdout.")
+                   "Default, or -: stdout.")
 @click.option("--from", "start", metavar="TIME",
               help="Only events starting at or after TIME: ISO 8601 UTC "
                    "(2025-01-31T12:00:05Z) or an offset from the start of the data "
@@ -118,6 +118,8 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
         rank_set = parse_ranks(ranks) if ranks else None
     except Exception as e:  # ExportError: a usage problem here
         raise click.BadParameter(str(e), param_hint="--ranks") from None
+    if output == "-":
+        output = None       # stdout, as - means elsewhere (ingero-query -f -)
     refuse_output_over_input(output, fleet_db)
     check_selection(fleet_db, start=start, end=end, nodes=_split(nodes), ranks=rank_set,
                     redact=redact)
@@ -127,6 +129,10 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
     require_output_dir(output)
     with redacted_input(fleet_db, redact) as source:
         stats = export_chrome_trace(source, output, opts)
+    if stats.events == 0 or (stats.events == stats.instants and opts.findings and
+                             stats.slices + stats.counters + stats.flows == 0):
+        # (--nodes and --ranks that share nothing, an empty --kinds, a window between runs)
+        click.echo("warning: the selection leaves no event: the trace is empty", err=True)
     if output is None:
         return  # stdout holds the trace; nothing else goes there
     file_bytes = os.path.getsize(stats.output)
@@ -140,7 +146,8 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
                    "origin_utc_ns": stats.origin_ns, "accelerated": stats.accelerated})
     elif not quiet:
         click.echo(f"{stats.output}: {stats.events} events ({stats.slices} slices, "
-                   f"{stats.flows} flows, {stats.counters} counter samples, "
+                   f"{stats.flows} flows ({2 * stats.flows} events: start and end), "
+                   f"{stats.counters} counter samples, "
                    f"{stats.instants} instants), {human_bytes(file_bytes)}"
                    + (f" ({human_bytes(stats.bytes)} of JSON, gzipped)"
                       if file_bytes != stats.bytes else ""), err=True)

@@ -364,6 +364,13 @@ def _text(v) -> str:
     return str(v)
 
 
+def _cell(v) -> str:
+    """A table cell: control characters escaped as \\xNN, tab and newline too (they
+    would break the row's layout)."""
+    from ..cliutil import clean  # noqa: PLC0415
+    return clean(_text(v)).replace("\t", "\\x09").replace("\n", "\\x0a")
+
+
 def write_rows(result: QueryResult, fmt: str, out) -> int:
     """Write result to the binary stream out as table, csv or json; return the row count.
 
@@ -399,11 +406,10 @@ def write_rows(result: QueryResult, fmt: str, out) -> int:
     if fmt == "table":
         # For a terminal: control characters escaped; the columns sized on the first
         # rows (TABLE_HEAD_ROWS, or TABLE_HEAD_BYTES of text), the rest streamed.
-        from ..cliutil import clean  # noqa: PLC0415
         rows = iter(result.rows)
         head, size = [], 0
         for row in rows:
-            cells = [clean(_text(v)) for v in row]
+            cells = [_cell(v) for v in row]
             head.append(cells)
             size += sum(len(c) for c in cells)
             if len(head) >= TABLE_HEAD_ROWS or size >= TABLE_HEAD_BYTES:
@@ -416,14 +422,14 @@ def write_rows(result: QueryResult, fmt: str, out) -> int:
         def line(cells):
             return ("  ".join(v.ljust(w) for v, w in zip(cells, widths)).rstrip() + "\n"
                     ).encode("utf-8", "backslashreplace")
-        out.write(line([clean(c) for c in result.columns]))
+        out.write(line([_cell(c) for c in result.columns]))
         out.write(line(["-" * w for w in widths]))
         for cells in head:
             out.write(line(cells))
             n += 1
         del head
         for row in rows:
-            out.write(line([clean(_text(v)) for v in row]))
+            out.write(line([_cell(v) for v in row]))
             n += 1
         return n
     raise ValueError(f"unknown format {fmt!r}")

@@ -377,3 +377,20 @@ def test_sampled_launch_counts_are_rates_over_the_time_they_counted(fleet, tmp_p
     finally:
         con.close()
     assert len(launches) == intervals - 1
+
+
+def test_dash_is_stdout_and_an_empty_selection_warns(fleet, tmp_path, monkeypatch):
+    """-o - wrote a file named '-' (a review); a selection that leaves nothing (nodes and
+    ranks that share nothing) wrote an empty trace without a word."""
+    path, truth = fleet
+    monkeypatch.chdir(tmp_path)
+    r = run(path, "--chrome-trace", "-o", "-", "--kinds", "nccl")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["traceEvents"] and not (tmp_path / "-").exists()
+    assert "warning" not in r.stderr
+    nodes = json.loads(run(path, "--chrome-trace", "--kinds", "nccl").stdout)["metadata"]["nodes"]
+    first, last = nodes[0], nodes[-1]
+    r = run(path, "--chrome-trace", "-o", tmp_path / "e.json", "--nodes", first["name"],
+            "--ranks", str(last["ranks"][0]))
+    assert r.exit_code == 0, r.output
+    assert "the selection leaves no event" in r.stderr

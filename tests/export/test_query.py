@@ -260,3 +260,13 @@ def test_sql_sources_conflict_and_bad_file(fleet, tmp_path):
     # a lone "--" still ends the options as usual
     r = run(path, "--json", "--", "-- a comment\nSELECT 7 AS x")
     assert r.exit_code == 0 and json.loads(r.stdout) == [{"x": 7}]
+
+
+def test_table_escapes_tab_and_newline(fleet):
+    """docs/export.md: the table escapes control characters as \\xNN; tab and newline
+    passed through and broke the row's layout (a review)."""
+    path, _ = fleet
+    r = run(path, "SELECT 'a' || char(9) || 'b' || char(13) || 'c' || char(10) || 'd' AS v")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines() == ["v", "-" * len("a\\x09b\\x0dc\\x0ad"),
+                                     "a\\x09b\\x0dc\\x0ad"]
