@@ -99,14 +99,16 @@ MANIFEST_FIELDS: tuple[tuple[str, str, bool, str], ...] = (
     ("capture.start_utc_ns", "integer", True, "Start, ns since 1970-01-01 UTC "
      "(CLOCK_REALTIME read next to start_mono_ns)."),
     ("capture.end_utc_ns", "integer", True, "End, ns since 1970-01-01 UTC."),
-    ("capture.start_mono_ns", "integer", True, "Start, CLOCK_MONOTONIC ns."),
-    ("capture.end_mono_ns", "integer", True, "End, CLOCK_MONOTONIC ns; >= start_mono_ns."),
+    ("capture.start_mono_ns", "integer", True, "Start, CLOCK_MONOTONIC ns, within "
+     "+-2^60."),
+    ("capture.end_mono_ns", "integer", True, "End, CLOCK_MONOTONIC ns; >= start_mono_ns, "
+     "within +-2^60."),
     ("tables", "object", True, "Row counts: one key per table of the format except meta ("
      + ", ".join(MANIFEST_TABLES) + "), each a non-negative integer equal to SELECT "
      "COUNT(*) of that table. The key of an optional table ("
      + ", ".join(t for t in MANIFEST_TABLES if t not in REQUIRED_TABLES) + ") is present "
-     "exactly when the database has that table. Keys for tables a reader does not know "
-     "are ignored."),
+     "exactly when the database has that table (readers also accept 0 for a table the "
+     "database lacks). Keys for tables a reader does not know are ignored."),
     ("database", "object", True, "The compressed database image that follows."),
     ("database.size", "integer", True, "Bytes of the uncompressed SQLite image, >= 512; "
      "equal to the zstd frame's content size."),
@@ -179,7 +181,38 @@ def check_manifest(path, m) -> dict:
     jobs = m.get("job_ids", [])
     if not isinstance(jobs, list) or not all(isinstance(j, str) for j in jobs):
         raise BundleError(path, "manifest field job_ids is not a list of strings")
+    _check_optional_fields(path, m)
     return m
+
+
+#: JSON types of MANIFEST_FIELDS, as Python types (bool is not an integer here).
+_JSON_TYPES = {"string": str, "integer": int, "boolean": bool, "object": dict,
+               "array": list}
+_SEALED_UTC_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+
+
+def _check_optional_fields(path, m) -> None:
+    """An optional field, when present, has its documented type: the merge stores
+    and reads them (a "no" in segment.recovered would read as true)."""
+    for name, typ, required, _ in MANIFEST_FIELDS:
+        if required:
+            continue
+        *parents, key = name.split(".")
+        obj = m
+        for part in parents:
+            obj = obj.get(part) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or key not in obj:
+            continue
+        value = obj[key]
+        want = _JSON_TYPES[typ]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)) or (
+                want is int and not _is_int(value)):
+            raise BundleError(path, f"manifest field {name} is not a{'n' if typ[0] in 'aio' else ''} "
+                                    f"{typ}")
+    sealed = m["segment"].get("sealed_utc")
+    if sealed is not None and not _SEALED_UTC_RE.fullmatch(sealed):
+        raise BundleError(path, "manifest field segment.sealed_utc is not "
+                                "YYYY-MM-DDTHH:MM:SSZ")
 
 
 def _is_int(v) -> bool:

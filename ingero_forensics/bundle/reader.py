@@ -38,6 +38,9 @@ class Bundle:
         #: optional tables (added within version 1) this bundle lacks: readers take them
         #: as empty
         self.absent_tables = absent_tables(con)
+        #: table -> the first row a reader skipped and why (set by the merge's copies,
+        #: while the image is still there to be read)
+        self.skip_reasons: dict[str, str] = {}
 
     @property
     def node(self) -> str:
@@ -159,6 +162,11 @@ def _verify(path, con, manifest, integrity):
     if app_id != APPLICATION_ID:
         raise BundleError(path, f"database application_id is {app_id:#x}, not a bundle "
                                 f"database ({APPLICATION_ID:#x})")
+    # The merge ATTACHes images to a UTF-8 fleet.db, and SQLite attaches only
+    # databases of the main one's text encoding.
+    encoding = con.execute("PRAGMA encoding").fetchone()[0]
+    if encoding != "UTF-8":
+        raise BundleError(path, f"database text encoding is {encoding}, not UTF-8")
     user_version = con.execute("PRAGMA user_version").fetchone()[0]
     if user_version != manifest["format_version"]:
         raise BundleError(path, f"database user_version {user_version} does not match the "

@@ -135,7 +135,7 @@ def format_verify_table(checks) -> str:
     rows = []
     for c in checks:
         window = ("-" if c.start_utc_ns is None else
-                  f"{_utc(c.start_utc_ns)} +{(c.end_utc_ns - c.start_utc_ns) / 1e9:.0f}s")
+                  f"{_utc(c.start_utc_ns)} +{c.seconds:.0f}s")
         rows.append((c.input, c.node or "-", c.host or "-", window,
                      "-" if c.size is None else cliutil.human_bytes(c.size),
                      "-" if c.rows is None else str(c.rows),

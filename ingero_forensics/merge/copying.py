@@ -21,7 +21,7 @@ from . import align
 from .fleet_schema import (COPIED_TABLES, FLEET_TABLES_BY_NAME, index_ddl, table_ddl,
                            time_point_columns)
 from .ranks import COLLECTIVE_RANKS_SQL
-from .screen import row_predicate
+from .screen import first_skipped, row_predicate
 from .summaries import SUMMARY_OF, host_bin_window, write_summary
 from .syncpoints import attached, image_uri
 
@@ -370,4 +370,9 @@ def copy_table(con, table: str, bundle, node_id: int, bundle_id: int,
         binds.update(off=p.offset_ns, slope=p.slope)
     con.execute(sql, binds)
     written = con.changes()
-    return written, max((want or 0) - written, 0)
+    skipped = max((want or 0) - written, 0)
+    if skipped and hasattr(bundle, "skip_reasons"):
+        why = first_skipped(con, table, bundle)
+        if why:
+            bundle.skip_reasons[table] = why
+    return written, skipped

@@ -589,14 +589,17 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
             con.execute("DETACH DATABASE cp")
     for item in pending:
         bundle, node_id, bundle_id = item["bundle"], item["node_id"], item["bundle_id"]
+        skipped = {t: n for t, n in item["skipped"].items() if n}
+        first = getattr(bundle, "skip_reasons", {})
         bundle.close()
-        for t, n in item["skipped"].items():
-            if n:
-                fl.log("warning", "skipped_rows", f"{n} rows of {t} not merged (unknown "
-                       "enum value, NULL in a required column, non-integer time or a "
-                       "time outside the capture window)",
-                       input=item["shown"], node_id=node_id, count=n)
-                res.warnings.append(f"{item['shown']}: {n} invalid rows of {t} skipped")
+        for t, n in skipped.items():
+            why = (f"the first, {first[t]}" if first.get(t) else "a value of the wrong type "
+                   "or out of range, an unknown enum value, NULL in a required column, or "
+                   "a time outside the capture window")
+            fl.log("warning", "skipped_rows", f"{n} rows of {t} not merged ({why})",
+                   input=item["shown"], node_id=node_id, count=n)
+            res.warnings.append(f"{item['shown']}: {n} invalid rows of {t} skipped"
+                                + (f" (the first, {first[t]})" if first.get(t) else ""))
         con.execute("UPDATE bundles SET rows = ?, skipped_rows = ? WHERE bundle_id = ?",
                     (json.dumps(item["counts"], sort_keys=True),
                      json.dumps(item["skipped"], sort_keys=True), bundle_id))

@@ -35,7 +35,17 @@ PAIR_BIN_MAX_NS = 30_000_000_000
 #: alignment, exact to rounding).
 SAME_CONNECTION_NS = 1_000_000
 #: Addresses that never leave a node.
-_LOCAL = ("127.%", "::1", "0.0.0.0", "::", "::ffff:127.%")
+LOCAL_ADDRESSES = ("127.%", "::1", "0.0.0.0", "::", "::ffff:127.%")
+_LOCAL = LOCAL_ADDRESSES
+
+
+def plain_address(col: str) -> str:
+    """SQL: an address column with an IPv4-mapped IPv6 address (a v4 peer on a v6
+    socket) written as the IPv4 address. The capture writes tcp_progress that way and
+    tcp_events as IPv6; a bundle from another writer may do either, and the two ends of
+    a connection must compare equal."""
+    return f"(CASE WHEN {col} LIKE '::ffff:%.%' THEN substr({col}, 8) ELSE {col} END)"
+
 
 _COLS = "(node_id, dir, kind, laddr, lport, raddr, rport, connected_ns, mono_ns, pos)"
 #: send: the first byte the call copied; unsent: the first byte not sent yet; recv and
@@ -62,8 +72,8 @@ def sample_progress(con, pending, bundle_predicate) -> int:
         # earlier merges: connected_ns is aligned; back to the node's raw clock through
         # the alignment it was written with
         con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT e.node_id, {_DIR}, {_KIND}, "
-                    "e.saddr, "
-                    "e.sport, e.daddr, e.dport, CAST(ROUND((e.connected_ns - a.offset_ns) / "
+                    f"{plain_address('e.saddr')}, "
+                    f"e.sport, {plain_address('e.daddr')}, e.dport, CAST(ROUND((e.connected_ns - a.offset_ns) / "
                     f"(1.0 + a.slope)) AS INTEGER), e.mono_ns, {_POS} FROM main.tcp_progress "
                     "e JOIN main.clock_alignment a USING (node_id)")
     for item in pending:
@@ -72,8 +82,9 @@ def sample_progress(con, pending, bundle_predicate) -> int:
             continue
         with attached(con, bundle.db_path, "b"):
             con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT ?, {_DIR}, {_KIND}, "
-                        "e.saddr, "
-                        "e.sport, e.daddr, e.dport, e.connected_ns, e.timestamp_ns, "
+                        f"{plain_address('e.saddr')}, "
+                        f"e.sport, {plain_address('e.daddr')}, e.dport, e.connected_ns, "
+                        "e.timestamp_ns, "
                         f"{_POS} FROM b.tcp_progress e WHERE "
                         f"{bundle_predicate(bundle, 'tcp_progress')}", (item["node_id"],))
     return con.execute("SELECT COUNT(*) FROM temp.flow_sp").fetchone()[0]

@@ -132,6 +132,62 @@ def rules_call(rules: list[ColumnRule], alias: str = "e") -> str:
     return f"ingero_row_ok('{rules_spec(rules)}', {cols})"
 
 
+def first_skipped(con, table: str, bundle, schema: str = "b") -> str | None:
+    """Why the merge skips rows of ``table`` of ``bundle`` (attached as ``schema``):
+    the first such row's id and the first rule it breaks, e.g. ``id 3: op 'ALLREDUCE'
+    is not a known value``, so that a writer can be fixed; None if no row fails. Read
+    only when rows were skipped: it may scan the table."""
+    rules = column_rules(table, bundle)
+    if not rules:
+        return None
+    key = "e.id" if BUNDLE_TABLES[table].columns[0].name == "id" else "e.rowid"
+    cols = ", ".join(f"e.{r.name}" for r in rules)
+    row = con.execute(f"SELECT {key}, {cols} FROM {schema}.{table} e WHERE NOT "
+                      f"({row_predicate(table, bundle)}) LIMIT 1").fetchone()
+    if row is None:
+        return None
+    times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
+    for rule, value in zip(rules, row[1:]):
+        why = rule_broken(rule, value, in_window=rule.name in times)
+        if why:
+            return f"id {_shown(row[0])}: {why}"
+    return None
+
+
+_TYPE_OF = {int: "an integer", float: "a real", str: "text", bytes: "a blob"}
+
+
+def _shown(value) -> str:
+    """A bundle's value in a message: repr (control characters escaped), cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def rule_broken(rule: ColumnRule, value, in_window: bool = False) -> str | None:
+    """How ``value`` breaks ``rule``, in words (None if it does not): the same rules
+    as rules_sql, one at a time."""
+    if value is None:
+        return None if rule.nullable else f"{rule.name} is NULL"
+    want = {"INTEGER": (int,), "REAL": (int, float), "TEXT": (str,)}[rule.type]
+    if type(value) not in want:
+        return (f"{rule.name} holds {_TYPE_OF.get(type(value), type(value).__name__)} "
+                f"{_shown(value)}, not {_TYPE_OF[want[-1]]}")
+    if rule.lo is not None and not rule.lo <= value <= rule.hi:
+        if in_window:
+            return (f"{rule.name} {value} lies outside the capture window (manifest "
+                    f"capture, +-{WINDOW_MARGIN_NS // 1_000_000_000} s)")
+        if rule.name == "realtime_ns":
+            return (f"realtime_ns {value} lies outside the capture's UTC window "
+                    f"(+-{REALTIME_MARGIN_NS // 1_000_000_000} s)")
+        if value < rule.lo == 0:
+            return f"{rule.name} {value} is negative"
+        return f"{rule.name} {value} is outside [{rule.lo}, {rule.hi}]"
+    if rule.values and value not in rule.values:
+        known = ", ".join(rule.values[:8]) + (", ..." if len(rule.values) > 8 else "")
+        return f"{rule.name} {_shown(value)} is not a known value ({known})"
+    return None
+
+
 def row_predicate(table: str, bundle=None, alias: str = "e", fast: bool | None = None) -> str:
     """SQL true for the rows of ``table`` (of ``bundle``: its absent optional columns left
     out, its capture window applied) that the merge copies and the collectives count.

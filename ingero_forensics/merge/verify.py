@@ -35,6 +35,9 @@ class BundleCheck:
     segment: int | None = None
     start_utc_ns: int | None = None
     end_utc_ns: int | None = None
+    #: the window's length by the node's monotonic clock (its UTC ends may be a clock
+    #: step apart)
+    seconds: float | None = None
     size: int | None = None       # bytes of the bundle file
     rows: int | None = None       # rows of every table, as the manifest counts them
 
@@ -48,6 +51,7 @@ def _from_manifest(check: BundleCheck, m: dict) -> None:
     check.segment = m["segment"]["index"]
     check.start_utc_ns = m["capture"]["start_utc_ns"]
     check.end_utc_ns = m["capture"]["end_utc_ns"]
+    check.seconds = (m["capture"]["end_mono_ns"] - m["capture"]["start_mono_ns"]) / 1e9
     check.rows = sum(n or 0 for t, n in m["tables"].items() if t not in NOT_EVENTS)
 
 

@@ -45,6 +45,7 @@ from statistics import NormalDist
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..fleetfile import check_fleet_file
+from ..merge.messages import LOCAL_ADDRESSES, plain_address
 from ..merge.nodes import data_start
 from ..merge.ranks import process_ranks
 from ..merge.summaries import default_bin_s
@@ -831,13 +832,10 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
 
 
 #: addresses that name no node: loopback and unspecified (merge/messages.py's list)
-_LOCAL_ADDRESSES = ("127.%", "::1", "0.0.0.0", "::", "::ffff:127.%")
-
-
-def _plain(col: str) -> str:
-    """SQL: an address column with an IPv4-mapped IPv6 address (a v4 peer on a v6
-    socket, as tcp_events keeps it) written as the IPv4 address, as tcp_progress has it."""
-    return f"(CASE WHEN {col} LIKE '::ffff:%.%' THEN substr({col}, 8) ELSE {col} END)"
+_LOCAL_ADDRESSES = LOCAL_ADDRESSES
+#: an IPv4-mapped IPv6 address (a v4 peer on a v6 socket, as tcp_events keeps it)
+#: written as the IPv4 address, as tcp_progress has it
+_plain = plain_address
 
 
 def addresses_of(con, param: str) -> str:

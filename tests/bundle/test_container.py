@@ -162,6 +162,16 @@ def test_every_catalogued_field_is_written(sample_bundle):
      'manifest field database.compression missing or not "zstd"'),
     (lambda m: m["tables"].update(stacks=-1), "manifest field tables.stacks missing or not a count"),
     (lambda m: m.update(job_ids="tr-1"), "manifest field job_ids is not a list of strings"),
+    # optional fields, when present, have their documented types: the merge stores
+    # segment.recovered as a flag, and "no" would read as true
+    (lambda m: m["segment"].update(recovered="no"),
+     "manifest field segment.recovered is not a boolean"),
+    (lambda m: m["segment"].update(recovered=1),
+     "manifest field segment.recovered is not a boolean"),
+    (lambda m: m["segment"].update(sealed_utc="yesterday"),
+     "manifest field segment.sealed_utc is not YYYY-MM-DDTHH:MM:SSZ"),
+    (lambda m: m.update(created_by=42), "manifest field created_by is not a string"),
+    (lambda m: m["host"].update(machine=64), "manifest field host.machine is not a string"),
 ])
 def test_bad_manifest_values(tmp_path, sample_bundle, edit, reason):
     m, image = split_bundle(sample_bundle)

@@ -59,6 +59,33 @@ def test_bad_database(tmp_path, sample_bundle, sql, reason):
     assert reason_of(_rewrap(tmp_path, sample_bundle, sql)) == reason
 
 
+def test_utf16_image_is_refused(tmp_path, sample_bundle):
+    """The merge attaches images to a UTF-8 fleet.db, which SQLite refuses for another
+    text encoding: such a bundle is refused when opened (--verify), not mid-merge."""
+    _, img = split_bundle(sample_bundle)
+    src = tmp_path / "src.db"
+    src.write_bytes(img)
+    dst = tmp_path / "utf16.db"
+    old = apsw.Connection(str(src))
+    con = apsw.Connection(str(dst))
+    con.execute("PRAGMA encoding = 'UTF-16le'")
+    with con:
+        for sql, in old.execute("SELECT sql FROM sqlite_schema WHERE sql IS NOT NULL"):
+            con.execute(sql)
+        for name, in old.execute("SELECT name FROM sqlite_schema WHERE type = 'table'"):
+            rows = old.execute(f"SELECT * FROM {name}").fetchall()
+            if rows:
+                con.executemany(f"INSERT INTO {name} VALUES "
+                                f"({', '.join('?' * len(rows[0]))})", rows)
+    for pragma in ("application_id", "user_version"):
+        con.execute(f"PRAGMA {pragma} = {old.execute(f'PRAGMA {pragma}').fetchone()[0]}")
+    old.close()
+    assert con.execute("PRAGMA encoding").fetchone()[0] == "UTF-16le"
+    con.close()
+    p = _rewrap(tmp_path, sample_bundle, image=dst.read_bytes())
+    assert reason_of(p) == "database text encoding is UTF-16le, not UTF-8"
+
+
 def test_virtual_table_in_place_of_a_format_table(tmp_path, sample_bundle):
     p = _rewrap(tmp_path, sample_bundle, "DROP TABLE threads; "
                 "CREATE VIRTUAL TABLE threads USING rtree(id, a, b)")
@@ -71,10 +98,15 @@ def test_manifest_that_disagrees_with_meta(tmp_path, sample_bundle):
     p = _rewrap(tmp_path, sample_bundle, manifest_edit=later_end)
     assert reason_of(p) == "manifest capture does not match meta capture in the database"
 
-    def int_for_bool(m):
+    def flipped_flag(m):
+        m["segment"]["recovered"] = not m["segment"]["recovered"]
+    p = _rewrap(tmp_path, sample_bundle, manifest_edit=flipped_flag)
+    assert reason_of(p) == "manifest segment does not match meta segment in the database"
+
+    def int_for_bool(m):        # caught by its type before the comparison with meta
         m["segment"]["recovered"] = 0
     p = _rewrap(tmp_path, sample_bundle, manifest_edit=int_for_bool)
-    assert reason_of(p) == "manifest segment does not match meta segment in the database"
+    assert reason_of(p) == "manifest field segment.recovered is not a boolean"
 
 
 def test_manifest_row_count_lies(tmp_path, sample_bundle):

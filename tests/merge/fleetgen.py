@@ -54,7 +54,7 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
                wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False,
                rank_env=True, messages=False, message_traps=False, held_into=None,
-               unsent_rows=False) -> Fleet:
+               unsent_rows=False, mapped_addresses=False) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
     arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
@@ -74,7 +74,8 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     chunk to the next after each collective's entry, recorded as the capture does
     (tcp_progress: send rows at the copy's start, receive rows at the return, 15-60 us
     later, 1.5-3 ms later on the late_wakeups node, stream positions counted from the
-    connection's establishment). message_traps: rows the merge must never pair, as each
+    connection's establishment; mapped_addresses: odd nodes write their tcp_progress
+    addresses IPv4-mapped, family 6, as another writer may). message_traps: rows the merge must never pair, as each
     would place a clock seconds or milliseconds wrong: a loopback connection on every
     node with the same 4-tuple, a 4-tuple reused by a second connection between nodes 0
     and 1, and a 4-tuple two nodes send on (containers with the same private
@@ -172,17 +173,24 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                     lag += rng.randint(1_500_000, 3_000_000)   # its receiver wakes late
                 pid = 1000 + ni * ranks_per_node
                 pid_r = 1000 + nj * ranks_per_node
+                def addr(node, of):     # node's way of writing of's address
+                    if mapped_addresses and node % 2:
+                        return 6, f"::ffff:10.0.0.{of + 1}"
+                    return 4, f"10.0.0.{of + 1}"
+
+                fam, a_src = addr(ni, ni)
                 per_node_rows[ni]["tcp_progress"].append(
-                    (src.mono(t_send), "send", 4, f"10.0.0.{ni + 1}", 40000 + ni,
-                     f"10.0.0.{nj + 1}", 6000, src.mono(conn[1]), conn[0], chunk, pid, pid))
+                    (src.mono(t_send), "send", fam, a_src, 40000 + ni,
+                     addr(ni, nj)[1], 6000, src.mono(conn[1]), conn[0], chunk, pid, pid))
                 if unsent_rows:
                     per_node_rows[ni]["tcp_progress"].append(
                         (src.mono(t_leave - rng.randint(5_000, 20_000)), "unsent", 4,
                          f"10.0.0.{ni + 1}", 40000 + ni, f"10.0.0.{nj + 1}", 6000,
                          src.mono(conn[1]), conn[0], 1, pid, pid))
+                fam, a_dst = addr(nj, nj)
                 per_node_rows[nj]["tcp_progress"].append(
-                    (dst.mono(t_leave + lag), "recv", 4, f"10.0.0.{nj + 1}", 6000,
-                     f"10.0.0.{ni + 1}", 40000 + ni, dst.mono(conn[2]), conn[0], chunk,
+                    (dst.mono(t_leave + lag), "recv", fam, a_dst, 6000,
+                     addr(nj, ni)[1], 40000 + ni, dst.mono(conn[2]), conn[0], chunk,
                      pid_r, pid_r))
                 conn[0] += chunk
             if message_traps and nodes > 3:

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from .fleetgen import make_fleet
 from .hostile import HOSTILE, reseal
+from ingero_forensics.bundle.schema import TABLES_BY_NAME as BUNDLE_TABLES
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.merge.cli import main as merge_cli
 
@@ -62,6 +63,52 @@ def test_far_realtime_samples_are_dropped_and_counted(fleet3, tmp_path):
     assert not res.skipped
     assert any(w.startswith(f"{bad}: ") and "invalid rows of clock_samples skipped" in w
                for w in res.warnings), res.warnings
+
+
+#: NCCL op names the format knows (the warning lists them)
+OPS = [v for c in BUNDLE_TABLES["nccl_events"].columns if c.name == "op" for v in c.values]
+
+
+def test_skipped_rows_say_which_row_and_rule(fleet3, tmp_path):
+    """A writer whose rows the merge skips learns from the warning and merge_log which
+    row broke which rule, not only a list of every possible reason."""
+    fleet, _ = fleet3
+    sql = ("UPDATE nccl_events SET op = 'ALLREDUCE' WHERE id = (SELECT MIN(id) + 1 FROM "
+           "nccl_events);"
+           "UPDATE cuda_events SET timestamp_ns = 'soon' WHERE id = (SELECT MAX(id) FROM "
+           "cuda_events);"
+           "UPDATE clock_samples SET realtime_ns = -9223372036854775808 WHERE id = "
+           "(SELECT MIN(id) FROM clock_samples);"
+           "UPDATE tcp_events SET pid = -3 WHERE id = (SELECT MIN(id) FROM tcp_events);")
+    bad = reseal(fleet.paths[1], tmp_path / "bad", sql, "rows")
+    res = merge_bundles([fleet.paths[0], bad, fleet.paths[2]], tmp_path / "fleet.db")
+    assert not res.skipped
+    mine = sorted(w for w in res.warnings if w.startswith(f"{bad}: "))
+    from ingero_forensics.bundle import open_bundle
+    with open_bundle(bad, tmpdir=tmp_path) as b:
+        ids = {t: b.con.execute(q).fetchone()[0] for t, q in {
+            "nccl_events": "SELECT id FROM nccl_events WHERE op = 'ALLREDUCE'",
+            "cuda_events": "SELECT id FROM cuda_events WHERE typeof(timestamp_ns) = 'text'",
+            "clock_samples": "SELECT MIN(id) FROM clock_samples",
+            "tcp_events": "SELECT id FROM tcp_events WHERE pid < 0"}.items()}
+    assert mine == sorted([
+        f"{bad}: 1 invalid rows of clock_samples skipped (the first, id "
+        f"{ids['clock_samples']}: realtime_ns -9223372036854775808 lies outside the "
+        "capture's UTC window (+-86400 s))",
+        f"{bad}: 1 invalid rows of cuda_events skipped (the first, id {ids['cuda_events']}: "
+        "timestamp_ns holds text 'soon', not an integer)",
+        f"{bad}: 1 invalid rows of nccl_events skipped (the first, id {ids['nccl_events']}: "
+        f"op 'ALLREDUCE' is not a known value ({', '.join(OPS)}))",
+        f"{bad}: 1 invalid rows of tcp_events skipped (the first, id "
+        f"{ids['tcp_events']}: pid -3 is negative)"]), mine
+    db = apsw.Connection(str(tmp_path / "fleet.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        logged = [m for m, in db.execute("SELECT message FROM merge_log WHERE event = "
+                                         "'skipped_rows' AND input = ?", (str(bad),))]
+    finally:
+        db.close()
+    assert f"1 rows of cuda_events not merged (the first, id {ids['cuda_events']}: " \
+        "timestamp_ns holds text 'soon', not an integer)" in logged, logged
 
 
 class _LateEvent:

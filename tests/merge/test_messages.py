@@ -64,6 +64,21 @@ def test_messages_place_clocks_collectives_cannot(tmp_path, messages):
         and count > 0, msg
 
 
+def test_ipv4_mapped_addresses_pair_with_plain_ones(tmp_path):
+    """Half the nodes write their tcp_progress addresses IPv4-mapped (::ffff:10.0.0.2,
+    family 6), as a writer following the spec's general rule for IP addresses would, the
+    others plain IPv4: the two ends of each connection are still the same addresses, so
+    every node is paired and placed within 100 us."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=20, seed=5,
+                       claims=False, ntp_step=False, retransmits=False, queued=8,
+                       messages=True, mapped_addresses=True)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    assert all(a["message_pairs"] > 0 for a in al.values()), al
+    rel = relative_errors(fleet, tmp_path / "f.db", 20)
+    assert max(abs(v) for v in rel.values()) <= 100_000, rel
+
+
 def test_connections_that_cannot_be_told_apart_are_not_used(tmp_path):
     """A loopback 4-tuple on every node, a 4-tuple two nodes send on, and one reused by
     a second connection that each end's capture saw only one of: each, paired, would

@@ -132,3 +132,23 @@ def test_cli_usage(corpus, tmp_path):
     r = CliRunner().invoke(main, ["--verify", str(good_dir), "-o", str(tmp_path / "f.db")])
     assert r.exit_code == 2 and "--verify writes nothing" in r.stderr
     assert not (tmp_path / "f.db").exists()
+
+
+def test_a_utc_window_stepped_back_is_shown_by_its_monotonic_length(corpus, tmp_path):
+    """A clock stepped back during a short segment leaves its UTC end before its start:
+    the bundle is sound, and --verify shows the window's real length (monotonic), not a
+    negative or zero one."""
+    from .hostile import reseal
+    fleet = corpus[0]
+    sql = ("UPDATE meta SET value = json_set(value, '$.end_utc_ns', "
+           "json_extract(value, '$.start_utc_ns') - 5000000000) WHERE key = 'capture'")
+    p = reseal(fleet.paths[0], tmp_path, sql, "stepped")
+    (c,) = verify_bundles([p])
+    assert c.ok, c.reason
+    assert c.end_utc_ns < c.start_utc_ns
+    m, _ = split_bundle(p)
+    length = (m["capture"]["end_mono_ns"] - m["capture"]["start_mono_ns"]) / 1e9
+    assert length >= 2 and c.seconds == length
+    r = CliRunner().invoke(main, ["--verify", str(p)])
+    assert r.exit_code == 0, r.output
+    assert f" +{length:.0f}s " in r.output, r.output
