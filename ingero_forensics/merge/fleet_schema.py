@@ -229,8 +229,9 @@ FLEET_ONLY: tuple[FleetTable, ...] = (
         C("slope", "REAL", False, "", "Rate correction: aligned advances 1 + slope ns per "
           "monotonic ns."),
         C("drift_ppm", "REAL", False, "ppm", "Estimated rate error of the node's monotonic "
-          "clock, (1 / (1 + slope) - 1) * 1e6: positive = it runs fast. 0 when not "
-          "observable (method clock_samples or manifest)."),
+          "clock against the fleet's time axis (not UTC: a rate error every node shares "
+          "is not seen), (1 / (1 + slope) - 1) * 1e6: positive = it runs fast. 0 when "
+          "not observable (method clock_samples or manifest)."),
         C("uncertainty_ns", "INTEGER", True, "ns", "Bound on |aligned - true UTC| over the "
           "node's capture: the common-mode bound the honest clock claims allow plus the "
           "node's relative uncertainty; NULL when nothing bounds it (method manifest)."),

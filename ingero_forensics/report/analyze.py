@@ -219,6 +219,9 @@ class Analysis:
     job_ids: list[str] = field(default_factory=list)
     #: first and last fleet time any node's capture saw (the title's span)
     capture_span: list = field(default_factory=list)
+    #: the run every "% of the run" is a share of: the collectives' first to last entry,
+    #: a pause longer than one bin counted as one bin (docs/report.md, rule 3), seconds
+    run_s: float | None = None
     #: where the page's "seconds from the start of the data" count from: the same
     #: origin as ingero-export's --from/--to offsets (merge.nodes.data_start)
     data_start_ns: int | None = None
@@ -490,6 +493,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 
     # robust noise over all (bin, node) means; the threshold grows with their number
     cell = {(b, n): sv / k for b, per in bins.items() for n, (sv, k, _) in per.items()}
+    counts = {(b, n): k for b, per in bins.items() for n, (_, k, _) in per.items()}
     mad, a.noise_basis = fleet_noise_ms(cell)
     a.noise_ms = round(mad, 3)
     threshold = late_threshold_ms(mad, len(cell))
@@ -502,6 +506,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     jitter_ms = max(COST_FLOOR_MS, 3.0 * mad)
     times = array("q", sorted(times))
     run_ns = active_ns(times, bin_ns)
+    a.run_s = round(run_ns / 1e9, 3)
     cost = {nid: _cost_ns(pts, times, jitter_ms) for nid, pts in costly.items()}
     for nid, (name, ranks) in sorted(nodes.items(), key=lambda kv: kv[1][0]):
         res = per_node.get(nid)
@@ -522,7 +527,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     for nl in sorted(a.lateness, key=lambda x: -x.cost_s):
         if nl.late_bins < min_bins or nl.cost_share < MIN_COST_SHARE:
             continue
-        windows, lat = _straggler_windows(late_bins[nl.node_id], t0, bin_ns, cell, nl.node_id)
+        windows, lat = _straggler_windows(late_bins[nl.node_id], t0, bin_ns, cell, nl.node_id,
+                                          counts)
         a.stragglers.append(Straggler(
             node=nl.name, node_id=nl.node_id, ranks=nl.ranks,
             late_ranks=_late_ranks(con, nl.node_id, windows, ranks_of),
@@ -541,7 +547,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         table = {nl.node_id: nl for nl in a.lateness}
         for lt in sorted(together, key=lambda x: -x.cost_ns):
             name, ranks = nodes[lt.node_id]
-            windows, lat = _straggler_windows(lt.late_bins, t0, bin_ns, lt.cells, lt.node_id)
+            windows, lat = _straggler_windows(lt.late_bins, t0, bin_ns, lt.cells, lt.node_id,
+                                              lt.counts)
             nl = table[lt.node_id]    # the table shows the figures that named it
             nl.late_bins = len(lt.late_bins)
             nl.cost_s, nl.cost_share = round(lt.cost_ns / 1e9, 3), round(lt.cost_ns / run_ns, 4)
@@ -863,26 +870,41 @@ def retransmits_towards(con, sender: int, node_id: int) -> int:
         f"{addresses_of(con, '?')}", (sender, json.dumps([node_id]))).fetchone()[0]
 
 
-def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node) -> tuple[list[Window], float]:
-    """A straggler's windows from its late bins, and its mean lateness in them."""
-    windows = _join_bins(sorted(late), t0, bin_ns, cell, node)
+def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node,
+                       counts) -> tuple[list[Window], float]:
+    """A straggler's windows from its late bins, and its mean lateness per collective
+    over them (the bins a window bridges included: the figure the verdict quotes)."""
+    windows = _join_bins(sorted(late), t0, bin_ns, cell, node, counts)
     # a short blip far weaker than the fault itself is a hiccup, not a window;
     # repeated short stalls of similar size are all kept
     peak = max(w.lateness_ms for w in windows)
     windows = [w for w in windows
                if w.end_ns - w.start_ns >= 3 * bin_ns or w.lateness_ms >= 0.5 * peak]
-    secs = sum(w.end_ns - w.start_ns for w in windows)
-    return windows, sum(w.lateness_ms * (w.end_ns - w.start_ns) for w in windows) / max(secs, 1)
+    total = n = 0.0
+    for w in windows:
+        for b in range((w.start_ns - t0) // bin_ns, (w.end_ns - t0) // bin_ns):
+            k = counts.get((b, node), 0)
+            total += cell.get((b, node), 0.0) * k
+            n += k
+    return windows, total / n if n else 0.0
 
 
-def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node) -> list[Window]:
+def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node,
+               counts=None) -> list[Window]:
+    """Late bins joined into windows across gaps of one bin; each window's lateness is
+    the node's mean per collective over every bin it spans (each bin's mean weighted by
+    its collectives), so a gap bridged counts with what it held."""
     out: list[Window] = []
     run: list[int] = []
     for b in bins_ + [None]:
         if run and (b is None or b - run[-1] > 2):   # bridge gaps of one bin
-            lat = [cell.get((x, node), 0.0) for x in run] if node is not None else [0.0]
+            lat = 0.0
+            if node is not None:
+                span = [(cell[(x, node)], counts.get((x, node), 1) if counts else 1)
+                        for x in range(run[0], run[-1] + 1) if (x, node) in cell]
+                lat = sum(v * k for v, k in span) / max(1, sum(k for _, k in span))
             out.append(Window(t0 + run[0] * bin_ns, t0 + (run[-1] + 1) * bin_ns,
-                              round(sum(lat) / len(lat), 3)))
+                              round(lat, 3)))
             run = []
         if b is not None:
             run.append(b)

@@ -12,7 +12,7 @@ from ..cliutil import (EXIT_CODES_HELP, BadUsage, FiniteFloatRange, echo_json, h
 from ..fleetfile import check_fleet_file
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
-from .render import report_title, write_text
+from .render import render_html, report_title, write_text
 from .text import render_text
 
 
@@ -21,9 +21,9 @@ from .text import render_text
 @click.option("-o", "--output", "output", default=None,
               type=click.Path(dir_okay=False),
               help="File to write the report to (--format), replaced atomically; never "
-                   "FLEET_DB, and not a .json name (the JSON is --json's, on stdout) "
-                   "[default: report.html; with --json or a text format and no -o, "
-                   "nothing is written but stdout].")
+                   "FLEET_DB, and not a .json name (the JSON is --json's, on stdout); "
+                   "- for stdout [default: report.html; with --json or a text format "
+                   "and no -o, nothing is written but stdout].")
 @click.option("--format", "fmt", type=click.Choice(["html", "text", "markdown"]),
               default="html", show_default=True,
               help="html: the page with charts; text or markdown: the verdict, cost, "
@@ -84,6 +84,11 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
                     "Node ids are as on this page; addresses get new pseudonyms in every "
                     "copy",
             "command": f"ingero-redact FLEET_DB -o {shlex.quote(analysis.fleet)}"})
+    if output == "-":
+        out = (render_html(analysis) if fmt == "html" else
+               render_text(analysis, markdown=fmt == "markdown"))
+        click.echo(out, nl=not out.endswith("\n"))
+        return
     if fmt == "html" and output:
         write_report(analysis, output)
     elif fmt != "html":
@@ -106,8 +111,14 @@ def check_outputs(fleet_db, output, *, fmt: str, as_json: bool, fmt_given: bool 
     -o takes the report in ``fmt`` (default report.html for html without --json); --json
     always prints on stdout. Refused: --json with a --format given and no -o (both on
     stdout: one would be lost), an -o named .json (the report is not JSON: the
-    analysis is --json's), an -o that is FLEET_DB itself.
+    analysis is --json's), an -o that is FLEET_DB itself. ``-o -`` is stdout (not with
+    --json).
     """
+    if output == "-":
+        if as_json:
+            raise BadUsage("-o - with --json: both would go to stdout; give the report a "
+                           "file with -o, or leave out --json")
+        return output
     if as_json and output is None and fmt_given:
         raise BadUsage(f"--format {fmt} with --json and no -o: --json prints only the "
                        f"analysis on stdout; give the {fmt} report a file with -o")

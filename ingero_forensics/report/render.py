@@ -20,7 +20,7 @@ from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
-from .wording import clock_check_text
+from .wording import clock_check_text, seconds_text
 
 _ENV: jinja2.Environment | None = None
 
@@ -36,6 +36,7 @@ def environment() -> jinja2.Environment:
         _ENV.filters["utc"] = _utc
         _ENV.filters["ms"] = lambda v: "-" if v is None else f"{v:,.1f}"
         _ENV.filters["num"] = lambda v, step=0.01: "-" if v is None else _num(v, step)
+        _ENV.filters["seconds"] = seconds_text
     return _ENV
 
 
@@ -55,6 +56,21 @@ def template_dir() -> Path:
 _utc = utc
 
 
+#: The charts' colours also as SVG presentation attributes: a mail client that strips
+#: the page's <style> block still shows them (the stylesheet wins where it stays).
+_PAINT = {
+    "bar": 'fill="#8aa4c8"', "bar hi": 'fill="#c0392b"',
+    "axis": 'stroke="#99a" stroke-width="1"', "grid": 'stroke="#e6e8ee" stroke-width="1"',
+    "window": 'fill="#f6d5cf"',
+    "line suspect": 'fill="none" stroke="#c0392b" stroke-width="1.6"',
+    "line fleet": 'fill="none" stroke="#4a6fa5" stroke-width="1.6"',
+}
+
+
+def _paint(cls: str) -> str:
+    return f'class="{cls}" {_PAINT[cls]}'
+
+
 def _bar_chart(items: list[tuple[str, float, bool]], unit: str, width=640) -> Markup:
     """Horizontal bars: (label, value, highlight)."""
     if not items:
@@ -69,7 +85,7 @@ def _bar_chart(items: list[tuple[str, float, bool]], unit: str, width=640) -> Ma
         w = max(0.0, (width - label_w - 90) * max(v, 0) / vmax)
         cls = "bar hi" if hi else "bar"
         parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{escape(label)}</text>'
-                     f'<rect class="{cls}" x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 5}"/>'
+                     f'<rect {_paint(cls)} x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 5}"/>'
                      f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{_num(v, 0.01)} {escape(unit)}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))
@@ -128,15 +144,15 @@ def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: st
     parts = [f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
              f'role="img" xmlns="http://www.w3.org/2000/svg">']
     for s, e in windows:
-        parts.append(f'<rect class="window" x="{x(s):.1f}" y="{top}" width="{max(1.0, x(e) - x(s)):.1f}" '
+        parts.append(f'<rect {_paint("window")} x="{x(s):.1f}" y="{top}" width="{max(1.0, x(e) - x(s)):.1f}" '
                      f'height="{ph}"/>')
     ystep = yt[1] - yt[0] if len(yt) > 1 else 1.0
     for v in yt:
         cls = "axis" if v == 0 else "grid"
-        parts.append(f'<line class="{cls}" x1="{left}" y1="{y(v):.1f}" x2="{left + pw}" '
+        parts.append(f'<line {_paint(cls)} x1="{left}" y1="{y(v):.1f}" x2="{left + pw}" '
                      f'y2="{y(v):.1f}"/><text x="{left - 4}" y="{y(v) + 4:.1f}" '
                      f'text-anchor="end">{_num(v, ystep)}</text>')
-    parts.append(f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}"/>')
+    parts.append(f'<line {_paint("axis")} x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}"/>')
     tstep = xt[1] - xt[0] if len(xt) > 1 else 1.0
     for t in xt:
         parts.append(f'<text x="{x(t - origin_s):.1f}" y="{height - 18}" text-anchor="middle">'
@@ -145,7 +161,7 @@ def _line_chart(points: list[dict], series: list[tuple[str, str, str]], unit: st
                  f'of the data{"; shaded: fault windows" if windows else ""}</text>')
     for key, label, cls in series:
         coords = " ".join(f"{x(p['t_s']):.1f},{y(p[key]):.1f}" for p in pts if key in p)
-        parts.append(f'<polyline class="{cls}" points="{coords}"><title>{escape(label)}</title></polyline>')
+        parts.append(f'<polyline {_paint(cls)} points="{coords}"><title>{escape(label)}</title></polyline>')
     parts.append("</svg>")
     return Markup("".join(parts))
 
@@ -164,7 +180,8 @@ def sql_details(a: Analysis, *keys: str, what: str = "") -> Markup:
              f'-f query.sql</code> or <code>sqlite3 {escape(a.fleet)} &lt; query.sql</code>.</p>']
     for e in entries:
         rows = e["rows"]
-        parts.append(f'<pre>-- {rows:,} row{"s" if rows != 1 else ""} when the report ran\n'
+        parts.append(f'<pre style="white-space:pre-wrap">-- {rows:,} '
+                     f'row{"s" if rows != 1 else ""} when the report ran\n'
                      f'{escape(e["sql"])}</pre>')
     parts.append("</details>")
     return Markup("".join(parts))

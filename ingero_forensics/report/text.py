@@ -7,10 +7,11 @@ and the clock and capture caveats; the HTML page has the charts and the evidence
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 from .analyze import CAUSE_TITLES, Analysis
-from .wording import clock_check_text, rank_text
+from .wording import clock_check_text, rank_text, seconds_text
 from .render import report_title
 
 
@@ -30,16 +31,61 @@ def _cell(v) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
+#: Plain text is read in a mail client: lines of at most this many characters.
+WIDTH = 78
+#: A number and its unit stay on one line ("84.9 °C", "12.1 ms").
+_NUMBER_UNIT = re.compile(r"(\d) (ms|us|ns|s|min|°C|MHz|GHz|%|B|KiB|MiB|GiB|ppm)\b")
+
+
+def wrap(text: str, lead: str = "") -> str:
+    """A paragraph filled to WIDTH, broken only at spaces: never inside a word, a
+    hyphenated name (nvidia-smi, ingero-query) or between a number and its unit."""
+    glued = _NUMBER_UNIT.sub("\\1\0\\2", text)
+    return textwrap.fill(glued, WIDTH, initial_indent=lead, subsequent_indent=" " * len(lead),
+                         break_on_hyphens=False, break_long_words=False).replace("\0", " ")
+
+
+def wrap_command(command: str, indent: str = "    ") -> list[str]:
+    """A shell command as lines of at most WIDTH characters where it can be, joined by
+    backslash-newline, so that it still runs when pasted: broken at a space between
+    words, or inside a double-quoted argument (bash drops the backslash-newline there,
+    and SQL reads the indent as a space), never inside single quotes, where the break
+    would become part of the argument (or of an SQL string literal). A word longer than
+    a line stays whole."""
+    cont = indent + "  "
+    pieces: list[str] = []          # the command cut at the spaces where a break may go
+    start, dq, sq = 0, False, False
+    for i, ch in enumerate(command):
+        if ch == '"' and not sq:
+            dq = not dq
+        elif ch == "'" and not dq:
+            sq = not sq
+        elif ch == "'" and dq:
+            sq = not sq             # an SQL string literal inside a double-quoted argument
+        elif ch == " " and not sq:
+            pieces.append(command[start:i])
+            start = i + 1
+    pieces.append(command[start:])
+    lines, line = [], indent + pieces[0]
+    for p in pieces[1:]:
+        if len(line) + 1 + len(p) + 2 <= WIDTH:
+            line += " " + p
+        else:
+            lines.append(line + " \\")
+            line = cont + p
+    return lines + [line]
+
+
 def render_text(a: Analysis, *, markdown: bool = False) -> str:
     h = (lambda t: f"## {t}") if markdown else (lambda t: f"{t}\n{'-' * len(t)}")
     # plain text is read in a mail client: paragraphs wrapped; Markdown wraps itself
-    para = (lambda t, lead="": lead + t) if markdown else \
-        (lambda t, lead="": textwrap.fill(t, 96, initial_indent=lead,
-                                          subsequent_indent=" " * len(lead)))
-    lines = [("# " if markdown else "") + f"Straggler report: {report_title(a)}", "",
-             f"{a.nodes} node{'s' if a.nodes != 1 else ''}, {a.ranks} "
-             f"rank{'s' if a.ranks != 1 else ''}, {a.collectives:,} collective"
-             f"{'s' if a.collectives != 1 else ''}.", "",
+    para = (lambda t, lead="": lead + t) if markdown else wrap
+    lines = [("# " if markdown else "") + para(f"Straggler report: {report_title(a)}"), "",
+             para(f"{a.nodes} node{'s' if a.nodes != 1 else ''}, {a.ranks} "
+                  f"rank{'s' if a.ranks != 1 else ''}, {a.collectives:,} collective"
+                  f"{'s' if a.collectives != 1 else ''}"
+                  + (f" over {seconds_text(a.run_s)} of run (what the shares of the run "
+                     "are of)" if a.run_s else "") + "."), "",
              para(a.verdict), ""]
     if a.hangs:
         lines += [h("Ranks that stopped"), ""]
@@ -56,7 +102,10 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         lines += _table(rows, markdown) + [""]
     if a.stragglers:
         lines += [h("Stragglers"), ""]
-        rows = [["node", "ranks", "late, ms", "others waited", "cause", "clock"]]
+        # the clock check goes under the table in plain text: a sixth column would not
+        # fit a mail client's 78 characters
+        rows = [["node", "ranks", "late, ms", "others waited", "cause"]
+                + (["clock"] if markdown else [])]
         for st in a.stragglers:
             cause = CAUSE_TITLES[st.cause] if st.cause else "cannot tell"
             if st.cause and st.close_cause:
@@ -65,9 +114,11 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                 cause += " (weak)"
             rows.append([st.node, rank_text(st.late_ranks or st.ranks),
                          f"{st.lateness_ms:.1f}", f"{st.cost_s:.1f} s ({st.cost_share:.1%})",
-                         cause, clock_check_text(st)])
+                         cause] + ([clock_check_text(st)] if markdown else []))
         lines += _table(rows, markdown) + [""]
         for st in a.stragglers:
+            if not markdown:
+                lines.append(para(f"{st.node}: clock {clock_check_text(st)}.", "* "))
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")
@@ -75,7 +126,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         lines += [h("Next commands"), ""]
         for c in a.commands:
             lines.append(para(c["what"] + ":"))
-            lines += ["```", c["command"], "```"] if markdown else ["    " + c["command"]]
+            lines += ["```", c["command"], "```"] if markdown else wrap_command(c["command"])
         lines.append("")
     if a.lateness:
         lines += [h("Every node"), ""]
@@ -108,12 +159,12 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                                              "choice)" if c["choice"] else "")
                    if c["matched"] else f"matched with nothing: {c['why_alone']}"), "- "))
         for r in warn:
-            lines.append(f"- clock of {r['node']}: method {r['method']}, relative "
-                         f"uncertainty {r['relative_uncertainty_us']} us"
-                         + (", time service claims wrong" if r["exceeds_claim"] else "")
-                         + (", rate clamped" if r["rate_clamped"] else "")
-                         + (f", moved {r['causal_moved_us']:,.0f} us by causal bounds"
-                            if r["causal_moved_us"] else ""))
+            lines.append(para(f"clock of {r['node']}: method {r['method']}, relative "
+                              f"uncertainty {r['relative_uncertainty_us']} us"
+                              + (", time service claims wrong" if r["exceeds_claim"] else "")
+                              + (", rate clamped" if r["rate_clamped"] else "")
+                              + (f", moved {r['causal_moved_us']:,.0f} us by causal bounds"
+                                 if r["causal_moved_us"] else ""), "- "))
         for c in a.capture_issues:
             lines.append(para(f"{c['node']}: {c['source']} {c['event']}: {c['message']}",
                               "- "))

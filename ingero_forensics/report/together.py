@@ -41,7 +41,9 @@ def early_half_ref(ts: list[int]) -> float:
 class LateTogether:
     node_id: int
     late_bins: list[int]
-    cells: dict          # (bin, node) -> mean lateness against the early half, centred
+    cells: dict          # (bin, node) -> mean lateness against the early half, centred,
+                         # for every bin it took part in
+    counts: dict         # (bin, node) -> its collectives in that bin
     peak_ms: float       # median over its late bins of the latest collective's lateness
     cost_ns: float
 
@@ -125,6 +127,7 @@ class EarlyHalf:
             if cost < min_cost_ns:
                 continue
             out.append(LateTogether(
-                n, late_bins, {(b, n): exact[b][0] / exact[b][1] for b in late_bins},
+                n, late_bins, {(b, n): sv / k for b, (sv, k, _) in exact.items()},
+                {(b, n): k for b, (_, k, _) in exact.items()},
                 median([exact[b][2] for b in late_bins]), cost))
         return (out if len(out) >= 2 else []), spread

@@ -137,9 +137,14 @@ def verdict_text(a: Analysis, network: bool) -> str:
         secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
         late = ("no rank arrived markedly late" if not a.victims else
                 ", ".join(a.victims) + " arrived late only for want of its data")
-        lead = (f"Collectives were slow for every rank in {_windows_text(a.windows)} "
-                f"totalling {seconds_text(secs)} while {late}; {a.straggler}'s own job connections "
-                "retransmit: its network is the suspect.")
+        # the windows are the bins of the suspect's retransmits (and of slow transfers):
+        # say that, and how many bins the transfer itself was slow in, not more
+        slow = (f" The time from the last arrival to completion was over 3 times the "
+                f"run's median in {a.slow_bins} time bin{'s' if a.slow_bins != 1 else ''}."
+                if a.slow_bins else "")
+        lead = (f"{a.straggler}'s own job connections retransmitted, far more than any "
+                f"other node's, in {_windows_text(a.windows)} totalling "
+                f"{seconds_text(secs)}, while {late}: its network is the suspect.{slow}")
         if a.cause and a.cause_confidence == "clear":
             return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
         return lead

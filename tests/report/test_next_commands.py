@@ -75,3 +75,42 @@ def test_a_long_window_exports_its_first_minute():
         "ingero-export 'my fleet.db' --chrome-trace --from 2025-06-15T15:06:40Z "
         "--to 2025-06-15T15:07:41Z --nodes node-37,node-01 -o node-37-window.json.gz")
     assert arrivals["command"].startswith("ingero-query 'my fleet.db' \"SELECT c.seq")
+
+
+@pytest.mark.parametrize("fault", ["cpu", "network"])
+def test_text_form_fits_an_email_and_its_commands_still_paste(fleets, tmp_path, fault):
+    """The text form (an email body) keeps its lines within 78 characters: prose broken
+    at spaces only, never inside a hyphenated name or between a number and its unit; a
+    command broken with backslash-newline where bash still reads the same arguments
+    (SQL only gains whitespace, never inside a string literal)."""
+    import re
+    from ingero_forensics.report.text import WIDTH, render_text, wrap
+    db, _ = fleets(fault)
+    a = analyze_fleet(db)
+    text = render_text(a)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= WIDTH, [ln for ln in lines if len(ln) > WIDTH]
+    assert wrap("then run nvidia-smi -q -d PERFORMANCE at 84.9 °C " * 3).count("\n") == 1
+    for ln in wrap("x" * 70 + " nvidia-smi 84.9 °C and 12.5 ms").splitlines():
+        assert not ln.endswith(("nvidia-", " 84.9", " 12.5")), ln
+    blocks, k = [], lines.index("Next commands")
+    while k < len(lines):
+        if lines[k].startswith("    ingero-"):
+            end = k
+            while lines[end].endswith("\\"):
+                end += 1
+            blocks.append("\n".join(lines[k:end + 1]))
+            k = end
+        elif blocks and lines[k] == "":
+            break
+        k += 1
+    assert len(blocks) == len(a.commands)
+    for c, pasted in zip(a.commands, blocks):
+        script = ('ingero-query() { printf "%s\\0" "$@"; }; '
+                  'ingero-export() { printf "%s\\0" "$@"; }\n' + pasted)
+        out = subprocess.run(["bash", "-c", script], capture_output=True, timeout=30,
+                             check=True).stdout.decode()
+        got, want = out.split("\0")[:-1], shlex.split(c["command"])[1:]
+        assert [" ".join(g.split()) for g in got] == [" ".join(w.split()) for w in want]
+        assert [re.findall(r"'[^']*'", g) for g in got] == \
+            [re.findall(r"'[^']*'", w) for w in want]

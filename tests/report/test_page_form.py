@@ -104,3 +104,20 @@ def test_json_carries_the_title_and_short_windows_keep_their_decimals(fleets):
     assert json.loads(r.output)["title"] == report_title(a) != ""
     assert [seconds_text(x) for x in (0.48, 0.044, 3.26, 61.4)] == \
         ["0.48 s", "0.04 s", "3.3 s", "61 s"]
+
+
+def test_charts_keep_their_colours_without_the_stylesheet(fleets):
+    """Mail clients strip or rewrite <style>: every shape of every chart carries its
+    colour as an SVG attribute too (a window shade without one turns solid black and
+    hides the data), and the legend's swatches are coloured text, not styled boxes."""
+    db, _ = fleets("cpu")
+    page = render_html(analyze_fleet(db))
+    shapes = re.findall(r"<(rect|line|polyline)\b([^>]*)>", page)
+    assert len(shapes) > 20
+    for tag, attrs in shapes:
+        assert re.search(r'\b(fill|stroke)="#[0-9a-f]{3,6}"', attrs), (tag, attrs)
+        if tag == "polyline":
+            assert 'fill="none"' in attrs, attrs
+    swatches = re.findall(r'<b class="sw" style="color:#[0-9a-f]{6}">', page)
+    assert len(swatches) >= 2
+    assert "<i class=\"sw\"" not in page

@@ -41,7 +41,7 @@ def page_sql(page: str) -> list[list[tuple[int, str]]]:
     out = []
     for b in blocks:
         stmts = []
-        for pre in re.findall(r"<pre>(.*?)</pre>", b, re.S):
+        for pre in re.findall(r"<pre\b[^>]*>(.*?)</pre>", b, re.S):
             text = html.unescape(pre)
             m = re.match(r"-- ([\d,]+) rows? when the report ran\n", text)
             assert m, text[:80]
