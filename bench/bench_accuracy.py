@@ -61,15 +61,15 @@ def alignment_errors(truth: dict, db: Path) -> list[tuple[str, float, float | No
 
 
 def run_case(root: Path, nodes: int, rpn: int, fault: str, seed: int, steps: int,
-             report_only: bool) -> dict:
-    d = root / f"{nodes}x{rpn}-{fault}-{seed}"
+             report_only: bool, ntp_step: bool = False) -> dict:
+    d = root / f"{nodes}x{rpn}-{fault}-{seed}{'-ntp' if ntp_step else ''}"
     db = d / "fleet.db"
     if not report_only or not db.exists():
         if d.exists():
             import shutil
             shutil.rmtree(d)
         simulate_fleet(d / "b", FleetConfig(nodes=nodes, ranks_per_node=rpn, steps=steps,
-                                            fault=fault, seed=seed))
+                                            fault=fault, seed=seed, ntp_step=ntp_step))
         merge_bundles([d / "b"], db)
     truth = json.loads((d / "b" / "truth.json").read_text())
     a = analyze_fleet(db)
@@ -94,6 +94,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ingero-accuracy"))
     ap.add_argument("--report-only", action="store_true",
                     help="reuse the fleet.db files already under --dir")
+    ap.add_argument("--ntp-step", action="store_true",
+                    help="every node's clock is stepped once mid-run (ingero-simulate "
+                         "--ntp-step); fleets kept apart from the unstepped ones")
     ap.add_argument("--json", type=Path, help="write every case as JSON here")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +107,8 @@ def main() -> None:
         plan = [(f, 100 + k) for f in FAULTS for k in range(args.seeds)]
         plan += [("none", 200 + k) for k in range(args.clean_seeds)]
         for fault, seed in plan:
-            c = run_case(args.dir, nodes, rpn, fault, seed, args.steps, args.report_only)
+            c = run_case(args.dir, nodes, rpn, fault, seed, args.steps, args.report_only,
+                         args.ntp_step)
             cases.append(c)
             print(f"  {nodes}x{rpn} {fault:<8} seed {seed}: truth {c['truth']}, said "
                   f"{c['said']} {c['cause']} ({c['confidence']})", flush=True)

@@ -27,9 +27,16 @@ def inputs(tmp_path_factory):
     con = apsw.Connection(str(newer))
     con.execute("PRAGMA user_version = 999")
     con.close()
+    # a fleet.db whose schema page is damaged (the header still says fleet.db): every
+    # statement fails to prepare, the first one too
+    schema = d / "schema.db"
+    data = bytearray((d / "fleet.db").read_bytes())
+    page = int.from_bytes(data[16:18], "big") or 65536
+    data[page - 3000:page] = b"\xff" * 3000
+    schema.write_bytes(bytes(data))
     return {"fleet": d / "fleet.db", "empty": d / "empty.db", "text": d / "text.db",
             "other": d / "other.db", "bundle": fleet.paths[0], "newer": newer,
-            "missing": d / "missing.db", "directory": d / "b"}
+            "missing": d / "missing.db", "directory": d / "b", "schema": schema}
 
 
 WANT = {
@@ -39,6 +46,7 @@ WANT = {
     "bundle": "is a bundle, not a fleet.db: merge first (ingero-merge BUNDLES -o fleet.db)",
     "newer": "fleet.db version 999 is newer than this tool supports",
     "missing": "no such file",
+    "schema": "cannot read fleet.db (database disk image is malformed)",
 }
 
 

@@ -41,6 +41,7 @@ import apsw
 import orjson
 
 from .. import __version__
+from ..cliutil import sqlite_message
 from ..errors import IngeroError
 from ..merge.nodes import data_start
 from .fleet import load_nodes, open_fleet, rank_ranges
@@ -553,8 +554,9 @@ def export_chrome_trace(fleet_db, output=None, options: ExportOptions | None = N
     jobs = opts.jobs or os.cpu_count() or 1
     con = open_fleet(fleet_db)
     try:
-        exporter = _Exporter(con, opts, str(fleet_db))
         try:
+            # reads the node table: a damaged schema page fails here
+            exporter = _Exporter(con, opts, str(fleet_db))
             if output is None:
                 out = stdout if stdout is not None else sys.stdout.buffer
                 if exporter.accel is not None and not exporter.accel_fits():
@@ -578,7 +580,8 @@ def export_chrome_trace(fleet_db, output=None, options: ExportOptions | None = N
                                      str(fleet_db))
                 return _to_file(exporter, Path(output), opts, jobs)
         except apsw.Error as e:
-            raise ExportError(f"{fleet_db}: cannot read fleet.db ({e})") from None
+            raise ExportError(f"{fleet_db}: cannot read fleet.db ({sqlite_message(e)})"
+                              ) from None
     finally:
         con.close()
 

@@ -62,8 +62,8 @@ def _split(values) -> tuple[str, ...]:
 @click.option("--json", "json_", is_flag=True,
               help="With -o: print a JSON summary (counts per kind, origin, bytes: the "
                    "file's size, json_bytes: the JSON text before gzip, and accelerated: "
-                   "whether the C loops wrote it) on stdout. Without -o "
-                   "stdout holds the trace and no summary is printed.")
+                   "whether the C loops wrote it) on stdout. Refused without -o (or "
+                   "with -o -): stdout holds the trace then.")
 @click.option("-q", "--quiet", is_flag=True, help="No summary line.")
 @click.option("--redact", is_flag=True,
               help="Export a redacted copy of FLEET_DB (as ingero-redact writes it), made "
@@ -120,6 +120,10 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
         raise click.BadParameter(str(e), param_hint="--ranks") from None
     if output == "-":
         output = None       # stdout, as - means elsewhere (ingero-query -f -)
+    if json_ and output is None:
+        raise BadUsage("--json prints the summary of a trace written to a file: with no "
+                       "-o (or -o -) stdout holds the trace itself; give the trace a file "
+                       "with -o")
     refuse_output_over_input(output, fleet_db)
     check_selection(fleet_db, start=start, end=end, nodes=_split(nodes), ranks=rank_set,
                     redact=redact)

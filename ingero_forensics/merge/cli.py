@@ -63,7 +63,7 @@ Example:
               help="SQLite check of every bundle image before its rows are read: quick_check, "
                    "integrity_check or none. Images are always verified against their "
                    "sha256 and row counts, and a malformed page met while copying skips "
-                   "the bundle all the same; a check only finds it sooner, at about 0.3 s "
+                   "the bundle all the same; a check only finds it sooner, at about 0.2 s "
                    "per 100 MiB image.")
 @click.option("--tmpdir", type=click.Path(file_okay=False), default=None,
               help="Where bundle images are decompressed (default: next to the output).")

@@ -543,9 +543,10 @@ def _write_redacted(source, src, dest, work_dir: Path, tmp_out: Path, key) -> Re
         raise RedactError(f"{work_dir}: cannot write the working copy of {src} "
                           f"({sqlite_message(e)}; it is made beside the source, or in "
                           "TMPDIR when that directory is not writable)") from None
-    con.execute("PRAGMA journal_mode = OFF")
-    con.execute("PRAGMA synchronous = OFF")
     try:
+        # a damaged schema page of the source fails the first statement on the copy
+        con.execute("PRAGMA journal_mode = OFF")
+        con.execute("PRAGMA synchronous = OFF")
         res = _redact(con, key or secrets.token_bytes(32))
     except RedactError as e:
         con.close()

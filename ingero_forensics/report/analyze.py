@@ -32,20 +32,18 @@ rows; nothing here depends on the simulator.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
-import math
 from array import array
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import NormalDist
+
+import apsw
 
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..fleetfile import check_fleet_file
-from ..merge.messages import LOCAL_ADDRESSES, plain_address
 from ..merge.nodes import data_start
 from ..merge.ranks import process_ranks
 from ..merge.summaries import default_bin_s
@@ -55,6 +53,10 @@ from .hangs import find_hangs, hang_text
 from .binned import HostBins
 from .lateattach import inferred_communicators, unmatched_text
 from .together import EarlyHalf, early_half_ref
+from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cost_ns,
+                       _join_bins, _later_in_most_bins, _straggler_windows, active_ns,
+                       fleet_noise_ms, late_threshold_ms, rises_ns)
+from .network import _network_suspect, retransmits_towards
 from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import bins_limited_text, no_comparison_text, rank_text, verdict_text
 from .sql import Recorder
@@ -66,44 +68,20 @@ from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, RUNQ_SIGNAL, SAMPLE, W
 
 #: Transfer times kept per time bin for its median.
 TRANSFER_SAMPLE = 5_000
-#: A node must be late in at least this many time bins to be called a straggler.
-MIN_LATE_BINS = 3
 #: ... and the others must have waited for it at least this share of the run.
 MIN_COST_SHARE = 0.01
-#: The spread of all cells is taken for the jitter unless it is more than this many
-#: times what the nodes vary by on their own (fleet_noise_ms).
-NOISE_SPLIT = 3.0
-#: Lateness under this is never a late cell, however quiet the fleet.
-LATE_FLOOR_MS = 1.0
-#: At most this chance, over all cells of the run, that noise alone makes a late cell
-#: (the Bonferroni bound uses a Gaussian tail; heavier tails are what the cost rule is
-#: for).
-FALSE_CELL_RATE = 0.01
 #: A straggler's lateness must exceed this many times its relative alignment
 #: uncertainty (plus its peers') before the clock is ruled out as its cause.
 CLOCK_MARGIN = 3.0
-#: Lateness values above this are kept for the cost (below it nobody waited).
-COST_FLOOR_MS = 0.5
 #: CPU contention is named with "clear" confidence only if it can account for the wait:
 #: the straggler's run-queue delay in its windows beyond the other nodes' must be at
 #: least this share of what the others waited for it. On a busy node the run queue
 #: differs by tens of ms per s from its peers', which cannot explain stalls of hundreds
 #: of ms (a peer's lossy link, a retransmit timeout of 200 ms, makes such stalls).
 CPU_EXPLAINS_SHARE = 0.25
-#: A node's job connections must retransmit at least this often, per collective of the
-#: run, for the network to slow collectives for everyone (a clean run has a few
-#: retransmits in all; a lossy NIC, several per collective).
-MIN_RETRANSMITS_PER_COLLECTIVE = 0.5
 
 __all__ = ["Analysis", "CAUSES", "CAUSE_TITLES", "NodeLateness", "Signal", "Straggler",
            "Window", "analyze_fleet"]
-
-
-@dataclass
-class Window:
-    start_ns: int
-    end_ns: int
-    lateness_ms: float  # mean lateness of the straggler in the window
 
 
 @dataclass
@@ -253,6 +231,8 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
                                   "build one with ingero-merge")
     except IngeroError:
         raise
+    except apsw.CorruptError as e:     # a damaged schema page: the file is one, damaged
+        raise IngeroError(f"{path}: cannot read fleet.db ({e})") from None
     except Exception as e:  # apsw.NotADBError and friends
         raise IngeroError(f"{path}: not a SQLite fleet.db ({e})") from None
     rec = Recorder(con)
@@ -284,108 +264,6 @@ def analyze_fleet(fleet_db, *, bin_s: float | None = None) -> Analysis:
     a.sql = rec.finish()
     a.commands = next_commands(a)
     return a
-
-
-def _mad(vals) -> float:
-    """1.4826 x the median absolute deviation: sigma, for Gaussian values."""
-    if not vals:
-        return 0.0
-    m = median(vals)
-    return median([abs(v - m) for v in vals]) * 1.4826
-
-
-def fleet_noise_ms(cell: dict) -> tuple[float, str]:
-    """The fleet's normal jitter from the (bin, node) -> mean lateness cells, and what it
-    was taken from. The spread of all cells is robust while fewer than half of them are
-    shifted, which a straggler among three or more nodes never does (the median arrival
-    is a healthy node's). With two nodes every cell moves with the fault and that spread
-    is the fault itself: a node 20 ms late for the whole run would set the bar above its
-    own lateness. So, with two nodes, when the spread of all cells is more than
-    NOISE_SPLIT times what the nodes vary by on their own (each cell against its node's
-    median, or against the node's previous cell, which a fault that comes and goes does
-    not inflate; the smaller), the jitter is that variation instead."""
-    pooled = _mad(list(cell.values()))
-    by_node: dict[int, list[tuple[int, float]]] = defaultdict(list)
-    for (b, n), v in cell.items():
-        by_node[n].append((b, v))
-    if len(by_node) != 2 or min(len(v) for v in by_node.values()) < 2 * MIN_LATE_BINS:
-        return pooled, "fleet"
-    within, steps = [], []
-    for series in by_node.values():
-        series.sort()
-        m = median([v for _, v in series])
-        within += [v - m for _, v in series]
-        steps += [(v1 - v0) / math.sqrt(2) for (_, v0), (_, v1) in zip(series, series[1:])]
-    own = min(_mad(within), _mad(steps))
-    if pooled > NOISE_SPLIT * own:
-        return own, "per_node"
-    return pooled, "fleet"
-
-
-def _later_in_most_bins(cell: dict, nodes: dict, late_bins: dict,
-                        min_bins: int) -> dict | None:
-    """Of two nodes, the one that arrived later in so many time bins that chance cannot
-    explain it (one-sided sign test, p < 0.001), by more than LATE_FLOOR_MS at its median
-    bin, and yet late beyond the bar in fewer than ``min_bins`` bins; None otherwise."""
-    by_node: dict[int, list[float]] = defaultdict(list)
-    for (_, n), v in cell.items():
-        by_node[n].append(v)
-    for nid, vals in by_node.items():
-        n, k = len(vals), sum(1 for v in vals if v > 0)
-        if n < 2 * MIN_LATE_BINS or len(late_bins.get(nid, ())) >= min_bins or \
-                median(vals) <= LATE_FLOOR_MS or _sign_tail(n, k) >= 0.001:
-            continue
-        return {"node": nodes[nid][0], "later_bins": k, "bins": n,
-                "median_ms": round(median(vals), 3)}
-    return None
-
-
-def _sign_tail(n: int, k: int) -> float:
-    """P(at least k of n fair coin flips come up heads): exact to 200 flips, the normal
-    approximation (with continuity correction) beyond."""
-    if n <= 200:
-        return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
-    return 0.5 * math.erfc((k - 0.5 - n / 2) / math.sqrt(n / 4) / math.sqrt(2))
-
-
-def late_threshold_ms(noise_ms: float, cells: int) -> float:
-    """The lateness a (node, bin) cell must exceed: a Gaussian tail bound over every
-    cell of the run at FALSE_CELL_RATE, in units of the fleet's robust spread."""
-    k = NormalDist().inv_cdf(1.0 - FALSE_CELL_RATE / max(cells, 1))
-    return max(LATE_FLOOR_MS, max(k, 4.0) * noise_ms)
-
-
-def active_ns(times, gap_ns: int) -> int:
-    """The run's length for its cost shares: the time collectives ran, from the first to
-    the last, a pause longer than ``gap_ns`` (a bin) counted as one bin. A job paused for
-    an evaluation, or two jobs merged into one fleet.db, would otherwise dilute every
-    cost: node-02 of one of two merged 50 s jobs, 12 % of its job, was 0.05 % of the
-    146 min between their collectives."""
-    total = sum(min(b - a, gap_ns) for a, b in zip(times, itertools.islice(times, 1, None)))
-    return max(total, 1)
-
-
-def _cost_ns(points, times, jitter_ms: float) -> float:
-    """Sum of the rises of a node's excess lateness (lateness - jitter, at least 0) over
-    the collectives in time order. ``points``: (collective time, lateness ms) of the
-    collectives where it was late by more than COST_FLOOR_MS (at most that elsewhere:
-    excess 0); ``times``: every collective's time, sorted."""
-    return rises_ns(sorted((bisect.bisect_left(times, t), late) for t, late in points),
-                    jitter_ms)
-
-
-def rises_ns(points, jitter_ms: float) -> float:
-    """_cost_ns of points given as (position of the collective in time order, lateness
-    ms), sorted."""
-    total, prev_x, prev_k = 0.0, 0.0, None
-    for k, late in points:
-        if prev_k is None or k != prev_k + 1:
-            prev_x = 0.0          # a collective in between where it was on time
-        x = max(0.0, late - jitter_ms)
-        if x > prev_x:
-            total += x - prev_x
-        prev_x, prev_k = x, k
-    return total * 1e6
 
 
 def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
@@ -630,9 +508,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             a.verdict = (
                 "Cannot tell whether a node is a straggler: the clocks could only be "
                 "aligned to within " + ("an unbounded error" if worst is None else
-                                       f"{worst:.2f} ms") + " of each other (no sync "
-                "observed a collective's completion tightly, and the clocks' own claims do "
-                f"not bound them), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
+                                       f"{worst:.2f} ms") + f" of each other ({_why_loose(a)}"
+                f"), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
                 "lateness table shows what each node's clock says; see the clock section.")
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
@@ -722,8 +599,6 @@ def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
         return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
 
 
-
-
 def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:
     """How far the node's clock may be from its typical peer's (ms): the median over its
     peers of the pair's uncertainty, the sum of both nodes' relative uncertainties, or 0
@@ -798,114 +673,14 @@ def _cpu_short_of_cost(st: Straggler, secs: float) -> str | None:
             "contention cannot account for most of that wait.")
 
 
-def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
-                     late=frozenset()) -> tuple[int | None, list[int]]:
-    """The node whose own job connections retransmit, when collectives are slow for
-    everyone while nobody arrives late: retransmits far above the other nodes' (a
-    persistent fault leaves no contrast in time, but it does across nodes) and often
-    enough to slow every collective, or the most of them in the slow bins.
-
-    Retransmits towards a late node (``late``: node ids) do not count: a peer whose
-    sends to a starved or stalled node are retransmitted is that node's victim, not a
-    lossy link of its own (the issue's cpu run blamed exactly that peer)."""
-    per: dict[int, set[int]] = defaultdict(set)       # bins with retransmits
-    count: dict[int, int] = defaultdict(int)
-    in_slow: dict[int, int] = defaultdict(int)
-    slow_set = set(slow)
-    towards_late = (f"AND {_plain('daddr')} NOT IN {addresses_of(con, '?')} "
-                    if late else "")
-    for nid, b, n in con.execute(
-            "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
-            "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' "
-            f"{towards_late}GROUP BY 1, 2",
-            (t0, bin_ns) + ((json.dumps(sorted(late)),) if late else ())):
-        per[nid].add(b)
-        count[nid] += n
-        if b in slow_set:
-            in_slow[nid] += n
-    if not per:
-        return None, []
-    counts = {n: count.get(n, 0) for n in node_ids}
-    top = max(counts, key=counts.get)
-    rest = [c for n, c in counts.items() if n != top]
-    med = median(rest) if rest else 0.0
-    spread = 1.4826 * median([abs(c - med) for c in rest]) if rest else 0.0
-    often = max(10, MIN_RETRANSMITS_PER_COLLECTIVE * n_coll)
-    if counts[top] >= often and (counts[top] - med) / max(spread, 3.0) >= CLEAR_SCORE:
-        return top, sorted(set(per[top]) | slow_set)
-    if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and max(in_slow.values()) >= 10:
-        return max(in_slow, key=in_slow.get), sorted(slow_set)
-    return None, []
+def _why_loose(a: Analysis) -> str:
+    """Why the clocks are known only that loosely, from what the alignment recorded."""
+    if any(r["rate_clamped"] for r in a.alignment):
+        return ("clock rates beyond what a crystal does were bounded, so those lines "
+                "cannot follow every observation")
+    if not any(r["sync_points"] for r in a.alignment):
+        return ("no sync observed a collective's completion tightly, and the clocks' own "
+                "claims do not bound them")
+    return "the observations that bound them leave that much room"
 
 
-#: addresses that name no node: loopback and unspecified (merge/messages.py's list)
-_LOCAL_ADDRESSES = LOCAL_ADDRESSES
-#: an IPv4-mapped IPv6 address (a v4 peer on a v6 socket, as tcp_events keeps it)
-#: written as the IPv4 address, as tcp_progress has it
-_plain = plain_address
-
-
-def addresses_of(con, param: str) -> str:
-    """SQL: the addresses of the nodes whose ids the JSON array ``param`` (a bound
-    parameter) lists: the source addresses of their own TCP rows (tcp_events,
-    tcp_progress), less loopback and unspecified ones and any another node uses too (a
-    NAT), so that a destination address names one node or none. A node whose capture
-    recorded no TCP row of its own has none. Node ids, not addresses, are bound: the
-    statements the report shows name no address."""
-    have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
-    local = " AND ".join(f"saddr NOT LIKE '{p}'" for p in _LOCAL_ADDRESSES)
-    own = " UNION ".join(f"SELECT DISTINCT node_id, {_plain('saddr')} AS addr FROM {t} "
-                         f"WHERE {local}" for t in ("tcp_events", "tcp_progress")
-                         if t in have)        # an older fleet.db has no tcp_progress
-    return (f"(SELECT addr FROM ({own}) GROUP BY addr HAVING COUNT(DISTINCT node_id) = 1 "
-            f"AND MIN(node_id) IN (SELECT value FROM json_each({param})))")
-
-
-def retransmits_towards(con, sender: int, node_id: int) -> int:
-    """Job retransmits of node ``sender`` whose destination is one of node_id's
-    addresses."""
-    return con.execute(
-        "SELECT COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' "
-        f"AND event = 'tcp_retransmit_skb' AND {_plain('daddr')} IN "
-        f"{addresses_of(con, '?')}", (sender, json.dumps([node_id]))).fetchone()[0]
-
-
-def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node,
-                       counts) -> tuple[list[Window], float]:
-    """A straggler's windows from its late bins, and its mean lateness per collective
-    over them (the bins a window bridges included: the figure the verdict quotes)."""
-    windows = _join_bins(sorted(late), t0, bin_ns, cell, node, counts)
-    # a short blip far weaker than the fault itself is a hiccup, not a window;
-    # repeated short stalls of similar size are all kept
-    peak = max(w.lateness_ms for w in windows)
-    windows = [w for w in windows
-               if w.end_ns - w.start_ns >= 3 * bin_ns or w.lateness_ms >= 0.5 * peak]
-    total = n = 0.0
-    for w in windows:
-        for b in range((w.start_ns - t0) // bin_ns, (w.end_ns - t0) // bin_ns):
-            k = counts.get((b, node), 0)
-            total += cell.get((b, node), 0.0) * k
-            n += k
-    return windows, total / n if n else 0.0
-
-
-def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node,
-               counts=None) -> list[Window]:
-    """Late bins joined into windows across gaps of one bin; each window's lateness is
-    the node's mean per collective over every bin it spans (each bin's mean weighted by
-    its collectives), so a gap bridged counts with what it held."""
-    out: list[Window] = []
-    run: list[int] = []
-    for b in bins_ + [None]:
-        if run and (b is None or b - run[-1] > 2):   # bridge gaps of one bin
-            lat = 0.0
-            if node is not None:
-                span = [(cell[(x, node)], counts.get((x, node), 1) if counts else 1)
-                        for x in range(run[0], run[-1] + 1) if (x, node) in cell]
-                lat = sum(v * k for v, k in span) / max(1, sum(k for _, k in span))
-            out.append(Window(t0 + run[0] * bin_ns, t0 + (run[-1] + 1) * bin_ns,
-                              round(lat, 3)))
-            run = []
-        if b is not None:
-            run.append(b)
-    return out

@@ -147,7 +147,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                                                      for node, pct in a.capture_cost.items())
                        + "." + _bpf_cost(a)), ""]
     warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
-            or r["causal_moved_us"]]
+            or r["causal_moved_us"] or r["violations_after"]]
     inferred = a.inferred_communicators
     if warn or a.capture_issues or inferred:
         lines += [h("Caveats"), ""]
@@ -164,7 +164,10 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                               + (", time service claims wrong" if r["exceeds_claim"] else "")
                               + (", rate clamped" if r["rate_clamped"] else "")
                               + (f", moved {r['causal_moved_us']:,.0f} us by causal bounds"
-                                 if r["causal_moved_us"] else ""), "- "))
+                                 if r["causal_moved_us"] else "")
+                              + (f", {r['violations_after']:,} observations still out of "
+                                 "order after alignment" if r["violations_after"] else ""),
+                              "- "))
         for c in a.capture_issues:
             lines.append(para(f"{c['node']}: {c['source']} {c['event']}: {c['message']}",
                               "- "))

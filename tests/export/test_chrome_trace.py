@@ -388,6 +388,11 @@ def test_dash_is_stdout_and_an_empty_selection_warns(fleet, tmp_path, monkeypatc
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["traceEvents"] and not (tmp_path / "-").exists()
     assert "warning" not in r.stderr
+    # --json summarises a file; on stdout it would be lost behind the trace: refused
+    for out in (["-o", "-"], []):
+        r = run(path, "--chrome-trace", *out, "--json")
+        assert r.exit_code == 2 and "give the trace a file with -o" in r.stderr, r.output
+        assert r.stdout == ""
     nodes = json.loads(run(path, "--chrome-trace", "--kinds", "nccl").stdout)["metadata"]["nodes"]
     first, last = nodes[0], nodes[-1]
     r = run(path, "--chrome-trace", "-o", tmp_path / "e.json", "--nodes", first["name"],

@@ -152,3 +152,19 @@ def test_a_damaged_fleet_db_is_named_not_the_sound_bundles(tmp_path):
     assert r.exit_code == 1, r.output
     assert r.output.count("\n") == 1 and "no bundle skipped" in r.output, r.output
     assert db.read_bytes() == before
+
+
+@pytest.mark.parametrize("table", ["bundles", "clock_samples", "sync_points"])
+def test_a_fleet_db_damaged_where_the_merge_reads_it_first_is_named(tmp_path, table):
+    """The damage met before any copy (the merged bundles, the earlier clock samples and
+    sync points the alignment reads again) is the fleet.db's too: the same line, not
+    "merge failed (CorruptError ...)"."""
+    fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=22)
+    db = tmp_path / "f.db"
+    merge_bundles([fleet.paths[0]], db)
+    _break_root_page(db, table)
+    before = db.read_bytes()
+    with pytest.raises(MergeError, match=f"^{db}: the fleet.db is damaged .*no bundle "
+                                         "skipped"):
+        merge_bundles(fleet.paths[1:], db)
+    assert db.read_bytes() == before

@@ -161,3 +161,18 @@ def test_a_bounded_rate_widens_the_stated_uncertainty(tmp_path):
                 if i in clamped or j in clamped:
                     worst = max(worst, off)
     assert worst > 1e6, "the bounded lines are not off by milliseconds: the case is too easy"
+    # observations the bounded lines cannot honour are warned about per node, with their
+    # count, and the report says why its clocks are loose (not "no tight sync")
+    con = apsw.Connection(str(tmp_path / "fleet.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        after = dict(con.execute("SELECT node_id, violations_after FROM clock_alignment"))
+        logged = dict(con.execute("SELECT node_id, count FROM merge_log WHERE event = "
+                                  "'clock_violations'"))
+    finally:
+        con.close()
+    assert any(after.values()), after
+    assert logged == {n: v for n, v in after.items() if v}, (logged, after)
+    from ingero_forensics.report import analyze_fleet
+    verdict = analyze_fleet(tmp_path / "fleet.db").verdict
+    assert "no sync observed" not in verdict, verdict
+    assert verdict.startswith("Cannot tell") and "were bounded" in verdict, verdict

@@ -10,7 +10,7 @@ import pytest
 
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
-from ingero_forensics.report.analyze import MIN_LATE_BINS
+from ingero_forensics.report.lateness import MIN_LATE_BINS
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
 
 

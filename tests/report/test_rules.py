@@ -14,7 +14,7 @@ import pytest
 from ingero_forensics.bundle import BundleWriter
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
-from ingero_forensics.report.analyze import LATE_FLOOR_MS
+from ingero_forensics.report.lateness import LATE_FLOOR_MS
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
 
 from ..merge.fleetgen import make_fleet
@@ -339,7 +339,7 @@ def test_per_node_jitter_only_for_two_nodes():
     is quieter (a steady offset per node): a lower bar there made late cells on healthy
     nodes. Two nodes split +-L by a whole-run fault get their own variation instead."""
     import random
-    from ingero_forensics.report.analyze import fleet_noise_ms
+    from ingero_forensics.report.lateness import fleet_noise_ms
     rnd = random.Random(4)
     four = {(b, n): n * 0.8 + rnd.gauss(0, 0.05) for b in range(100) for n in range(4)}
     noise, basis = fleet_noise_ms(four)
@@ -354,7 +354,7 @@ def test_per_node_jitter_only_for_two_nodes():
 
 def test_sign_tail_exact_and_approximate_agree():
     import math
-    from ingero_forensics.report.analyze import _sign_tail
+    from ingero_forensics.report.lateness import _sign_tail
     exact = sum(math.comb(400, i) for i in range(230, 401)) / 2 ** 400
     assert _sign_tail(400, 230) == pytest.approx(exact, rel=0.05)
     assert _sign_tail(200, 100) == pytest.approx(0.528, abs=0.01)
@@ -381,7 +381,7 @@ def test_a_pause_between_collectives_does_not_dilute_the_cost(tmp_path):
 
 
 def test_active_time_counts_a_long_pause_as_one_gap():
-    from ingero_forensics.report.analyze import active_ns
+    from ingero_forensics.report.lateness import active_ns
     assert active_ns([0, 10, 20, 1000, 1010], gap_ns=50) == 10 + 10 + 50 + 10
     assert active_ns([5], gap_ns=50) == 1 and active_ns([], gap_ns=50) == 1
 
@@ -491,7 +491,7 @@ def _retransmits_towards(src, dst, db, out):
     tracing there), so that its own cause cannot be clear."""
     import shutil
 
-    from ingero_forensics.report.analyze import MIN_RETRANSMITS_PER_COLLECTIVE
+    from ingero_forensics.report.network import MIN_RETRANSMITS_PER_COLLECTIVE
 
     shutil.copyfile(db, out)
     con = apsw.Connection(str(out))

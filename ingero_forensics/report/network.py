@@ -1,0 +1,84 @@
+"""The network suspect of the report (docs/report.md, rule 4): the node whose own job
+connections retransmit when collectives are slow for everyone, never counting
+retransmits towards a late node (its victim's), and the addresses that name a node."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from ..merge.messages import LOCAL_ADDRESSES, plain_address
+from .evidence import CLEAR_SCORE, median
+
+#: A node's job connections must retransmit at least this often, per collective of the
+#: run, for the network to slow collectives for everyone (a clean run has a few
+#: retransmits in all; a lossy NIC, several per collective).
+MIN_RETRANSMITS_PER_COLLECTIVE = 0.5
+#: addresses that name no node: loopback and unspecified (merge/messages.py's list)
+_LOCAL_ADDRESSES = LOCAL_ADDRESSES
+#: an IPv4-mapped IPv6 address (a v4 peer on a v6 socket, as tcp_events keeps it)
+#: written as the IPv4 address, as tcp_progress has it
+_plain = plain_address
+
+
+def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
+                     late=frozenset()) -> tuple[int | None, list[int]]:
+    """The node whose own job connections retransmit, when collectives are slow for
+    everyone while nobody arrives late: retransmits far above the other nodes' (a
+    persistent fault leaves no contrast in time, but it does across nodes) and often
+    enough to slow every collective, or the most of them in the slow bins.
+
+    Retransmits towards a late node (``late``: node ids) do not count: a peer whose
+    sends to a starved or stalled node are retransmitted is that node's victim, not a
+    lossy link of its own (the issue's cpu run blamed exactly that peer)."""
+    per: dict[int, set[int]] = defaultdict(set)       # bins with retransmits
+    count: dict[int, int] = defaultdict(int)
+    in_slow: dict[int, int] = defaultdict(int)
+    slow_set = set(slow)
+    towards_late = (f"AND {_plain('daddr')} NOT IN {addresses_of(con, '?')} "
+                    if late else "")
+    for nid, b, n in con.execute(
+            "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
+            "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' "
+            f"{towards_late}GROUP BY 1, 2",
+            (t0, bin_ns) + ((json.dumps(sorted(late)),) if late else ())):
+        per[nid].add(b)
+        count[nid] += n
+        if b in slow_set:
+            in_slow[nid] += n
+    if not per:
+        return None, []
+    counts = {n: count.get(n, 0) for n in node_ids}
+    top = max(counts, key=counts.get)
+    rest = [c for n, c in counts.items() if n != top]
+    med = median(rest) if rest else 0.0
+    spread = 1.4826 * median([abs(c - med) for c in rest]) if rest else 0.0
+    often = max(10, MIN_RETRANSMITS_PER_COLLECTIVE * n_coll)
+    if counts[top] >= often and (counts[top] - med) / max(spread, 3.0) >= CLEAR_SCORE:
+        return top, sorted(set(per[top]) | slow_set)
+    if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and max(in_slow.values()) >= 10:
+        return max(in_slow, key=in_slow.get), sorted(slow_set)
+    return None, []
+
+def addresses_of(con, param: str) -> str:
+    """SQL: the addresses of the nodes whose ids the JSON array ``param`` (a bound
+    parameter) lists: the source addresses of their own TCP rows (tcp_events,
+    tcp_progress), less loopback and unspecified ones and any another node uses too (a
+    NAT), so that a destination address names one node or none. A node whose capture
+    recorded no TCP row of its own has none. Node ids, not addresses, are bound: the
+    statements the report shows name no address."""
+    have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    local = " AND ".join(f"saddr NOT LIKE '{p}'" for p in _LOCAL_ADDRESSES)
+    own = " UNION ".join(f"SELECT DISTINCT node_id, {_plain('saddr')} AS addr FROM {t} "
+                         f"WHERE {local}" for t in ("tcp_events", "tcp_progress")
+                         if t in have)        # an older fleet.db has no tcp_progress
+    return (f"(SELECT addr FROM ({own}) GROUP BY addr HAVING COUNT(DISTINCT node_id) = 1 "
+            f"AND MIN(node_id) IN (SELECT value FROM json_each({param})))")
+
+def retransmits_towards(con, sender: int, node_id: int) -> int:
+    """Job retransmits of node ``sender`` whose destination is one of node_id's
+    addresses."""
+    return con.execute(
+        "SELECT COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' "
+        f"AND event = 'tcp_retransmit_skb' AND {_plain('daddr')} IN "
+        f"{addresses_of(con, '?')}", (sender, json.dumps([node_id]))).fetchone()[0]
