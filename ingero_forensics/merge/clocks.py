@@ -217,6 +217,22 @@ def align_nodes(fl: _Fleet, res: MergeResult) -> dict[int, align.NodeAlignment]:
     return params
 
 
+def warn_violations(fl, res, params) -> None:
+    """A node whose aligned line still leaves completion observations before their
+    collective's latest entry (a rate bounded to what crystals do, here or at a peer,
+    leaves no line that honours them all): warned, with the count, not hidden."""
+    names = dict(fl.con.execute("SELECT node_id, name FROM nodes"))
+    for nid, a in params.items():
+        if not a.violations_after:
+            continue
+        msg = (f"node {names.get(nid, nid)}: {a.violations_after} completion observations "
+               "still come before their collective's latest entry after alignment (a clock "
+               "rate bounded here or at a peer?): times between these nodes are uncertain "
+               "by more than the lines say")
+        fl.log("warning", "clock_violations", msg, node_id=nid, count=a.violations_after)
+        res.warnings.append(msg)
+
+
 def realign_existing(con, params, old_params, max_old_bundle) -> None:
     """Rows merged earlier: move their times from the old line to the new one (the raw
     value is mono_ns, or recovered exactly enough from the old line)."""

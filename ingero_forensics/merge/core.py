@@ -37,12 +37,13 @@ from ..db import harden
 from ..errors import BundleError
 from ..interrupts import run_held
 from . import align
-from .clocks import align_nodes, realign_existing, sample_sync_points, write_alignment
+from .clocks import (align_nodes, realign_existing, sample_sync_points, warn_violations,
+                     write_alignment)
 from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_scratch
 from .copying import (CACHE_MB, CORRUPT_ERRORS, FLEET_PAGE_SIZE, PASS1_TABLES, PASS3_TABLES,
                       CorruptBundle, CorruptOutput, TableBuilder, builder_share, bundle_predicate,
                       copy_bundle_table, flush_file, load_stack_map, release_bundles)
-from .files import MergeError, check_fleet, expand_inputs, lock_output
+from .files import MergeError, check_fleet, expand_inputs, fleet_sound, lock_output
 from .inflight import settle_in_flight
 from .lateattach import infer_late_attach
 from .summaries import write_summaries
@@ -269,7 +270,7 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
         # The output side failed (disk full, an unwritable directory): one line, not a
         # traceback; the previous fleet.db is untouched.
         if isinstance(e, CorruptOutput) or (
-                not fresh and isinstance(e, CORRUPT_ERRORS) and not _fleet_sound(out)):
+                not fresh and isinstance(e, CORRUPT_ERRORS) and not fleet_sound(out)):
             raise MergeError(f"{out}: " + ("the fleet.db is damaged" if not fresh else
                                            "the new fleet.db was damaged while written") +
                              f" ({e}); nothing was written and no bundle skipped: merge the bundles "
@@ -471,21 +472,10 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                             "AS m), temp.node_params p WHERE p.node_id = clock_samples.node_id)")
                 con.execute("UPDATE clock_samples SET clock_error_ns = realtime_ns - aligned_ns")
                 _collectives(con, fl.sample_every)
-                names = dict(con.execute("SELECT node_id, name FROM nodes"))
                 for nid, a in params.items():
                     a.violations_before, a.violations_after = results.violations.get(nid,
                                                                                      (0, 0))
-                    if a.violations_after:
-                        # the aligned lines could not honour every observation (a rate
-                        # bounded to what crystals do, here or at a peer): said, not hidden
-                        msg = (f"node {names.get(nid, nid)}: {a.violations_after} completion "
-                               "observations still come before their collective's latest "
-                               "entry after alignment (a clock rate bounded here or at a "
-                               "peer?): times between these nodes are uncertain by more "
-                               "than the lines say")
-                        fl.log("warning", "clock_violations", msg, node_id=nid,
-                               count=a.violations_after)
-                        res.warnings.append(msg)
+                warn_violations(fl, res, params)
                 write_alignment(con, params)
         finally:
             con.execute("DETACH DATABASE st")
@@ -622,19 +612,6 @@ def _pass3(fl: _Fleet, res: MergeResult, pending: list, params: dict, job, futur
         fl.log("info", "merged", "bundle merged", input=item["shown"], node_id=node_id,
                count=sum(n for t, n in item["counts"].items() if t not in NOT_EVENTS))
         progress(1)
-
-
-def _fleet_sound(path) -> bool:
-    """Whether the existing fleet.db passes quick_check: asked only after a merge into it
-    met a malformed page, to say that the file was damaged before (not a bundle)."""
-    try:
-        con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
-        try:
-            return [r[0] for r in con.execute("PRAGMA quick_check(1)")] == ["ok"]
-        finally:
-            con.close()
-    except apsw.Error:
-        return False
 
 
 def _wait_staged(job, future) -> None:

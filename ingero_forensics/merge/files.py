@@ -185,3 +185,16 @@ def settle_output(out: Path) -> None:
                          "could not be checkpointed); close it and merge again")
     for p in side:
         p.unlink(missing_ok=True)
+
+
+def fleet_sound(path) -> bool:
+    """Whether the existing fleet.db passes quick_check: asked only after a merge into it
+    met a malformed page, to say that the file was damaged before (not a bundle)."""
+    try:
+        con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            return [r[0] for r in con.execute("PRAGMA quick_check(1)")] == ["ok"]
+        finally:
+            con.close()
+    except apsw.Error:
+        return False
