@@ -15,6 +15,7 @@ connection by db.harden when the extension is built. Tests compare the two.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .. import accel
@@ -141,25 +142,41 @@ def first_skipped(con, table: str, bundle, schema: str = "b") -> str | None:
     if not rules:
         return None
     key = "e.id" if BUNDLE_TABLES[table].columns[0].name == "id" else "e.rowid"
-    cols = ", ".join(f"e.{r.name}" for r in rules)
-    row = con.execute(f"SELECT {key}, {cols} FROM {schema}.{table} e WHERE NOT "
-                      f"({row_predicate(table, bundle)}) LIMIT 1").fetchone()
+    # text comes back as bytes: a value that is not UTF-8 (in a column the reader does
+    # not screen, an INTEGER or enum one) must be shown, not fail the decode
+    cols = ", ".join(f"CASE WHEN typeof(e.{r.name}) = 'text' THEN CAST(e.{r.name} AS BLOB) "
+                     f"ELSE e.{r.name} END, typeof(e.{r.name})" for r in rules)
+    row = con.execute(f"SELECT CAST({key} AS BLOB), typeof({key}), {cols} FROM "
+                      f"{schema}.{table} e WHERE NOT ({row_predicate(table, bundle)}) "
+                      "LIMIT 1").fetchone()
     if row is None:
         return None
+    values = [_value(row[k], row[k + 1]) for k in range(0, len(row), 2)]
     times = set(time_point_columns(table)) | {"mono_before_ns", "mono_after_ns"}
-    for rule, value in zip(rules, row[1:]):
+    for rule, value in zip(rules, values[1:]):
         why = rule_broken(rule, value, in_window=rule.name in times)
         if why:
-            return f"id {_shown(row[0])}: {why}"
+            return f"id {_shown(values[0])}: {why}"
     return None
+
+
+def _value(raw, storage: str):
+    """A value read back as bytes (text) or as itself, as Python would hold it: text
+    decoded with its undecodable bytes kept as surrogates (_shown writes them \\xNN)."""
+    if storage == "text":
+        return bytes(raw).decode("utf-8", "surrogateescape")
+    if storage == "integer" and isinstance(raw, bytes):      # the key, cast to a blob
+        return int(raw)
+    return raw
 
 
 _TYPE_OF = {int: "an integer", float: "a real", str: "text", bytes: "a blob"}
 
 
 def _shown(value) -> str:
-    """A bundle's value in a message: repr (control characters escaped), cut short."""
-    text = repr(value)
+    """A bundle's value in a message: repr (control characters escaped, a byte that is
+    not UTF-8 as \\xNN), cut short."""
+    text = re.sub(r"\\udc([89a-f][0-9a-f])", r"\\x\1", repr(value))
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -178,6 +178,10 @@ class Analysis:
     victims: list[str] = field(default_factory=list)
     lateness: list[NodeLateness] = field(default_factory=list)
     slow_bins: int = 0
+    #: how the network suspect was found (report/network.py): "contrast" (its job
+    #: connections retransmitted far more than the other nodes') or "slow_bins" (the
+    #: most retransmits in the slow bins); None without one
+    network_basis: str | None = None
     timeline: list[dict] = field(default_factory=list)   # per bin: t, suspect_ms, fleet_ms, transfer_ms
     cause_series: dict = field(default_factory=dict)     # metric over time, suspect vs others
     top_offenders: list[dict] = field(default_factory=list)
@@ -450,13 +454,13 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.slow_bins = len(slow)
     late_ids = {st.node_id for st in a.stragglers}
     with con.figure("network_suspect"):
-        network_suspect, net_bins = _network_suspect(
+        network_suspect, net_bins, a.network_basis = _network_suspect(
             con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, late=late_ids)
         towards_late = None
         if late_ids:
             # who would be the suspect if retransmits towards the late nodes counted
-            towards_late, _ = _network_suspect(con, list(nodes), t0, bin_ns, slow, n_bins,
-                                               n_coll)
+            towards_late, _, _ = _network_suspect(con, list(nodes), t0, bin_ns, slow,
+                                                  n_bins, n_coll)
             if towards_late == network_suspect or towards_late in late_ids:
                 towards_late = None
     for st in a.stragglers:
@@ -485,6 +489,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.stragglers = [st for st in kept if st.node_id != network_suspect]
     if a.stragglers:
         network_suspect = None
+        a.network_basis = None
     primary = a.stragglers[0] if a.stragglers else None
     for b in sorted(bins):
         per = bins[b]

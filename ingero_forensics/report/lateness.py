@@ -42,6 +42,7 @@ def _mad(vals) -> float:
     m = median(vals)
     return median([abs(v - m) for v in vals]) * 1.4826
 
+
 def fleet_noise_ms(cell: dict) -> tuple[float, str]:
     """The fleet's normal jitter from the (bin, node) -> mean lateness cells, and what it
     was taken from. The spread of all cells is robust while fewer than half of them are
@@ -69,6 +70,7 @@ def fleet_noise_ms(cell: dict) -> tuple[float, str]:
         return own, "per_node"
     return pooled, "fleet"
 
+
 def _later_in_most_bins(cell: dict, nodes: dict, late_bins: dict,
                         min_bins: int) -> dict | None:
     """Of two nodes, the one that arrived later in so many time bins that chance cannot
@@ -86,6 +88,7 @@ def _later_in_most_bins(cell: dict, nodes: dict, late_bins: dict,
                 "median_ms": round(median(vals), 3)}
     return None
 
+
 def _sign_tail(n: int, k: int) -> float:
     """P(at least k of n fair coin flips come up heads): exact to 200 flips, the normal
     approximation (with continuity correction) beyond."""
@@ -93,11 +96,13 @@ def _sign_tail(n: int, k: int) -> float:
         return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
     return 0.5 * math.erfc((k - 0.5 - n / 2) / math.sqrt(n / 4) / math.sqrt(2))
 
+
 def late_threshold_ms(noise_ms: float, cells: int) -> float:
     """The lateness a (node, bin) cell must exceed: a Gaussian tail bound over every
     cell of the run at FALSE_CELL_RATE, in units of the fleet's robust spread."""
     k = NormalDist().inv_cdf(1.0 - FALSE_CELL_RATE / max(cells, 1))
     return max(LATE_FLOOR_MS, max(k, 4.0) * noise_ms)
+
 
 def active_ns(times, gap_ns: int) -> int:
     """The run's length for its cost shares: the time collectives ran, from the first to
@@ -108,6 +113,7 @@ def active_ns(times, gap_ns: int) -> int:
     total = sum(min(b - a, gap_ns) for a, b in zip(times, itertools.islice(times, 1, None)))
     return max(total, 1)
 
+
 def _cost_ns(points, times, jitter_ms: float) -> float:
     """Sum of the rises of a node's excess lateness (lateness - jitter, at least 0) over
     the collectives in time order. ``points``: (collective time, lateness ms) of the
@@ -115,6 +121,7 @@ def _cost_ns(points, times, jitter_ms: float) -> float:
     excess 0); ``times``: every collective's time, sorted."""
     return rises_ns(sorted((bisect.bisect_left(times, t), late) for t, late in points),
                     jitter_ms)
+
 
 def rises_ns(points, jitter_ms: float) -> float:
     """_cost_ns of points given as (position of the collective in time order, lateness
@@ -128,6 +135,7 @@ def rises_ns(points, jitter_ms: float) -> float:
             total += x - prev_x
         prev_x, prev_k = x, k
     return total * 1e6
+
 
 def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node,
                        counts) -> tuple[list[Window], float]:
@@ -146,6 +154,7 @@ def _straggler_windows(late: list[int], t0: int, bin_ns: int, cell, node,
             total += cell.get((b, node), 0.0) * k
             n += k
     return windows, total / n if n else 0.0
+
 
 def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node,
                counts=None) -> list[Window]:

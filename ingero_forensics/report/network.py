@@ -22,7 +22,7 @@ _plain = plain_address
 
 
 def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
-                     late=frozenset()) -> tuple[int | None, list[int]]:
+                     late=frozenset()) -> tuple[int | None, list[int], str | None]:
     """The node whose own job connections retransmit, when collectives are slow for
     everyone while nobody arrives late: retransmits far above the other nodes' (a
     persistent fault leaves no contrast in time, but it does across nodes) and often
@@ -30,7 +30,11 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
 
     Retransmits towards a late node (``late``: node ids) do not count: a peer whose
     sends to a starved or stalled node are retransmitted is that node's victim, not a
-    lossy link of its own (the issue's cpu run blamed exactly that peer)."""
+    lossy link of its own (the issue's cpu run blamed exactly that peer).
+
+    Returns (node, bins, basis): basis "contrast" (its retransmits far above the other
+    nodes'; bins: those of its retransmits and the slow ones) or "slow_bins" (the most
+    retransmits in the slow bins; bins: the slow ones)."""
     per: dict[int, set[int]] = defaultdict(set)       # bins with retransmits
     count: dict[int, int] = defaultdict(int)
     in_slow: dict[int, int] = defaultdict(int)
@@ -47,7 +51,7 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
         if b in slow_set:
             in_slow[nid] += n
     if not per:
-        return None, []
+        return None, [], None
     counts = {n: count.get(n, 0) for n in node_ids}
     top = max(counts, key=counts.get)
     rest = [c for n, c in counts.items() if n != top]
@@ -55,10 +59,11 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     spread = 1.4826 * median([abs(c - med) for c in rest]) if rest else 0.0
     often = max(10, MIN_RETRANSMITS_PER_COLLECTIVE * n_coll)
     if counts[top] >= often and (counts[top] - med) / max(spread, 3.0) >= CLEAR_SCORE:
-        return top, sorted(set(per[top]) | slow_set)
+        return top, sorted(set(per[top]) | slow_set), "contrast"
     if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and max(in_slow.values()) >= 10:
-        return max(in_slow, key=in_slow.get), sorted(slow_set)
-    return None, []
+        return max(in_slow, key=in_slow.get), sorted(slow_set), "slow_bins"
+    return None, [], None
+
 
 def addresses_of(con, param: str) -> str:
     """SQL: the addresses of the nodes whose ids the JSON array ``param`` (a bound
@@ -74,6 +79,7 @@ def addresses_of(con, param: str) -> str:
                          if t in have)        # an older fleet.db has no tcp_progress
     return (f"(SELECT addr FROM ({own}) GROUP BY addr HAVING COUNT(DISTINCT node_id) = 1 "
             f"AND MIN(node_id) IN (SELECT value FROM json_each({param})))")
+
 
 def retransmits_towards(con, sender: int, node_id: int) -> int:
     """Job retransmits of node ``sender`` whose destination is one of node_id's

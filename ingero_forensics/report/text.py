@@ -34,7 +34,7 @@ def _cell(v) -> str:
 #: Plain text is read in a mail client: lines of at most this many characters.
 WIDTH = 78
 #: A number and its unit stay on one line ("84.9 °C", "12.1 ms").
-_NUMBER_UNIT = re.compile(r"(\d) (ms|us|ns|s|min|°C|MHz|GHz|%|B|KiB|MiB|GiB|ppm)\b")
+_NUMBER_UNIT = re.compile(r"(\d) (%|(?:ms|us|ns|s|min|°C|MHz|GHz|B|KiB|MiB|GiB|ppm)\b)")
 
 
 def wrap(text: str, lead: str = "") -> str:
@@ -47,24 +47,41 @@ def wrap(text: str, lead: str = "") -> str:
 
 def wrap_command(command: str, indent: str = "    ") -> list[str]:
     """A shell command as lines of at most WIDTH characters where it can be, joined by
-    backslash-newline, so that it still runs when pasted: broken at a space between
-    words, or inside a double-quoted argument (bash drops the backslash-newline there,
-    and SQL reads the indent as a space), never inside single quotes, where the break
-    would become part of the argument (or of an SQL string literal). A word longer than
-    a line stays whole."""
+    backslash-newline, so that it still runs when pasted. A break goes only where bash
+    drops the backslash-newline and nothing else changes but whitespace: at a space
+    between words, or at a space inside a double-quoted argument (the SQL of
+    ingero-query, which then reads the indent as more whitespace) outside any SQL
+    string literal in it; never inside single quotes, where the break would become part
+    of the argument. A piece longer than a line stays whole."""
     cont = indent + "  "
     pieces: list[str] = []          # the command cut at the spaces where a break may go
-    start, dq, sq = 0, False, False
-    for i, ch in enumerate(command):
-        if ch == '"' and not sq:
-            dq = not dq
-        elif ch == "'" and not dq:
-            sq = not sq
-        elif ch == "'" and dq:
-            sq = not sq             # an SQL string literal inside a double-quoted argument
-        elif ch == " " and not sq:
-            pieces.append(command[start:i])
-            start = i + 1
+    start, i, state, literal = 0, 0, "word", False
+    while i < len(command):
+        ch = command[i]
+        if state == "word":
+            if ch == "\\":
+                i += 1              # an escaped character, a space too
+            elif ch == "'":
+                state = "single"
+            elif ch == '"':
+                state, literal = "double", False
+            elif ch == " ":
+                pieces.append(command[start:i])
+                start = i + 1
+        elif state == "single":
+            if ch == "'":
+                state = "word"
+        else:                       # inside double quotes
+            if ch == "\\":
+                i += 1
+            elif ch == '"':
+                state = "word"
+            elif ch == "'":
+                literal = not literal       # an SQL string literal (or an apostrophe)
+            elif ch == " " and not literal:
+                pieces.append(command[start:i])
+                start = i + 1
+        i += 1
     pieces.append(command[start:])
     lines, line = [], indent + pieces[0]
     for p in pieces[1:]:

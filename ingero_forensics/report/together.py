@@ -73,7 +73,7 @@ class EarlyHalf:
         ``cell_med``: (bin, node) -> mean median lateness; ``node_lates[n]`` and
         ``node_index[n]``: a node's median lateness per collective and that collective's
         index here; ``threshold_of(spread, cells)`` is the late-cell bar and
-        ``cost_of(points, jitter_ms)`` the cost rule of analyze.py (rises_ns: points as
+        ``cost_of(points, jitter_ms)`` the cost rule of lateness.py (rises_ns: points as
         (position in time order, lateness ms), sorted)."""
         if not self.shift:
             return [], 0.0

@@ -142,9 +142,16 @@ def verdict_text(a: Analysis, network: bool) -> str:
         slow = (f" The time from the last arrival to completion was over 3 times the "
                 f"run's median in {a.slow_bins} time bin{'s' if a.slow_bins != 1 else ''}."
                 if a.slow_bins else "")
-        lead = (f"{a.straggler}'s own job connections retransmitted, far more than any "
-                f"other node's, in {_windows_text(a.windows)} totalling "
-                f"{seconds_text(secs)}, while {late}: its network is the suspect.{slow}")
+        if a.network_basis == "contrast":
+            lead = (f"{a.straggler}'s own job connections retransmitted far more than any "
+                    f"other node's, while {late}: its network is the suspect. Its windows "
+                    f"(the bins of its retransmits and of slow transfers): "
+                    f"{_windows_text(a.windows)} totalling {seconds_text(secs)}.{slow}")
+        else:
+            lead = (f"Collectives were slow in {_windows_text(a.windows)} totalling "
+                    f"{seconds_text(secs)} while {late}, and {a.straggler}'s own job "
+                    "connections retransmitted the most in them: its network is the "
+                    f"suspect.{slow}")
         if a.cause and a.cause_confidence == "clear":
             return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
         return lead

@@ -111,6 +111,24 @@ def test_skipped_rows_say_which_row_and_rule(fleet3, tmp_path):
         "timestamp_ns holds text 'soon', not an integer)" in logged, logged
 
 
+def test_skipped_rows_with_bytes_that_are_not_utf8_are_named_too(fleet3, tmp_path):
+    """Text that is not UTF-8 in an INTEGER or enum column passes the reader (it screens
+    TEXT columns) and the row screen skips it: naming it must not decode it (a review
+    found the whole merge ending in a traceback)."""
+    fleet, _ = fleet3
+    sql = ("UPDATE cuda_events SET timestamp_ns = CAST(x'ff41' AS TEXT) WHERE id = "
+           "(SELECT MAX(id) FROM cuda_events);"
+           "UPDATE nccl_events SET op = CAST(x'ff42' AS TEXT) WHERE id = "
+           "(SELECT MIN(id) FROM nccl_events);")
+    bad = reseal(fleet.paths[1], tmp_path / "bad", sql, "bytes")
+    res = merge_bundles([fleet.paths[0], bad, fleet.paths[2]], tmp_path / "fleet.db")
+    assert not res.skipped and res.bundles_merged == 3
+    mine = sorted(w for w in res.warnings if w.startswith(f"{bad}: "))
+    assert len(mine) == 2, res.warnings
+    assert "timestamp_ns holds text '\\xffA', not an integer" in mine[0], mine
+    assert "op '\\xffB' is not a known value" in mine[1], mine
+
+
 class _LateEvent:
     """An event set by the other thread just after wait() gave up (the race of issue
     20: the thread sets it and ends between the timeout and future.done())."""

@@ -114,3 +114,45 @@ def test_text_form_fits_an_email_and_its_commands_still_paste(fleets, tmp_path, 
         assert [" ".join(g.split()) for g in got] == [" ".join(w.split()) for w in want]
         assert [re.findall(r"'[^']*'", g) for g in got] == \
             [re.findall(r"'[^']*'", w) for w in want]
+
+
+@pytest.mark.parametrize("fleet", [
+    "fleet.db", "/data/Bob's runs/2026-11-27 llama 70b pretraining/fleet.db",
+    "/data/it's dir/fleet.db", "/very/long/" + "x" * 90 + "/fleet.db"])
+@pytest.mark.parametrize("sql", [
+    "SELECT a, b FROM t WHERE x = 'one two three four five six seven eight nine ten "
+    "eleven twelve' AND y > 3 ORDER BY a DESC LIMIT 20",
+    "SELECT \"quoted col\", '$HOME `x` \\\\ !' AS s FROM t WHERE op = 'all reduce of "
+    "many words that go on and on' AND z = 'it''s'",
+    "SELECT " + ", ".join(f"c{k}" for k in range(40)) + " FROM t"])
+def test_wrapped_commands_keep_their_arguments(fleet, sql):
+    """Adversarial paths (apostrophes, spaces, a word longer than a line) and SQL (string
+    literals with spaces, characters that make shell_quote use single quotes): pasted
+    into bash, the wrapped command gives the same arguments, except whitespace that the
+    breaks add inside the double-quoted SQL, never inside an SQL string literal or a
+    single-quoted argument."""
+    import re
+    from ingero_forensics.report.commands import _export, _query
+    from ingero_forensics.report.text import WIDTH, wrap_command
+    t0 = 1_750_000_000_000_000_000
+    for command in (_query(fleet, sql),
+                    _export(fleet, t0, t0 + 10**10, ["node-01", "node-02"], "w.json.gz",
+                            ranks=[3, 4])):
+        lines = wrap_command(command)
+        assert len(lines) > 1 or len(lines[0]) <= WIDTH or command.count("'") > 2, lines
+        script = ('ingero-query() { printf "%s\\0" "$@"; }; '
+                  'ingero-export() { printf "%s\\0" "$@"; }\n' + "\n".join(lines))
+        out = subprocess.run(["bash", "-c", script], capture_output=True, timeout=30,
+                             check=True).stdout.decode()
+        got, want = out.split("\0")[:-1], shlex.split(command)[1:]
+        assert len(got) == len(want), (command, lines)
+        for g, w in zip(got, want):
+            if g != w:      # only the SQL, only whitespace, no literal touched
+                assert w == one_line_sql(sql), (g, w)
+                assert " ".join(g.split()) == " ".join(w.split()), (g, w)
+                assert re.findall(r"'[^']*'", g) == re.findall(r"'[^']*'", w), (g, w)
+
+
+def one_line_sql(sql):
+    from ingero_forensics.report.sql import one_line
+    return one_line(sql)
