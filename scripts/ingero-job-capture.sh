@@ -15,7 +15,11 @@
 # by then is stopped (it seals what it has) and start fails.
 # The capture command: $INGERO_CAPTURE (default: ../bin/ingero-capture beside this
 # script; for the one-file capture: INGERO_CAPTURE="python3 /opt/ingero-capture.pyz").
+# The capture runs in a session of its own (setsid): slurmd kills a prolog's process
+# group when the prolog exits. A start's log is .capture.log (the one before it:
+# .capture.log.1), so that a start never reads an earlier run's lines.
 set -eu
+umask 077   # the job's bundle directory and log: root's alone, as the capture's bundles
 ACTION=${1:?usage: ingero-job-capture.sh start|stop BUNDLE_ROOT}
 ROOT=${2:?usage: ingero-job-capture.sh start|stop BUNDLE_ROOT}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -35,10 +39,24 @@ esac
 
 case "$ACTION" in
 start)
+  # start knows the capture is on by its "sources on:" line, which --quiet hides
+  for a in ${INGERO_CAPTURE_ARGS:-}; do
+    case "$a" in -q|--quiet)
+      echo "Error: INGERO_CAPTURE_ARGS: $a hides the line start waits for; leave it out" >&2
+      exit 2 ;;
+    esac
+  done
   mkdir -p "$DIR"
+  if [ -f "$PIDFILE" ] && [ ! -f "$RCFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+    echo "Error: $DIR: a capture (pid $(cat "$PIDFILE")) is still running for job $JOB" >&2
+    exit 1
+  fi
   rm -f "$PIDFILE" "$RCFILE"
+  [ -f "$LOG" ] && mv -f "$LOG" "$LOG.1"
+  DETACH=
+  command -v setsid > /dev/null 2>&1 && DETACH=setsid
   # shellcheck disable=SC2086  # INGERO_CAPTURE and INGERO_CAPTURE_ARGS are word lists
-  nohup sh -c 'cmd=$1; shift; $cmd "$@" & echo $! > "'"$PIDFILE"'"; wait $!; echo $? > "'"$RCFILE"'"' \
+  $DETACH nohup sh -c 'cmd=$1; shift; $cmd "$@" & echo $! > "'"$PIDFILE"'"; wait $!; echo $? > "'"$RCFILE"'"' \
     sh "$CAPTURE" --bundle "$DIR" --node "$NODE" $STRICT ${INGERO_CAPTURE_ARGS:-} \
     >> "$LOG" 2>&1 < /dev/null &
   i=0
@@ -63,10 +81,20 @@ start)
   ;;
 stop)
   [ -f "$PIDFILE" ] || { echo "Error: $PIDFILE: no capture started for job $JOB" >&2; exit 1; }
+  PID=$(cat "$PIDFILE")
   # an ended capture's pid may be another process's by now: signal only a running one
-  [ -f "$RCFILE" ] || kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
+  [ -f "$RCFILE" ] || kill -TERM "$PID" 2>/dev/null || true
   i=0
-  while [ ! -f "$RCFILE" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
+  while [ ! -f "$RCFILE" ] && [ $i -lt 1200 ]; do
+    if ! kill -0 "$PID" 2>/dev/null; then
+      sleep 0.5     # its exit code is written just after it ends
+      [ -f "$RCFILE" ] && break
+      echo "Error: $DIR: the capture (pid $PID) ended without an exit code (killed?); its" \
+           "open segment stays in $DIR/.spool and is sealed by the next start there" >&2
+      exit 1
+    fi
+    sleep 0.1; i=$((i + 1))
+  done
   [ -f "$RCFILE" ] || { echo "Error: $DIR: capture did not stop within 120 s" >&2; exit 1; }
   rc=$(cat "$RCFILE")
   n=$(find "$DIR" -maxdepth 1 -name "$NODE+*.bundle" | wc -l)

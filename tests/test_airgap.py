@@ -24,10 +24,13 @@ def blocks(lang: str) -> list[str]:
 
 
 def doc_commands() -> list[str]:
+    """The runbook's shell lines, less a trailing comment and a trailing `|| true` (the
+    command is the same; the doc says where its failure must not stop a prolog)."""
     out = []
     for block in blocks("sh"):
         for line in block.splitlines():
-            line = line.strip()
+            line = re.sub(r"\s+#[^\"']*$", "", line.strip())
+            line = re.sub(r"\s*\|\|\s*true$", "", line)
             if line and not line.startswith("#"):
                 out.append(line)
     return out

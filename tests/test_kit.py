@@ -380,6 +380,75 @@ def test_job_wrapper_stops_a_capture_that_never_came_on(tmp_path):
     assert r.returncode == 2 and "give whole seconds" in r.stderr
 
 
+STUB_CAPTURE = """#!/bin/sh
+# a capture that comes on at once and stops on SIGTERM with 0 (or exits with $STUB_RC)
+[ -n "${STUB_RC:-}" ] && { echo "Error: stub failed" >&2; exit "$STUB_RC"; }
+echo "info: capture: sources on: stub" >&2
+trap 'exit 0' TERM
+while :; do sleep 0.1; done
+"""
+
+
+def _stub(tmp_path):
+    stub = tmp_path / "stub-capture"
+    stub.write_text(STUB_CAPTURE)
+    stub.chmod(0o755)
+    return stub
+
+
+def test_job_wrapper_capture_outlives_a_prolog_process_group(tmp_path):
+    """slurmd runs a prolog in a process group of its own and kills that group when the
+    prolog exits (SIGTERM, then SIGKILL): the capture must not be in it (a review saw the
+    job run uncaptured and the epilog's stop fail after 120 s)."""
+    import signal
+    import time
+    env = clean_env(SLURM_JOB_ID="31", SLURMD_NODENAME="pg-node",
+                    INGERO_CAPTURE=str(_stub(tmp_path)))
+    p = subprocess.Popen(["sh", str(JOB_SCRIPT), "start", str(tmp_path)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    for sig in (signal.SIGTERM, signal.SIGKILL):    # what slurmd does to the group
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.5)
+    pid = int((tmp_path / "31" / ".capture.pid").read_text())
+    os.kill(pid, 0)                                 # still running
+    r = _job("stop", tmp_path, env)
+    assert r.returncode == 0 and "capture of pg-node stopped (exit 0)" in r.stdout, r.stderr
+
+
+def test_job_wrapper_reads_only_its_own_start(tmp_path):
+    """A second start in the same job directory (a requeued job, a rerun) must not take
+    the first run's "sources on:" line for its own; -q, which hides that line, is
+    refused; a capture that died without an exit code fails stop at once."""
+    import signal
+    import time
+    stub = _stub(tmp_path)
+    env = clean_env(INGERO_JOB="rerun", INGERO_NODE="n", INGERO_CAPTURE=str(stub))
+    assert _job("start", tmp_path, env).returncode == 0
+    assert _job("stop", tmp_path, env).returncode == 0
+    r = _job("start", tmp_path, {**env, "STUB_RC": "1"})
+    assert r.returncode == 1 and "capture exited with 1: Error: stub failed" in r.stderr, \
+        (r.stdout, r.stderr)
+    assert "sources on:" in (tmp_path / "rerun" / ".capture.log.1").read_text()
+    r = _job("start", tmp_path, {**env, "INGERO_CAPTURE_ARGS": "--duration 5 -q"})
+    assert r.returncode == 2 and "-q hides the line start waits for" in r.stderr
+    assert _job("start", tmp_path, env).returncode == 0
+    r = _job("start", tmp_path, env)
+    assert r.returncode == 1 and "is still running for job rerun" in r.stderr
+    # the capture and its waiting shell killed (as by an OOM kill): no exit code
+    pid = int((tmp_path / "rerun" / ".capture.pid").read_text())
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    t = time.monotonic()
+    r = _job("stop", tmp_path, env)
+    assert r.returncode == 1 and "ended without an exit code" in r.stderr, r.stderr
+    assert time.monotonic() - t < 10
+
+
 def test_install_takes_the_kits_python_beside_another_python3(kit, tmp_path):
     """RHEL: python3 is the system's 3.9, python3.11 is installed beside it. install.sh
     takes python3.X of the kit's version when it is there (it took python3 and told the

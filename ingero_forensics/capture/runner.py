@@ -43,6 +43,20 @@ def ebpf_fix() -> str:
             f"kernel headers ({pk.headers})")
 
 
+def sealing_error(err: BaseException) -> IngeroError:
+    """What the capture stops with when sealing a segment (in the background, at a
+    rotation) failed: a full file system, however it surfaced (OSError ENOSPC, or
+    SQLite's FullError while the spool was copied), is the DiskFullError the capture
+    reports as such ("file system full; capture stopped ..."); anything else says what
+    failed."""
+    if isinstance(err, DiskFullError):
+        return err
+    if isinstance(err, apsw.FullError) or (isinstance(err, OSError) and
+                                           err.errno == errno.ENOSPC):
+        return DiskFullError(f"sealing a segment: {err}")
+    return IngeroError(f"sealing a segment failed: {type(err).__name__}: {err}")
+
+
 @dataclass
 class CaptureConfig:
     bundle_dir: Path
@@ -636,11 +650,7 @@ class _Loop:
 
     def _sealer_failed(self) -> None:
         err, self.sealer.error = self.sealer.error, None
-        if isinstance(err, DiskFullError):
-            raise err
-        if isinstance(err, OSError) and err.errno == 28:
-            raise DiskFullError(str(err))
-        raise IngeroError(f"sealing a segment failed: {type(err).__name__}: {err}")
+        raise sealing_error(err)
 
     def finish(self) -> None:
         """Final polls, last process rows, seal synchronously; the sources let go of

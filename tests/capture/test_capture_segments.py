@@ -32,6 +32,21 @@ def test_signal_seals_and_exits_zero(tmp_path, open_all, sig):
     assert rows(b, "SELECT COUNT(*) FROM clock_samples")[0][0] >= 2
 
 
+def test_bundles_and_their_directory_are_the_owners_alone(tmp_path):
+    """Bundles hold the traced processes' masked command lines, ranks and job ids: the
+    capture creates its directory 0700 and its bundles 0600 whatever the caller's umask
+    (a review found them world-readable, the directory 0755)."""
+    import os
+    import stat
+    out = tmp_path / "new" / "b"
+    r = run_capture("--bundle", out, "--node", "perm", *FAST, "--duration", "1",
+                    prefix=("sh", "-c", 'umask 022 && exec "$@"', "sh"))
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o700
+    (b,) = bundles(out)
+    assert stat.S_IMODE(os.stat(b).st_mode) == 0o600
+
+
 def test_kill9_then_restart_recovers_the_spool(tmp_path, open_all):
     p = start_capture("--bundle", tmp_path, "--node", "crash", *FAST)
     try:
@@ -171,10 +186,27 @@ def _fill(directory: Path) -> None:
             pass
 
 
-def test_disk_full_keeps_sealed_segments_and_exits_nonzero(small_tmpfs, tmp_path):
+def test_a_full_disk_met_while_sealing_is_reported_as_one():
+    """A rotation seals in the background: SQLite's FullError there (a review saw
+    "sealing a segment failed: FullError: database or disk is full") is the same full
+    file system as ENOSPC in the writer, and gets the documented message."""
+    import errno
+    import apsw
+    from ingero_forensics.capture.runner import sealing_error
+    from ingero_forensics.errors import DiskFullError, IngeroError
+    for err in (apsw.FullError("database or disk is full"),
+                OSError(errno.ENOSPC, "No space left on device")):
+        assert isinstance(sealing_error(err), DiskFullError), err
+    other = sealing_error(apsw.CorruptError("malformed"))
+    assert type(other) is IngeroError and "sealing a segment failed" in str(other)
+
+
+@pytest.mark.parametrize("rotate", [["--segment-seconds", "1"],
+                                    ["--segment-seconds", "1", "--segment-size", "64K"]])
+def test_disk_full_keeps_sealed_segments_and_exits_nonzero(small_tmpfs, tmp_path, rotate):
     out = small_tmpfs / "b"
     p = start_capture("--bundle", out, "--node", "full", "--no-ebpf", "--host-interval",
-                      "0.01", "--segment-seconds", "1")
+                      "0.01", *rotate)
     try:
         wait_for(lambda: len(bundles(out)) >= 2, what="two sealed segments")
         _fill(small_tmpfs)
