@@ -58,7 +58,8 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
                        fleet_noise_ms, late_threshold_ms, rises_ns)
 from .network import _network_suspect, retransmits_towards
 from .coverage import uncaptured_ranks, uncaptured_text
-from .wording import bins_limited_text, no_comparison_text, rank_text, verdict_text
+from .wording import (bins_limited_text, natural_key, no_comparison_text, rank_text,
+                      verdict_text)
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, RUNQ_SIGNAL, SAMPLE, WEAK_SCORE,
                        Reservoir, Signal, alignment_rows, capture_cost, capture_issues,
@@ -308,8 +309,13 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.capture_issues = capture_issues(con, nodes)
     with con.figure("capture_cost"):
         a.capture_cost = capture_cost(con, nodes, bins=hb)
+    # every per-node list the page and the text show goes in the order people count
+    a.capture_cost = dict(sorted(a.capture_cost.items(), key=lambda kv: natural_key(kv[0])))
+    a.alignment.sort(key=lambda r: natural_key(r["node"]))
     with con.figure("capture_bpf_cost"):
         a.capture_bpf_cost = capture_cost(con, nodes, "capture.bpf_cpu_pct", bins=hb)
+    a.capture_bpf_cost = dict(sorted(a.capture_bpf_cost.items(),
+                                     key=lambda kv: natural_key(kv[0])))
     if first_row is None or len(nodes) < 2:
         a.inconclusive = True
         a.cause_confidence = "none"
@@ -390,7 +396,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     run_ns = active_ns(times, bin_ns)
     a.run_s = round(run_ns / 1e9, 3)
     cost = {nid: _cost_ns(pts, times, jitter_ms) for nid, pts in costly.items()}
-    for nid, (name, ranks) in sorted(nodes.items(), key=lambda kv: kv[1][0]):
+    for nid, (name, ranks) in sorted(nodes.items(), key=lambda kv: natural_key(kv[1][0])):
         res = per_node.get(nid)
         lat = res.values if res else []
         c = cost.get(nid, 0)

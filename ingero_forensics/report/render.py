@@ -20,7 +20,7 @@ from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
-from .wording import clock_check_text, seconds_text
+from .wording import clock_check_text, grouped_issues, per_node_text, seconds_text
 
 _ENV: jinja2.Environment | None = None
 
@@ -37,6 +37,7 @@ def environment() -> jinja2.Environment:
         _ENV.filters["ms"] = lambda v: "-" if v is None else f"{v:,.1f}"
         _ENV.filters["num"] = lambda v, step=0.01: "-" if v is None else _num(v, step)
         _ENV.filters["seconds"] = seconds_text
+        _ENV.filters["per_node"] = per_node_text
     return _ENV
 
 
@@ -69,6 +70,10 @@ _PAINT = {
 
 def _paint(cls: str) -> str:
     return f'class="{cls}" {_PAINT[cls]}'
+
+
+#: Bars in the per-node lateness chart; a larger fleet's shows the latest nodes.
+CHART_NODES = 32
 
 
 def _bar_chart(items: list[tuple[str, float, bool]], unit: str, width=640) -> Markup:
@@ -230,9 +235,18 @@ def render_html(a: Analysis) -> str:
         else 0.0
     t_end = (a.end_ns - t0) / 1e9 if a.end_ns and a.start_ns else None
     windows_s = [((w.start_ns - t0) / 1e9, (w.end_ns - t0) / 1e9) for w in a.windows]
+    charted, lateness_note = a.lateness, ""
+    named = {st.node_id for st in a.stragglers} | {a.straggler_node_id}
+    if len(charted) > CHART_NODES:
+        # a bar per node of a thousand is a page-long chart: the latest ones, with every
+        # straggler among them; the table below lists every node
+        charted = sorted(charted, key=lambda nl: (nl.node_id not in named,
+                                                  -nl.p90_ms))[:CHART_NODES]
+        charted.sort(key=lambda nl: -nl.p90_ms)
+        lateness_note = (f"The {len(charted)} nodes of {a.nodes} latest at their p90 "
+                         "(every straggler among them); the table lists every node.")
     lateness_chart = _bar_chart(
-        [(f"{nl.name}", nl.p90_ms, nl.node_id == a.straggler_node_id) for nl in a.lateness],
-        "ms (p90)")
+        [(f"{nl.name}", nl.p90_ms, nl.node_id in named) for nl in charted], "ms (p90)")
     timeline_series = [("fleet_ms", "median node", "line fleet")]
     if any("suspect_ms" in p for p in a.timeline):
         timeline_series.insert(0, ("suspect_ms", a.straggler or "suspect", "line suspect"))
@@ -267,7 +281,8 @@ def render_html(a: Analysis) -> str:
     return tpl.render(
         a=a, sql=lambda *keys, what="": sql_details(a, *keys, what=what),
         clock_check=clock_check_text,
-        title=report_title(a), window_rows=window_rows,
+        title=report_title(a), window_rows=window_rows, lateness_note=lateness_note,
+        capture_issues=grouped_issues(a.capture_issues),
         cause_title=CAUSE_TITLES.get(a.cause or "", ""), cause_titles=CAUSE_TITLES,
         lateness_chart=lateness_chart, timeline_chart=timeline_chart,
         transfer_chart=transfer_chart, cause_chart=cause_chart, t0=t0,

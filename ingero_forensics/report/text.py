@@ -11,7 +11,8 @@ import re
 import textwrap
 
 from .analyze import CAUSE_TITLES, Analysis
-from .wording import clock_check_text, rank_text, seconds_text
+from .wording import (clock_check_text, grouped_issues, per_node_text, rank_text,
+                      seconds_text)
 from .render import report_title
 
 
@@ -31,6 +32,9 @@ def _cell(v) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
+#: Nodes in the text form's per-node table; a larger fleet's shows those the others
+#: waited for most.
+TABLE_NODES = 20
 #: Plain text is read in a mail client: lines of at most this many characters.
 WIDTH = 78
 #: A number and its unit stay on one line ("84.9 °C", "12.1 ms").
@@ -146,12 +150,26 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             lines += ["```", c["command"], "```"] if markdown else wrap_command(c["command"])
         lines.append("")
     if a.lateness:
-        lines += [h("Every node"), ""]
+        shown = a.lateness
+        if len(shown) > TABLE_NODES:
+            # an email of a thousand rows is read by no one: the nodes the others waited
+            # for most, the stragglers among them; the page and --json list every node
+            shown = sorted(shown, key=lambda nl: (-nl.cost_s, -nl.late_bins,
+                                                  -nl.median_ms))[:TABLE_NODES]
+            lines += [h(f"The {len(shown)} nodes the others waited for most, of {a.nodes}"), ""]
+        else:
+            lines += [h("Every node"), ""]
         rows = [["node", "median late, ms", "p90, ms", "late bins", "others waited, s"]]
-        for nl in a.lateness:
+        for nl in shown:
             rows.append([nl.name, f"{nl.median_ms:.2f}", f"{nl.p90_ms:.2f}",
                          str(nl.late_bins), f"{nl.cost_s:.2f}"])
         lines += _table(rows, markdown) + [""]
+        if len(shown) < len(a.lateness):
+            rest = [nl for nl in a.lateness if nl not in shown]
+            lines += [para(f"{len(rest)} more nodes, each late in at most "
+                           f"{max(nl.late_bins for nl in rest)} bins, the others waiting at "
+                           f"most {max(nl.cost_s for nl in rest):.2f} s for any one of them "
+                           "(the HTML page and --json list every node)."), ""]
     # what the capture shows when no node could be compared (the page's same tables)
     for t in a.host:
         lines += [h(t["title"]), "", para(t["note"]), ""]
@@ -160,8 +178,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             rows.append([_cell(r[key]) for key, _label, _num in t["cols"]])
         lines += _table(rows, markdown) + [""]
     if a.capture_cost:
-        lines += [para("Capture cost: " + "; ".join(f"{pct:.1f} % of one core on {node}"
-                                                     for node, pct in a.capture_cost.items())
+        lines += [para("Capture cost: " + per_node_text(a.capture_cost, "of one core")
                        + "." + _bpf_cost(a)), ""]
     warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
             or r["causal_moved_us"] or r["violations_after"]]
@@ -185,7 +202,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                               + (f", {r['violations_after']:,} observations still out of "
                                  "order after alignment" if r["violations_after"] else ""),
                               "- "))
-        for c in a.capture_issues:
+        for c in grouped_issues(a.capture_issues):
             lines.append(para(f"{c['node']}: {c['source']} {c['event']}: {c['message']}",
                               "- "))
         lines.append("")
@@ -196,5 +213,4 @@ def _bpf_cost(a) -> str:
     if not a.capture_bpf_cost:
         return ""
     return (" In its BPF programs (in the kernel, paid by the traced threads): "
-            + "; ".join(f"{pct:.2f} % of one CPU on {node}"
-                        for node, pct in a.capture_bpf_cost.items()) + ".")
+            + per_node_text(a.capture_bpf_cost, "of one CPU", 2) + ".")

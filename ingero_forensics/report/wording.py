@@ -3,6 +3,8 @@ compared. analyze.py decides; this says it."""
 
 from __future__ import annotations
 
+import re
+
 from typing import TYPE_CHECKING
 
 from .evidence import CAUSE_TITLES
@@ -69,6 +71,55 @@ def rank_text(ranks) -> str:
 def seconds_text(secs: float) -> str:
     """A duration in seconds with the decimals its size needs (0.48 s, not "0 s")."""
     return f"{secs:.0f} s" if secs >= 10 else f"{secs:.1f} s" if secs >= 1 else f"{secs:.2f} s"
+
+
+#: Per-node figures listed one by one up to this many nodes; beyond, summarised.
+LIST_NODES = 8
+
+
+def per_node_text(values: dict, unit: str, decimals: int = 1) -> str:
+    """"2.6 % of one core on node-00; 2.5 % ... on node-01" for a few nodes; for a large
+    fleet the median and the range with the nodes at its ends (a thousand nodes listed
+    one by one is no sentence)."""
+    if len(values) <= LIST_NODES:
+        return "; ".join(f"{v:.{decimals}f} % {unit} on {n}" for n, v in values.items())
+    lo = min(values, key=values.get)
+    hi = max(values, key=values.get)
+    vals = sorted(values.values())
+    return (f"median {vals[len(vals) // 2]:.{decimals}f} % {unit} over {len(values)} nodes "
+            f"(lowest {values[lo]:.{decimals}f} % on {lo}, highest "
+            f"{values[hi]:.{decimals}f} % on {hi})")
+
+
+def nodes_text(names: list[str]) -> str:
+    """A few node names, or how many with the first and last of them."""
+    names = sorted(names, key=natural_key)
+    if len(names) <= LIST_NODES:
+        return ", ".join(names)
+    return f"{len(names)} nodes ({names[0]}, {names[1]}, ..., {names[-1]})"
+
+
+def grouped_issues(issues: list[dict]) -> list[dict]:
+    """What the capture could not see, one entry per (source, event, message) with the
+    nodes it was on (every node of a fleet without NVML says the same thing): nodes,
+    source, event, count (summed), message; in the order first seen."""
+    out: dict[tuple, dict] = {}
+    for c in issues:
+        key = (c["source"], c["event"], c["message"])
+        g = out.setdefault(key, {"nodes": [], "source": c["source"], "event": c["event"],
+                                 "count": 0, "message": c["message"]})
+        g["nodes"].append(c["node"])
+        g["count"] += c["count"] or 0
+    for g in out.values():
+        g["node"] = nodes_text(g["nodes"])
+    return list(out.values())
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders node names as people count them: node-2 before node-10
+    (real fleets name nodes gpu-1 .. gpu-1000, unpadded)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in re.split(r"(\d+)", name) if part)
 
 
 def _clock_margin() -> float:

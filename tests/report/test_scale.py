@@ -26,3 +26,51 @@ def test_sixteen_nodes(tmp_path, fault, seed):
         assert a.stragglers == [] and a.cause is None and a.verdict.startswith("No straggler")
     else:
         assert a.cause == fault and a.cause_confidence == "clear", a.verdict
+
+
+def test_a_large_fleet_reads_as_a_report(tmp_path):
+    """At hundreds of nodes the per-node lists made the report unreadable (1,000 nodes: a
+    1,000-row table in the email, a capture-cost sentence naming every node, a bar chart
+    18,000 px tall). The text shows the nodes the others waited for most, the chart the
+    latest ones, the per-node figures a median and range; the page's table keeps every
+    node."""
+    import re
+    from ingero_forensics.report.render import CHART_NODES, render_html
+    from ingero_forensics.report.text import TABLE_NODES, WIDTH, render_text
+    nodes = 40
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=nodes, ranks_per_node=1, steps=120,
+                                               fault="cpu", straggler=23, seed=5))
+    merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    assert [s.node for s in a.stragglers] == ["node-23"], a.verdict
+    text = render_text(a)
+    assert max(map(len, text.splitlines())) <= WIDTH
+    head = f"The {TABLE_NODES} nodes the others waited for most, of {nodes}"
+    assert head in text
+    after = text.split(head)[1].splitlines()
+    start = next(i for i, ln in enumerate(after) if ln.startswith("node "))
+    table = after[start:after.index("", start)]
+    assert len(table) == 1 + TABLE_NODES and table[1].startswith("node-23 "), table
+    assert f"{nodes - TABLE_NODES} more nodes" in " ".join(text.split())
+    assert re.search(rf"Capture cost: median [\d.]+ % of one core over {nodes} nodes",
+                     " ".join(text.split()))
+    page = render_html(a)
+    bars = re.findall(r'<rect class="(bar(?: hi)?)"', page)
+    assert len(bars) == CHART_NODES and bars[0] == "bar hi"
+    assert f"The {CHART_NODES} nodes of {nodes} latest at their p90" in page
+    lateness_table = page.split("<h2>Lateness at collectives</h2>")[1].split("</table>")[0]
+    assert lateness_table.count("<tr") == 1 + nodes       # every node on the page
+
+
+def test_names_in_the_order_people_count_and_issues_grouped():
+    from ingero_forensics.report.wording import grouped_issues, natural_key, nodes_text
+    assert sorted(["gpu-10", "gpu-2", "gpu-1", "a7b", "a10b"], key=natural_key) == \
+        ["a7b", "a10b", "gpu-1", "gpu-2", "gpu-10"]
+    issues = [{"node": f"gpu-{k}", "source": "nvml", "event": "source_off", "count": 1,
+               "message": "NVML off"} for k in range(12, 0, -1)]
+    issues.append({"node": "gpu-3", "source": "tcp", "event": "lost_events", "count": 5,
+                   "message": "ring buffer full"})
+    (nvml, tcp) = grouped_issues(issues)
+    assert nvml["node"] == "12 nodes (gpu-1, gpu-2, ..., gpu-12)" and nvml["count"] == 12
+    assert tcp["node"] == "gpu-3" and tcp["count"] == 5
+    assert nodes_text(["b", "a"]) == "a, b"
