@@ -37,18 +37,31 @@ case "$TIMEOUT" in
   ''|*[!0-9]*) echo "Error: INGERO_START_TIMEOUT=$TIMEOUT: give whole seconds" >&2; exit 2 ;;
 esac
 
+# whether pid $1 is this job's capture: a pid saved earlier may be another process's
+# by now (never signal that one); a capture names its directory in its arguments
+is_ours() {
+  [ -n "$1" ] && [ -r "/proc/$1/cmdline" ] && tr '\0' '\n' < "/proc/$1/cmdline" | grep -qxF -- "$DIR"
+}
+
 case "$ACTION" in
 start)
   # start knows the capture is on by its "sources on:" line, which --quiet hides
+  set -f      # the arguments as words, not globs
   for a in ${INGERO_CAPTURE_ARGS:-}; do
-    case "$a" in -q|--quiet)
-      echo "Error: INGERO_CAPTURE_ARGS: $a hides the line start waits for; leave it out" >&2
-      exit 2 ;;
+    case "$a" in
+      --quiet) ;;
+      --*) continue ;;
+      -*q*) ;;        # -q, or -q among grouped short options (-qp 123)
+      *) continue ;;
     esac
+    echo "Error: INGERO_CAPTURE_ARGS: $a hides the line start waits for; leave it out" >&2
+    exit 2
   done
+  set +f
   mkdir -p "$DIR"
-  if [ -f "$PIDFILE" ] && [ ! -f "$RCFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
-    echo "Error: $DIR: a capture (pid $(cat "$PIDFILE")) is still running for job $JOB" >&2
+  OLD=$(cat "$PIDFILE" 2>/dev/null || true)
+  if [ ! -f "$RCFILE" ] && is_ours "$OLD"; then
+    echo "Error: $DIR: a capture (pid $OLD) is still running for job $JOB" >&2
     exit 1
   fi
   rm -f "$PIDFILE" "$RCFILE"
@@ -56,7 +69,7 @@ start)
   DETACH=
   command -v setsid > /dev/null 2>&1 && DETACH=setsid
   # shellcheck disable=SC2086  # INGERO_CAPTURE and INGERO_CAPTURE_ARGS are word lists
-  $DETACH nohup sh -c 'cmd=$1; shift; $cmd "$@" & echo $! > "'"$PIDFILE"'"; wait $!; echo $? > "'"$RCFILE"'"' \
+  $DETACH nohup sh -c 'cmd=$1; shift; $cmd "$@" & echo $! > "'"$PIDFILE"'"; wait $!; echo $? > "'"$RCFILE"'.tmp"; mv -f "'"$RCFILE"'.tmp" "'"$RCFILE"'"' \
     sh "$CAPTURE" --bundle "$DIR" --node "$NODE" $STRICT ${INGERO_CAPTURE_ARGS:-} \
     >> "$LOG" 2>&1 < /dev/null &
   i=0
@@ -73,7 +86,8 @@ start)
   done
   # not left running behind a failed start: stopped, it seals what it has (waited for,
   # so that a later stop finds it ended and signals no pid the system gave to another)
-  [ -f "$PIDFILE" ] && kill -TERM "$(cat "$PIDFILE")" 2>/dev/null || true
+  PID=$(cat "$PIDFILE" 2>/dev/null || true)
+  is_ours "$PID" && kill -TERM "$PID" 2>/dev/null || true
   i=0
   while [ ! -f "$RCFILE" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
   echo "Error: $DIR: capture did not start within $TIMEOUT s; stopped it (see $LOG)" >&2
@@ -81,17 +95,25 @@ start)
   ;;
 stop)
   [ -f "$PIDFILE" ] || { echo "Error: $PIDFILE: no capture started for job $JOB" >&2; exit 1; }
-  PID=$(cat "$PIDFILE")
-  # an ended capture's pid may be another process's by now: signal only a running one
-  [ -f "$RCFILE" ] || kill -TERM "$PID" 2>/dev/null || true
+  PID=$(cat "$PIDFILE" 2>/dev/null || true)
+  # an ended capture's pid may be another process's by now: signal only our own
+  if [ ! -f "$RCFILE" ] && is_ours "$PID"; then kill -TERM "$PID" 2>/dev/null || true; fi
   i=0
   while [ ! -f "$RCFILE" ] && [ $i -lt 1200 ]; do
-    if ! kill -0 "$PID" 2>/dev/null; then
+    if ! is_ours "$PID"; then
       sleep 0.5     # its exit code is written just after it ends
       [ -f "$RCFILE" ] && break
-      echo "Error: $DIR: the capture (pid $PID) ended without an exit code (killed?); its" \
-           "open segment stays in $DIR/.spool and is sealed by the next start there" >&2
-      exit 1
+      # the shell that waited for it is gone: the code is unknown, the spool says more
+      n=$(find "$DIR" -maxdepth 1 -name "$NODE+*.bundle" | wc -l)
+      if ls "$DIR/.spool/"segment-*.db > /dev/null 2>&1; then
+        echo "Error: $DIR: the capture (pid $PID) ended without an exit code (killed?);" \
+             "its open segment stays in $DIR/.spool and is sealed by the next start there;" \
+             "$n bundle(s) in $DIR" >&2
+        exit 1
+      fi
+      echo "capture of $NODE stopped (exit code unknown: the shell that waited for it" \
+           "was killed; nothing left unsealed); $n bundle(s) in $DIR"
+      exit 0
     fi
     sleep 0.1; i=$((i + 1))
   done

@@ -358,7 +358,9 @@ def test_job_wrapper_stops_a_capture_that_never_came_on(tmp_path):
     that said it failed (a Slurm prolog would then fail with a capture still going)."""
     import time
     slow = tmp_path / "slow-capture"
-    slow.write_text("#!/bin/sh\nexec sleep 60\n")
+    # a capture that never comes on (its arguments kept, as a real one's are: the
+    # wrapper signals only a process that names the job's directory)
+    slow.write_text("#!/bin/sh\nwhile :; do sleep 0.2; done\n")
     slow.chmod(0o755)
     env = clean_env(INGERO_JOB="slow", INGERO_NODE="n", INGERO_CAPTURE=str(slow),
                     INGERO_START_TIMEOUT="1")
@@ -421,6 +423,20 @@ def test_job_wrapper_capture_outlives_a_prolog_process_group(tmp_path):
     assert r.returncode == 0 and "capture of pg-node stopped (exit 0)" in r.stdout, r.stderr
 
 
+def test_job_wrapper_start_fails_when_strict_stops_the_capture(tmp_path):
+    """--strict stops the capture right after its sources start when one is off: the
+    wrapper must not take that start for a running capture (it said "capturing" and the
+    job ran uncaptured). A capture that says "sources on:" runs; a strict stop says
+    something else (capture/runner.py)."""
+    stub = tmp_path / "strict-capture"
+    stub.write_text("#!/bin/sh\necho 'info: capture: sources started: clock, host; stopping "
+                    "at once (--strict: an eBPF source is off)' >&2\nsleep 1\nexit 4\n")
+    stub.chmod(0o755)
+    env = clean_env(INGERO_JOB="strict", INGERO_NODE="n", INGERO_CAPTURE=str(stub))
+    r = _job("start", tmp_path, env)
+    assert r.returncode == 1 and "capture exited with 4" in r.stderr, (r.stdout, r.stderr)
+
+
 def test_job_wrapper_reads_only_its_own_start(tmp_path):
     """A second start in the same job directory (a requeued job, a rerun) must not take
     the first run's "sources on:" line for its own; -q, which hides that line, is
@@ -435,18 +451,43 @@ def test_job_wrapper_reads_only_its_own_start(tmp_path):
     assert r.returncode == 1 and "capture exited with 1: Error: stub failed" in r.stderr, \
         (r.stdout, r.stderr)
     assert "sources on:" in (tmp_path / "rerun" / ".capture.log.1").read_text()
-    r = _job("start", tmp_path, {**env, "INGERO_CAPTURE_ARGS": "--duration 5 -q"})
-    assert r.returncode == 2 and "-q hides the line start waits for" in r.stderr
+    for args in ("--duration 5 -q", "-qp 123", "--quiet"):
+        r = _job("start", tmp_path, {**env, "INGERO_CAPTURE_ARGS": args})
+        assert r.returncode == 2 and "hides the line start waits for" in r.stderr, args
     assert _job("start", tmp_path, env).returncode == 0
     r = _job("start", tmp_path, env)
     assert r.returncode == 1 and "is still running for job rerun" in r.stderr
-    # the capture and its waiting shell killed (as by an OOM kill): no exit code
+    # the capture and its waiting shell killed (as by an OOM kill), a segment left in
+    # the spool: no exit code, and stop says so at once
     pid = int((tmp_path / "rerun" / ".capture.pid").read_text())
+    (tmp_path / "rerun" / ".spool").mkdir()
+    (tmp_path / "rerun" / ".spool" / "segment-000003.db").write_bytes(b"")
     os.killpg(os.getpgid(pid), signal.SIGKILL)
     t = time.monotonic()
     r = _job("stop", tmp_path, env)
     assert r.returncode == 1 and "ended without an exit code" in r.stderr, r.stderr
     assert time.monotonic() - t < 10
+    # only the waiting shell killed: the capture still stops on SIGTERM and leaves
+    # nothing unsealed; its code is unknown, which stop says without failing
+    (tmp_path / "rerun" / ".spool" / "segment-000003.db").unlink()
+    assert _job("start", tmp_path, env).returncode == 0
+    pid = int((tmp_path / "rerun" / ".capture.pid").read_text())
+    os.kill(int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]),
+            signal.SIGKILL)
+    r = _job("stop", tmp_path, env)
+    assert r.returncode == 0 and "exit code unknown" in r.stdout, (r.stdout, r.stderr)
+    # a pid saved earlier that is now another process's is never signalled
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / "rerun" / ".capture.pid").write_text(f"{other.pid}\n")
+        (tmp_path / "rerun" / ".capture.rc").unlink(missing_ok=True)
+        r = _job("stop", tmp_path, env)
+        assert other.poll() is None, "stop signalled a process that is not the capture"
+        assert _job("start", tmp_path, env).returncode == 0   # not "still running"
+        assert _job("stop", tmp_path, env).returncode == 0
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_install_takes_the_kits_python_beside_another_python3(kit, tmp_path):

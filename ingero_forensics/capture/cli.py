@@ -211,8 +211,11 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
         sys.exit(0 if node_ok and not failed else EXIT_ERROR)
     # bundles hold the traced processes' (masked) command lines, ranks and job ids:
     # what the capture creates is its owner's alone, whatever the caller's umask
-    os.umask(0o077)
-    summary = run_capture(config, reporter=Reporter(config.output))
+    old_umask = os.umask(0o077)
+    try:
+        summary = run_capture(config, reporter=Reporter(config.output))
+    finally:
+        os.umask(old_umask)     # main() may run inside another program (tests, a wrapper)
     if as_json:
         echo_json(summary.as_dict())
     elif not quiet:

@@ -440,7 +440,13 @@ class _Loop:
         if self.clock.chrony_on:
             run.log("info", "clock", "source_on", "chrony tracking via chronyc", echo=False)
         self.clock.sample_now(run.sink)
-        run.rep.message("info", "capture", "sources on: " + ", ".join(self.summary.sources_on))
+        on = ", ".join(self.summary.sources_on)
+        if run.cfg.strict and self.summary.ebpf_off():
+            # not "sources on:": the job wrapper takes that line for a capture that runs
+            run.rep.message("info", "capture", f"sources started: {on}; stopping at once "
+                            "(--strict: an eBPF source is off)")
+        else:
+            run.rep.message("info", "capture", "sources on: " + on)
 
     def _begin(self, s: Source, step, what: str) -> bool:
         """Run a source's compile or start; False (and the source is off) if it failed."""

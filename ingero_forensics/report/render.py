@@ -243,8 +243,9 @@ def render_html(a: Analysis) -> str:
         charted = sorted(charted, key=lambda nl: (nl.node_id not in named,
                                                   -nl.p90_ms))[:CHART_NODES]
         charted.sort(key=lambda nl: -nl.p90_ms)
-        lateness_note = (f"The {len(charted)} nodes of {a.nodes} latest at their p90 "
-                         "(every straggler among them); the table lists every node.")
+        lateness_note = (f"The {len(charted)} nodes of {a.nodes} latest at their p90"
+                         + (" (every straggler among them)" if a.stragglers else "")
+                         + "; the table lists every node.")
     lateness_chart = _bar_chart(
         [(f"{nl.name}", nl.p90_ms, nl.node_id in named) for nl in charted], "ms (p90)")
     timeline_series = [("fleet_ms", "median node", "line fleet")]
@@ -282,7 +283,7 @@ def render_html(a: Analysis) -> str:
         a=a, sql=lambda *keys, what="": sql_details(a, *keys, what=what),
         clock_check=clock_check_text,
         title=report_title(a), window_rows=window_rows, lateness_note=lateness_note,
-        capture_issues=grouped_issues(a.capture_issues),
+        capture_issues=grouped_issues(a.capture_issues, every=True),
         cause_title=CAUSE_TITLES.get(a.cause or "", ""), cause_titles=CAUSE_TITLES,
         lateness_chart=lateness_chart, timeline_chart=timeline_chart,
         transfer_chart=transfer_chart, cause_chart=cause_chart, t0=t0,

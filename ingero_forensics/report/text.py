@@ -154,8 +154,9 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         if len(shown) > TABLE_NODES:
             # an email of a thousand rows is read by no one: the nodes the others waited
             # for most, the stragglers among them; the page and --json list every node
-            shown = sorted(shown, key=lambda nl: (-nl.cost_s, -nl.late_bins,
-                                                  -nl.median_ms))[:TABLE_NODES]
+            named = {st.node_id for st in a.stragglers}
+            shown = sorted(shown, key=lambda nl: (nl.node_id not in named, -nl.cost_s,
+                                                  -nl.late_bins, -nl.median_ms))[:TABLE_NODES]
             lines += [h(f"The {len(shown)} nodes the others waited for most, of {a.nodes}"), ""]
         else:
             lines += [h("Every node"), ""]
@@ -166,7 +167,8 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         lines += _table(rows, markdown) + [""]
         if len(shown) < len(a.lateness):
             rest = [nl for nl in a.lateness if nl not in shown]
-            lines += [para(f"{len(rest)} more nodes, each late in at most "
+            lines += [para(f"{len(rest)} more node{'s' if len(rest) != 1 else ''}, each "
+                           "late in at most "
                            f"{max(nl.late_bins for nl in rest)} bins, the others waiting at "
                            f"most {max(nl.cost_s for nl in rest):.2f} s for any one of them "
                            "(the HTML page and --json list every node)."), ""]
@@ -202,7 +204,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                               + (f", {r['violations_after']:,} observations still out of "
                                  "order after alignment" if r["violations_after"] else ""),
                               "- "))
-        for c in grouped_issues(a.capture_issues):
+        for c in grouped_issues(a.capture_issues, keep={st.node for st in a.stragglers}):
             lines.append(para(f"{c['node']}: {c['source']} {c['event']}: {c['message']}",
                               "- "))
         lines.append("")

@@ -4,6 +4,7 @@ compared. analyze.py decides; this says it."""
 from __future__ import annotations
 
 import re
+import statistics
 
 from typing import TYPE_CHECKING
 
@@ -85,41 +86,50 @@ def per_node_text(values: dict, unit: str, decimals: int = 1) -> str:
         return "; ".join(f"{v:.{decimals}f} % {unit} on {n}" for n, v in values.items())
     lo = min(values, key=values.get)
     hi = max(values, key=values.get)
-    vals = sorted(values.values())
-    return (f"median {vals[len(vals) // 2]:.{decimals}f} % {unit} over {len(values)} nodes "
-            f"(lowest {values[lo]:.{decimals}f} % on {lo}, highest "
+    if f"{values[lo]:.{decimals}f}" == f"{values[hi]:.{decimals}f}":
+        return f"{values[lo]:.{decimals}f} % {unit} on each of the {len(values)} nodes"
+    return (f"median {statistics.median(values.values()):.{decimals}f} % {unit} over "
+            f"{len(values)} nodes (lowest {values[lo]:.{decimals}f} % on {lo}, highest "
             f"{values[hi]:.{decimals}f} % on {hi})")
 
 
-def nodes_text(names: list[str]) -> str:
-    """A few node names, or how many with the first and last of them."""
+def nodes_text(names: list[str], keep=()) -> str:
+    """A few node names, or how many with the first and last of them and those of
+    ``keep`` (the stragglers: their own gaps are never summarised away)."""
     names = sorted(names, key=natural_key)
     if len(names) <= LIST_NODES:
         return ", ".join(names)
-    return f"{len(names)} nodes ({names[0]}, {names[1]}, ..., {names[-1]})"
+    shown = [names[0], names[1], "...", names[-1]]
+    named = [n for n in names[2:-1] if n in keep]
+    return (f"{len(names)} nodes ({', '.join(shown)}"
+            + (f"; among them {', '.join(named)}" if named else "") + ")")
 
 
-def grouped_issues(issues: list[dict]) -> list[dict]:
+def grouped_issues(issues: list[dict], keep=(), every: bool = False) -> list[dict]:
     """What the capture could not see, one entry per (source, event, message) with the
     nodes it was on (every node of a fleet without NVML says the same thing): nodes,
-    source, event, count (summed), message; in the order first seen."""
+    node (their names: all of them with ``every``, else summarised, the nodes of
+    ``keep`` always named), source, event, count (summed; None when no member was
+    counted: "how many is unknown"), message; in the order first seen."""
     out: dict[tuple, dict] = {}
     for c in issues:
         key = (c["source"], c["event"], c["message"])
         g = out.setdefault(key, {"nodes": [], "source": c["source"], "event": c["event"],
-                                 "count": 0, "message": c["message"]})
+                                 "count": None, "message": c["message"]})
         g["nodes"].append(c["node"])
-        g["count"] += c["count"] or 0
+        if c["count"] is not None:
+            g["count"] = (g["count"] or 0) + c["count"]
     for g in out.values():
-        g["node"] = nodes_text(g["nodes"])
+        g["node"] = (", ".join(sorted(g["nodes"], key=natural_key)) if every
+                     else nodes_text(g["nodes"], keep))
     return list(out.values())
 
 
 def natural_key(name: str) -> tuple:
     """Sort key that orders node names as people count them: node-2 before node-10
     (real fleets name nodes gpu-1 .. gpu-1000, unpadded)."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
-                 for part in re.split(r"(\d+)", name) if part)
+    return tuple((0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part)
+                 for part in re.split(r"([0-9]+)", name) if part)
 
 
 def _clock_margin() -> float:

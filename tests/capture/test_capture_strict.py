@@ -215,6 +215,8 @@ def test_strict_capture_stops_at_start_and_seals(shared_dir):
     r = subprocess.run(cmd, capture_output=True, text=True, env=capture_env(), cwd="/",
                        timeout=25)
     assert r.returncode == 4, r.stderr      # its own code: a service is not restarted
+    # no "sources on:", the line ingero-job-capture.sh takes for a running capture
+    assert "sources on:" not in r.stderr and "stopping at once (--strict" in r.stderr
     summary = json.loads(r.stdout)
     assert summary["stop_reason"] == "strict" and summary["seconds"] < 20
     assert set(summary["sources_off"]) >= {"nccl", "cuda", "tcp", "sched", "block"}

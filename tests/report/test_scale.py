@@ -52,7 +52,8 @@ def test_a_large_fleet_reads_as_a_report(tmp_path):
     table = after[start:after.index("", start)]
     assert len(table) == 1 + TABLE_NODES and table[1].startswith("node-23 "), table
     assert f"{nodes - TABLE_NODES} more nodes" in " ".join(text.split())
-    assert re.search(rf"Capture cost: median [\d.]+ % of one core over {nodes} nodes",
+    assert re.search(rf"Capture cost: (median [\d.]+ % of one core over {nodes} nodes|"
+                     rf"[\d.]+ % of one core on each of the {nodes} nodes)",
                      " ".join(text.split()))
     page = render_html(a)
     bars = re.findall(r'<rect class="(bar(?: hi)?)"', page)
@@ -70,7 +71,17 @@ def test_names_in_the_order_people_count_and_issues_grouped():
                "message": "NVML off"} for k in range(12, 0, -1)]
     issues.append({"node": "gpu-3", "source": "tcp", "event": "lost_events", "count": 5,
                    "message": "ring buffer full"})
-    (nvml, tcp) = grouped_issues(issues)
-    assert nvml["node"] == "12 nodes (gpu-1, gpu-2, ..., gpu-12)" and nvml["count"] == 12
-    assert tcp["node"] == "gpu-3" and tcp["count"] == 5
+    issues += [{"node": n, "source": "tcp", "event": "unknown", "count": None,
+                "message": "lost, not counted"} for n in ("gpu-1", "gpu-2")]
+    (nvml, tcp, unknown) = grouped_issues(issues, keep={"gpu-7"})
+    assert nvml["node"] == "12 nodes (gpu-1, gpu-2, ..., gpu-12; among them gpu-7)"
+    assert nvml["count"] == 12 and tcp["node"] == "gpu-3" and tcp["count"] == 5
+    assert unknown["count"] is None         # "how many is unknown", not 0
+    (every, _, _) = grouped_issues(issues, every=True)
+    assert every["node"] == ", ".join(f"gpu-{k}" for k in range(1, 13))
     assert nodes_text(["b", "a"]) == "a, b"
+    from ingero_forensics.report.wording import per_node_text
+    same = {f"n{k}": 2.0 for k in range(10)}
+    assert per_node_text(same, "of one core") == "2.0 % of one core on each of the 10 nodes"
+    spread = {f"n{k}": float(k) for k in range(10)}
+    assert per_node_text(spread, "of one core").startswith("median 4.5 % of one core over 10")
