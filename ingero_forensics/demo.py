@@ -9,6 +9,8 @@ report) means appending one function to ``STEPS``.
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 import click
@@ -102,7 +104,8 @@ def run_demo(out_dir, *, config: FleetConfig | None = None, log=print,
 
 
 @click.command(name="python -m ingero_forensics.demo",
-               epilog=cliutil.EXIT_CODES_HELP)
+               epilog=cliutil.EXIT_CODES_HELP,
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Output directory (created if missing). An earlier demo there (one "
                    "that left its .ingero-demo marker) is replaced; any other directory "
@@ -133,6 +136,13 @@ def main(out_dir, force, as_json, quiet):
     click.echo("Outputs:")
     for label, path in outputs:
         click.echo(f"  {label:<14} {path}")
+    if not quiet:
+        # the next things a user types: the commands live in the venv, and the report's
+        # next commands run in the directory of fleet.db
+        bindir = Path(sys.executable).parent
+        click.echo(f"Next: the ingero-* commands are in {bindir} (. {bindir}/activate); the "
+                   f"report's next commands run as they are in {Path(out_dir)}:\n"
+                   f"  cd {shlex.quote(str(out_dir))} && ingero-report fleet.db --format text")
 
 
 if __name__ == "__main__":

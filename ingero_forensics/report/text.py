@@ -138,13 +138,16 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                          cause] + ([clock_check_text(st)] if markdown else []))
         lines += _table(rows, markdown) + [""]
         for st in a.stragglers:
+            for e in st.evidence:       # the figures the verdict's next step rests on
+                lines.append(para(f"{st.node}: {e}", "- " if markdown else "* "))
             if not markdown:
                 lines.append(para(f"{st.node}: clock {clock_check_text(st)}.", "* "))
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")
     if a.commands:
-        lines += [h("Next commands"), ""]
+        lines += [h("Next commands"), "",
+                  para(f"Runnable as they are in the directory of {a.fleet}."), ""]
         for c in a.commands:
             lines.append(para(c["what"] + ":"))
             lines += ["```", c["command"], "```"] if markdown else wrap_command(c["command"])

@@ -145,7 +145,13 @@ def clock_check_text(st: Straggler) -> str:
     if u is None:
         return "clock error cannot be ruled out (uncertainty unbounded)"
     head, rel = ("clock error cannot be ruled out", "<=") if st.clock_caveat else ("ok", ">")
-    return f"{head}: peak {st.peak_ms:.1f} ms {rel} {_clock_margin():g} x {u:.2f} ms"
+    return f"{head}: peak {st.peak_ms:.1f} ms {rel} {_clock_margin():g} x {ms_text(u)}"
+
+
+def ms_text(ms: float) -> str:
+    """A small duration in ms with the unit its size needs: 8.35 ms, but 1.4 us (not
+    "0.00 ms", which reads as a zero or a bug)."""
+    return f"{ms:.2f} ms" if ms >= 0.01 or ms == 0 else f"{ms * 1000:.1f} us"
 
 
 def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
@@ -164,14 +170,14 @@ def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
     if st.clock_caveat:
         text += (" Its lateness is not well above the clock alignment uncertainty between "
                  "it and its peers (" + ("unbounded" if u is None else
-                                         f"{u:.2f} ms, against a peak lateness of "
+                                         f"{ms_text(u)}, against a peak lateness of "
                                          f"{st.peak_ms:.1f} ms") +
                  "): clock error cannot be ruled out.")
     elif st.lateness_ms <= margin * u:
         # the mean quoted above would not pass the check: show the figure that did
         text += (f" Its peak lateness ({st.peak_ms:.1f} ms: at the latest collective of "
                  f"each late bin, the median over them) is more than {margin:g} times the "
-                 f"clock alignment uncertainty between it and its peers ({u:.2f} ms), so "
+                 f"clock alignment uncertainty between it and its peers ({ms_text(u)}), so "
                  "clock error does not explain it.")
     if st.retransmits_towards:
         r = st.retransmits_towards

@@ -97,6 +97,11 @@ def test_json_writes_only_json_and_text_fits_an_email(fleets, tmp_path, monkeypa
     assert "Next step:" in flat and "others waited" in text
     # an email body: every line within 78 characters (test_next_commands: the commands)
     assert max(len(line) for line in text.splitlines()) <= 78
+    # where the next commands run, and the evidence the verdict's next step rests on
+    assert f"Runnable as they are in the directory of {db.name}." in flat
+    a = json.loads(CliRunner().invoke(main, [str(db), "--json"]).output)
+    for line in a["stragglers"][0]["evidence"]:
+        assert " ".join(line.split()) in flat, line
     # the summary line says what "% of the run" is a share of
     assert re.search(r"collectives over [\d.]+ s of run \(what the shares of the run",
                      flat)

@@ -85,3 +85,10 @@ def test_names_in_the_order_people_count_and_issues_grouped():
     assert per_node_text(same, "of one core") == "2.0 % of one core on each of the 10 nodes"
     spread = {f"n{k}": float(k) for k in range(10)}
     assert per_node_text(spread, "of one core").startswith("median 4.5 % of one core over 10")
+
+
+def test_small_uncertainties_keep_their_digits():
+    """'peak 37.8 ms > 3 x 0.00 ms' read as a zero or a bug: 1.4 us is shown as such."""
+    from ingero_forensics.report.wording import ms_text
+    assert [ms_text(x) for x in (8.354, 0.0014, 0.01, 0.0)] == \
+        ["8.35 ms", "1.4 us", "0.01 ms", "0.00 ms"]

@@ -128,6 +128,15 @@ def test_demo_runs_steps_and_prints_outputs(tmp_path, monkeypatch):
     assert truth["fault"]["straggler"] == "node-02" and truth["parameters"]["nodes"] == 3
     assert len(list((tmp_path / "d" / "fleet").glob("*.bundle"))) == 3
     assert demo.DEMO_CONFIG.nodes == 3 and demo.STEPS[0][0] == "simulate"
+    # the next thing a first-time user types: where the commands are, where to run the
+    # report's next commands (a review: "ingero-report: command not found", then
+    # "fleet.db: no such file" from the clone's root)
+    res = CliRunner().invoke(demo_main, ["-o", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    tail = res.stdout.splitlines()[-2:]
+    assert tail[0].startswith("Next: the ingero-* commands are in ") and "activate" in tail[0]
+    assert tail[1].strip() == f"cd {tmp_path / 'd'} && ingero-report fleet.db --format text"
+    assert CliRunner().invoke(demo_main, ["-h"]).exit_code == 0
 
 
 def test_demo_refuses_a_directory_that_holds_no_earlier_demo(tmp_path, monkeypatch):
