@@ -181,7 +181,8 @@ def sql_details(a: Analysis, *keys: str, what: str = "") -> Markup:
     n = len(entries)
     parts = [f'<details class="sql"><summary>SQL{(" " + escape(what)) if what else ""} '
              f'({n} statement{"s" if n != 1 else ""})</summary>'
-             f'<p class="muted">Each runs as it is: <code>ingero-query {escape(a.fleet)} '
+             f'<p class="muted">Each statement runs as it is, one at a time (ingero-query '
+             f'takes one per call): <code>ingero-query {escape(a.fleet)} '
              f'-f query.sql</code> or <code>sqlite3 {escape(a.fleet)} &lt; query.sql</code>.</p>']
     for e in entries:
         rows = e["rows"]
