@@ -18,7 +18,7 @@ captures were launched, while they started (launch until every source is on: BCC
 compiling, probes attaching) and after, and the rise while they started, against the
 same time windows of a run without captures.
 
-Usage: python bench/bench_rig.py [--steps N] [--rounds N] [--scenario none|cpu|io|network]
+Usage: python bench/bench_rig.py [--steps N] [--rounds N] [--scenario none|cpu|io|network|gpu|compute]
        python bench/bench_rig.py --attach-after 5 --steps 700 [--rounds N]
 """
 

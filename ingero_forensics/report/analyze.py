@@ -57,9 +57,10 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
                        _join_bins, _later_in_most_bins, _straggler_windows, active_ns,
                        fleet_noise_ms, late_threshold_ms, rises_ns)
 from .network import _network_suspect, retransmits_towards
+from .gpuwait import gpu_suspect
 from .coverage import uncaptured_ranks, uncaptured_text
-from .wording import (bins_limited_text, natural_key, no_comparison_text, rank_text,
-                      verdict_text)
+from .wording import (bins_limited_text, ms_text, natural_key, no_comparison_text,
+                      rank_text, verdict_text)
 from .sql import Recorder
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, RUNQ_SIGNAL, SAMPLE, WEAK_SCORE,
                        Reservoir, Signal, alignment_rows, capture_cost, capture_issues,
@@ -183,6 +184,9 @@ class Analysis:
     #: connections retransmitted far more than the other nodes') or "slow_bins" (the
     #: most retransmits in the slow bins); None without one
     network_basis: str | None = None
+    #: a node whose ranks wait for their own GPU work far longer than every other node's
+    #: while nobody arrives late (report/gpuwait.py): the GpuSuspect's fields; None without
+    gpu_suspect: dict | None = None
     timeline: list[dict] = field(default_factory=list)   # per bin: t, suspect_ms, fleet_ms, transfer_ms
     cause_series: dict = field(default_factory=dict)     # metric over time, suspect vs others
     top_offenders: list[dict] = field(default_factory=list)
@@ -496,6 +500,14 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     if a.stragglers:
         network_suspect = None
         a.network_basis = None
+    gpu = None
+    if not a.stragglers and network_suspect is None:
+        # -- 3b. nobody late and the network quiet: a GPU slower than its peers' --------
+        with con.figure("gpu_suspect"):
+            gpu = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE)
+        if gpu is not None:
+            a.gpu_suspect = asdict(gpu)
+            a.gpu_suspect["same_work"] = gpu.same_work
     primary = a.stragglers[0] if a.stragglers else None
     for b in sorted(bins):
         per = bins[b]
@@ -508,12 +520,13 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 
     with con.figure("uncaptured_ranks"):
         a.uncaptured = uncaptured_ranks(con)
-    if primary is None and network_suspect is None:
-        unc = sorted(v for v in rel_unc.values() if v is not None)
-        worst = None if len(unc) < len(rel_unc) else (unc[-1] / 1e3 if unc else 0.0)
-        # a clock error this large could hide (or fake) lateness of the fleet's own
-        # jitter: "no straggler" would claim more than the alignment knows
-        if worst is None or worst > max(LATE_FLOOR_MS, a.noise_ms):
+    unc = sorted(v for v in rel_unc.values() if v is not None)
+    worst = None if len(unc) < len(rel_unc) else (unc[-1] / 1e3 if unc else 0.0)
+    # a clock error this large could hide (or fake) lateness of the fleet's own jitter:
+    # "no straggler" (or "nobody arrives late") would claim more than the alignment knows
+    clocks_loose = worst is None or worst > max(LATE_FLOOR_MS, a.noise_ms)
+    if primary is None and network_suspect is None and gpu is None:
+        if clocks_loose:
             a.clock_limited = True
             a.cause_confidence = "none"
             a.verdict = (
@@ -570,7 +583,31 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         return a
 
     # -- 4. root cause, per straggler ------------------------------------------------
-    if primary is None:
+    if primary is None and gpu is not None:
+        name, ranks = nodes[gpu.node_id]
+        rank = ranks_of.get((gpu.node_id, gpu.pid))
+        primary = Straggler(node=name, node_id=gpu.node_id, ranks=ranks,
+                            late_ranks=[rank] if rank is not None else [],
+                            windows=_join_bins(sorted(bins), t0, bin_ns, cell, None),
+                            lateness_ms=0.0, peak_ms=0.0, late_bins=0, cost_s=gpu.extra_s,
+                            cost_share=round(gpu.extra_s * 1e9 / run_ns, 4),
+                            relative_uncertainty_ms=_pair_uncertainty_ms(
+                                gpu.node_id, rel_unc, clock_of),
+                            clock_caveat=False)
+        _diagnose(con, primary, list(nodes), nodes, network=False, bins=hb)
+        primary.evidence.insert(0, (
+            "Waits for its own GPU work (event and device synchronizations of its slowest "
+            f"process): {ms_text(gpu.wait_ms)} at the median against "
+            f"{ms_text(gpu.others_ms)} on the other nodes (score {gpu.score:g})."))
+        if primary.cause_confidence == "clear" and (primary.cause != "gpu" or
+                                                    gpu.same_work is not True):
+            # more (or fewer) kernels than its peers: other work may explain the waits;
+            # another cause: it was named for its GPU waits, which that cause does not make
+            primary.cause_confidence = "weak"
+        if clocks_loose:
+            a.clock_limited = True
+            a.gpu_suspect["clock_bound_ms"] = worst
+    elif primary is None:
         windows = _join_bins(sorted(set(net_bins)), t0, bin_ns, cell, None)
         name, ranks = nodes[network_suspect]
         primary = Straggler(node=name, node_id=network_suspect, ranks=ranks, late_ranks=[],
@@ -599,7 +636,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                           if a.cause else {})
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
-    a.verdict = verdict_text(a, network_suspect is not None)
+    a.verdict = verdict_text(a, network_suspect is not None, primary)
     if a.uncaptured:
         a.verdict += " " + uncaptured_text(a.uncaptured, rank_text)
     return a

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import shlex
 
+from ..merge.summaries import SYNC_WAIT_APIS
 from .evidence import window_clause
 from .sql import inline, one_line, shell_quote
 
@@ -88,16 +89,29 @@ def next_commands(a) -> list[dict]:
                             + (f", beside {peer} (a node of typical lateness)" if peer else ""),
                     "command": _export(a.fleet, start, end, nodes,
                                        f"{node}-window.json.gz")})
-        w_sql, w_params = window_clause([(w.start_ns, w.end_ns) for w in st.windows],
-                                        "e.timestamp_ns")
-        out.append({"what": f"Latest arrivals of {node} in {what}: rank and ms after "
-                            "the first rank entered",
-                    "command": _query(a.fleet, inline(
-                        "SELECT c.seq, c.op, e.rank, e.pid, (e.timestamp_ns - "
-                        "c.first_entry_ns) / 1e6 AS after_first_ms FROM nccl_events e JOIN "
-                        "collectives c ON c.comm_id_hash = e.comm_id_hash AND c.seq = e.seq "
-                        f"WHERE e.node_id = ? AND {w_sql} ORDER BY after_first_ms DESC "
-                        "LIMIT 20", [node_id] + w_params))})
+        if st is a and a.gpu_suspect:
+            # nobody arrived late: what named it is its waits for its own GPU work
+            apis = ", ".join(f"'{x}'" for x in SYNC_WAIT_APIS)
+            out.append({"what": "Waits for their own GPU work (event and device "
+                                "synchronizations) per process, every node, longest first",
+                        "command": _query(a.fleet, (
+                            "SELECT n.name AS node, c.pid, COUNT(*) AS waits, "
+                            "ROUND(AVG(c.duration_ns) / 1e6, 3) AS mean_ms, "
+                            "ROUND(MAX(c.duration_ns) / 1e6, 3) AS max_ms FROM cuda_events c "
+                            "JOIN nodes n ON n.node_id = c.node_id WHERE c.duration_ns IS NOT "
+                            f"NULL AND c.api IN ({apis}) GROUP BY n.name, c.pid "
+                            "ORDER BY mean_ms DESC"))})
+        else:
+            w_sql, w_params = window_clause([(w.start_ns, w.end_ns) for w in st.windows],
+                                            "e.timestamp_ns")
+            out.append({"what": f"Latest arrivals of {node} in {what}: rank and ms after "
+                                "the first rank entered",
+                        "command": _query(a.fleet, inline(
+                            "SELECT c.seq, c.op, e.rank, e.pid, (e.timestamp_ns - "
+                            "c.first_entry_ns) / 1e6 AS after_first_ms FROM nccl_events e "
+                            "JOIN collectives c ON c.comm_id_hash = e.comm_id_hash AND "
+                            f"c.seq = e.seq WHERE e.node_id = ? AND {w_sql} ORDER BY "
+                            "after_first_ms DESC LIMIT 20", [node_id] + w_params))})
         cited = [e for e in a.sql.get(f"evidence:{node_id}", []) if e["rows"]]
         for k, e in enumerate(cited, 1):
             out.append({"what": f"Evidence on {node} the report cites"

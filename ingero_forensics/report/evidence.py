@@ -37,6 +37,12 @@ CAUSE_TITLES = {
 #: with a warning.
 CLEAR_SCORE = 5.0
 WEAK_SCORE = 3.0
+#: A rank's wait for its own GPU work is noticeably longer than its peers' when it
+#: exceeds theirs by this many ms and by this share of theirs: a forward pass of a
+#: millisecond on a healthy GPU, tens of ms where the host runs far ahead of its GPU
+#: (report/gpuwait.py).
+GPU_WAIT_FLOOR_MS = 0.25
+GPU_WAIT_RELATIVE = 0.25
 #: The CPU signal in time units: what the report weighs against a straggler's cost.
 RUNQ_SIGNAL = "run-queue delay of traced threads (ms per s, summed over threads)"
 #: Values kept per node or rank for medians and percentiles (a uniform sample beyond
@@ -276,7 +282,7 @@ def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
             f"AND event = 'tcp_retransmit_skb' AND {w} GROUP BY node_id", p).items()}, 0.5)
     add("gpu", "GPU work wait of the slowest rank (ms, median event/device sync)",
-        _sync_wait(con, w, p), 2.0)
+        _sync_wait(con, w, p), GPU_WAIT_FLOOR_MS, relative=GPU_WAIT_RELATIVE)
     return out
 
 
@@ -326,10 +332,24 @@ def _block_io(con, windows, w, p) -> tuple[dict[int, float], dict[int, int]]:
     return p95, total
 
 
+@dataclass
+class SyncWaits:
+    """A node's waits for its own GPU work: those of its process with the longest."""
+    pid: int
+    median_ms: float        # of a seeded sample (Reservoir), as every figure here
+    count: int
+    total_ms: float
+
+
 def _sync_wait(con, w, p) -> dict[int, float]:
     """GPU slowdown shows as one rank's waits for its own GPU work (event and device
     synchronizations; stream synchronizations wait for collectives and are left out)
     taking longer than its peers'."""
+    return {nid: s.median_ms for nid, s in sync_wait_stats(con, w, p).items()}
+
+
+def sync_wait_stats(con, w, p) -> dict[int, SyncWaits]:
+    """Per node, the waits for its own GPU work of its process whose median is longest."""
     # Read in row id order (the sample's order), grouped per process by the sort: each
     # process's waits are sampled at C speed. NOT INDEXED: the api filter leaves a
     # sixth of the table, read whole and in order (an index on node_id would fetch
@@ -343,11 +363,13 @@ def _sync_wait(con, w, p) -> dict[int, float]:
                "WHERE duration_ns IS NOT NULL AND api IN ("
                + ", ".join(f"'{a}'" for a in SYNC_WAIT_APIS) + f") AND {w} "
                "ORDER BY node_id, pid, id")
-    out: dict[int, float] = {}
+    out: dict[int, SyncWaits] = {}
     for (nid, pid), rows in itertools.groupby(con.execute(sql, p), key=itemgetter(0, 1)):
-        sample = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid).extend(
-            map(itemgetter(2), rows)).values
-        out[nid] = max(out.get(nid, 0.0), median(sample))
+        ms = array("d", map(itemgetter(2), rows))
+        sample = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid).extend(ms).values
+        waits = SyncWaits(pid, median(sample), len(ms), sum(ms))
+        if nid not in out or waits.median_ms > out[nid].median_ms:
+            out[nid] = waits
     return out
 
 
@@ -463,6 +485,11 @@ def next_step(cause, node: str, top: list[dict]) -> str:
         return (f"GPU {t['gpu']} on {node} ran at {t['sm_clock_mhz']} MHz, "
                 f"{t['temp_c']} °C: read its throttle reasons (nvidia-smi -q -d "
                 "PERFORMANCE) and check its cooling and power cap.")
+    if cause == "gpu":
+        return (f"Read the clocks, temperature and throttle reasons of {node}'s GPUs "
+                "(nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE) and compare them with a "
+                "healthy node's: the capture has no GPU samples (NVML) from it in the "
+                "windows.")
     if cause == "memory" and top:
         return (f"Memory pressure on {node} (" + ", ".join(
             f"{t['metric']} up to {t['peak']}" for t in top) + "): find what grew (other "

@@ -184,22 +184,64 @@ def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
         text += (f" {r['node']}'s job connections retransmitted {r['retransmits']} segments "
                  f"towards it, which fits both a lossy link at {r['node']} ({st.node} then "
                  f"its victim, not a straggler of its own) and {st.node}'s own slowness.")
+    return text + _cause_tail(st)
+
+
+def _cause_tail(st: Straggler) -> str:
+    """The verdict's cause sentence and next step."""
     if st.cause and st.cause_confidence == "clear":
-        text += f" Root cause: {CAUSE_TITLES[st.cause]}."
+        text = f" Root cause: {CAUSE_TITLES[st.cause]}."
     elif st.cause and st.close_cause:
-        text += (f" Most likely cause: {CAUSE_TITLES[st.cause]} or "
-                 f"{CAUSE_TITLES[st.close_cause]} (weak evidence: they score within 2x of "
-                 "each other).")
+        text = (f" Most likely cause: {CAUSE_TITLES[st.cause]} or "
+                f"{CAUSE_TITLES[st.close_cause]} (weak evidence: they score within 2x of "
+                "each other).")
     elif st.cause:
-        text += f" Most likely cause: {CAUSE_TITLES[st.cause]} (weak evidence)."
+        text = f" Most likely cause: {CAUSE_TITLES[st.cause]} (weak evidence)."
     else:
-        text += " The captured signals do not single out a cause; see the scores below."
+        text = " The captured signals do not single out a cause; see the scores below."
     if st.cause and st.next_step:
         text += f" Next step: {st.next_step}"
     return text
 
 
-def verdict_text(a: Analysis, network: bool) -> str:
+def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
+    """The verdict when nobody arrives late but one node's GPU work is slower (rule 4b)."""
+    g = a.gpu_suspect
+    who = rank_text(st.late_ranks) + "'s" if st.late_ranks else "its slowest process's"
+    if a.clock_limited:
+        # the waits are durations on one node's clock: they hold; arrivals do not
+        bound = g.get("clock_bound_ms")
+        lead = ("Whether a node arrives late at collectives cannot be told (the clocks "
+                "could only be aligned to within " + ("an unbounded error" if bound is None
+                                                     else ms_text(bound)) +
+                f", more than the fleet's jitter of {a.noise_ms:.2f} ms)")
+    else:
+        lead = ("No node arrives late at collectives beyond the fleet's normal jitter "
+                f"({a.noise_ms:.2f} ms)")
+    text = (f"{lead}, but {st.node} waits far longer for its own GPU work: "
+            f"{who} event and device synchronizations took {ms_text(g['wait_ms'])} at the "
+            f"median, against {ms_text(g['others_ms'])} on the other nodes, "
+            f"{seconds_text(g['extra_s'])} more over the run ({st.cost_share:.1%} of it). "
+            "A GPU that runs the same work slower starts every collective late on the GPU, "
+            "where the capture sees no arrival, and its peers wait inside the collective: "
+            f"{st.node} is the suspect.")
+    if g["same_work"] is True:
+        text += (f" It launched about as many kernels as its peers "
+                 f"({g['launches_per_s']:,.0f} per s against {g['others_launches_per_s']:,.0f}).")
+    elif g["same_work"] is False:
+        text += (f" It launched {g['launches_per_s'] / g['others_launches_per_s']:.1f} times "
+                 f"as many kernels per second as its peers ({g['launches_per_s']:,.0f} "
+                 f"against {g['others_launches_per_s']:,.0f}): its ranks may run other "
+                 "work than theirs, and a slower GPU is only one reading.")
+    else:
+        text += (" Kernel launches were not counted on every node, so whether its ranks "
+                 "ran the same work as their peers is not known.")
+    return text + _cause_tail(st)
+
+
+def verdict_text(a: Analysis, network: bool, primary: Straggler | None = None) -> str:
+    if a.gpu_suspect and primary is not None and not a.stragglers and not network:
+        return gpu_suspect_text(a, primary)
     if network:
         secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
         late = ("no rank arrived markedly late" if not a.victims else

@@ -223,7 +223,8 @@ def rank_fault(plan: FaultPlan, node: int, local_rank: int) -> str:
 class RankStep:
     """True times of one rank in one step (float ns relative to T0)."""
     __slots__ = ("step", "start", "data_wait", "h2d", "h2d_dur", "fwd", "fsync",
-                 "fsync_end", "bwd", "bwd_end", "entries", "nccl_durs", "bsync", "bsync_end",
+                 "fsync_end", "bwd", "bwd_end", "entries", "device", "nccl_durs", "bsync",
+                 "bsync_end",
                  "opt", "opt_end",
                  "loss_entry", "loss_dur", "d2h", "d2h_dur", "lsync", "lsync_end",
                  "stalls", "faulty")
@@ -305,9 +306,13 @@ class RankTimeline:
         st.fsync = fwd + work + extra
         gpu_done = fwd + FWD_GPU_NS * (1.0 + 0.03 * (rnd() + rnd() + rnd() - 1.5)) * slow
         st.fsync_end = max(st.fsync, gpu_done) + self._wake(rnd)
-        # backward: buckets become ready along it; stalls push later buckets out
+        # backward: buckets become ready along it; stalls push later buckets out. The
+        # host's autograd pass launches the kernels and enqueues each bucket's
+        # all-reduce without waiting for the GPU (as PyTorch's DDP does), so a slow GPU
+        # does not delay the entries: its all-reduces start late on the GPU (`device`),
+        # where no capture sees them, and every rank's completion waits for that
         st.bwd = b0 = st.fsync_end + 25 * US + 95 * US * rnd() * rnd()
-        work = BWD_NS * (1.0 + 0.03 * (rnd() + rnd() + rnd() - 1.5)) * slow
+        work = BWD_NS * (1.0 + 0.03 * (rnd() + rnd() + rnd() - 1.5))
         if faulty or rnd() < 0.015:
             before = [0.0] * N_BUCKETS
             extra = self._stalls(faulty, 1, b0, work, stalls, before)
@@ -315,6 +320,7 @@ class RankTimeline:
         else:
             extra = 0.0
             st.entries = [b0 + work * f for f in BUCKET_READY]
+        st.device = [max(e, b0 + work * slow * f) for e, f in zip(st.entries, BUCKET_READY)]
         st.nccl_durs = [9 * US + 36 * US * rnd() * rnd() for _ in BUCKET_READY]
         st.bwd_end = b0 + work + extra
         st.stalls = stalls
@@ -456,7 +462,7 @@ def compute_schedule(cfg: FleetConfig, plan: FaultPlan) -> Schedule:
             factor = fr.uniform(3.0, 6.5)
         done, prev = [], 0.0
         for j in range(N_BUCKETS):
-            arrive = max(rec.entries[j] for rec in recs)
+            arrive = max(rec.device[j] for rec in recs)
             x = xfer[j] * jit(fr, 0.04) * factor
             if factor > 1.0 and fr.random() < 0.12:
                 x += fr.uniform(200, 230) * MS  # a TCP retransmission timeout

@@ -40,8 +40,14 @@ from ..fixtures.build import Fixtures, build_fixtures
 PREFIX = "ingero-rig-"
 SUBNET = "10.213.0"          # /24, only inside the rig's own namespaces
 ROOT_PORT = 29500
-SCENARIOS = ("none", "cpu", "io", "network")
-CAUSE = {"cpu": "cpu", "io": "io", "network": "network"}
+SCENARIOS = ("none", "cpu", "io", "network", "gpu", "compute")
+#: The cause the report should give, in its vocabulary; "compute" (the rank's own code
+#: takes longer: no contention, I/O, network or GPU) has none the capture can see.
+CAUSE = {"cpu": "cpu", "io": "io", "network": "network", "gpu": "gpu", "compute": None}
+#: Environment of the straggler's ranks per scenario: "gpu", a GPU three times slower
+#: (the cudart shim's kernels); "compute", 8 ms more collate CPU time per step.
+FAULT_ENV = {"gpu": {"INGERO_SHIM_KERNEL_PCT": "300"},
+             "compute": {"INGERO_JOB_COLLATE_EXTRA_US": "8000"}}
 #: The CPU hog: a competing job of HOG_PROCS busy processes (one process group, in the
 #: ranks' session: the scheduler's autogroups would otherwise give it only its own share),
 #: all on the straggler's CPU at nice -10, so its ranks' host threads get a small share.
@@ -90,7 +96,8 @@ def capture_cmd() -> list[str]:
 @dataclass(frozen=True)
 class Truth:
     """What the rig did: the straggler node (None on the clean run), its global ranks
-    and the cause, in the report's vocabulary (cpu, io, network)."""
+    and the cause, in the report's vocabulary (cpu, io, network, gpu; None on the clean
+    run and for "compute", whose cause the capture cannot see)."""
     scenario: str
     node: str | None
     ranks: tuple[int, ...]
@@ -263,7 +270,7 @@ class Rig:
         if scenario == "none":
             return Truth(scenario, None, (), None)
         node = self.nodes[self.straggler]
-        return Truth(scenario, node.name, tuple(node.ranks), CAUSE[scenario],
+        return Truth(scenario, node.name, tuple(node.ranks), CAUSE.get(scenario),
                      tuple(self.nodes[k].name for k in self.stragglers))
 
     # -- one scenario --------------------------------------------------------------------
@@ -363,6 +370,8 @@ class Rig:
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world_size),
                            LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(self.ranks_per_node),
                            NODE_RANK=str(n.index))
+                if n in stragglers:
+                    env.update(FAULT_ENV.get(scenario, {}))
                 pin = []
                 if n in stragglers and (scenario == "cpu" or len(stragglers) == 1):
                     # (several stragglers share the hog's CPU only when it is the fault)

@@ -1,6 +1,9 @@
 """The real-kernel multi-node rig (issue 16): four network-namespace nodes, a TCP ring
 all-reduce, one ingero-capture per node, real faults, then ingero-merge and
-ingero-report as a user would run them.
+ingero-report as a user would run them. The faults: a CPU hog, O_DIRECT reads, a lossy
+link (tbf), a GPU three times slower (the cudart shim's kernels: the host is barely
+late, its all-reduces start late on the GPU) and a rank's own code 8 ms slower per step
+(a cause the capture has no signal for: "cannot tell", never a cause).
 
 All nodes share one CLOCK_MONOTONIC, so the truth is known twice over: the rig knows
 which node it degraded and how, and every aligned timestamp can be checked against the
@@ -66,7 +69,7 @@ def test_rig_job_ran_and_was_captured(runs, scenario):
     assert all(len(b) == 1 for b in o.run.bundles.values()), o.run.bundles
 
 
-@pytest.mark.parametrize("scenario", ("cpu", "io"))
+@pytest.mark.parametrize("scenario", ("cpu", "io", "compute"))
 def test_rig_straggler_really_arrives_late(runs, scenario):
     """On the shared clock, the degraded node reaches the collectives late and nobody
     else does."""
@@ -93,6 +96,17 @@ def test_rig_network_fault_retransmits(runs):
     assert o.run.median_step_ms() >= 1.3 * runs.get("none").run.median_step_ms()
 
 
+def test_rig_gpu_fault_slows_the_job_from_the_gpu(runs):
+    """A GPU three times slower on one node slows every rank's steps, while that node's
+    host is barely late at the collectives (its all-reduces start late on the GPU):
+    the case rule 4b of docs/report.md exists for."""
+    o = runs.get("gpu")
+    assert o.run.median_step_ms() >= 1.15 * runs.get("none").run.median_step_ms(), \
+        show("gpu", o)
+    late = measure.true_lateness(o.fleet_db)
+    assert late[o.run.truth.node] < o.report["threshold_ms"], show("gpu", o)
+
+
 # -- the verdict ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -105,8 +119,10 @@ def test_report_names_the_straggler_and_cause(runs, scenario):
         return
     assert [s.node for s in named] == [truth.node], show(scenario, o)
     assert named[0].cause == truth.cause, show(scenario, o)
-    # one rank per node: the node's rank is the late one (cpu, io), or the rank of the
-    # node whose link is lossy (network: it arrives on time, the report names its ranks)
+    # "compute" has no cause the capture can see: named, with "cannot tell" (None), never
+    # with a cause. One rank per node: the node's rank is the late one (cpu, io,
+    # compute), or the rank of the node whose link is lossy or whose GPU is slow
+    # (network, gpu: it arrives on time, the report names its ranks)
     assert set(named[0].ranks) == set(truth.ranks), show(scenario, o)
 
 

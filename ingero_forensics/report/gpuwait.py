@@ -1,0 +1,96 @@
+"""A slow GPU that no late arrival shows (docs/report.md, rule 4b).
+
+A rank's host enqueues kernels and collectives and goes on. On a node whose GPU runs
+them slower, the collectives start late on the GPU, where the capture sees no arrival.
+Its host calls NCCL on time, its peers wait inside every collective, and by entry times
+no node is late. What the host does see is how long it waits for its own GPU work:
+event and device synchronizations. Stream synchronizations are left out because they
+wait for collectives too, which every rank waits for alike.
+
+Seen on the real-kernel rig (tests/rig, scenario "gpu": the cudart shim's kernels three
+times longer on one node). The node entered collectives 2.1 ms after the median, under
+the 4.3 ms bar. The job's step grew from 34 to 43 ms, and the report said "No straggler".
+Its forward pass's event synchronization waited 3.4 ms against 0.9 ms on the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .evidence import (CLEAR_SCORE, GPU_WAIT_FLOOR_MS, GPU_WAIT_RELATIVE, median,
+                       sync_wait_stats)
+
+#: Kernel launches per second this far from the peers' median (either way) say that the
+#: node's ranks run other work than their peers (a pipeline stage, extra evaluation):
+#: then a slower GPU is only one reading of their longer waits.
+SAME_WORK_RATIO = 1.25
+#: Launch APIs counted in event_stats (capture/ebpf/cuda.py).
+LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel")
+
+
+@dataclass
+class GpuSuspect:
+    node_id: int
+    pid: int                    # its process with the longest waits
+    wait_ms: float              # that process's median wait for its own GPU work
+    others_ms: float            # the median of the other nodes' (their slowest process)
+    waits: int                  # how many waits that process made
+    extra_s: float              # its waits beyond the others' median, summed
+    score: float
+    launches_per_s: float | None          # the node's kernel launches per second
+    others_launches_per_s: float | None   # the other nodes' median
+
+    @property
+    def same_work(self) -> bool | None:
+        """Whether the node launched about as many kernels as its peers (None: unknown)."""
+        if not self.launches_per_s or not self.others_launches_per_s:
+            return None
+        ratio = self.launches_per_s / self.others_launches_per_s
+        return 1 / SAME_WORK_RATIO <= ratio <= SAME_WORK_RATIO
+
+
+def gpu_wait_score(suspect_ms: float, others: list[float]) -> float:
+    """(suspect - median of others) / max(their robust spread, the floors)."""
+    med = median(others)
+    spread = 1.4826 * median([abs(v - med) for v in others])
+    return (suspect_ms - med) / max(spread, GPU_WAIT_FLOOR_MS, GPU_WAIT_RELATIVE * med)
+
+
+def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float) -> GpuSuspect | None:
+    """The node whose ranks wait for their own GPU work far longer than every other
+    node's (score >= CLEAR_SCORE) and long enough to matter (their extra wait at least
+    ``min_cost_share`` of the run), or None. Read over the whole run: a persistent
+    slowdown leaves no contrast in time, only across nodes."""
+    stats = {n: s for n, s in sync_wait_stats(con, "1", []).items() if n in node_ids}
+    if len(stats) < 2 or run_ns <= 0:
+        return None
+    top = max(stats, key=lambda n: (stats[n].median_ms, -n))
+    others = [s.median_ms for n, s in stats.items() if n != top]
+    score = gpu_wait_score(stats[top].median_ms, others)
+    med = median(others)
+    s = stats[top]
+    extra_ms = max(0.0, s.total_ms - s.count * med)
+    if score < CLEAR_SCORE or extra_ms * 1e6 < min_cost_share * run_ns:
+        return None
+    rates = launch_rates(con)
+    peer_rates = [r for n, r in rates.items() if n != top and n in stats]
+    return GpuSuspect(top, s.pid, round(s.median_ms, 3), round(med, 3), s.count,
+                      round(extra_ms / 1e3, 3), round(score, 2),
+                      round(rates[top], 1) if top in rates else None,
+                      round(median(peer_rates), 1) if peer_rates else None)
+
+
+def launch_rates(con) -> dict[int, float]:
+    """Kernel launches per second per node, over the intervals the capture counted them
+    (event_stats; an interval not counted at all, observed_ns 0, says nothing)."""
+    names = ", ".join(f"'{a}'" for a in LAUNCH_APIS)
+    out: dict[int, list[float]] = {}
+    for nid, count, ns in con.execute(
+            "SELECT node_id, SUM(c), SUM(o) FROM (SELECT node_id, SUM(count) c, "
+            "MAX(COALESCE(observed_ns, interval_end_ns - interval_start_ns)) o "
+            f"FROM event_stats WHERE source = 'cuda' AND name IN ({names}) "
+            "GROUP BY node_id, interval_start_ns, interval_end_ns) WHERE o > 0 "
+            "GROUP BY node_id"):
+        if ns and count is not None:
+            out[nid] = count / (ns / 1e9)
+    return out

@@ -1,0 +1,100 @@
+"""Rule 4b of docs/report.md: a node whose GPU runs the same work slower while nobody
+arrives late (report/gpuwait.py). The real-kernel proof is tests/rig (scenario "gpu");
+here the rule's edges, on a clean simulated fleet whose one node's waits for its own GPU
+work (and launch counts) are scaled in fleet.db."""
+
+import apsw
+import pytest
+
+from ingero_forensics.merge import merge_bundles
+from ingero_forensics.merge.summaries import SYNC_WAIT_APIS
+from ingero_forensics.report import analyze_fleet
+from ingero_forensics.report.gpuwait import LAUNCH_APIS
+from ingero_forensics.simulate import FleetConfig, simulate_fleet
+
+NODE = "node-03"
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpuwait")
+    simulate_fleet(d / "b", FleetConfig(nodes=6, ranks_per_node=2, steps=120, seed=4))
+    merge_bundles([d / "b"], d / "fleet.db")
+    return (d / "fleet.db").read_bytes()
+
+
+def _fleet(tmp_path, clean, wait_factor=1.0, launch_factor=1.0):
+    path = tmp_path / "fleet.db"
+    path.write_bytes(clean)
+    con = apsw.Connection(str(path))
+    (nid,) = con.execute("SELECT node_id FROM nodes WHERE name = ?", (NODE,)).fetchone()
+    apis = ", ".join(f"'{a}'" for a in SYNC_WAIT_APIS)
+    with con:
+        con.execute("UPDATE cuda_events SET duration_ns = CAST(duration_ns * ? AS INTEGER) "
+                    f"WHERE node_id = ? AND api IN ({apis})", (wait_factor, nid))
+        con.execute("UPDATE sync_waits SET duration_ns = CAST(duration_ns * ? AS INTEGER) "
+                    "WHERE node_id = ?", (wait_factor, nid))
+        names = ", ".join(f"'{a}'" for a in LAUNCH_APIS)
+        con.execute("UPDATE event_stats SET count = CAST(count * ? AS INTEGER) "
+                    f"WHERE node_id = ? AND source = 'cuda' AND name IN ({names})",
+                    (launch_factor, nid))
+    con.close()
+    return analyze_fleet(path)
+
+
+def test_clean_fleet_has_no_gpu_suspect(tmp_path, clean):
+    a = _fleet(tmp_path, clean)
+    assert a.gpu_suspect is None and a.straggler is None
+    assert a.verdict.startswith("No straggler"), a.verdict
+
+
+def test_slow_gpu_work_names_the_node_with_the_gpu_cause(tmp_path, clean):
+    a = _fleet(tmp_path, clean, wait_factor=3.0)
+    assert a.stragglers == []           # nobody arrives late: it is a suspect, as rule 4's
+    assert a.straggler == NODE and a.cause == "gpu", a.verdict
+    assert a.cause_confidence == "clear", a.verdict
+    g = a.gpu_suspect
+    assert g["wait_ms"] >= 2.5 * g["others_ms"] and g["same_work"] is True
+    # its extra waits, from the rows: every wait of its slowest process beyond the others'
+    # median, summed, is the cost the verdict quotes
+    assert g["extra_s"] > 0.01 * a.run_s
+    assert "waits far longer for its own GPU work" in a.verdict
+    assert "Root cause: GPU slowdown" in a.verdict
+    assert a.late_ranks and set(a.late_ranks) <= set(a.straggler_ranks)
+    assert any("own GPU work" in c["what"] for c in a.commands)
+
+
+def test_more_kernels_make_it_only_weak(tmp_path, clean):
+    """Twice its peers' launches: its ranks may run other work (a pipeline stage), so a
+    slower GPU is only one reading."""
+    a = _fleet(tmp_path, clean, wait_factor=3.0, launch_factor=2.0)
+    assert a.straggler == NODE and a.cause == "gpu"
+    assert a.cause_confidence == "weak", a.verdict
+    assert a.gpu_suspect["same_work"] is False
+    assert "may run other work" in a.verdict and "Root cause" not in a.verdict
+
+
+def test_a_small_difference_names_nobody(tmp_path, clean):
+    """20 % longer waits stay under the floor (0.25 x the others' median)."""
+    a = _fleet(tmp_path, clean, wait_factor=1.2)
+    assert a.gpu_suspect is None and a.straggler is None, a.verdict
+
+
+def test_loose_clocks_do_not_claim_that_nobody_is_late(tmp_path, clean):
+    """Clocks aligned to within 30 ms only: whether anyone arrives late cannot be told,
+    but the waits are durations on each node's own clock, so the GPU suspect stands."""
+    path = tmp_path / "loose.db"
+    path.write_bytes(clean)
+    con = apsw.Connection(str(path))
+    with con:
+        con.execute("UPDATE clock_alignment SET relative_uncertainty_ns = 30000000")
+    con.close()
+    a = analyze_fleet(path)
+    assert a.clock_limited and a.straggler is None     # without the slow GPU: cannot tell
+    assert a.verdict.startswith("Cannot tell"), a.verdict
+    a = _fleet(tmp_path, path.read_bytes(), wait_factor=3.0)
+    assert a.straggler == NODE and a.cause == "gpu" and a.clock_limited
+    assert a.verdict.startswith("Whether a node arrives late at collectives cannot be "
+                                "told (the clocks could only be aligned to within 30.00 ms"), \
+        a.verdict
+    assert "No node arrives late" not in a.verdict
