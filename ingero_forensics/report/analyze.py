@@ -62,7 +62,8 @@ from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, ms_text, natural_key, no_comparison_text,
                       rank_text, verdict_text)
 from .sql import Recorder
-from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, RUNQ_SIGNAL, SAMPLE, WEAK_SCORE,
+from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, RUNQ_SIGNAL, SAMPLE,
+                       TOWARDS_LATE_SIGNAL, WEAK_SCORE,
                        Reservoir, Signal, alignment_rows, capture_cost, capture_issues,
                        cause_series, cited_evidence, inventory, next_step, late_ranks, median,
                        node_signals, quantile, slow_collectives, table_exists, utc,
@@ -476,7 +477,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     for st in a.stragglers:
         # nodes late together are each compared with the healthy nodes, not each other
         peers = [n for n in nodes if nodes[n][0] not in st.late_with]
-        _diagnose(con, st, peers, nodes, network=False, bins=hb)
+        _diagnose(con, st, peers, nodes, network=False, bins=hb,
+                  late_peers=late_ids - {st.node_id})
         if towards_late is not None and st.cause_confidence != "clear":
             with con.figure(f"retransmits_towards:{st.node_id}"):
                 n = retransmits_towards(con, towards_late, st.node_id)
@@ -604,6 +606,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # more (or fewer) kernels than its peers: other work may explain the waits;
             # another cause: it was named for its GPU waits, which that cause does not make
             primary.cause_confidence = "weak"
+        if primary.cause is None:
+            # its GPU waits named it (weakly): say so, rather than no cause at all
+            primary.cause, primary.cause_confidence = "gpu", "weak"
         if clocks_loose:
             a.clock_limited = True
             a.gpu_suspect["clock_bound_ms"] = worst
@@ -669,11 +674,14 @@ def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:
     return round((median(pairs) if pairs else mine) / 1e3, 3)
 
 
-def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None) -> None:
-    """Score every cause on the straggler in its windows; name the best if it is clear."""
+def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
+              late_peers=frozenset()) -> None:
+    """Score every cause on the straggler in its windows; name the best if it is clear.
+    late_peers: the other stragglers (their nodes' ids), whose symptoms its retransmits
+    towards them are (evidence.node_signals)."""
     windows = [(w.start_ns, w.end_ns) for w in st.windows]
     with con.figure(f"signals:{st.node_id}"):
-        st.signals = node_signals(con, st.node_id, node_ids, windows, bins)
+        st.signals = node_signals(con, st.node_id, node_ids, windows, bins, late_peers)
     scores = {c: max((s.score for s in st.signals if s.cause == c), default=0.0)
               for c in CAUSES}
     if network:
@@ -702,6 +710,14 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None) -> 
                                                        bins)
     if short is not None:
         st.evidence.append(short)
+    towards = next((s for s in st.signals if s.name == TOWARDS_LATE_SIGNAL), None)
+    if towards is not None and st.cause != "network":
+        late = sorted((nodes[n][0] for n in late_peers), key=natural_key)
+        st.evidence.append(
+            f"Its job connections retransmitted {towards.suspect:g} segments per s towards "
+            f"{', '.join(late)} (late too) in the windows: not counted against it, as a "
+            "sender waits for a late receiver; it may be "
+            + ("that node's" if len(late) == 1 else "their") + " victim.")
     st.next_step = next_step(st.cause, st.node, st.top_offenders)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
+import json
 import math
 import random
 from array import array
@@ -38,11 +39,15 @@ CAUSE_TITLES = {
 CLEAR_SCORE = 5.0
 WEAK_SCORE = 3.0
 #: A rank's wait for its own GPU work is noticeably longer than its peers' when it
-#: exceeds theirs by this many ms and by this share of theirs: a forward pass of a
-#: millisecond on a healthy GPU, tens of ms where the host runs far ahead of its GPU
-#: (report/gpuwait.py).
+#: exceeds theirs by this many ms and by this share of theirs (a forward pass of a
+#: millisecond on a healthy GPU, tens of ms where the host runs far ahead of its GPU),
+#: and when it is as long as their waits at this quantile at a clear score
+#: (wait_floor; report/gpuwait.py).
 GPU_WAIT_FLOOR_MS = 0.25
 GPU_WAIT_RELATIVE = 0.25
+GPU_WAIT_QUANTILE = 0.9
+#: values per process the pooled quantile is read from (of its Reservoir sample)
+POOL_PER_PROCESS = 2_000
 #: The CPU signal in time units: what the report weighs against a straggler's cost.
 RUNQ_SIGNAL = "run-queue delay of traced threads (ms per s, summed over threads)"
 #: Values kept per node or rank for medians and percentiles (a uniform sample beyond
@@ -199,13 +204,25 @@ def window_seconds(windows) -> float:
     return sum(e - s for s, e in windows) / 1e9 or 1.0
 
 
-def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
+#: The signal that holds a straggler's job retransmits towards other late nodes: shown,
+#: never scored (docs/report.md, rule 5).
+TOWARDS_LATE_SIGNAL = ("job-connection retransmits towards late nodes (per s; not scored: "
+                       "a late peer's symptom)")
+
+
+def node_signals(con, target, node_ids, windows, bins=None,
+                 late_peers=frozenset()) -> list[Signal]:
     """Per-cause signals on the suspect vs the other nodes over the same windows.
 
     The score is a robust deviation: (suspect - median of others) / max(spread of others,
     a per-signal floor). The floor is the smallest difference an operator would call
     noticeable, so a flat fleet (spread ~ 0) cannot turn noise into a verdict.
     bins: host_bins (binned.py), for the host metrics when they answer for windows.
+    late_peers: the other late nodes. Retransmits towards them are their symptom (a
+    sender waits for a starved or stalled receiver, rule 4), so they count against no
+    node: left out of the job-connection signal, shown apart (TOWARDS_LATE_SIGNAL); and
+    where they are most of the suspect's job retransmits, the node-wide counter, which
+    cannot be split by destination, is not scored either.
     """
     secs = window_seconds(windows)
     others = [n for n in node_ids if n != target]
@@ -229,6 +246,19 @@ def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
 
     def per_node(sql, params=()):
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
+
+    towards = total_job = 0
+    not_late = ""
+    late_json = json.dumps(sorted(late_peers))
+    if late_peers:
+        from .network import _plain, addresses_of  # noqa: PLC0415 (it imports this module)
+        to_late = f"{_plain('daddr')} IN {addresses_of(con, '?')}"
+        not_late = f" AND NOT {to_late}"
+        total_job, towards = con.execute(
+            f"SELECT COUNT(*), COALESCE(SUM({to_late}), 0) FROM tcp_events WHERE "
+            f"node_id = ? AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w}",
+            [late_json, target] + p).fetchone()
+    victim = towards > 0 and 2 * towards >= total_job
 
     add("cpu", RUNQ_SIGNAL,
         {k: v / 1e6 / secs for k, v in per_node(
@@ -261,6 +291,10 @@ def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
         if vals:
             add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else ""),
                 vals, floor, inverse)
+            if metric == "tcp.retrans_segs_per_s" and victim:
+                out[-1].name += (" (not scored: most of this node's job retransmits went "
+                                 "towards late nodes)")
+                out[-1].score = 0.0
     if wb is not None:
         throttled = per_node(bins.throttled_sql(wb[0]), wb[1])
     else:
@@ -280,9 +314,13 @@ def node_signals(con, target, node_ids, windows, bins=None) -> list[Signal]:
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
-            f"AND event = 'tcp_retransmit_skb' AND {w} GROUP BY node_id", p).items()}, 0.5)
+            f"AND event = 'tcp_retransmit_skb' AND {w}{not_late} GROUP BY node_id",
+            p + ([late_json] if late_peers else [])).items()}, 0.5)
+    if towards:
+        out.append(Signal("network", TOWARDS_LATE_SIGNAL, round(towards / secs, 3), 0.0, 0.0))
+    waits = sync_wait_stats(con, w, p)
     add("gpu", "GPU work wait of the slowest rank (ms, median event/device sync)",
-        _sync_wait(con, w, p), GPU_WAIT_FLOOR_MS, relative=GPU_WAIT_RELATIVE)
+        {n: s.median_ms for n, s in waits.items()}, wait_floor(target, waits))
     return out
 
 
@@ -334,22 +372,39 @@ def _block_io(con, windows, w, p) -> tuple[dict[int, float], dict[int, int]]:
 
 @dataclass
 class SyncWaits:
-    """A node's waits for its own GPU work: those of its process with the longest."""
+    """A node's waits for its own GPU work: those of its process with the longest
+    median, and a sample of every process's (``pool``, for wait_floor)."""
     pid: int
     median_ms: float        # of a seeded sample (Reservoir), as every figure here
     count: int
     total_ms: float
+    pool: list[float]
 
 
-def _sync_wait(con, w, p) -> dict[int, float]:
-    """GPU slowdown shows as one rank's waits for its own GPU work (event and device
-    synchronizations; stream synchronizations wait for collectives and are left out)
-    taking longer than its peers'."""
-    return {nid: s.median_ms for nid, s in sync_wait_stats(con, w, p).items()}
+def wait_floor(target: int, waits: dict[int, SyncWaits]) -> float:
+    """The smallest difference in the median wait for its own GPU work worth noticing
+    on ``target``: 0.25 ms, a quarter of the other nodes' median, and a fifth of the way
+    from that median to the other nodes' pooled waits at the 90th percentile, so that a
+    clear score (5) needs a median wait longer than nine in ten of its peers' waits.
+    Waits are skewed and many-modal on a busy host (a sync whose waker waited for a
+    CPU): on the real-kernel rig with 8 ranks on 2 cores the peers' waits had a median of
+    0.5 ms and a 90th percentile of 2.7 ms, and a rank slowed by its own code (no GPU
+    fault) waited 1.4 ms at the median in its windows: a quarter of a millisecond
+    would have made that a GPU slowdown."""
+    others = [w for n, w in waits.items() if n != target]
+    if not others:
+        return GPU_WAIT_FLOOR_MS
+    med = median([w.median_ms for w in others])
+    pool = [v for w in others for v in w.pool]
+    spread = (quantile(pool, GPU_WAIT_QUANTILE) - med) / CLEAR_SCORE if pool else 0.0
+    return max(GPU_WAIT_FLOOR_MS, GPU_WAIT_RELATIVE * med, spread)
 
 
 def sync_wait_stats(con, w, p) -> dict[int, SyncWaits]:
-    """Per node, the waits for its own GPU work of its process whose median is longest."""
+    """GPU slowdown shows as one rank's waits for its own GPU work (event and device
+    synchronizations; stream synchronizations wait for collectives and are left out)
+    taking longer than its peers'. Per node, the waits of its process whose median is
+    longest."""
     # Read in row id order (the sample's order), grouped per process by the sort: each
     # process's waits are sampled at C speed. NOT INDEXED: the api filter leaves a
     # sixth of the table, read whole and in order (an index on node_id would fetch
@@ -367,9 +422,12 @@ def sync_wait_stats(con, w, p) -> dict[int, SyncWaits]:
     for (nid, pid), rows in itertools.groupby(con.execute(sql, p), key=itemgetter(0, 1)):
         ms = array("d", map(itemgetter(2), rows))
         sample = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid).extend(ms).values
-        waits = SyncWaits(pid, median(sample), len(ms), sum(ms))
+        waits = SyncWaits(pid, median(sample), len(ms), sum(ms), [])
+        pool = out[nid].pool if nid in out else []
+        pool.extend(sample[:POOL_PER_PROCESS])     # a Reservoir sample: any slice is one
         if nid not in out or waits.median_ms > out[nid].median_ms:
             out[nid] = waits
+        out[nid].pool = pool
     return out
 
 

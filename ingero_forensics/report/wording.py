@@ -8,7 +8,7 @@ import statistics
 
 from typing import TYPE_CHECKING
 
-from .evidence import CAUSE_TITLES
+from .evidence import CAUSE_TITLES, CLEAR_SCORE
 
 if TYPE_CHECKING:
     from .analyze import Analysis, Straggler
@@ -218,13 +218,17 @@ def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
     else:
         lead = ("No node arrives late at collectives beyond the fleet's normal jitter "
                 f"({a.noise_ms:.2f} ms)")
-    text = (f"{lead}, but {st.node} waits far longer for its own GPU work: "
-            f"{who} event and device synchronizations took {ms_text(g['wait_ms'])} at the "
-            f"median, against {ms_text(g['others_ms'])} on the other nodes, "
+    clear = g["score"] >= CLEAR_SCORE
+    text = (f"{lead}, but {st.node} waits {'far ' if clear else ''}longer for its own GPU "
+            f"work: {who} event and device synchronizations took {ms_text(g['wait_ms'])} "
+            f"at the median, against {ms_text(g['others_ms'])} on the other nodes, "
             f"{seconds_text(g['extra_s'])} more over the run ({st.cost_share:.1%} of it). "
             "A GPU that runs the same work slower starts every collective late on the GPU, "
             "where the capture sees no arrival, and its peers wait inside the collective: "
-            f"{st.node} is the suspect.")
+            + (f"{st.node} is the suspect." if clear else
+               f"{st.node} may be the suspect, on weak evidence (its waits score "
+               f"{g['score']:g}, under the 5 of a clear difference: on a busy host, ranks "
+               "that wait for a CPU wait longer for their GPU work too)."))
     if g["same_work"] is True:
         text += (f" It launched about as many kernels as its peers "
                  f"({g['launches_per_s']:,.0f} per s against {g['others_launches_per_s']:,.0f}).")

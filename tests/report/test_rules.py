@@ -14,6 +14,7 @@ import pytest
 from ingero_forensics.bundle import BundleWriter
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
+from ingero_forensics.report.evidence import TOWARDS_LATE_SIGNAL
 from ingero_forensics.report.lateness import LATE_FLOOR_MS
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
 
@@ -484,11 +485,11 @@ def test_diagnose_names_a_close_runner_up_with_a_weak_cause(monkeypatch):
     assert (st.cause, st.cause_confidence, st.close_cause) == ("io", "clear", None)
 
 
-def _retransmits_towards(src, dst, db, out):
+def _retransmits_towards(src, dst, db, out, no_sched="node-03"):
     """A copy of fleet.db ``db`` in which node ``src``'s job connections retransmit
     towards node ``dst`` (four times the rate that makes a network suspect, spread over
-    the run), and the straggler node-03 has no sched rows (a capture without scheduler
-    tracing there), so that its own cause cannot be clear."""
+    the run), and the straggler ``no_sched`` has no sched rows (a capture without
+    scheduler tracing there), so that its own cause cannot be clear."""
     import shutil
 
     from ingero_forensics.report.network import MIN_RETRANSMITS_PER_COLLECTIVE
@@ -498,11 +499,16 @@ def _retransmits_towards(src, dst, db, out):
     try:
         ids = dict(con.execute("SELECT name, node_id FROM nodes"))
         addr = dict(con.execute("SELECT node_id, MIN(saddr) FROM tcp_events GROUP BY node_id"))
+        # a fleet whose TCP rows all name one source (fleetgen): its nodes' own addresses
+        # are in their message rows
+        addr.update(con.execute("SELECT node_id, MIN(saddr) FROM tcp_progress "
+                                "GROUP BY node_id"))
         n_coll = con.execute("SELECT COUNT(*) FROM collectives").fetchone()[0]
         t0, t1 = con.execute("SELECT MIN(timestamp_ns), MAX(timestamp_ns) "
                              "FROM nccl_events").fetchone()
         n = int(4 * MIN_RETRANSMITS_PER_COLLECTIVE * n_coll) + 100
-        con.execute("DELETE FROM sched_events WHERE node_id = ?", (ids["node-03"],))
+        if no_sched:
+            con.execute("DELETE FROM sched_events WHERE node_id = ?", (ids[no_sched],))
         template = con.execute("SELECT id FROM tcp_events WHERE node_id = ? LIMIT 1",
                                (ids[src],)).fetchone()[0]
         cols = [r[1] for r in con.execute("PRAGMA table_info(tcp_events)") if r[1] != "id"]
@@ -542,6 +548,36 @@ def test_retransmits_towards_the_late_node_do_not_make_its_peer_the_suspect(tmp_
         "node-03's own slowness" in a.verdict, a.verdict
     a = analyze_fleet(_retransmits_towards("node-02", "node-05", db, tmp_path / "to-other.db"))
     assert (a.straggler, a.cause, a.victims) == ("node-02", "network", ["node-03"]), a.verdict
+
+
+def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tmp_path):
+    """Seen on the real-kernel rig (2 ranks per node, one node's GPU three times slower):
+    its upstream neighbour, late too, was named a second straggler with "network
+    retransmits, clear" for the segments it resent towards the slow node (a sender
+    waiting for a late receiver). Retransmits towards another late node count against
+    no node; the same retransmits towards a node that is not late are its own link's."""
+    fleet = make_fleet(tmp_path / "b", nodes=5, ranks_per_node=2, seconds=20,
+                       straggler_rank=(2, 7), seed=8, messages=True)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    a = analyze_fleet(_retransmits_towards("node-1", "node-3", tmp_path / "f.db",
+                                           tmp_path / "to-late.db", no_sched=None))
+    by_node = {s.node: s for s in a.stragglers}
+    assert set(by_node) == {"node-1", "node-3"}, a.verdict
+    st = by_node["node-1"]
+    assert st.cause != "network", a.verdict
+    assert any("towards node-3 (late too)" in e and "victim" in e for e in st.evidence), \
+        st.evidence
+    # left out of its job-connection signal (back to the fleet's background level), shown
+    # apart, unscored
+    job = next(s for s in st.signals if s.name == "job-connection retransmits (per s)")
+    towards = next(s for s in st.signals if s.name == TOWARDS_LATE_SIGNAL)
+    assert job.suspect <= 2 * job.others and towards.suspect >= 10 * job.others, st.signals
+    assert towards.score == 0.0
+    a = analyze_fleet(_retransmits_towards("node-1", "node-4", tmp_path / "f.db",
+                                           tmp_path / "to-healthy.db", no_sched=None))
+    # node-1 is then the network suspect (rule 4), its lateness that of its lossy link
+    assert (a.straggler, a.cause, a.cause_confidence) == ("node-1", "network", "clear"), \
+        a.verdict
 
 
 def test_retransmits_towards_an_ipv4_mapped_address_count_as_towards_that_node(tmp_path):
