@@ -134,6 +134,9 @@ class Straggler:
     #: lossy link there would make this node its victim; its own slowness can cause them
     #: too, so the report names both readings instead of choosing
     retransmits_towards: dict | None = None
+    #: other late nodes its own job connections retransmitted towards (not counted as its
+    #: cause: a sender waits for a late receiver; it may be their victim)
+    victim_of: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -502,14 +505,27 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     if a.stragglers:
         network_suspect = None
         a.network_basis = None
-    gpu = None
+    gpu = one_sided = None
+    late = []
     if not a.stragglers and network_suspect is None:
-        # -- 3b. nobody late and the network quiet: a GPU slower than its peers' --------
-        with con.figure("gpu_suspect"):
-            gpu = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE)
+        one_sided = (_later_in_most_bins(cell, nodes, late_bins, min_bins)
+                     if len(nodes) == 2 else None)
+        late = sorted((nl for nl in a.lateness if nl.late_bins and
+                       nl.cost_share >= MIN_COST_SHARE), key=lambda nl: -nl.cost_share)
+        if one_sided is None and not (n_bins < min_bins and late):
+            # -- 3b. nobody late and the network quiet: a GPU slower than its peers' ----
+            # (not where lateness itself cannot be told: two nodes one of which is later
+            # by as much as they vary, or a run too short for the bins rule)
+            with con.figure("gpu_suspect"):
+                gpu = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE)
         if gpu is not None:
             a.gpu_suspect = asdict(gpu)
-            a.gpu_suspect["same_work"] = gpu.same_work
+            a.gpu_suspect.update(
+                same_work=gpu.same_work, same_syncs=gpu.same_syncs, clear=gpu.clear,
+                min_bins=min_bins,
+                rank=ranks_of.get((gpu.node_id, gpu.pid)),
+                lateness_ms=next(nl.median_ms for nl in a.lateness
+                                 if nl.node_id == gpu.node_id))
     primary = a.stragglers[0] if a.stragglers else None
     for b in sorted(bins):
         per = bins[b]
@@ -540,8 +556,6 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
-        one_sided = (_later_in_most_bins(cell, nodes, late_bins, min_bins)
-                     if len(nodes) == 2 else None)
         if one_sided is not None:
             # Two nodes only, one of them later nearly always, but by amounts that vary as
             # much as they are large: with no third node, that spread is all the "jitter"
@@ -559,8 +573,6 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
-        late = sorted((nl for nl in a.lateness if nl.late_bins and nl.cost_share >= MIN_COST_SHARE),
-                      key=lambda nl: -nl.cost_share)
         if n_bins < min_bins and late:
             # the bins rule cannot pass in a run this short: a node late in all of its bins
             # and costly is not "no straggler"
@@ -587,9 +599,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     # -- 4. root cause, per straggler ------------------------------------------------
     if primary is None and gpu is not None:
         name, ranks = nodes[gpu.node_id]
-        rank = ranks_of.get((gpu.node_id, gpu.pid))
-        primary = Straggler(node=name, node_id=gpu.node_id, ranks=ranks,
-                            late_ranks=[rank] if rank is not None else [],
+        primary = Straggler(node=name, node_id=gpu.node_id, ranks=ranks, late_ranks=[],
                             windows=_join_bins(sorted(bins), t0, bin_ns, cell, None),
                             lateness_ms=0.0, peak_ms=0.0, late_bins=0, cost_s=gpu.extra_s,
                             cost_share=round(gpu.extra_s * 1e9 / run_ns, 4),
@@ -602,9 +612,11 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             f"process): {ms_text(gpu.wait_ms)} at the median against "
             f"{ms_text(gpu.others_ms)} on the other nodes (score {gpu.score:g})."))
         if primary.cause_confidence == "clear" and (primary.cause != "gpu" or
+                                                    not gpu.clear or
                                                     gpu.same_work is not True):
-            # more (or fewer) kernels than its peers: other work may explain the waits;
-            # another cause: it was named for its GPU waits, which that cause does not make
+            # more (or fewer) kernels or syncs than its peers: other work may explain the
+            # waits; another cause: it was named for its GPU waits, which that cause does
+            # not make; a weak whole-run score: what named it is weak
             primary.cause_confidence = "weak"
         if primary.cause is None:
             # its GPU waits named it (weakly): say so, rather than no cause at all
@@ -712,7 +724,10 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
         st.evidence.append(short)
     towards = next((s for s in st.signals if s.name == TOWARDS_LATE_SIGNAL), None)
     if towards is not None and st.cause != "network":
-        late = sorted((nodes[n][0] for n in late_peers), key=natural_key)
+        # the late nodes it resent towards (over the run: one query per late node)
+        late = sorted((nodes[n][0] for n in late_peers
+                       if retransmits_towards(con, st.node_id, n)), key=natural_key)
+        st.victim_of = late
         st.evidence.append(
             f"Its job connections retransmitted {towards.suspect:g} segments per s towards "
             f"{', '.join(late)} (late too) in the windows: not counted against it, as a "

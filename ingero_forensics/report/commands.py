@@ -93,7 +93,9 @@ def next_commands(a) -> list[dict]:
             # nobody arrived late: what named it is its waits for its own GPU work
             apis = ", ".join(f"'{x}'" for x in SYNC_WAIT_APIS)
             out.append({"what": "Waits for their own GPU work (event and device "
-                                "synchronizations) per process, every node, longest first",
+                                "synchronizations) per process, every node, longest first "
+                                "(mean and longest: SQLite has no median, which the "
+                                "verdict quotes)",
                         "command": _query(a.fleet, (
                             "SELECT n.name AS node, c.pid, COUNT(*) AS waits, "
                             "ROUND(AVG(c.duration_ns) / 1e6, 3) AS mean_ms, "

@@ -34,6 +34,7 @@ class GpuSuspect:
     wait_ms: float              # that process's median wait for its own GPU work
     others_ms: float            # the median of the other nodes' (their slowest process)
     waits: int                  # how many waits that process made
+    others_waits: float         # the median of the other nodes' (their slowest process)
     extra_s: float              # its waits beyond the others' median, summed
     score: float
     launches_per_s: float | None          # the node's kernel launches per second
@@ -44,12 +45,24 @@ class GpuSuspect:
         return self.score >= CLEAR_SCORE
 
     @property
+    def same_syncs(self) -> bool:
+        """Whether its slowest process waited about as often as its peers' (a rank that
+        alone calls cudaDeviceSynchronize every step also waits for every all-reduce)."""
+        return _within(self.waits, self.others_waits)
+
+    @property
     def same_work(self) -> bool | None:
-        """Whether the node launched about as many kernels as its peers (None: unknown)."""
-        if not self.launches_per_s or not self.others_launches_per_s:
+        """Whether the node launched about as many kernels as its peers and waited as
+        often (None: launches not counted everywhere)."""
+        if not self.same_syncs:
+            return False
+        if self.launches_per_s is None or not self.others_launches_per_s:
             return None
-        ratio = self.launches_per_s / self.others_launches_per_s
-        return 1 / SAME_WORK_RATIO <= ratio <= SAME_WORK_RATIO
+        return _within(self.launches_per_s, self.others_launches_per_s)
+
+
+def _within(value: float, reference: float) -> bool:
+    return reference > 0 and 1 / SAME_WORK_RATIO <= value / reference <= SAME_WORK_RATIO
 
 
 def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float) -> GpuSuspect | None:
@@ -78,6 +91,7 @@ def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float) -> GpuSuspect
     rates = launch_rates(con)
     peer_rates = [r for n, r in rates.items() if n != top and n in stats]
     return GpuSuspect(top, s.pid, round(s.median_ms, 3), round(med, 3), s.count,
+                      median([w.count for n, w in stats.items() if n != top]),
                       round(extra_ms / 1e3, 3), round(score, 2),
                       round(rates[top], 1) if top in rates else None,
                       round(median(peer_rates), 1) if peer_rates else None)

@@ -69,13 +69,24 @@ def addresses_of(con, param: str) -> str:
     """SQL: the addresses of the nodes whose ids the JSON array ``param`` (a bound
     parameter) lists: the source addresses of their own TCP rows (tcp_events,
     tcp_progress), less loopback and unspecified ones and any another node uses too (a
-    NAT), so that a destination address names one node or none. A node whose capture
-    recorded no TCP row of its own has none. Node ids, not addresses, are bound: the
-    statements the report shows name no address."""
+    NAT), so that a destination address names one node or none. A node's own rows are
+    its job connections' and those of its other traffic in the network namespaces its
+    job connections use (all of them where no job row names a namespace): where several
+    nodes share a kernel (network namespaces, the real-kernel rig) each capture also
+    records the others' retransmits, as background in their namespaces, and their
+    addresses then named no node at all. A node whose capture recorded no TCP row of its
+    own has none. Node ids, not addresses, are bound: the statements the report shows
+    name no address."""
     have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
     local = " AND ".join(f"saddr NOT LIKE '{p}'" for p in _LOCAL_ADDRESSES)
+    # the namespaces of each node's job connections
+    job_ns = ("SELECT DISTINCT node_id, netns FROM tcp_events "
+              "WHERE scope = 'job' AND netns IS NOT NULL")
+    own_ns = (f" AND (scope = 'job' OR netns IS NULL OR node_id NOT IN (SELECT node_id FROM "
+              f"({job_ns})) OR (node_id, netns) IN ({job_ns}))")
     own = " UNION ".join(f"SELECT DISTINCT node_id, {_plain('saddr')} AS addr FROM {t} "
-                         f"WHERE {local}" for t in ("tcp_events", "tcp_progress")
+                         f"WHERE {local}{ns}" for t, ns in (
+                             ("tcp_events", own_ns), ("tcp_progress", ""))
                          if t in have)        # an older fleet.db has no tcp_progress
     return (f"(SELECT addr FROM ({own}) GROUP BY addr HAVING COUNT(DISTINCT node_id) = 1 "
             f"AND MIN(node_id) IN (SELECT value FROM json_each({param})))")

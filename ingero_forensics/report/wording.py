@@ -8,7 +8,7 @@ import statistics
 
 from typing import TYPE_CHECKING
 
-from .evidence import CAUSE_TITLES, CLEAR_SCORE
+from .evidence import CAUSE_TITLES
 
 if TYPE_CHECKING:
     from .analyze import Analysis, Straggler
@@ -179,6 +179,10 @@ def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
                  f"each late bin, the median over them) is more than {margin:g} times the "
                  f"clock alignment uncertainty between it and its peers ({ms_text(u)}), so "
                  "clock error does not explain it.")
+    if st.victim_of:
+        whom = ", ".join(st.victim_of)
+        text += (f" Its job connections resent segments towards {whom}, late too: it may be "
+                 f"{whom}'s victim rather than a straggler of its own.")
     if st.retransmits_towards:
         r = st.retransmits_towards
         text += (f" {r['node']}'s job connections retransmitted {r['retransmits']} segments "
@@ -207,7 +211,7 @@ def _cause_tail(st: Straggler) -> str:
 def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
     """The verdict when nobody arrives late but one node's GPU work is slower (rule 4b)."""
     g = a.gpu_suspect
-    who = rank_text(st.late_ranks) + "'s" if st.late_ranks else "its slowest process's"
+    who = (rank_text([g["rank"]]) if g.get("rank") is not None else "its slowest process")
     if a.clock_limited:
         # the waits are durations on one node's clock: they hold; arrivals do not
         bound = g.get("clock_bound_ms")
@@ -216,27 +220,36 @@ def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
                                                      else ms_text(bound)) +
                 f", more than the fleet's jitter of {a.noise_ms:.2f} ms)")
     else:
-        lead = ("No node arrives late at collectives beyond the fleet's normal jitter "
-                f"({a.noise_ms:.2f} ms)")
-    clear = g["score"] >= CLEAR_SCORE
+        lead = (f"No node arrives late at collectives (late means over {a.threshold_ms:.2f} "
+                f"ms in at least {g['min_bins']} time bins, the fleet's jitter being "
+                f"{a.noise_ms:.2f} ms; {st.node} arrives {g['lateness_ms']:.1f} ms after "
+                "the median node at the median)")
+    clear = g["clear"]
     text = (f"{lead}, but {st.node} waits {'far ' if clear else ''}longer for its own GPU "
-            f"work: {who} event and device synchronizations took {ms_text(g['wait_ms'])} "
-            f"at the median, against {ms_text(g['others_ms'])} on the other nodes, "
-            f"{seconds_text(g['extra_s'])} more over the run ({st.cost_share:.1%} of it). "
-            "A GPU that runs the same work slower starts every collective late on the GPU, "
-            "where the capture sees no arrival, and its peers wait inside the collective: "
+            f"work: {who}'s event and device synchronizations took "
+            f"{ms_text(g['wait_ms'])} at the median, against {ms_text(g['others_ms'])} on "
+            f"the other nodes, and {seconds_text(g['extra_s'])} longer in all "
+            f"({st.cost_share:.1%} of the run). A GPU that runs the same work slower starts "
+            "every collective late on the GPU, where the capture sees no arrival, and its "
+            "peers wait inside the collective: "
             + (f"{st.node} is the suspect." if clear else
                f"{st.node} may be the suspect, on weak evidence (its waits score "
                f"{g['score']:g}, under the 5 of a clear difference: on a busy host, ranks "
                "that wait for a CPU wait longer for their GPU work too)."))
-    if g["same_work"] is True:
-        text += (f" It launched about as many kernels as its peers "
-                 f"({g['launches_per_s']:,.0f} per s against {g['others_launches_per_s']:,.0f}).")
+    launches, peers = g["launches_per_s"], g["others_launches_per_s"]
+    if not g["same_syncs"]:
+        text += (f" It waited {g['waits']:,} times against {g['others_waits']:,.0f} for its "
+                 "peers: its ranks synchronize differently (a device synchronization also "
+                 "waits for the collectives), and a slower GPU is only one reading.")
+    elif g["same_work"] is True:
+        text += (f" It launched about as many kernels as its peers ({launches:,.0f} per s "
+                 f"against {peers:,.0f}) and waited as often.")
     elif g["same_work"] is False:
-        text += (f" It launched {g['launches_per_s'] / g['others_launches_per_s']:.1f} times "
-                 f"as many kernels per second as its peers ({g['launches_per_s']:,.0f} "
-                 f"against {g['others_launches_per_s']:,.0f}): its ranks may run other "
-                 "work than theirs, and a slower GPU is only one reading.")
+        ratio = launches / peers
+        text += (f" It launched {'only ' if ratio < 1 else ''}{ratio:.1f} times as many "
+                 f"kernels per second as its peers ({launches:,.0f} against {peers:,.0f}): "
+                 "its ranks may run other work than theirs, and a slower GPU is only one "
+                 "reading.")
     else:
         text += (" Kernel launches were not counted on every node, so whether its ranks "
                  "ran the same work as their peers is not known.")

@@ -6,6 +6,7 @@ assumption that every sync ends at the completion of the collective before it.
 """
 
 import json
+import shutil
 import statistics
 
 import apsw
@@ -573,6 +574,31 @@ def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tm
     towards = next(s for s in st.signals if s.name == TOWARDS_LATE_SIGNAL)
     assert job.suspect <= 2 * job.others and towards.suspect >= 10 * job.others, st.signals
     assert towards.score == 0.0
+    assert st.victim_of == ["node-3"] and "may be node-3's victim" in a.verdict, a.verdict
+    # nodes that share a kernel (the rig's namespaces): each capture also records the
+    # others' retransmits, as background in their namespaces, with their addresses;
+    # those are not a node's own, or no address would name a node
+    shared = tmp_path / "shared-kernel.db"
+    shutil.copyfile(tmp_path / "to-late.db", shared)
+    con = apsw.Connection(str(shared))
+    with con:
+        con.execute("UPDATE tcp_events SET netns = 1000 + node_id")
+        cols = [r[1] for r in con.execute("PRAGMA table_info(tcp_events)") if r[1] != "id"]
+        sel = {c: f"t.{c}" for c in cols}
+        # a background row of every other node, from that node's own address
+        sel.update(node_id="n.node_id", scope="'background'", netns="1000 + a.node_id",
+                   saddr="a.addr")
+        con.execute(f"INSERT INTO tcp_events ({', '.join(cols)}) SELECT "
+                    f"{', '.join(sel[c] for c in cols)} FROM (SELECT node_id, MIN(saddr) "
+                    "AS addr FROM tcp_progress GROUP BY node_id) a JOIN nodes n ON "
+                    "n.node_id <> a.node_id JOIN tcp_events t ON t.id = (SELECT MIN(id) "
+                    "FROM tcp_events WHERE scope = 'job')")
+        assert con.execute("SELECT COUNT(*) FROM tcp_events WHERE scope = 'background' "
+                           "AND netns > 1000").fetchone()[0] >= 20
+    con.close()
+    a = analyze_fleet(shared)
+    st = {s.node: s for s in a.stragglers}["node-1"]
+    assert st.cause != "network" and st.victim_of == ["node-3"], a.verdict
     a = analyze_fleet(_retransmits_towards("node-1", "node-4", tmp_path / "f.db",
                                            tmp_path / "to-healthy.db", no_sched=None))
     # node-1 is then the network suspect (rule 4), its lateness that of its lossy link

@@ -123,6 +123,10 @@ def test_report_names_the_straggler_and_cause(runs, scenario):
         return
     assert [s.node for s in named] == [truth.node], show(scenario, o)
     assert named[0].cause == truth.cause, show(scenario, o)
+    if scenario in ("cpu", "gpu"):
+        # a CPU-starved node's waits for its GPU work are long too (its woken threads
+        # wait for a CPU): they must not make the GPU a close second to the run queue
+        assert named[0].confidence == "clear", show(scenario, o)
     # one rank per node: the node's rank is the late one (cpu, io), or the rank of the
     # node whose link is lossy or whose GPU is slow (network, gpu: it arrives on time,
     # the report names its ranks)
