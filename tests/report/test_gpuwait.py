@@ -141,3 +141,18 @@ def test_two_nodes(tmp_path):
     a = _fleet(tmp_path, (d / "fleet.db").read_bytes(), wait_factor=3.0, node="node-01")
     assert (a.straggler, a.cause) == ("node-01", "gpu"), a.verdict
     assert a.verdict.startswith("No node arrives late at collectives"), a.verdict
+
+
+def test_the_page_shows_the_waits_that_named_it_and_its_sql_runs(tmp_path, clean):
+    """The page's window is the run (no lateness column: nobody is late), and every SQL
+    block, the GPU waits' included, runs and returns the rows it says."""
+    from ingero_forensics.report.render import render_html
+
+    from .test_report_sql import check_page_sql
+
+    a = _fleet(tmp_path, clean, wait_factor=3.0)
+    page = render_html(a)
+    assert "Window: the run, over which the GPU waits were compared" in page
+    assert "mean lateness, ms" not in page.split("Window: the run")[1].split("</table>")[0]
+    assert "SQL of the GPU waits that named it" in page
+    check_page_sql(tmp_path / "fleet.db", page, min_blocks=4)
