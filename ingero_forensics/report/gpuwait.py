@@ -9,7 +9,7 @@ wait for collectives too, which every rank waits for alike.
 
 Seen on the real-kernel rig (tests/rig, scenario "gpu": the cudart shim's kernels three
 times longer on one node). The node entered collectives 2.1 ms after the median, under
-the 4.3 ms bar. The job's step grew from 34 to 43 ms, and the report said "No straggler".
+the 4.3 ms bar. The job's median step grew from 26 to 45 ms; the report said "No straggler".
 Its forward pass's event synchronization waited 3.4 ms against 0.9 ms on the others.
 """
 
