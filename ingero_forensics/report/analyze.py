@@ -507,6 +507,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.network_basis = None
     gpu = one_sided = None
     late = []
+    run_windows = _join_bins(sorted(bins), t0, bin_ns, cell, None)   # the run, its pauses out
     if not a.stragglers and network_suspect is None:
         one_sided = (_later_in_most_bins(cell, nodes, late_bins, min_bins)
                      if len(nodes) == 2 else None)
@@ -517,7 +518,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # (not where lateness itself cannot be told: two nodes one of which is later
             # by as much as they vary, or a run too short for the bins rule)
             with con.figure("gpu_suspect"):
-                gpu = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE)
+                gpu = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
+                                  [(w.start_ns, w.end_ns) for w in run_windows])
         if gpu is not None:
             a.gpu_suspect = asdict(gpu)
             a.gpu_suspect.update(
@@ -600,7 +602,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     if primary is None and gpu is not None:
         name, ranks = nodes[gpu.node_id]
         primary = Straggler(node=name, node_id=gpu.node_id, ranks=ranks, late_ranks=[],
-                            windows=_join_bins(sorted(bins), t0, bin_ns, cell, None),
+                            windows=run_windows,
                             lateness_ms=0.0, peak_ms=0.0, late_bins=0, cost_s=gpu.extra_s,
                             cost_share=round(gpu.extra_s * 1e9 / run_ns, 4),
                             relative_uncertainty_ms=_pair_uncertainty_ms(
@@ -727,12 +729,15 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
         # the late nodes it resent towards (over the run: one query per late node)
         late = sorted((nodes[n][0] for n in late_peers
                        if retransmits_towards(con, st.node_id, n)), key=natural_key)
-        st.victim_of = late
+        whom = ", ".join(late) or "late nodes"
+        clear = st.cause_confidence == "clear"
         st.evidence.append(
             f"Its job connections retransmitted {towards.suspect:g} segments per s towards "
-            f"{', '.join(late)} (late too) in the windows: not counted against it, as a "
-            "sender waits for a late receiver; it may be "
-            + ("that node's" if len(late) == 1 else "their") + " victim.")
+            f"{whom} (late too) in the windows: not counted against it, as a sender waits "
+            "for a late receiver" + ("." if clear else "; it may be " + (
+                "that node's" if len(late) == 1 else "their") + " victim."))
+        if not clear:     # a clear cause of its own: a straggler of its own, not a victim
+            st.victim_of = late
     st.next_step = next_step(st.cause, st.node, st.top_offenders)
 
 

@@ -204,10 +204,36 @@ def window_seconds(windows) -> float:
     return sum(e - s for s, e in windows) / 1e9 or 1.0
 
 
+GPU_WAIT_SIGNAL = "GPU work wait of the slowest rank (ms, median event/device sync)"
 #: The signal that holds a straggler's job retransmits towards other late nodes: shown,
 #: never scored (docs/report.md, rule 5).
 TOWARDS_LATE_SIGNAL = ("job-connection retransmits towards late nodes (per s; not scored: "
                        "a late peer's symptom)")
+
+
+def signal_score(target, others, per_node: dict[int, float], floor: float,
+                 inverse: bool = False, relative: float = 0.0) -> float:
+    """(target's value - the others' median) / max(their robust spread, floor, relative x
+    their median): a node's score on one signal (node_signals)."""
+    s = per_node.get(target, 0.0)
+    vals = [per_node.get(n, 0.0) for n in others]
+    med = median(vals) if vals else 0.0
+    spread = 1.4826 * median([abs(v - med) for v in vals]) if vals else 0.0
+    dev = (med - s) if inverse else (s - med)
+    return dev / max(spread, floor, relative * abs(med))
+
+
+def runq_ms_per_s(con, windows) -> dict[int, float]:
+    """Per node, its traced threads' run-queue delay in the windows (ms per s)."""
+    w, p = window_clause(windows)
+    secs = window_seconds(windows)
+    return {nid: (v or 0) / 1e6 / secs for nid, v in con.execute(
+        f"SELECT node_id, SUM(duration_ns) FROM {_source(con, 'sched_events', windows)} "
+        f"WHERE kind = 'runq_delay' AND {w} GROUP BY node_id", p)}
+
+
+#: floor and relative floor of the run-queue signal (ms per s)
+RUNQ_FLOOR, RUNQ_RELATIVE = 5.0, 0.1
 
 
 def node_signals(con, target, node_ids, windows, bins=None,
@@ -234,12 +260,10 @@ def node_signals(con, target, node_ids, windows, bins=None,
         median too (time per second: 90 ms/s more run-queue delay is noise where every
         node already waits 300 ms/s)."""
         s = per_node.get(target, 0.0)
-        vals = [per_node.get(n, 0.0) for n in others]
-        med = median(vals) if vals else 0.0
-        spread = 1.4826 * median([abs(v - med) for v in vals]) if vals else 0.0
-        dev = (med - s) if inverse else (s - med)
+        med = median([per_node.get(n, 0.0) for n in others]) if others else 0.0
         out.append(Signal(cause, name, round(s, 3), round(med, 3),
-                          round(dev / max(spread, floor, relative * abs(med)), 2)))
+                          round(signal_score(target, others, per_node, floor, inverse,
+                                             relative), 2)))
 
     w, p = window_clause(windows)
     wb = bins.clause(windows) if bins is not None else None
@@ -260,11 +284,7 @@ def node_signals(con, target, node_ids, windows, bins=None,
             [late_json, target] + p).fetchone()
     victim = towards > 0 and 2 * towards >= total_job
 
-    add("cpu", RUNQ_SIGNAL,
-        {k: v / 1e6 / secs for k, v in per_node(
-            f"SELECT node_id, SUM(duration_ns) FROM {_source(con, 'sched_events', windows)} "
-            "WHERE kind = 'runq_delay' "
-            f"AND {w} GROUP BY node_id", p).items()}, 5.0, relative=0.1)
+    add("cpu", RUNQ_SIGNAL, runq_ms_per_s(con, windows), RUNQ_FLOOR, relative=RUNQ_RELATIVE)
     for cause, metric, floor, inverse in (
             ("cpu", "psi.cpu.some_pct", 3.0, False),
             ("cpu", "cpu.busy_pct", 5.0, False),
@@ -319,15 +339,16 @@ def node_signals(con, target, node_ids, windows, bins=None,
     if towards:
         out.append(Signal("network", TOWARDS_LATE_SIGNAL, round(towards / secs, 3), 0.0, 0.0))
     waits = sync_wait_stats(con, w, p)
-    add("gpu", "GPU work wait of the slowest rank (ms, median event/device sync)",
-        {n: s.median_ms for n, s in waits.items()}, wait_floor(target, waits))
+    add("gpu", GPU_WAIT_SIGNAL, {n: s.median_ms for n, s in waits.items()},
+        wait_floor(target, waits))
     runq = next(s for s in out if s.name == RUNQ_SIGNAL)
-    if runq.score >= WEAK_SCORE and out[-1].score > 0:
+    gpu_wait = next(s for s in out if s.name == GPU_WAIT_SIGNAL)
+    if runq.score >= WEAK_SCORE and gpu_wait.score > 0:
         # a woken thread that waits for a CPU returns late from every sync: on a CPU-
         # starved node the GPU waits are the run queue's, counted there (the rig's CPU
         # hog: 72 here against 142 for the run queue, which then lost its clear verdict)
-        out[-1].name += " (not scored: its threads waited for a CPU, which lengthens every wait)"
-        out[-1].score = 0.0
+        gpu_wait.name += " (not scored: its threads waited for a CPU, which lengthens every wait)"
+        gpu_wait.score = 0.0
     return out
 
 
@@ -431,9 +452,10 @@ def sync_wait_stats(con, w, p) -> dict[int, SyncWaits]:
         sample = Reservoir(SAMPLE, seed=nid * 1_000_003 + pid).extend(ms).values
         waits = SyncWaits(pid, median(sample), len(ms), sum(ms), [])
         pool = out[nid].pool if nid in out else []
-        # every POOL_PER_PROCESS-th value: under SAMPLE values the Reservoir holds all of
-        # them in row order, whose first values are the run's start only
-        pool.extend(sample[::max(1, len(sample) // POOL_PER_PROCESS)])
+        # POOL_PER_PROCESS values at most, spread over the sample: under SAMPLE values
+        # the Reservoir holds all of them in row order (a prefix is the run's start)
+        k = min(len(sample), POOL_PER_PROCESS)
+        pool.extend(sample[i * len(sample) // k] for i in range(k))
         if nid not in out or waits.median_ms > out[nid].median_ms:
             out[nid] = waits
         out[nid].pool = pool

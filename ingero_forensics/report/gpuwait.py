@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .evidence import CLEAR_SCORE, WEAK_SCORE, median, sync_wait_stats, wait_floor
+from .evidence import (CLEAR_SCORE, RUNQ_FLOOR, RUNQ_RELATIVE, WEAK_SCORE, median,
+                       runq_ms_per_s, signal_score, sync_wait_stats, wait_floor)
 
 #: Kernel launches per second this far from the peers' median (either way) say that the
 #: node's ranks run other work than their peers (a pipeline stage, extra evaluation):
@@ -65,12 +66,15 @@ def _within(value: float, reference: float) -> bool:
     return reference > 0 and 1 / SAME_WORK_RATIO <= value / reference <= SAME_WORK_RATIO
 
 
-def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float) -> GpuSuspect | None:
+def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float,
+                windows) -> GpuSuspect | None:
     """The node whose ranks wait for their own GPU work longer than every other
     node's (rule 5's GPU-wait score >= WEAK_SCORE; at CLEAR_SCORE a median wait beyond
     nine in ten of their waits, and 1.25 ms and 1.25 times their median above it at
     least) and long enough to matter (its extra wait at least ``min_cost_share`` of the
-    run), or None. Weak evidence names it too: on a busy host a slower GPU blurs into
+    run), or None; none where its run-queue delay is itself a signal over ``windows``
+    (the run), as a woken thread that waits for a CPU returns late from every wait (rule
+    5 leaves such waits unscored). Weak evidence names it too: on a busy host a slower GPU blurs into
     the waits of ranks that wait for a CPU (the real-kernel rig with eight ranks on two
     cores and one GPU three times slower: score 3.4, the job 38 % slower, and "No
     straggler" said otherwise). Read over the whole run: a persistent
@@ -87,6 +91,9 @@ def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float) -> GpuSuspect
     s = stats[top]
     extra_ms = max(0.0, s.total_ms - s.count * med)
     if score < WEAK_SCORE or extra_ms * 1e6 < min_cost_share * run_ns:
+        return None
+    if signal_score(top, [n for n in stats if n != top], runq_ms_per_s(con, windows),
+                    RUNQ_FLOOR, relative=RUNQ_RELATIVE) >= WEAK_SCORE:
         return None
     rates = launch_rates(con)
     peer_rates = [r for n, r in rates.items() if n != top and n in stats]

@@ -71,10 +71,12 @@ def addresses_of(con, param: str) -> str:
     tcp_progress), less loopback and unspecified ones and any another node uses too (a
     NAT), so that a destination address names one node or none. A node's own rows are
     its job connections' and those of its other traffic in the network namespaces its
-    job connections use (all of them where no job row names a namespace): where several
-    nodes share a kernel (network namespaces, the real-kernel rig) each capture also
-    records the others' retransmits, as background in their namespaces, and their
-    addresses then named no node at all. A node whose capture recorded no TCP row of its
+    job connections use (all of them where no job row names a namespace), never in a
+    namespace whose job connections another node of the same kernel (boot id) recorded:
+    where several nodes share a kernel (network namespaces, the real-kernel rig) each
+    capture also records the others' retransmits, as background in their namespaces,
+    and their addresses then named no node at all. (On separate hosts the root
+    namespaces share an inode number: hence the same boot.) A node whose capture recorded no TCP row of its
     own has none. Node ids, not addresses, are bound: the statements the report shows
     name no address."""
     have = {r[0] for r in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
@@ -82,8 +84,12 @@ def addresses_of(con, param: str) -> str:
     # the namespaces of each node's job connections
     job_ns = ("SELECT DISTINCT node_id, netns FROM tcp_events "
               "WHERE scope = 'job' AND netns IS NOT NULL")
-    own_ns = (f" AND (scope = 'job' OR netns IS NULL OR node_id NOT IN (SELECT node_id FROM "
-              f"({job_ns})) OR (node_id, netns) IN ({job_ns}))")
+    # ... and those another node of the same kernel has: not this node's own
+    theirs = (f"SELECT b.node_id, e.netns FROM ({job_ns}) e JOIN nodes a ON a.node_id = "
+              "e.node_id JOIN nodes b ON b.boot_id = a.boot_id AND b.node_id <> a.node_id")
+    own_ns = (f" AND (scope = 'job' OR netns IS NULL OR ((node_id NOT IN (SELECT node_id "
+              f"FROM ({job_ns})) OR (node_id, netns) IN ({job_ns})) AND "
+              f"(node_id, netns) NOT IN ({theirs})))")
     own = " UNION ".join(f"SELECT DISTINCT node_id, {_plain('saddr')} AS addr FROM {t} "
                          f"WHERE {local}{ns}" for t, ns in (
                              ("tcp_events", own_ns), ("tcp_progress", ""))

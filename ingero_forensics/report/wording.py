@@ -182,7 +182,8 @@ def _straggler_text(st: Straggler, noise_ms: float, nodes: int) -> str:
     if st.victim_of:
         whom = ", ".join(st.victim_of)
         text += (f" Its job connections resent segments towards {whom}, late too: it may be "
-                 f"{whom}'s victim rather than a straggler of its own.")
+                 + (f"{whom}'s" if len(st.victim_of) == 1 else "their")
+                 + " victim rather than a straggler of its own.")
     if st.retransmits_towards:
         r = st.retransmits_towards
         text += (f" {r['node']}'s job connections retransmitted {r['retransmits']} segments "
@@ -220,10 +221,15 @@ def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
                                                      else ms_text(bound)) +
                 f", more than the fleet's jitter of {a.noise_ms:.2f} ms)")
     else:
+        whom = "the other node" if a.nodes == 2 else "the median node"
+        when = (f"{g['lateness_ms']:.1f} ms after" if g["lateness_ms"] >= 0 else
+                f"{-g['lateness_ms']:.1f} ms before")
+        from .analyze import MIN_COST_SHARE  # noqa: PLC0415 (analyze imports this module)
         lead = (f"No node arrives late at collectives (late means over {a.threshold_ms:.2f} "
-                f"ms in at least {g['min_bins']} time bins, the fleet's jitter being "
-                f"{a.noise_ms:.2f} ms; {st.node} arrives {g['lateness_ms']:.1f} ms after "
-                "the median node at the median)")
+                f"ms in at least {g['min_bins']} time bins and costing the others at least "
+                f"{MIN_COST_SHARE:.0%} of the run, the fleet's jitter being "
+                f"{a.noise_ms:.2f} ms; {st.node} "
+                f"arrives {when} {whom} at the median)")
     clear = g["clear"]
     text = (f"{lead}, but {st.node} waits {'far ' if clear else ''}longer for its own GPU "
             f"work: {who}'s event and device synchronizations took "

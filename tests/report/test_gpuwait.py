@@ -152,7 +152,7 @@ def test_the_page_shows_the_waits_that_named_it_and_its_sql_runs(tmp_path, clean
 
     a = _fleet(tmp_path, clean, wait_factor=3.0)
     page = render_html(a)
-    assert "Window: the run, over which the GPU waits were compared" in page
-    assert "mean lateness, ms" not in page.split("Window: the run")[1].split("</table>")[0]
+    assert "The run, over which the GPU waits were compared" in page
+    assert "mean lateness, ms" not in page.split("The run, over which")[1].split("</table>")[0]
     assert "SQL of the GPU waits that named it" in page
     check_page_sql(tmp_path / "fleet.db", page, min_blocks=4)

@@ -599,6 +599,17 @@ def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tm
     a = analyze_fleet(shared)
     st = {s.node: s for s in a.stragglers}["node-1"]
     assert st.cause != "network" and st.victim_of == ["node-3"], a.verdict
+    # ... and where a node recorded no job connection of its own (no namespace to keep),
+    # the namespaces the other nodes of its kernel use for theirs are still not its own
+    con = apsw.Connection(str(shared))
+    with con:
+        con.execute("UPDATE nodes SET boot_id = (SELECT MIN(boot_id) FROM nodes)")
+        con.execute("DELETE FROM tcp_events WHERE scope = 'job' AND node_id = "
+                    "(SELECT node_id FROM nodes WHERE name = 'node-0')")
+    con.close()
+    a = analyze_fleet(shared)
+    st = {s.node: s for s in a.stragglers}["node-1"]
+    assert st.cause != "network" and st.victim_of == ["node-3"], a.verdict
     a = analyze_fleet(_retransmits_towards("node-1", "node-4", tmp_path / "f.db",
                                            tmp_path / "to-healthy.db", no_sched=None))
     # node-1 is then the network suspect (rule 4), its lateness that of its lossy link
