@@ -467,9 +467,13 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
     a.slow_bins = len(slow)
     late_ids = {st.node_id for st in a.stragglers}
+    # each late node with its windows: what is resent towards it while it is late is its
+    # symptom (network.towards_late)
+    late_windows = {st.node_id: [(w.start_ns, w.end_ns) for w in st.windows]
+                    for st in a.stragglers}
     with con.figure("network_suspect"):
         network_suspect, net_bins, a.network_basis = _network_suspect(
-            con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, late=late_ids)
+            con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, late=late_windows)
         towards_late = None
         if late_ids:
             # who would be the suspect if retransmits towards the late nodes counted
@@ -481,7 +485,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         # nodes late together are each compared with the healthy nodes, not each other
         peers = [n for n in nodes if nodes[n][0] not in st.late_with]
         _diagnose(con, st, peers, nodes, network=False, bins=hb,
-                  late_peers=late_ids - {st.node_id})
+                  late_peers={n: w for n, w in late_windows.items() if n != st.node_id})
         if towards_late is not None and st.cause_confidence != "clear":
             with con.figure(f"retransmits_towards:{st.node_id}"):
                 n = retransmits_towards(con, towards_late, st.node_id)
@@ -689,9 +693,9 @@ def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:
 
 
 def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
-              late_peers=frozenset()) -> None:
+              late_peers=None) -> None:
     """Score every cause on the straggler in its windows; name the best if it is clear.
-    late_peers: the other stragglers (their nodes' ids), whose symptoms its retransmits
+    late_peers: the other stragglers (node id -> windows), whose symptoms its retransmits
     towards them are (evidence.node_signals)."""
     windows = [(w.start_ns, w.end_ns) for w in st.windows]
     with con.figure(f"signals:{st.node_id}"):

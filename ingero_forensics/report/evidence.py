@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
-import json
 import math
 import random
 from array import array
@@ -237,14 +236,15 @@ RUNQ_FLOOR, RUNQ_RELATIVE = 5.0, 0.1
 
 
 def node_signals(con, target, node_ids, windows, bins=None,
-                 late_peers=frozenset()) -> list[Signal]:
+                 late_peers=None) -> list[Signal]:
     """Per-cause signals on the suspect vs the other nodes over the same windows.
 
     The score is a robust deviation: (suspect - median of others) / max(spread of others,
     a per-signal floor). The floor is the smallest difference an operator would call
     noticeable, so a flat fleet (spread ~ 0) cannot turn noise into a verdict.
     bins: host_bins (binned.py), for the host metrics when they answer for windows.
-    late_peers: the other late nodes. Retransmits towards them are their symptom (a
+    late_peers: the other late nodes, id -> their windows. Retransmits towards them
+    while they were late (network.towards_late) are their symptom (a
     sender waits for a starved or stalled receiver, rule 4), so they count against no
     node: left out of the job-connection signal, shown apart (TOWARDS_LATE_SIGNAL); and
     where they are most of the suspect's job retransmits, the node-wide counter, which
@@ -272,16 +272,15 @@ def node_signals(con, target, node_ids, windows, bins=None,
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
 
     towards = total_job = 0
-    not_late = ""
-    late_json = json.dumps(sorted(late_peers))
+    not_late, late_params = "", []
     if late_peers:
-        from .network import _plain, addresses_of  # noqa: PLC0415 (it imports this module)
-        to_late = f"{_plain('daddr')} IN {addresses_of(con, '?')}"
+        from .network import towards_late  # noqa: PLC0415 (it imports this module)
+        to_late, late_params = towards_late(con, late_peers)
         not_late = f" AND NOT {to_late}"
         total_job, towards = con.execute(
             f"SELECT COUNT(*), COALESCE(SUM({to_late}), 0) FROM tcp_events WHERE "
             f"node_id = ? AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w}",
-            [late_json, target] + p).fetchone()
+            late_params + [target] + p).fetchone()
     victim = towards > 0 and 2 * towards >= total_job
 
     add("cpu", RUNQ_SIGNAL, runq_ms_per_s(con, windows), RUNQ_FLOOR, relative=RUNQ_RELATIVE)
@@ -335,7 +334,7 @@ def node_signals(con, target, node_ids, windows, bins=None,
         {k: v / secs for k, v in per_node(
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
             f"AND event = 'tcp_retransmit_skb' AND {w}{not_late} GROUP BY node_id",
-            p + ([late_json] if late_peers else [])).items()}, 0.5)
+            p + late_params).items()}, 0.5)
     if towards:
         out.append(Signal("network", TOWARDS_LATE_SIGNAL, round(towards / secs, 3), 0.0, 0.0))
     waits = sync_wait_stats(con, w, p)

@@ -21,16 +21,33 @@ _LOCAL_ADDRESSES = LOCAL_ADDRESSES
 _plain = plain_address
 
 
+def towards_late(con, late: dict) -> tuple[str, list]:
+    """SQL (and its parameters) true for a tcp_events row sent towards a late node while
+    it was late: its destination one of that node's addresses, its time in one of that
+    node's windows. late: node id -> [(start_ns, end_ns)]. Outside its windows a late
+    node is on time, and what is resent towards it then is the sender's own link's: a
+    lossy link at its upstream neighbour made it late in a few bins of retransmit
+    timeouts while the neighbour resent all run long (the real-kernel rig's network
+    scenario)."""
+    parts, params = [], []
+    for node_id, windows in sorted(late.items()):
+        w = " OR ".join("(timestamp_ns >= ? AND timestamp_ns < ?)" for _ in windows) or "0"
+        parts.append(f"({_plain('daddr')} IN {addresses_of(con, '?')} AND ({w}))")
+        params += [json.dumps([node_id])] + [x for win in windows for x in win]
+    return "(" + (" OR ".join(parts) or "0") + ")", params
+
+
 def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
-                     late=frozenset()) -> tuple[int | None, list[int], str | None]:
+                     late=None) -> tuple[int | None, list[int], str | None]:
     """The node whose own job connections retransmit, when collectives are slow for
     everyone while nobody arrives late: retransmits far above the other nodes' (a
     persistent fault leaves no contrast in time, but it does across nodes) and often
     enough to slow every collective, or the most of them in the slow bins.
 
-    Retransmits towards a late node (``late``: node ids) do not count: a peer whose
-    sends to a starved or stalled node are retransmitted is that node's victim, not a
-    lossy link of its own (the issue's cpu run blamed exactly that peer).
+    Retransmits towards a late node while it was late (``late``: node id -> its windows;
+    towards_late) do not count: a peer whose sends to a starved or stalled node are
+    retransmitted is that node's victim, not a lossy link of its own (the issue's cpu run
+    blamed exactly that peer).
 
     Returns (node, bins, basis): basis "contrast" (its retransmits far above the other
     nodes'; bins: those of its retransmits and the slow ones) or "slow_bins" (the most
@@ -39,13 +56,11 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     count: dict[int, int] = defaultdict(int)
     in_slow: dict[int, int] = defaultdict(int)
     slow_set = set(slow)
-    towards_late = (f"AND {_plain('daddr')} NOT IN {addresses_of(con, '?')} "
-                    if late else "")
+    skip, skip_params = towards_late(con, late) if late else ("0", [])
     for nid, b, n in con.execute(
             "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
             "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' "
-            f"{towards_late}GROUP BY 1, 2",
-            (t0, bin_ns) + ((json.dumps(sorted(late)),) if late else ())):
+            f"AND NOT {skip} GROUP BY 1, 2", [t0, bin_ns] + skip_params):
         per[nid].add(b)
         count[nid] += n
         if b in slow_set:

@@ -486,11 +486,12 @@ def test_diagnose_names_a_close_runner_up_with_a_weak_cause(monkeypatch):
     assert (st.cause, st.cause_confidence, st.close_cause) == ("io", "clear", None)
 
 
-def _retransmits_towards(src, dst, db, out, no_sched="node-03"):
+def _retransmits_towards(src, dst, db, out, no_sched="node-03", windows=None):
     """A copy of fleet.db ``db`` in which node ``src``'s job connections retransmit
     towards node ``dst`` (four times the rate that makes a network suspect, spread over
-    the run), and the straggler ``no_sched`` has no sched rows (a capture without
-    scheduler tracing there), so that its own cause cannot be clear."""
+    the run, or over ``windows``: [(start_ns, end_ns)]), and the straggler ``no_sched``
+    has no sched rows (a capture without scheduler tracing there), so that its own cause
+    cannot be clear."""
     import shutil
 
     from ingero_forensics.report.network import MIN_RETRANSMITS_PER_COLLECTIVE
@@ -516,11 +517,13 @@ def _retransmits_towards(src, dst, db, out, no_sched="node-03"):
         sel = {c: c for c in cols}
         sel.update(scope="'job'", event="'tcp_retransmit_skb'", daddr="?2",
                    timestamp_ns="?3 + k * ?4", mono_ns="mono_ns + (?3 + k * ?4 - timestamp_ns)")
-        con.execute(
-            "WITH RECURSIVE s(k) AS (SELECT 0 UNION ALL SELECT k + 1 FROM s WHERE k + 1 < ?5) "
-            f"INSERT INTO tcp_events ({', '.join(cols)}) SELECT "
-            f"{', '.join(sel[c] for c in cols)} FROM tcp_events, s WHERE id = ?1",
-            (template, addr[ids[dst]], t0, (t1 - t0) // n, n))
+        for s, e in windows or [(t0, t1)]:
+            k = max(1, n * (e - s) // sum(b - a for a, b in windows or [(t0, t1)]))
+            con.execute(
+                "WITH RECURSIVE s(k) AS (SELECT 0 UNION ALL SELECT k + 1 FROM s "
+                f"WHERE k + 1 < ?5) INSERT INTO tcp_events ({', '.join(cols)}) SELECT "
+                f"{', '.join(sel[c] for c in cols)} FROM tcp_events, s WHERE id = ?1",
+                (template, addr[ids[dst]], s, max(1, (e - s) // k), k))
         assert addr[ids[dst]] != addr[ids[src]]
     finally:
         con.close()
@@ -560,21 +563,21 @@ def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tm
     fleet = make_fleet(tmp_path / "b", nodes=5, ranks_per_node=2, seconds=20,
                        straggler_rank=(2, 7), seed=8, messages=True)
     merge_bundles(fleet.paths, tmp_path / "f.db")
-    a = analyze_fleet(_retransmits_towards("node-1", "node-3", tmp_path / "f.db",
-                                           tmp_path / "to-late.db", no_sched=None))
+    # resent while node-3 was late (its windows): its symptom. All run long they would
+    # be node-1's own link's (the rig's lossy link: test_rig.py, network)
+    late = {s.node: s for s in analyze_fleet(tmp_path / "f.db").stragglers}["node-3"]
+    a = analyze_fleet(_retransmits_towards(
+        "node-1", "node-3", tmp_path / "f.db", tmp_path / "to-late.db", no_sched=None,
+        windows=[(w.start_ns, w.end_ns) for w in late.windows]))
     by_node = {s.node: s for s in a.stragglers}
     assert set(by_node) == {"node-1", "node-3"}, a.verdict
     st = by_node["node-1"]
     assert st.cause != "network", a.verdict
-    assert any("towards node-3 (late too)" in e and "victim" in e for e in st.evidence), \
-        st.evidence
-    # left out of its job-connection signal (back to the fleet's background level), shown
-    # apart, unscored
+    # left out of its job-connection signal: back to the fleet's background level
     job = next(s for s in st.signals if s.name == "job-connection retransmits (per s)")
-    towards = next(s for s in st.signals if s.name == TOWARDS_LATE_SIGNAL)
-    assert job.suspect <= 2 * job.others and towards.suspect >= 10 * job.others, st.signals
-    assert towards.score == 0.0
-    assert st.victim_of == ["node-3"] and "may be node-3's victim" in a.verdict, a.verdict
+    assert job.suspect <= 2 * job.others, st.signals
+    # (node-1's own windows are other collectives': none of those rows falls in both)
+    assert not any(s.name == TOWARDS_LATE_SIGNAL and s.score for s in st.signals)
     # nodes that share a kernel (the rig's namespaces): each capture also records the
     # others' retransmits, as background in their namespaces, with their addresses;
     # those are not a node's own, or no address would name a node
@@ -598,7 +601,7 @@ def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tm
     con.close()
     a = analyze_fleet(shared)
     st = {s.node: s for s in a.stragglers}["node-1"]
-    assert st.cause != "network" and st.victim_of == ["node-3"], a.verdict
+    assert st.cause != "network", a.verdict
     # ... and where a node recorded no job connection of its own (no namespace to keep),
     # the namespaces the other nodes of its kernel use for theirs are still not its own
     con = apsw.Connection(str(shared))
@@ -609,7 +612,7 @@ def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tm
     con.close()
     a = analyze_fleet(shared)
     st = {s.node: s for s in a.stragglers}["node-1"]
-    assert st.cause != "network" and st.victim_of == ["node-3"], a.verdict
+    assert st.cause != "network", a.verdict
     a = analyze_fleet(_retransmits_towards("node-1", "node-4", tmp_path / "f.db",
                                            tmp_path / "to-healthy.db", no_sched=None))
     # node-1 is then the network suspect (rule 4), its lateness that of its lossy link
