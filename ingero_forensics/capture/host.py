@@ -109,12 +109,16 @@ def parse_meminfo(raw: bytes) -> dict[str, int]:
 
 
 def parse_vmstat(raw: bytes) -> dict[str, int]:
-    """pgmajfault, pgscan/pgsteal (kswapd + direct) and allocstall (all zones)."""
-    out = {"pgmajfault": 0, "pgscan": 0, "pgsteal": 0, "allocstall": 0}
+    """pgmajfault, pgscan/pgsteal (kswapd + direct), allocstall (all zones) and
+    workingset refaults (anon + file; one counter before kernel 5.9)."""
+    out = {"pgmajfault": 0, "pgscan": 0, "pgsteal": 0, "allocstall": 0, "refault": 0}
     for line in raw.split(b"\n"):
         name, _, val = line.partition(b" ")
         if name == b"pgmajfault":
             out["pgmajfault"] = int(val)
+        elif name in (b"workingset_refault", b"workingset_refault_anon",
+                      b"workingset_refault_file"):
+            out["refault"] += int(val)
         elif name in (b"pgscan_kswapd", b"pgscan_direct"):
             out["pgscan"] += int(val)
         elif name in (b"pgsteal_kswapd", b"pgsteal_direct"):
@@ -190,6 +194,7 @@ class Snapshot:
     net: dict = field(default_factory=dict)
     disks: dict = field(default_factory=dict)
     gpus: dict = field(default_factory=dict)      # index -> {metric: value}
+    jobs: dict = field(default_factory=dict)      # cgroup path -> cgroups.CgroupSample
     #: CPU time of this process (the capture itself: every thread, user + system)
     self_cpu_ns: int | None = None
     #: in-kernel run time of its BPF programs (None: not kept by the kernel)
@@ -216,6 +221,11 @@ def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
         for metric, value in g.items():
             if metric in METRIC_NAMES:
                 add((t, metric, gpu, float(value)))
+    for path, j in cur.jobs.items():
+        if j.usage is not None:
+            add((t, "mem.job.usage_bytes", path, float(j.usage)))
+        if j.limit is not None:
+            add((t, "mem.job.limit_bytes", path, float(j.limit)))
     if prev is None:
         return rows
     dt_ns = t - prev.t_ns
@@ -251,8 +261,26 @@ def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
         if a is not None and b is not None and b >= a:
             add((t, metric, device, (b - a) / dt))
 
+    for path, j in cur.jobs.items():
+        pj = prev.jobs.get(path)
+        if pj is None:
+            continue
+        for res, (some, full) in j.psi.items():
+            p = pj.psi.get(res)
+            if p is None:
+                continue
+            if some is not None and p[0] is not None and some >= p[0]:
+                add((t, f"psi.job.{res}.some_pct", path,
+                     min(100.0, 100.0 * (some - p[0]) / dt_us)))
+            if res != "cpu" and full is not None and p[1] is not None and full >= p[1]:
+                add((t, f"psi.job.{res}.full_pct", path,
+                     min(100.0, 100.0 * (full - p[1]) / dt_us)))
+        rate("vm.job.pgmajfault_per_s", path, pj.pgmajfault, j.pgmajfault)
+        rate("vm.job.refault_per_s", path, pj.refault, j.refault)
+
     for key, metric in (("pgmajfault", "vm.pgmajfault_per_s"), ("pgscan", "vm.pgscan_per_s"),
-                        ("pgsteal", "vm.pgsteal_per_s"), ("allocstall", "vm.allocstall_per_s")):
+                        ("pgsteal", "vm.pgsteal_per_s"), ("allocstall", "vm.allocstall_per_s"),
+                        ("refault", "vm.refault_per_s")):
         rate(metric, None, prev.vm.get(key), cur.vm.get(key))
     rate("tcp.retrans_segs_per_s", None, prev.tcp.get("retrans"), cur.tcp.get("retrans"))
     rate("tcp.out_segs_per_s", None, prev.tcp.get("out"), cur.tcp.get("out"))
@@ -286,7 +314,7 @@ class ProcReader:
     """Open /proc files once; ``snapshot()`` re-reads them all."""
 
     def __init__(self, files: dict[str, str] | None = None, nvml=None,
-                 sys_block: str = "/sys/class/block"):
+                 sys_block: str = "/sys/class/block", jobs=None):
         self.paths = dict(PROC_FILES if files is None else files)
         self.fds: dict[str, int] = {}
         self.missing: dict[str, str] = {}
@@ -296,6 +324,7 @@ class ProcReader:
             except OSError as e:
                 self.missing[key] = f"{path}: {e.strerror}"
         self.nvml = nvml
+        self.jobs = jobs          # cgroups.JobCgroups of the traced processes, or None
         self.sys_block = sys_block
         self._disk_kind: dict[str, bool] = {}
 
@@ -343,6 +372,8 @@ class ProcReader:
             s.disks = parse_diskstats(raw, self._keep_disk)
         if self.nvml is not None:
             s.gpus = self.nvml.sample()
+        if self.jobs is not None:
+            s.jobs = self.jobs.sample()
         return s
 
     def close(self) -> None:
@@ -394,7 +425,10 @@ class HostSource(Source):
         except NvmlUnavailable as e:
             self.nvml_status = SourceStatus(
                 "host.nvml", False, str(e), "install the NVIDIA driver (provides libnvidia-ml.so.1)")
-        self.reader = ProcReader(self.files, nvml)
+        from .cgroups import JobCgroups
+        # the traced processes' own cgroups (their PSI and memory); not with test files
+        jobs = JobCgroups(ctx.targets.pids) if ctx is not None and self.files is None else None
+        self.reader = ProcReader(self.files, nvml, jobs=jobs)
         self.prev = None
         self._next = 0.0
 

@@ -292,6 +292,11 @@ def node_signals(con, target, node_ids, windows, bins=None,
             ("memory", "psi.memory.some_pct", 3.0, False),
             ("memory", "vm.pgmajfault_per_s", 20.0, False),
             ("memory", "vm.pgscan_per_s", 500.0, False),
+            ("memory", "vm.refault_per_s", REFAULT_FLOOR, False),
+            # the job's own cgroup: on a shared machine, the job's pressure alone
+            ("io", "psi.job.io.some_pct", 3.0, False),
+            ("memory", "psi.job.memory.some_pct", 3.0, False),
+            ("memory", "vm.job.refault_per_s", REFAULT_FLOOR, False),
             ("network", "tcp.retrans_segs_per_s", 1.0, False),
             ("gpu", "gpu.sm_clock_mhz", 50.0, True),
             ("gpu", "gpu.temp_c", 3.0, False)):
@@ -308,7 +313,8 @@ def node_signals(con, target, node_ids, windows, bins=None,
                 "AND (device IS NULL OR metric NOT LIKE 'cpu.%') GROUP BY node_id, device) "
                 "GROUP BY node_id", [metric] + p)
         if vals:
-            add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else ""),
+            add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else
+                                 " (worst cgroup of the job)" if ".job." in metric else ""),
                 vals, floor, inverse)
             if metric == "tcp.retrans_segs_per_s" and victim:
                 out[-1].name += (" (not scored: most of this node's job retransmits went "
@@ -330,6 +336,7 @@ def node_signals(con, target, node_ids, windows, bins=None,
     # job without any slow request: the time its requests took, per second
     add("io", "block I/O time of the job's processes (ms per s, summed over requests)",
         {k: v / 1e6 / secs for k, v in total.items()}, 5.0, relative=0.1)
+    _reads_are_refaults(con, out, target, w, p, secs)
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
@@ -351,6 +358,44 @@ def node_signals(con, target, node_ids, windows, bins=None,
     return out
 
 
+
+
+#: Refault signals (pages evicted and read again): the node's, and its job cgroup's.
+REFAULT_SIGNALS = ("vm.refault_per_s", "vm.job.refault_per_s (worst cgroup of the job)")
+#: pages per second: the smallest refault rate worth noticing (200 KiB/s)
+REFAULT_FLOOR = 50.0
+#: bytes per refaulted page (the kernel counts pages; 4 KiB on x86-64 and most arm64)
+PAGE_BYTES = 4096
+#: the share of the job's block reads that refaults must cover to make them memory's
+REFAULT_SHARE = 0.5
+
+
+def _reads_are_refaults(con, out: list[Signal], target, w, p, secs) -> None:
+    """A node whose working set does not fit its memory (a cgroup limit, other tenants)
+    reads back the pages it had to give up: its block I/O rises, and so does every I/O
+    signal, but the disk is not the cause. Where the suspect's refaults (a memory signal
+    of score >= 3) add up to at least half of the bytes its job's processes read from
+    disk, its I/O signals are not scored: they are the memory signal's symptom. Seen on
+    the real-kernel rig: a node whose job was limited to 12 MiB under a 32 MiB memory-
+    mapped shard was named with block I/O, "clear", its refaults (3,600 pages/s, its
+    peers none) unread."""
+    refaults = [s for s in out if s.cause == "memory" and s.name in REFAULT_SIGNALS
+                and s.score >= WEAK_SCORE]
+    if not refaults:
+        return
+    read = con.execute(
+        f"SELECT COALESCE(SUM(b.bytes), 0) FROM block_events b WHERE b.node_id = ? AND "
+        f"b.op = 'read' AND {w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK}",
+        [target] + p).fetchone()[0] / secs
+    refault = max(s.suspect for s in refaults) * PAGE_BYTES
+    if read <= 0 or refault < REFAULT_SHARE * read:
+        return
+    note = (f" (not scored: pages the job had evicted, read again, make "
+            f"{min(100, round(100 * refault / read))}% of its block reads: memory's symptom)")
+    for s in out:
+        if s.cause == "io" and s.score > 0:
+            s.name += note
+            s.score = 0.0
 
 
 def _source(con, table: str, windows, alias: str = "") -> str:
@@ -518,16 +563,25 @@ def cited_evidence(con, cause, target, windows, nodes,
             ev.append(f"{bg} other retransmits in the windows belong to background traffic "
                       "(not the job's connections) and are not counted.")
     elif cause == "memory":
+        for t in job_memory(con, target, w, p):
+            top.append(t)
+            held = (f"held {t['usage_mib']:,.1f} MiB of its {t['limit_mib']:,.1f} MiB limit "
+                    f"at most, and " if t["limit_mib"] else "")
+            ev.append(f"The job's cgroup {t['cgroup']} {held}read again "
+                      f"{t['refault_per_s']:,.0f} pages/s it had had to give up (workingset "
+                      f"refaults; {t['pgmajfault_per_s']:,.0f} major faults/s) in the windows; "
+                      f"its tasks stalled on memory {t['memory_stall_pct']:.1f}% of the time.")
         sql, params = (
             (bins.memory_peaks_sql(wb[0]), wb[1]) if wb is not None else
             ("SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
              f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
              "GROUP BY metric ORDER BY metric", p))
-        for metric, mx in con.execute(sql, [target] + params):
-            top.append({"metric": metric, "peak": round(mx, 1)})
-        if top:
+        node_wide = [{"metric": metric, "peak": round(mx, 1)}
+                     for metric, mx in con.execute(sql, [target] + params)]
+        top.extend(node_wide)
+        if node_wide:
             ev.append("Memory pressure on the node: " + ", ".join(
-                f"{t['metric']} peaked at {t['peak']}" for t in top) + ".")
+                f"{t['metric']} peaked at {t['peak']}" for t in node_wide) + ".")
     elif cause == "gpu":
         sql, params = (
             (bins.gpu_devices_sql(wb[0]), wb[1]) if wb is not None else
@@ -546,6 +600,30 @@ def cited_evidence(con, cause, target, windows, nodes,
             ev.append(f"GPU {top[0]['gpu']}{used} ran at {top[0]['sm_clock_mhz']} MHz SM "
                       f"clock, {top[0]['temp_c']} °C, in the windows.")
     return ev, top
+
+
+def job_memory(con, target, w, p) -> list[dict]:
+    """The target's job cgroups in the windows, the one with most refaults first: its
+    memory use at most and its limit (MiB), refaults and major faults per second and
+    the share of time its tasks stalled on memory (psi.job.memory.some_pct)."""
+    per: dict[str, dict[str, float]] = defaultdict(dict)
+    for dev, metric, avg, mx in con.execute(
+            "SELECT device, metric, AVG(value), MAX(value) FROM host_samples WHERE "
+            "node_id = ? AND metric IN ('mem.job.usage_bytes', 'mem.job.limit_bytes', "
+            "'vm.job.refault_per_s', 'vm.job.pgmajfault_per_s', 'psi.job.memory.some_pct') "
+            f"AND {w} GROUP BY device, metric", [target] + p):
+        per[dev][metric] = mx if metric in ("mem.job.usage_bytes", "mem.job.limit_bytes") else avg
+    out = [{"cgroup": dev,
+            "usage_mib": round(m.get("mem.job.usage_bytes", 0.0) / 2**20, 1),
+            "limit_mib": round(m["mem.job.limit_bytes"] / 2**20, 1)
+            if "mem.job.limit_bytes" in m else None,
+            "refault_per_s": round(m.get("vm.job.refault_per_s", 0.0), 1),
+            "pgmajfault_per_s": round(m.get("vm.job.pgmajfault_per_s", 0.0), 1),
+            "memory_stall_pct": round(m.get("psi.job.memory.some_pct", 0.0), 2)}
+           for dev, m in per.items() if dev is not None]
+    return sorted((t for t in out if t["refault_per_s"] >= REFAULT_FLOOR
+                   or t["memory_stall_pct"] >= 3.0),
+                  key=lambda t: (-t["refault_per_s"], -t["memory_stall_pct"], t["cgroup"]))
 
 
 def next_step(cause, node: str, top: list[dict]) -> str:
@@ -578,6 +656,17 @@ def next_step(cause, node: str, top: list[dict]) -> str:
                 "(nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE) and compare them with a "
                 "healthy node's: the capture has no GPU samples (NVML) from it in the "
                 "windows.")
+    if cause == "memory" and top and "cgroup" in top[0]:
+        t = top[0]
+        if t["limit_mib"] and t["usage_mib"] >= 0.9 * t["limit_mib"]:
+            return (f"The job's cgroup {t['cgroup']} on {node} stayed at its "
+                    f"{t['limit_mib']:,.1f} MiB memory limit and read "
+                    f"{t['refault_per_s']:,.0f} pages/s back: raise its limit (memory.max, "
+                    "or the job's memory request) or shrink what it keeps in memory (a "
+                    "memory-mapped dataset, the loader's page cache).")
+        return (f"The job's cgroup {t['cgroup']} on {node} read {t['refault_per_s']:,.0f} "
+                "pages/s back that it had had to give up: find what took the memory (other "
+                "tenants, the page cache of other files) and leave the job its working set.")
     if cause == "memory" and top:
         return (f"Memory pressure on {node} (" + ", ".join(
             f"{t['metric']} up to {t['peak']}" for t in top) + "): find what grew (other "
@@ -592,6 +681,11 @@ def cause_series(con, cause, target, t0, bin_ns, bins=None) -> dict:
     metric = {"cpu": "psi.cpu.some_pct", "io": "psi.io.some_pct",
               "memory": "psi.memory.some_pct", "network": "tcp.retrans_segs_per_s",
               "gpu": "gpu.sm_clock_mhz"}[cause]
+    if cause == "memory" and con.execute(
+            "SELECT 1 FROM host_samples WHERE metric = 'vm.job.refault_per_s' AND node_id = ? "
+            "AND value > 0 LIMIT 1", [target]).fetchone():
+        # the job's own refaults: on a shared machine the node-wide PSI is everyone's
+        metric = "vm.job.refault_per_s"
     agg = "MIN" if cause == "gpu" else "MAX"
     per: dict[int, dict[int, float]] = defaultdict(dict)
     if bins is not None and bins.aligned:

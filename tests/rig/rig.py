@@ -11,6 +11,11 @@ clock skew between the nodes is 0, which makes every alignment checkable.
 Processes enter a namespace with ``nsenter --net=/run/netns/NAME``, never ``ip netns
 exec``: the latter remounts /sys, which hides tracefs from the capture.
 
+Every node's ranks also live in a cgroup of their own (``ingero-rig-<pid>-<k>`` in the
+cgroup v2 hierarchy), as a job does on its machine, so that each capture can tell its
+node's pressure (PSI) from the shared kernel's; the "memory" fault limits the
+straggler's (the v1 memory controller where it is bound there, else v2 ``memory.max``).
+
 Order of a run: ranks start and stop at "ready"; the captures start and report
 "sources on" (their uprobes are attached); the fault is switched on; "go" releases the
 ranks, which only then create their communicator. After the job's JSON lines, the ranks
@@ -40,10 +45,19 @@ from ..fixtures.build import Fixtures, build_fixtures
 PREFIX = "ingero-rig-"
 SUBNET = "10.213.0"          # /24, only inside the rig's own namespaces
 ROOT_PORT = 29500
-SCENARIOS = ("none", "cpu", "io", "network", "gpu", "compute")
+SCENARIOS = ("none", "cpu", "io", "network", "gpu", "compute", "memory")
 #: The cause the report should give, in its vocabulary; "compute" (the rank's own code
 #: takes longer: no contention, I/O, network or GPU) has none the capture can see.
-CAUSE = {"cpu": "cpu", "io": "io", "network": "network", "gpu": "gpu", "compute": None}
+CAUSE = {"cpu": "cpu", "io": "io", "network": "network", "gpu": "gpu", "compute": None,
+         "memory": "memory"}
+#: The loader's mode per scenario, on every node: "heavy" only on the straggler (O_DIRECT
+#: reads and synced writes), "paged" on every node (random pages of a memory-mapped shard:
+#: the same work everywhere, the straggler with too little memory for it)
+LOADER = {"io": "heavy", "memory": "paged"}
+#: "memory": the straggler's job may hold this much memory per rank (its cgroup's limit,
+#: charged from "ready" on), under the 32 MiB shard each rank reads pages of at random:
+#: evicted pages are read again (the kernel counts that time as memory stall)
+MEMORY_LIMIT_PER_RANK = 12 << 20
 #: Environment of the straggler's ranks per scenario: "gpu", a GPU three times slower
 #: (the cudart shim's kernels); "compute", 8 ms more collate CPU time per step.
 FAULT_ENV = {"gpu": {"INGERO_SHIM_KERNEL_PCT": "300"},
@@ -191,6 +205,7 @@ class Rig:
         #: captures that sealed and are detaching their probes: (node, process, log)
         self._exiting: list[tuple[str, subprocess.Popen, Path]] = []
         self._made: list[str] = []
+        self.cgroups = Cgroups(tag)
         self._closed = False
         self._runs = 0
         atexit.register(self.close)
@@ -203,6 +218,7 @@ class Rig:
     # -- set-up and tear-down ---------------------------------------------------------
     def _build(self) -> None:
         remove_stale_namespaces()
+        remove_stale_cgroups()
         run("ip", "netns", "add", self.bridge_ns)
         self._made.append(self.bridge_ns)
         br = ["ip", "-n", self.bridge_ns]
@@ -233,6 +249,7 @@ class Rig:
             error = e
         for p in self._procs:
             stop_process(p)
+        self.cgroups.remove()
         for ns in reversed(self._made):
             run("ip", "netns", "del", ns, check=False)
         atexit.unregister(self.close)
@@ -288,6 +305,7 @@ class Rig:
         self._runs += 1
         out = self.workdir / f"{self._runs:02d}-{scenario}"
         out.mkdir(parents=True)
+        self._out = out
         started = time.monotonic()
         local: list[subprocess.Popen] = []   # stopped whatever happens
         caps: dict[str, tuple[subprocess.Popen, Path]] = {}
@@ -365,7 +383,8 @@ class Rig:
         for n in self.nodes:
             loader = out / "loader" / n.name
             loader.mkdir(parents=True)
-            heavy = ["heavy"] if scenario == "io" and n in stragglers else []
+            mode = LOADER.get(scenario)
+            heavy = [mode] if mode and (n in stragglers or mode == "paged") else []
             for lr, r in enumerate(n.ranks):
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world_size),
                            LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(self.ranks_per_node),
@@ -389,6 +408,8 @@ class Rig:
             if line != "ready":
                 raise RigError(f"rank {r} did not start: {line!r} "
                                f"{(out / f'rank-{r}.err').read_text()}")
+        for n in self.nodes:
+            self.cgroups.enter(n.netns, [ranks[r].pid for r in n.ranks])
         return ranks
 
     def _fault_on(self, scenario: str, local: list):
@@ -408,6 +429,19 @@ class Rig:
                 run(*tc, "add", "dev", veth, "root", "tbf", *TBF)
             return lambda: [run(*tc, "del", "dev", veth, "root", check=False)
                             for tc, veth in links]
+        if scenario == "memory":
+            for k in self.stragglers:
+                n = self.nodes[k]
+                self.cgroups.limit_memory(n.netns, MEMORY_LIMIT_PER_RANK * len(n.ranks))
+                # the shards were written before the limit: their pages are charged
+                # elsewhere and cached; evict them, so that what the ranks read is theirs
+                for shard in (self._out / "loader" / n.name).glob("shard-*.bin"):
+                    fd = os.open(shard, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+            return lambda: None   # the limit goes with the cgroup
         return lambda: None   # none; io is the straggler's loader mode (heavy)
 
     def _stop_captures(self, caps) -> dict[str, str]:
@@ -511,3 +545,84 @@ def remove_stale_namespaces() -> None:
         m = re.match(rf"({re.escape(PREFIX)}(\d+)-\S+)", line)
         if m and not os.path.exists(f"/proc/{m.group(2)}"):
             run("ip", "netns", "del", m.group(1), check=False)
+
+
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    """(mount point, file system type, super options) of every cgroup mount."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fstype, _src, sopts = (post.split() + ["", ""])[:3]
+            if fstype in ("cgroup", "cgroup2"):
+                out.append((pre.split()[4], fstype, set(sopts.split(","))))
+    return out
+
+
+class Cgroups:
+    """One cgroup per node, named ``TAG-k`` after its namespace's suffix: in the cgroup
+    v2 hierarchy (each node's own PSI), and in the v1 memory hierarchy where the memory
+    controller is bound there (its limit). Made on first use, removed by ``remove``."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        mounts = _mounts()
+        self.v2 = next((Path(m) for m, t, _ in mounts if t == "cgroup2"), None)
+        self.v1_memory = next((Path(m) for m, t, o in mounts
+                               if t == "cgroup" and "memory" in o), None)
+        self.made: list[Path] = []
+
+    def _dir(self, root: Path, netns: str) -> Path:
+        d = root / netns
+        if not d.is_dir():
+            d.mkdir()
+            self.made.append(d)
+        return d
+
+    def enter(self, netns: str, pids: list[int]) -> None:
+        """Move the node's processes (and their threads) into its cgroups."""
+        if self.v2 is None:
+            raise RigError("no cgroup v2 hierarchy mounted: the rig's nodes need one")
+        roots = [self.v2] + ([self.v1_memory] if self.v1_memory else [])
+        for root in roots:
+            procs = self._dir(root, netns) / "cgroup.procs"
+            for pid in pids:
+                procs.write_text(f"{pid}\n")
+
+    def limit_memory(self, netns: str, limit: int) -> None:
+        if self.v1_memory is not None:
+            (self._dir(self.v1_memory, netns) / "memory.limit_in_bytes").write_text(f"{limit}\n")
+            return
+        ctl = (self.v2 / "cgroup.subtree_control")
+        if "memory" not in ctl.read_text().split():
+            ctl.write_text("+memory\n")
+        (self._dir(self.v2, netns) / "memory.max").write_text(f"{limit}\n")
+
+    def remove(self) -> None:
+        """Remove the node cgroups (empty once their processes are gone: a few tries)."""
+        for d in reversed(self.made):
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        self.made.clear()
+
+
+def remove_stale_cgroups() -> None:
+    """Remove the node cgroups of rig processes that no longer exist (as namespaces)."""
+    for mount, _t, _o in _mounts():
+        try:
+            names = os.listdir(mount)
+        except OSError:
+            continue
+        for name in names:
+            m = re.match(rf"{re.escape(PREFIX)}(\d+)-\S+$", name)
+            if m and not os.path.exists(f"/proc/{m.group(1)}"):
+                try:
+                    os.rmdir(os.path.join(mount, name))
+                except OSError:
+                    pass
