@@ -37,9 +37,11 @@ SwapTotal:          2048 kB
 SwapFree:           1024 kB
 """
 VMSTAT_A = b"pgmajfault 10\npgscan_kswapd 5\npgscan_direct 5\npgsteal_kswapd 1\npgsteal_direct 1\n" \
-           b"allocstall_normal 0\nallocstall_movable 0\npgscan_khugepaged 999\n"
+           b"allocstall_normal 0\nallocstall_movable 0\npgscan_khugepaged 999\n" \
+           b"workingset_refault_anon 3\nworkingset_refault_file 7\nworkingset_activate_file 50\n"
 VMSTAT_B = b"pgmajfault 30\npgscan_kswapd 25\npgscan_direct 5\npgsteal_kswapd 11\npgsteal_direct 1\n" \
-           b"allocstall_normal 2\nallocstall_movable 2\npgscan_khugepaged 5000\n"
+           b"allocstall_normal 2\nallocstall_movable 2\npgscan_khugepaged 5000\n" \
+           b"workingset_refault_anon 3\nworkingset_refault_file 27\nworkingset_activate_file 90\n"
 SNMP_A = b"Ip: Forwarding DefaultTTL\nIp: 1 64\nTcp: RtoAlgorithm OutSegs RetransSegs InErrs\n" \
          b"Tcp: 1 1000 10 0\nUdp: InDatagrams\nUdp: 5\n"
 SNMP_B = SNMP_A.replace(b"Tcp: 1 1000 10 0", b"Tcp: 1 3000 14 0")
@@ -79,7 +81,10 @@ def test_parsers():
     assert parse_meminfo(MEMINFO) == {"total": 24684096 * 1024, "available": 22000000 * 1024,
                                       "dirty": 128 * 1024, "swap_total": 2048 * 1024,
                                       "swap_free": 1024 * 1024}
-    assert parse_vmstat(VMSTAT_A) == {"pgmajfault": 10, "pgscan": 10, "pgsteal": 2, "allocstall": 0}
+    assert parse_vmstat(VMSTAT_A) == {"pgmajfault": 10, "pgscan": 10, "pgsteal": 2, "allocstall": 0,
+                                      "refault": 10}
+    # before kernel 5.9: one refault counter
+    assert parse_vmstat(b"workingset_refault 12\nworkingset_activate 4\n")["refault"] == 12
     assert parse_snmp_tcp(SNMP_A) == {"retrans": 10, "out": 1000}
     assert parse_net_dev(NETDEV_A) == {"lo": (1000, 1000, 0), "eth0": (500000, 4000, 3)}
     assert parse_diskstats(DISK_A) == {"vda": (2000 * 512, 4000 * 512, 100, 200, 200)}  # loop0 idle
@@ -110,6 +115,7 @@ def test_rates_over_the_interval():
     assert got[("vm.pgscan_per_s", None)] == pytest.approx(40.0)   # khugepaged not counted
     assert got[("vm.pgsteal_per_s", None)] == pytest.approx(20.0)
     assert got[("vm.allocstall_per_s", None)] == pytest.approx(8.0)
+    assert got[("vm.refault_per_s", None)] == pytest.approx(40.0)    # activations not counted
     assert got[("tcp.retrans_segs_per_s", None)] == pytest.approx(8.0)
     assert got[("tcp.out_segs_per_s", None)] == pytest.approx(4000.0)
     assert got[("net.rx_bytes_per_s", "eth0")] == pytest.approx(800000.0)

@@ -73,7 +73,7 @@ def test_rig_job_ran_and_was_captured(runs, scenario):
     assert all(len(b) == 1 for b in o.run.bundles.values()), o.run.bundles
 
 
-@pytest.mark.parametrize("scenario", ("cpu", "io"))
+@pytest.mark.parametrize("scenario", ("cpu", "io", "memory"))
 def test_rig_straggler_really_arrives_late(runs, scenario):
     """On the shared clock, the degraded node reaches the collectives late and nobody
     else does."""
@@ -111,6 +111,29 @@ def test_rig_gpu_fault_slows_the_job_from_the_gpu(runs):
     assert late[o.run.truth.node] < o.report["threshold_ms"], show("gpu", o)
 
 
+def test_rig_memory_fault_reads_back_what_it_evicted(runs):
+    """The memory limit is real: on the straggler's job cgroup (its own, as every node's),
+    the kernel counts pages read back after eviction and the job at its limit; no other
+    node's job reads any back; every node did the same reads, so the job slowed down."""
+    o = runs.get("memory")
+    with measure.connect(o.fleet_db) as con:
+        refaults = dict(con.execute(
+            "SELECT n.name, AVG(h.value) FROM host_samples h JOIN nodes n USING (node_id) "
+            "WHERE h.metric = 'vm.job.refault_per_s' GROUP BY n.name"))
+        at_limit = con.execute(
+            "SELECT MAX(u.value) / MAX(l.value) FROM host_samples u JOIN host_samples l "
+            "ON l.node_id = u.node_id AND l.metric = 'mem.job.limit_bytes' "
+            "JOIN nodes n ON n.node_id = u.node_id "
+            "WHERE u.metric = 'mem.job.usage_bytes' AND n.name = ?",
+            (o.run.truth.node,)).fetchone()[0]
+    mine = refaults.pop(o.run.truth.node)
+    assert sorted(refaults) == sorted(n for n in o.run.bundles if n != o.run.truth.node)
+    assert mine >= 500 and max(refaults.values()) < 0.02 * mine, (mine, refaults)
+    assert at_limit is not None and at_limit >= 0.9, at_limit
+    assert o.run.median_step_ms() >= 1.2 * runs.get("none").run.median_step_ms(), \
+        show("memory", o)
+
+
 # -- the verdict ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scenario", ONE_RANK)
@@ -123,9 +146,11 @@ def test_report_names_the_straggler_and_cause(runs, scenario):
         return
     assert [s.node for s in named] == [truth.node], show(scenario, o)
     assert named[0].cause == truth.cause, show(scenario, o)
-    if scenario in ("cpu", "gpu"):
+    if scenario in ("cpu", "gpu", "memory"):
         # a CPU-starved node's waits for its GPU work are long too (its woken threads
-        # wait for a CPU): they must not make the GPU a close second to the run queue
+        # wait for a CPU): they must not make the GPU a close second to the run queue;
+        # a node short of memory reads from disk (the block I/O of its refaults): that
+        # must not make the disk its cause, nor a close second
         assert named[0].confidence == "clear", show(scenario, o)
     # one rank per node: the node's rank is the late one (cpu, io), or the rank of the
     # node whose link is lossy or whose GPU is slow (network, gpu: it arrives on time,
