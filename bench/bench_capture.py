@@ -66,6 +66,56 @@ def bench_sampler(n: int) -> tuple[float, float, int]:
     return per_sample, floor, rows_per_sample
 
 
+def bench_job_cgroups(n: int, k: int) -> tuple[float, float, int] | None:
+    """CPU per sample of the traced processes' cgroups (capture/cgroups.py): k cgroups
+    made for the bench (one sleeping process each: in v2 and the v1 memory hierarchy
+    where bound), sampled n times, refreshes included; the floor is a pread of the same
+    files. None without root or a cgroup v2 hierarchy."""
+    from ingero_forensics.capture.cgroups import JobCgroups, cgroup_mounts
+    v2, v1 = cgroup_mounts()
+    if os.geteuid() != 0 or v2 is None:
+        return None
+    roots = [Path(v2.point)] + ([Path(v1.point)] if v1 else [])
+    made, procs = [], []
+    try:
+        for i in range(k):
+            p = subprocess.Popen(["sleep", "600"])
+            procs.append(p)
+            for root in roots:
+                d = root / f"ingero-bench-{os.getpid()}-{i}"
+                d.mkdir()
+                made.append(d)
+                (d / "cgroup.procs").write_text(f"{p.pid}\n")
+        jobs = JobCgroups(lambda: {p.pid for p in procs})
+        psi, mem = jobs.sample()
+        t0 = time.process_time()
+        for _ in range(n):
+            jobs.sample()
+        per = (time.process_time() - t0) / n
+        files = [f for files in jobs._psi.values() for f in files.fds] + \
+            [f for files, _ in jobs._mem.values() for f in files.fds]
+        fds = [fd for files in jobs._psi.values() for fd in files.fds.values()] + \
+            [fd for files, _ in jobs._mem.values() for fd in files.fds.values()]
+        t0 = time.process_time()
+        for _ in range(n):
+            for fd in fds:
+                os.pread(fd, 1 << 16, 0)
+        floor = (time.process_time() - t0) / n
+        jobs.close()
+        return per, floor, len(files)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for d in reversed(made):
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+
+
 def capture_cpu(seconds: float) -> float:
     with tempfile.TemporaryDirectory() as d:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -86,6 +136,15 @@ def main() -> None:
           f"{per * 10 * 100:.2f}% of one core at 10 Hz; "
           f"floor (pread only) {floor * 1e6:.0f} us, ratio {per / floor:.1f}x; "
           f"{os.cpu_count()} CPUs")
+    for k in (1, 16):
+        got = bench_job_cgroups(a.samples, k)
+        if got is None:
+            print("job cgroups: not measured (needs root and a cgroup v2 hierarchy)")
+            break
+        per_j, floor_j, files = got
+        print(f"job cgroups, {k} cgroup(s): {per_j * 1e6:.0f} us CPU per sample ({files} "
+              f"files), {per_j * 10 * 100:.2f}% of one core at 10 Hz; floor (pread only) "
+              f"{floor_j * 1e6:.0f} us, ratio {per_j / floor_j:.1f}x")
     short = capture_cpu(2.0)
     long = capture_cpu(2.0 + a.seconds)
     share = (long - short) / a.seconds

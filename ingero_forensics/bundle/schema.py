@@ -452,12 +452,13 @@ HOST_METRICS: tuple[tuple[str, str, str], ...] = (
     ("vm.pgscan_per_s", "pages/s", "Pages scanned for reclaim (kswapd + direct)."),
     ("vm.pgsteal_per_s", "pages/s", "Pages reclaimed (kswapd + direct)."),
     ("vm.allocstall_per_s", "1/s", "Direct reclaim stalls per second."),
-    ("vm.refault_per_s", "pages/s", "Pages evicted and read again (/proc/vmstat "
-     "workingset_refault_anon + _file): memory too small for what is in use."),
-    ("psi.job.cpu.some_pct", "%", "As psi.cpu.some_pct, for the tasks of one cgroup that "
-     "traced processes live in (its cpu.pressure; never the root cgroup); device = the "
-     "cgroup's path, as in /proc/PID/cgroup. The job's own pressure where the machine is "
-     "shared."),
+    ("vm.refault_bytes_per_s", "bytes/s", "Pages evicted and read again, in bytes "
+     "(/proc/vmstat workingset_refault_anon + _file, times the page size): memory too "
+     "small for what is in use."),
+    ("psi.job.cpu.some_pct", "%", "As psi.cpu.some_pct, for the tasks of one cgroup v2 "
+     "that traced processes live in (its cpu.pressure; never the machine's root cgroup); "
+     "device = the cgroup's path, as in /proc/PID/cgroup. The job's own pressure where "
+     "the machine is shared."),
     ("psi.job.io.some_pct", "%", "As psi.io.some_pct, for one traced processes' cgroup "
      "(io.pressure); device as psi.job.cpu.some_pct."),
     ("psi.job.io.full_pct", "%", "As psi.io.full_pct, for one traced processes' cgroup."),
@@ -465,15 +466,18 @@ HOST_METRICS: tuple[tuple[str, str, str], ...] = (
      "cgroup (memory.pressure: reclaim, and reading again pages it had to give up)."),
     ("psi.job.memory.full_pct", "%", "As psi.memory.full_pct, for one traced processes' "
      "cgroup."),
-    ("mem.job.usage_bytes", "bytes", "Memory charged to one traced processes' cgroup "
-     "(memory.current, or v1 memory.usage_in_bytes); device = the cgroup's path (the v1 "
-     "memory hierarchy's where that controller is bound there)."),
+    ("mem.job.usage_bytes", "bytes", "Memory charged to one memory cgroup that traced "
+     "processes live in (memory.current, or v1 memory.usage_in_bytes); device = that "
+     "cgroup's path: its v2 path where the v2 memory controller is enabled there, else its "
+     "path in the v1 memory hierarchy (on a hybrid machine it may differ from the v2 "
+     "path of the psi.job rows)."),
     ("mem.job.limit_bytes", "bytes", "That cgroup's memory limit (memory.max, or v1 "
      "memory.limit_in_bytes); no row when it has none."),
     ("vm.job.pgmajfault_per_s", "1/s", "Major page faults per second of that cgroup "
      "(memory.stat pgmajfault)."),
-    ("vm.job.refault_per_s", "pages/s", "Pages of that cgroup evicted and read again "
-     "(memory.stat workingset_refault_anon + _file): its working set does not fit."),
+    ("vm.job.refault_bytes_per_s", "bytes/s", "Pages of that cgroup evicted and read "
+     "again, in bytes (memory.stat workingset_refault_anon + _file, times the page size; "
+     "v1 memory.stat has them from about kernel 5.13): its working set does not fit."),
     ("tcp.retrans_segs_per_s", "segments/s", "TCP RetransSegs rate (/proc/net/snmp)."),
     ("tcp.out_segs_per_s", "segments/s", "TCP OutSegs rate."),
     ("net.rx_bytes_per_s", "bytes/s", "Received bytes; device = interface."),

@@ -4,22 +4,26 @@
 (other tenants, a Slurm node split between jobs, or in the tests several "nodes" on one
 kernel) they cannot say whether *the job* stalled. The kernel keeps the same figures per
 cgroup: ``cpu.pressure``, ``io.pressure`` and ``memory.pressure`` in every cgroup v2
-directory, and the memory controller's usage, limit and ``memory.stat`` (v2, or v1 where
-the memory controller is bound to a v1 hierarchy). The sampler reads them for the
-cgroups the traced processes live in (never the root: that is /proc's own figure).
+directory, and the memory controller's use, limit and ``memory.stat`` (v2, or v1 where
+the memory controller is bound to a v1 hierarchy, as on hybrid machines). The sampler
+reads them for the cgroups the traced processes live in, each hierarchy on its own: on a
+hybrid Slurm node a job's v1 memory cgroup (``/slurm/uid_0/job_9/step_0``) is not its v2
+one (systemd's ``/system.slice/slurmd.service``), and each row names the cgroup it was
+read from.
 
-Paths come from /proc/PID/cgroup and are re-read every ``REFRESH_S``: a job moved into
-its cgroup after the capture started (a Slurm step, a container) is followed. At most
-``MAX_CGROUPS`` cgroups are sampled (a job's processes share a few).
+Never the root cgroup: its figures are /proc's own. Paths come from /proc/PID/cgroup and
+are re-read every ``REFRESH_S`` (a job moved into its cgroup after the capture started, a
+Slurm step, a container, is followed); at most ``MAX_CGROUPS`` of each kind are sampled.
+Files are opened when their cgroup is first seen and re-read with pread at offset 0.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .host import parse_psi
+from .host import PAGE_BYTES, parse_psi
 
 REFRESH_S = 1.0
 MAX_CGROUPS = 16
@@ -28,18 +32,45 @@ NO_LIMIT = 1 << 62
 
 
 @dataclass
-class CgroupSample:
-    """One cgroup at one instant; counters are totals since the cgroup was made."""
-    psi: dict = field(default_factory=dict)   # resource -> (some us, full us or None)
-    usage: int | None = None                  # bytes charged now
-    limit: int | None = None                  # bytes, None when unlimited
+class MemorySample:
+    """One memory cgroup at one instant; counters are totals since it was made."""
+    usage: int | None = None        # bytes charged now
+    limit: int | None = None        # bytes, None when unlimited
     pgmajfault: int | None = None
-    refault: int | None = None                # pages evicted and read again (workingset)
+    refault_bytes: int | None = None    # pages evicted and read again, in bytes
 
 
-def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> tuple[str | None, str | None]:
-    """(the cgroup v2 mount point, the v1 memory controller's mount point), either None."""
-    v2 = v1_memory = None
+@dataclass
+class Mount:
+    """A cgroup hierarchy's mount: where it is, and which cgroup its directory is (not
+    "/" where the mount shows a subtree: a container's view of the host's hierarchy)."""
+    point: str
+    root: str = "/"
+
+    def dir_of(self, path: str) -> str | None:
+        """The directory of cgroup ``path`` (as /proc/PID/cgroup gives it); None when it
+        lies outside this mount ("/.." of another cgroup namespace) or is not a path."""
+        if not path.startswith("/") or "/.." in path or "\x00" in path:
+            return None
+        if self.root != "/":
+            if path != self.root and not path.startswith(self.root + "/"):
+                return None
+            path = path[len(self.root):] or "/"
+        return self.point.rstrip("/") + path if path != "/" else self.point
+
+    def is_host_root(self, path: str) -> bool:
+        """Is cgroup ``path`` the machine's root cgroup (whose figures are /proc's)? Every
+        cgroup v2 directory but the real root has ``cgroup.type``: inside a cgroup
+        namespace the job's own cgroup reads as "/" and is not the root."""
+        d = self.dir_of(path)
+        return d is not None and path == "/" and not os.path.exists(f"{d}/cgroup.type")
+
+
+def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> tuple[Mount | None, Mount | None]:
+    """(the cgroup v2 mount, the v1 memory controller's mount), either None. A mount of
+    the whole hierarchy is preferred to one of a subtree."""
+    v2: list[Mount] = []
+    v1: list[Mount] = []
     try:
         with open(mountinfo) as f:
             lines = f.read().splitlines()
@@ -50,11 +81,15 @@ def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> tuple[str | None, 
         fields, rest = pre.split(), post.split()
         if len(fields) < 5 or len(rest) < 3:
             continue
-        if rest[0] == "cgroup2" and v2 is None:
-            v2 = fields[4]
-        elif rest[0] == "cgroup" and "memory" in rest[2].split(",") and v1_memory is None:
-            v1_memory = fields[4]
-    return v2, v1_memory
+        m = Mount(fields[4], fields[3])
+        if rest[0] == "cgroup2":
+            v2.append(m)
+        elif rest[0] == "cgroup" and "memory" in rest[2].split(","):
+            v1.append(m)
+
+    def best(ms):
+        return min(ms, key=lambda m: m.root != "/") if ms else None
+    return best(v2), best(v1)
 
 
 def cgroups_of(pid: int, proc: str = "/proc") -> tuple[str | None, str | None]:
@@ -76,26 +111,10 @@ def cgroups_of(pid: int, proc: str = "/proc") -> tuple[str | None, str | None]:
     return v2, v1_memory
 
 
-def _read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _int(raw: bytes | None) -> int | None:
-    if raw is None:
-        return None
-    try:
-        return int(raw.strip())
-    except ValueError:
-        return None       # "max": no limit
-
-
 def parse_memory_stat(raw: bytes) -> tuple[int | None, int | None]:
     """memory.stat (v2, or v1 with its hierarchical ``total_`` keys) -> (pgmajfault,
-    workingset refaults: anon + file, or the single counter of older kernels)."""
+    workingset refaults in pages: anon + file, or the single counter of kernels before
+    5.9; v1 has them since about 5.13, None before)."""
     vals: dict[bytes, int] = {}
     for line in raw.split(b"\n"):
         k, _, v = line.partition(b" ")
@@ -112,58 +131,129 @@ def parse_memory_stat(raw: bytes) -> tuple[int | None, int | None]:
     return major, refault
 
 
-class JobCgroups:
-    """Samples the cgroups of ``pids()``; ``sample()`` -> {device: CgroupSample}, where
-    the device is the cgroup's path (v2 for pressure, the v1 memory path for memory where
-    that controller is v1; both are the same name on a machine that names them alike)."""
+def _int(raw: bytes | None) -> int | None:
+    if raw is None:
+        return None
+    try:
+        return int(raw.strip())
+    except ValueError:
+        return None       # "max": no limit
 
-    def __init__(self, pids, proc: str = "/proc", mounts: tuple[str | None, str | None] | None = None):
+
+class _Files:
+    """Open-once files of one cgroup, re-read with pread; a file that cannot be opened
+    or read (the cgroup went away) reads as None."""
+
+    def __init__(self, base: str, names: tuple[str, ...]):
+        self.fds: dict[str, int] = {}
+        for name in names:
+            try:
+                self.fds[name] = os.open(f"{base}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass
+
+    def read(self, name: str) -> bytes | None:
+        fd = self.fds.get(name)
+        if fd is None:
+            return None
+        try:
+            return os.pread(fd, 1 << 16, 0)
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+class JobCgroups:
+    """Samples the cgroups of ``pids()``. ``sample()`` -> (PSI per v2 cgroup path:
+    {resource: (some us, full us)}, MemorySample per memory cgroup path: the v2 path
+    where the v2 memory controller is enabled there, else the v1 memory path)."""
+
+    def __init__(self, pids, proc: str = "/proc",
+                 mounts: tuple[Mount | None, Mount | None] | None = None):
         self.pids = pids
         self.proc = proc
         self.v2, self.v1_memory = mounts if mounts is not None else cgroup_mounts()
-        self._paths: list[tuple[str | None, str | None]] = []
+        self._psi: dict[str, _Files] = {}
+        self._mem: dict[str, tuple[_Files, bool]] = {}     # path -> (files, is v2)
         self._refreshed = -REFRESH_S
 
     def refresh(self) -> None:
-        found: list[tuple[str | None, str | None]] = []
+        psi: dict[str, str] = {}         # path -> directory
+        mem: dict[str, tuple[str, bool]] = {}
         for pid in sorted(self.pids()):
             v2, v1m = cgroups_of(pid, self.proc)
-            key = (v2 if v2 not in (None, "/") else None,
-                   v1m if v1m not in (None, "/") else None)
-            if key != (None, None) and key not in found:
-                found.append(key)
-                if len(found) >= MAX_CGROUPS:
-                    break
-        self._paths = found
+            v2_dir = None
+            if v2 is not None and self.v2 is not None and not self.v2.is_host_root(v2):
+                v2_dir = self.v2.dir_of(v2)
+            if v2_dir is not None and len(psi) < MAX_CGROUPS:
+                psi[v2] = v2_dir
+            if v2_dir is not None and os.path.exists(f"{v2_dir}/memory.current"):
+                if len(mem) < MAX_CGROUPS:
+                    mem[v2] = (v2_dir, True)
+            elif v1m not in (None, "/") and self.v1_memory is not None:
+                d = self.v1_memory.dir_of(v1m)
+                if d is not None and len(mem) < MAX_CGROUPS:
+                    mem[v1m] = (d, False)
+        for path in set(self._psi) - set(psi):
+            self._psi.pop(path).close()
+        for path in set(self._mem) - set(mem):
+            self._mem.pop(path)[0].close()
+        for path, d in psi.items():
+            if path not in self._psi:
+                self._psi[path] = _Files(d, ("cpu.pressure", "io.pressure", "memory.pressure"))
+        for path, (d, v2) in mem.items():
+            if path not in self._mem:
+                names = (("memory.current", "memory.max", "memory.stat") if v2 else
+                         ("memory.usage_in_bytes", "memory.limit_in_bytes", "memory.stat"))
+                self._mem[path] = (_Files(d, names), v2)
 
-    def sample(self) -> dict[str, CgroupSample]:
+    def sample(self) -> tuple[dict[str, dict], dict[str, MemorySample]]:
         now = time.monotonic()
         if now - self._refreshed >= REFRESH_S:
             self._refreshed = now
             self.refresh()
-        out: dict[str, CgroupSample] = {}
-        for v2, v1m in self._paths:
-            s = CgroupSample()
-            if v2 is not None and self.v2 is not None:
-                base = self.v2 + v2
-                for res in ("cpu", "io", "memory"):
-                    raw = _read(f"{base}/{res}.pressure")
-                    if raw is not None:
-                        s.psi[res] = parse_psi(raw)
-                # the v2 memory controller, where it is enabled for this cgroup
-                if os.path.exists(f"{base}/memory.current"):
-                    s.usage = _int(_read(f"{base}/memory.current"))
-                    s.limit = _int(_read(f"{base}/memory.max"))
-                    if (raw := _read(f"{base}/memory.stat")) is not None:
-                        s.pgmajfault, s.refault = parse_memory_stat(raw)
-            if s.usage is None and v1m is not None and self.v1_memory is not None:
-                base = self.v1_memory + v1m
-                s.usage = _int(_read(f"{base}/memory.usage_in_bytes"))
-                s.limit = _int(_read(f"{base}/memory.limit_in_bytes"))
-                if (raw := _read(f"{base}/memory.stat")) is not None:
-                    s.pgmajfault, s.refault = parse_memory_stat(raw)
+        psi: dict[str, dict] = {}
+        for path, files in self._psi.items():
+            got = {}
+            for res in ("cpu", "io", "memory"):
+                raw = files.read(f"{res}.pressure")
+                if raw is not None:
+                    got[res] = parse_psi(raw)
+            if got:
+                psi[path] = got
+        mem: dict[str, MemorySample] = {}
+        for path, (files, v2) in self._mem.items():
+            usage = _int(files.read("memory.current" if v2 else "memory.usage_in_bytes"))
+            if usage is None:
+                continue                 # gone
+            s = MemorySample(usage, _int(files.read("memory.max" if v2 else
+                                                    "memory.limit_in_bytes")))
             if s.limit is not None and s.limit >= NO_LIMIT:
                 s.limit = None
-            if s.psi or s.usage is not None:
-                out[v2 or v1m] = s
-        return out
+            if (raw := files.read("memory.stat")) is not None:
+                s.pgmajfault, refault = parse_memory_stat(raw)
+                s.refault_bytes = None if refault is None else refault * PAGE_BYTES
+            mem[path] = s
+        return psi, mem
+
+    def describe(self) -> str:
+        """For --check and the capture's start: where the job cgroups are read from."""
+        where = []
+        if self.v2 is not None:
+            where.append(f"cgroup v2 at {self.v2.point}")
+        if self.v1_memory is not None:
+            where.append(f"v1 memory at {self.v1_memory.point}")
+        return ("the traced processes' cgroups: " + ", ".join(where)) if where else \
+            "no cgroup hierarchy mounted: no per-job pressure or memory"
+
+    def close(self) -> None:
+        for files in self._psi.values():
+            files.close()
+        for files, _ in self._mem.values():
+            files.close()
+        self._psi.clear()
+        self._mem.clear()

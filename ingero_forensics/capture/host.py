@@ -19,6 +19,8 @@ from ..bundle.schema import HOST_METRICS
 from .source import CaptureContext, RowSink, Source, SourceStatus
 
 METRIC_NAMES = frozenset(m for m, _, _ in HOST_METRICS)
+#: the kernel counts refaults in pages; rows give bytes (4 KiB or 64 KiB pages alike)
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 PROC_FILES = {
     "stat": "/proc/stat", "loadavg": "/proc/loadavg", "meminfo": "/proc/meminfo",
@@ -125,6 +127,7 @@ def parse_vmstat(raw: bytes) -> dict[str, int]:
             out["pgsteal"] += int(val)
         elif name.startswith(b"allocstall"):
             out["allocstall"] += int(val)
+    out["refault_bytes"] = out["refault"] * PAGE_BYTES
     return out
 
 
@@ -194,7 +197,10 @@ class Snapshot:
     net: dict = field(default_factory=dict)
     disks: dict = field(default_factory=dict)
     gpus: dict = field(default_factory=dict)      # index -> {metric: value}
-    jobs: dict = field(default_factory=dict)      # cgroup path -> cgroups.CgroupSample
+    #: the traced processes' cgroups (cgroups.JobCgroups): v2 path -> {resource:
+    #: (some, full)}, memory cgroup path -> cgroups.MemorySample
+    job_psi: dict = field(default_factory=dict)
+    job_mem: dict = field(default_factory=dict)
     #: CPU time of this process (the capture itself: every thread, user + system)
     self_cpu_ns: int | None = None
     #: in-kernel run time of its BPF programs (None: not kept by the kernel)
@@ -221,9 +227,8 @@ def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
         for metric, value in g.items():
             if metric in METRIC_NAMES:
                 add((t, metric, gpu, float(value)))
-    for path, j in cur.jobs.items():
-        if j.usage is not None:
-            add((t, "mem.job.usage_bytes", path, float(j.usage)))
+    for path, j in cur.job_mem.items():
+        add((t, "mem.job.usage_bytes", path, float(j.usage)))
         if j.limit is not None:
             add((t, "mem.job.limit_bytes", path, float(j.limit)))
     if prev is None:
@@ -261,12 +266,9 @@ def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
         if a is not None and b is not None and b >= a:
             add((t, metric, device, (b - a) / dt))
 
-    for path, j in cur.jobs.items():
-        pj = prev.jobs.get(path)
-        if pj is None:
-            continue
-        for res, (some, full) in j.psi.items():
-            p = pj.psi.get(res)
+    for path, psi in cur.job_psi.items():
+        for res, (some, full) in psi.items():
+            p = prev.job_psi.get(path, {}).get(res)
             if p is None:
                 continue
             if some is not None and p[0] is not None and some >= p[0]:
@@ -275,12 +277,15 @@ def host_rows(prev: Snapshot | None, cur: Snapshot) -> list[tuple]:
             if res != "cpu" and full is not None and p[1] is not None and full >= p[1]:
                 add((t, f"psi.job.{res}.full_pct", path,
                      min(100.0, 100.0 * (full - p[1]) / dt_us)))
-        rate("vm.job.pgmajfault_per_s", path, pj.pgmajfault, j.pgmajfault)
-        rate("vm.job.refault_per_s", path, pj.refault, j.refault)
+    for path, j in cur.job_mem.items():
+        pj = prev.job_mem.get(path)
+        if pj is not None:
+            rate("vm.job.pgmajfault_per_s", path, pj.pgmajfault, j.pgmajfault)
+            rate("vm.job.refault_bytes_per_s", path, pj.refault_bytes, j.refault_bytes)
 
     for key, metric in (("pgmajfault", "vm.pgmajfault_per_s"), ("pgscan", "vm.pgscan_per_s"),
                         ("pgsteal", "vm.pgsteal_per_s"), ("allocstall", "vm.allocstall_per_s"),
-                        ("refault", "vm.refault_per_s")):
+                        ("refault_bytes", "vm.refault_bytes_per_s")):
         rate(metric, None, prev.vm.get(key), cur.vm.get(key))
     rate("tcp.retrans_segs_per_s", None, prev.tcp.get("retrans"), cur.tcp.get("retrans"))
     rate("tcp.out_segs_per_s", None, prev.tcp.get("out"), cur.tcp.get("out"))
@@ -373,7 +378,7 @@ class ProcReader:
         if self.nvml is not None:
             s.gpus = self.nvml.sample()
         if self.jobs is not None:
-            s.jobs = self.jobs.sample()
+            s.job_psi, s.job_mem = self.jobs.sample()
         return s
 
     def close(self) -> None:
@@ -382,6 +387,8 @@ class ProcReader:
         self.fds.clear()
         if self.nvml is not None:
             self.nvml.shutdown()
+        if self.jobs is not None:
+            self.jobs.close()
 
 
 class HostSource(Source):
@@ -402,7 +409,9 @@ class HostSource(Source):
 
     @classmethod
     def probe(cls) -> SourceStatus:
-        return SourceStatus(cls.name, True, "/proc counters")
+        from .cgroups import JobCgroups
+        return SourceStatus(cls.name, True, "/proc counters; " +
+                            JobCgroups(lambda: set()).describe())
 
     @staticmethod
     def probe_nvml(library: str | None = None) -> SourceStatus:

@@ -421,7 +421,10 @@ class _Loop:
             if not self._begin(s, lambda s=s: s.start(ctx), "starting"):
                 continue
             self.sources.append(s)
-            run.log("info", s.name, "source_on", f"{s.name} source on", echo=False)
+            detail = ""
+            if isinstance(s, HostSource) and s.reader is not None and s.reader.jobs is not None:
+                detail = f" ({s.reader.jobs.describe()})"    # where per-job figures come from
+            run.log("info", s.name, "source_on", f"{s.name} source on{detail}", echo=False)
             if isinstance(s, HostSource):
                 st = s.nvml_status
                 if st is not None and not st.available:

@@ -44,8 +44,8 @@ __all__ = ["HOST_BIN_METRICS", "JOB_BLOCK", "SUMMARY_OF", "SYNC_WAIT_APIS", "def
 #: cpu.* metrics, which the report never reads (only the whole-node row, device NULL).
 HOST_BIN_METRICS = ("psi.cpu.some_pct", "cpu.busy_pct", "psi.io.some_pct", "disk.await_ms",
                     "psi.memory.some_pct", "vm.pgmajfault_per_s", "vm.pgscan_per_s",
-                    "vm.refault_per_s", "psi.job.io.some_pct", "psi.job.memory.some_pct",
-                    "vm.job.refault_per_s", "tcp.retrans_segs_per_s", "gpu.sm_clock_mhz", "gpu.temp_c",
+                    "vm.refault_bytes_per_s", "psi.job.io.some_pct", "psi.job.memory.some_pct",
+                    "vm.job.refault_bytes_per_s", "tcp.retrans_segs_per_s", "gpu.sm_clock_mhz", "gpu.temp_c",
                     "gpu.throttle_reasons", "capture.cpu_pct", "capture.bpf_cpu_pct")
 
 

@@ -655,8 +655,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
     a.next_step = primary.next_step
     with con.figure("cause_series"):
-        a.cause_series = (cause_series(con, a.cause, primary.node_id, t0, bin_ns, hb)
-                          if a.cause else {})
+        a.cause_series = (cause_series(con, a.cause, primary.node_id, t0, bin_ns, hb,
+                                       primary.signals) if a.cause else {})
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
     a.verdict = verdict_text(a, network_suspect is not None, primary)

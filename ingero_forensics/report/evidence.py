@@ -272,6 +272,7 @@ def node_signals(con, target, node_ids, windows, bins=None,
         return {nid: (v or 0.0) for nid, v in con.execute(sql, list(params))}
 
     towards = total_job = 0
+    job_refaults = False
     not_late, late_params = "", []
     if late_peers:
         from .network import towards_late  # noqa: PLC0415 (it imports this module)
@@ -292,11 +293,11 @@ def node_signals(con, target, node_ids, windows, bins=None,
             ("memory", "psi.memory.some_pct", 3.0, False),
             ("memory", "vm.pgmajfault_per_s", 20.0, False),
             ("memory", "vm.pgscan_per_s", 500.0, False),
-            ("memory", "vm.refault_per_s", REFAULT_FLOOR, False),
+            ("memory", "vm.refault_bytes_per_s", REFAULT_FLOOR, False),
             # the job's own cgroup: on a shared machine, the job's pressure alone
             ("io", "psi.job.io.some_pct", 3.0, False),
             ("memory", "psi.job.memory.some_pct", 3.0, False),
-            ("memory", "vm.job.refault_per_s", REFAULT_FLOOR, False),
+            ("memory", "vm.job.refault_bytes_per_s", REFAULT_FLOOR, False),
             ("network", "tcp.retrans_segs_per_s", 1.0, False),
             ("gpu", "gpu.sm_clock_mhz", 50.0, True),
             ("gpu", "gpu.temp_c", 3.0, False)):
@@ -312,6 +313,8 @@ def node_signals(con, target, node_ids, windows, bins=None,
                 f"{in_rowid_order('host_samples', 'metric = ? AND ' + w)} "
                 "AND (device IS NULL OR metric NOT LIKE 'cpu.%') GROUP BY node_id, device) "
                 "GROUP BY node_id", [metric] + p)
+        if metric == "vm.job.refault_bytes_per_s":
+            job_refaults = target in vals     # the suspect's job cgroup was sampled
         if vals:
             add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else
                                  " (worst cgroup of the job)" if ".job." in metric else ""),
@@ -336,7 +339,7 @@ def node_signals(con, target, node_ids, windows, bins=None,
     # job without any slow request: the time its requests took, per second
     add("io", "block I/O time of the job's processes (ms per s, summed over requests)",
         {k: v / 1e6 / secs for k, v in total.items()}, 5.0, relative=0.1)
-    _reads_are_refaults(con, out, target, w, p, secs)
+    _reads_are_refaults(con, out, target, w, p, secs, job_refaults)
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
@@ -360,38 +363,39 @@ def node_signals(con, target, node_ids, windows, bins=None,
 
 
 
-#: Refault signals (pages evicted and read again): the node's, and its job cgroup's.
-REFAULT_SIGNALS = ("vm.refault_per_s", "vm.job.refault_per_s (worst cgroup of the job)")
-#: pages per second: the smallest refault rate worth noticing (200 KiB/s)
-REFAULT_FLOOR = 50.0
-#: bytes per refaulted page (the kernel counts pages; 4 KiB on x86-64 and most arm64)
-PAGE_BYTES = 4096
+#: Refault signals (pages evicted and read again): the job cgroup's, and the node's.
+JOB_REFAULT_SIGNAL = "vm.job.refault_bytes_per_s (worst cgroup of the job)"
+NODE_REFAULT_SIGNAL = "vm.refault_bytes_per_s"
+#: bytes per second: the smallest refault rate worth noticing
+REFAULT_FLOOR = 200 * 1024.0
 #: the share of the job's block reads that refaults must cover to make them memory's
 REFAULT_SHARE = 0.5
 
 
-def _reads_are_refaults(con, out: list[Signal], target, w, p, secs) -> None:
+def _reads_are_refaults(con, out: list[Signal], target, w, p, secs, job: bool) -> None:
     """A node whose working set does not fit its memory (a cgroup limit, other tenants)
     reads back the pages it had to give up: its block I/O rises, and so does every I/O
     signal, but the disk is not the cause. Where the suspect's refaults (a memory signal
     of score >= 3) add up to at least half of the bytes its job's processes read from
-    disk, its I/O signals are not scored: they are the memory signal's symptom. Seen on
-    the real-kernel rig: a node whose job was limited to 12 MiB under a 32 MiB memory-
-    mapped shard was named with block I/O, "clear", its refaults (3,600 pages/s, its
-    peers none) unread."""
-    refaults = [s for s in out if s.cause == "memory" and s.name in REFAULT_SIGNALS
-                and s.score >= WEAK_SCORE]
-    if not refaults:
+    disk, its I/O signals are not scored: they are the memory signal's symptom. The job
+    cgroup's refaults decide where the node has them (another tenant's must not hide a
+    slow disk), the node's only where it has none. Seen on the real-kernel rig: a node
+    whose job was limited to 12 MiB under a 32 MiB memory-mapped shard was named with
+    block I/O, "clear", its refaults (about 18 MiB/s, its peers none) unread."""
+    name, whose = (JOB_REFAULT_SIGNAL, "the job") if job else (NODE_REFAULT_SIGNAL, "the node")
+    sig = next((s for s in out if s.name == name), None)
+    if sig is None or sig.score < WEAK_SCORE:
         return
     read = con.execute(
         f"SELECT COALESCE(SUM(b.bytes), 0) FROM block_events b WHERE b.node_id = ? AND "
         f"b.op = 'read' AND {w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK}",
         [target] + p).fetchone()[0] / secs
-    refault = max(s.suspect for s in refaults) * PAGE_BYTES
+    refault = sig.suspect
     if read <= 0 or refault < REFAULT_SHARE * read:
         return
-    note = (f" (not scored: pages the job had evicted, read again, make "
-            f"{min(100, round(100 * refault / read))}% of its block reads: memory's symptom)")
+    note = (f" (not scored: pages {whose} had evicted, read again, make "
+            f"{min(100, round(100 * refault / read))}% of its job's block reads: memory's "
+            "symptom)")
     for s in out:
         if s.cause == "io" and s.score > 0:
             s.name += note
@@ -567,10 +571,12 @@ def cited_evidence(con, cause, target, windows, nodes,
             top.append(t)
             held = (f"held {t['usage_mib']:,.1f} MiB of its {t['limit_mib']:,.1f} MiB limit "
                     f"at most, and " if t["limit_mib"] else "")
-            ev.append(f"The job's cgroup {t['cgroup']} {held}read again "
-                      f"{t['refault_per_s']:,.0f} pages/s it had had to give up (workingset "
-                      f"refaults; {t['pgmajfault_per_s']:,.0f} major faults/s) in the windows; "
-                      f"its tasks stalled on memory {t['memory_stall_pct']:.1f}% of the time.")
+            stall = (f"; its tasks stalled on memory {t['memory_stall_pct']:.1f}% of the time"
+                     if t["memory_stall_pct"] is not None else "")
+            ev.append(f"The job's memory cgroup {t['cgroup']} {held}read back "
+                      f"{t['refault_mib_per_s']:,.1f} MiB/s it had had to give up (workingset "
+                      f"refaults; {t['pgmajfault_per_s']:,.0f} major faults/s) in the "
+                      f"windows{stall}.")
         sql, params = (
             (bins.memory_peaks_sql(wb[0]), wb[1]) if wb is not None else
             ("SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
@@ -603,27 +609,31 @@ def cited_evidence(con, cause, target, windows, nodes,
 
 
 def job_memory(con, target, w, p) -> list[dict]:
-    """The target's job cgroups in the windows, the one with most refaults first: its
-    memory use at most and its limit (MiB), refaults and major faults per second and
-    the share of time its tasks stalled on memory (psi.job.memory.some_pct)."""
+    """The target's memory cgroups in the windows, the one with most refaults first: its
+    memory use at most and its limit (MiB), refaults (MiB/s) and major faults per
+    second, and the share of time the tasks of the v2 cgroup of the same path stalled on
+    memory (psi.job.memory.some_pct; None where no v2 cgroup has that path: on a hybrid
+    machine the v1 memory cgroup's path may not be the v2 one)."""
     per: dict[str, dict[str, float]] = defaultdict(dict)
     for dev, metric, avg, mx in con.execute(
             "SELECT device, metric, AVG(value), MAX(value) FROM host_samples WHERE "
             "node_id = ? AND metric IN ('mem.job.usage_bytes', 'mem.job.limit_bytes', "
-            "'vm.job.refault_per_s', 'vm.job.pgmajfault_per_s', 'psi.job.memory.some_pct') "
-            f"AND {w} GROUP BY device, metric", [target] + p):
+            "'vm.job.refault_bytes_per_s', 'vm.job.pgmajfault_per_s', "
+            f"'psi.job.memory.some_pct') AND {w} GROUP BY device, metric", [target] + p):
         per[dev][metric] = mx if metric in ("mem.job.usage_bytes", "mem.job.limit_bytes") else avg
     out = [{"cgroup": dev,
-            "usage_mib": round(m.get("mem.job.usage_bytes", 0.0) / 2**20, 1),
+            "usage_mib": round(m["mem.job.usage_bytes"] / 2**20, 1),
             "limit_mib": round(m["mem.job.limit_bytes"] / 2**20, 1)
             if "mem.job.limit_bytes" in m else None,
-            "refault_per_s": round(m.get("vm.job.refault_per_s", 0.0), 1),
+            "refault_mib_per_s": round(m.get("vm.job.refault_bytes_per_s", 0.0) / 2**20, 2),
             "pgmajfault_per_s": round(m.get("vm.job.pgmajfault_per_s", 0.0), 1),
-            "memory_stall_pct": round(m.get("psi.job.memory.some_pct", 0.0), 2)}
-           for dev, m in per.items() if dev is not None]
-    return sorted((t for t in out if t["refault_per_s"] >= REFAULT_FLOOR
-                   or t["memory_stall_pct"] >= 3.0),
-                  key=lambda t: (-t["refault_per_s"], -t["memory_stall_pct"], t["cgroup"]))
+            "memory_stall_pct": round(m["psi.job.memory.some_pct"], 2)
+            if "psi.job.memory.some_pct" in m else None}
+           for dev, m in per.items() if dev is not None and "mem.job.usage_bytes" in m]
+    return sorted((t for t in out if t["refault_mib_per_s"] * 2**20 >= REFAULT_FLOOR
+                   or (t["memory_stall_pct"] or 0.0) >= 3.0),
+                  key=lambda t: (-t["refault_mib_per_s"], -(t["memory_stall_pct"] or 0.0),
+                                 t["cgroup"]))
 
 
 def next_step(cause, node: str, top: list[dict]) -> str:
@@ -659,14 +669,15 @@ def next_step(cause, node: str, top: list[dict]) -> str:
     if cause == "memory" and top and "cgroup" in top[0]:
         t = top[0]
         if t["limit_mib"] and t["usage_mib"] >= 0.9 * t["limit_mib"]:
-            return (f"The job's cgroup {t['cgroup']} on {node} stayed at its "
-                    f"{t['limit_mib']:,.1f} MiB memory limit and read "
-                    f"{t['refault_per_s']:,.0f} pages/s back: raise its limit (memory.max, "
-                    "or the job's memory request) or shrink what it keeps in memory (a "
+            return (f"The job's memory cgroup {t['cgroup']} on {node} reached its "
+                    f"{t['limit_mib']:,.1f} MiB limit and read {t['refault_mib_per_s']:,.1f} "
+                    "MiB/s back: raise its limit (memory.max or memory.limit_in_bytes, or "
+                    "the job's memory request) or shrink what it keeps in memory (a "
                     "memory-mapped dataset, the loader's page cache).")
-        return (f"The job's cgroup {t['cgroup']} on {node} read {t['refault_per_s']:,.0f} "
-                "pages/s back that it had had to give up: find what took the memory (other "
-                "tenants, the page cache of other files) and leave the job its working set.")
+        return (f"The job's memory cgroup {t['cgroup']} on {node} read "
+                f"{t['refault_mib_per_s']:,.1f} MiB/s back that it had had to give up: find "
+                "what took the memory (other tenants, the page cache of other files) and "
+                "leave the job its working set.")
     if cause == "memory" and top:
         return (f"Memory pressure on {node} (" + ", ".join(
             f"{t['metric']} up to {t['peak']}" for t in top) + "): find what grew (other "
@@ -675,17 +686,17 @@ def next_step(cause, node: str, top: list[dict]) -> str:
             "threads with a healthy node's.")
 
 
-def cause_series(con, cause, target, t0, bin_ns, bins=None) -> dict:
+def cause_series(con, cause, target, t0, bin_ns, bins=None, signals=()) -> dict:
     """The cause's main metric over time: the suspect node vs the other nodes' median
-    (from host_bins when its bins are the report's)."""
+    (from host_bins when its bins are the report's). Memory: the refaults where they
+    were the cause's best signal (``signals``: the suspect's)."""
     metric = {"cpu": "psi.cpu.some_pct", "io": "psi.io.some_pct",
               "memory": "psi.memory.some_pct", "network": "tcp.retrans_segs_per_s",
               "gpu": "gpu.sm_clock_mhz"}[cause]
-    if cause == "memory" and con.execute(
-            "SELECT 1 FROM host_samples WHERE metric = 'vm.job.refault_per_s' AND node_id = ? "
-            "AND value > 0 LIMIT 1", [target]).fetchone():
-        # the job's own refaults: on a shared machine the node-wide PSI is everyone's
-        metric = "vm.job.refault_per_s"
+    best = max((s for s in signals if s.cause == cause), key=lambda s: s.score, default=None)
+    if cause == "memory" and best is not None and best.score > 0 and \
+            best.name in (JOB_REFAULT_SIGNAL, NODE_REFAULT_SIGNAL):
+        metric = best.name.split()[0]
     agg = "MIN" if cause == "gpu" else "MAX"
     per: dict[int, dict[int, float]] = defaultdict(dict)
     if bins is not None and bins.aligned:

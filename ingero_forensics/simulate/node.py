@@ -475,7 +475,7 @@ class NodeGenerator:
                     (ts, "vm.pgmajfault_per_s", None, majf_v),
                     # most major faults of a node short of memory read back what it gave
                     # up (no draw of its own: the fleet's random streams stay as they were)
-                    (ts, "vm.refault_per_s", None, round(majf_v * 0.7, 1)),
+                    (ts, "vm.refault_bytes_per_s", None, round(majf_v * 0.7) * 4096.0),
                     (ts, "vm.pgscan_per_s", None, round(pgscan * (0.5 + n()))),
                     (ts, "vm.pgsteal_per_s", None, round(pgscan * 0.8 * (0.5 + n()))),
                     (ts, "vm.allocstall_per_s", None, round(alloc * (0.5 + n())) * 10.0),

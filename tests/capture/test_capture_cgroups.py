@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from ingero_forensics.bundle.schema import HOST_METRICS
-from ingero_forensics.capture.cgroups import (CgroupSample, JobCgroups, cgroup_mounts,
+from ingero_forensics.capture.cgroups import (JobCgroups, MemorySample, Mount, cgroup_mounts,
                                               cgroups_of, parse_memory_stat)
-from ingero_forensics.capture.host import Snapshot, host_rows
+from ingero_forensics.capture.host import PAGE_BYTES, Snapshot, host_rows
 
 METRICS = {m for m, _, _ in HOST_METRICS}
 
@@ -26,6 +26,7 @@ HYBRID = """\
 28 25 0:25 / /sys/fs/cgroup/memory rw,nosuid shared:12 - cgroup cgroup rw,memory
 """
 PURE_V2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+CONTAINER_V1 = "40 35 0:25 /docker/abc /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n"
 
 PSI = "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total={}\n"
 V1_STAT = ("cache 100\npgmajfault 5\nworkingset_refault_file 9\ntotal_cache 100\n"
@@ -37,9 +38,27 @@ V2_STAT = "anon 4096\nfile 8192\nworkingset_refault_anon {ref}\nworkingset_refau
 def test_mounts_hybrid_and_pure_v2(tmp_path):
     (tmp_path / "hybrid").write_text(HYBRID)
     (tmp_path / "v2").write_text(PURE_V2)
-    assert cgroup_mounts(str(tmp_path / "hybrid")) == ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/memory")
-    assert cgroup_mounts(str(tmp_path / "v2")) == ("/sys/fs/cgroup", None)
+    (tmp_path / "container").write_text(CONTAINER_V1)
+    v2, v1 = cgroup_mounts(str(tmp_path / "hybrid"))
+    assert (v2.point, v2.root, v1.point, v1.root) == (
+        "/sys/fs/cgroup/unified", "/", "/sys/fs/cgroup/memory", "/")
+    v2, v1 = cgroup_mounts(str(tmp_path / "v2"))
+    assert (v2.point, v1) == ("/sys/fs/cgroup", None)
     assert cgroup_mounts(str(tmp_path / "none")) == (None, None)
+    # a container's view of the host's v1 hierarchy: its mount shows its own cgroup
+    _, v1 = cgroup_mounts(str(tmp_path / "container"))
+    assert v1.root == "/docker/abc"
+    assert v1.dir_of("/docker/abc") == "/sys/fs/cgroup/memory"
+    assert v1.dir_of("/docker/abc/step") == "/sys/fs/cgroup/memory/step"
+    assert v1.dir_of("/docker/abcd") is None and v1.dir_of("/other") is None
+
+
+def test_paths_outside_the_mount_are_refused():
+    m = Mount("/sys/fs/cgroup")
+    assert m.dir_of("/job.scope") == "/sys/fs/cgroup/job.scope"
+    # a process of another cgroup namespace shows its cgroup relative to ours
+    assert m.dir_of("/../../other.slice") is None
+    assert m.dir_of("relative") is None
 
 
 def test_paths_of_a_process(tmp_path):
@@ -61,66 +80,111 @@ def test_memory_stat_v1_v2_and_old_kernels():
     assert parse_memory_stat(b"cache 1\n") == (None, None)
 
 
-def _tree(tmp_path, some, full, maj, ref, limit="25165824"):
-    """A hybrid machine: pid 7 in /job (v2 and v1 memory), pid 8 in the root."""
+def _tree(tmp_path, some, full, maj, ref, limit="25165824", v1_path="/job", v2_path="/job"):
+    """A hybrid machine: pid 7 in v2 ``v2_path`` and v1 memory ``v1_path``, pid 8 in the
+    root of both."""
     proc, v2, v1 = tmp_path / "proc", tmp_path / "unified", tmp_path / "memory"
-    for pid, path in ((7, "/job"), (8, "/")):
-        (proc / str(pid)).mkdir(parents=True, exist_ok=True)
-        (proc / str(pid) / "cgroup").write_text(f"4:memory:{path}\n0::{path}\n")
-    (v2 / "job").mkdir(parents=True, exist_ok=True)
-    (v1 / "job").mkdir(parents=True, exist_ok=True)
+    (proc / "7").mkdir(parents=True, exist_ok=True)
+    (proc / "7" / "cgroup").write_text(f"4:memory:{v1_path}\n0::{v2_path}\n")
+    (proc / "8").mkdir(parents=True, exist_ok=True)
+    (proc / "8" / "cgroup").write_text("4:memory:/\n0::/\n")
+    d2, d1 = v2 / v2_path.lstrip("/"), v1 / v1_path.lstrip("/")
+    d2.mkdir(parents=True, exist_ok=True)
+    d1.mkdir(parents=True, exist_ok=True)
+    (d2 / "cgroup.type").write_text("domain\n")
     for res in ("cpu", "io", "memory"):
-        (v2 / "job" / f"{res}.pressure").write_text(PSI.format(some, full))
-    (v1 / "job" / "memory.usage_in_bytes").write_text("20971520\n")
-    (v1 / "job" / "memory.limit_in_bytes").write_text(limit + "\n")
-    (v1 / "job" / "memory.stat").write_text(V1_STAT.format(maj=maj, ref=ref))
-    return proc, v2, v1
+        (d2 / f"{res}.pressure").write_text(PSI.format(some, full))
+        (v2 / f"{res}.pressure").write_text(PSI.format(some, full))   # the root's
+    (d1 / "memory.usage_in_bytes").write_text("20971520\n")
+    (d1 / "memory.limit_in_bytes").write_text(limit + "\n")
+    (d1 / "memory.stat").write_text(V1_STAT.format(maj=maj, ref=ref))
+    return proc, Mount(str(v2)), Mount(str(v1))
 
 
 def test_sampler_rows_on_a_made_up_tree(tmp_path):
     proc, v2, v1 = _tree(tmp_path, some=1_000, full=500, maj=10, ref=100)
-    jobs = JobCgroups(lambda: {7, 8}, proc=str(proc), mounts=(str(v2), str(v1)))
-    a = Snapshot(1_000_000_000, jobs=jobs.sample())
-    assert list(a.jobs) == ["/job"]          # the root cgroup is /proc's own figure: left out
+    jobs = JobCgroups(lambda: {7, 8}, proc=str(proc), mounts=(v2, v1))
+    psi, mem = jobs.sample()
+    # the root cgroup is /proc's own figure: left out
+    assert list(psi) == ["/job"] and list(mem) == ["/job"]
+    a = Snapshot(1_000_000_000, job_psi=psi, job_mem=mem)
     _tree(tmp_path, some=251_000, full=50_500, maj=60, ref=1_100)
-    b = Snapshot(1_500_000_000, jobs=jobs.sample())
+    psi, mem = jobs.sample()        # the same descriptors, read again
+    b = Snapshot(1_500_000_000, job_psi=psi, job_mem=mem)
     rows = host_rows(a, b)
     assert {m for _, m, _, _ in rows} <= METRICS
     got = {(m, d): v for _, m, d, v in rows}
     assert got[("psi.job.memory.some_pct", "/job")] == pytest.approx(50.0)
     assert got[("psi.job.io.full_pct", "/job")] == pytest.approx(10.0)
     assert ("psi.job.cpu.full_pct", "/job") not in got     # not in the catalogue
-    assert got[("vm.job.refault_per_s", "/job")] == pytest.approx(2000.0)   # the v1 totals
+    # the v1 totals (anon 1 unchanged, file 100 -> 1,100 pages), in bytes per second
+    assert got[("vm.job.refault_bytes_per_s", "/job")] == pytest.approx(2000.0 * PAGE_BYTES)
     assert got[("vm.job.pgmajfault_per_s", "/job")] == pytest.approx(100.0)
     assert got[("mem.job.usage_bytes", "/job")] == 20971520
     assert got[("mem.job.limit_bytes", "/job")] == 25165824
+    jobs.close()
     # v1's "no limit" (2^63 rounded down to a page) writes no limit row
     _tree(tmp_path, some=1, full=1, maj=1, ref=1, limit="9223372036854771712")
-    assert JobCgroups(lambda: {7}, proc=str(proc), mounts=(str(v2), str(v1))).sample()["/job"].limit is None
+    _, mem = JobCgroups(lambda: {7}, proc=str(proc), mounts=(v2, v1)).sample()
+    assert mem["/job"].limit is None
+
+
+def test_hybrid_slurm_node_names_each_hierarchy_apart(tmp_path):
+    """On a hybrid Slurm node the job's v1 memory cgroup is its step's, its v2 cgroup
+    systemd's: each row names the cgroup it was read from, and two steps stay two."""
+    proc, v2, v1 = _tree(tmp_path, some=1, full=1, maj=1, ref=1,
+                         v1_path="/slurm/uid_0/job_9/step_0", v2_path="/system.slice/slurmd.service")
+    (proc / "9").mkdir()
+    (proc / "9" / "cgroup").write_text(
+        "4:memory:/slurm/uid_0/job_9/step_1\n0::/system.slice/slurmd.service\n")
+    step1 = tmp_path / "memory" / "slurm/uid_0/job_9/step_1"
+    step1.mkdir(parents=True)
+    (step1 / "memory.usage_in_bytes").write_text("1048576\n")
+    (step1 / "memory.limit_in_bytes").write_text("2097152\n")
+    (step1 / "memory.stat").write_text(V1_STAT.format(maj=1, ref=1))
+    psi, mem = JobCgroups(lambda: {7, 9}, proc=str(proc), mounts=(v2, v1)).sample()
+    assert list(psi) == ["/system.slice/slurmd.service"]
+    assert sorted(mem) == ["/slurm/uid_0/job_9/step_0", "/slurm/uid_0/job_9/step_1"]
+    assert mem["/slurm/uid_0/job_9/step_1"].limit == 2097152
+    rows = host_rows(None, Snapshot(1, job_psi=psi, job_mem=mem))
+    assert {(m, d) for _, m, d, _ in rows if m.startswith("mem.job.")} == {
+        ("mem.job.usage_bytes", "/slurm/uid_0/job_9/step_0"),
+        ("mem.job.limit_bytes", "/slurm/uid_0/job_9/step_0"),
+        ("mem.job.usage_bytes", "/slurm/uid_0/job_9/step_1"),
+        ("mem.job.limit_bytes", "/slurm/uid_0/job_9/step_1")}
+
+
+def test_inside_a_cgroup_namespace_the_jobs_root_is_its_own(tmp_path):
+    """In a private cgroup namespace (a container) the job's cgroup reads as "/": it is
+    sampled, since the directory it maps to is no machine root (it has cgroup.type)."""
+    proc, v2, v1 = _tree(tmp_path, some=1, full=1, maj=1, ref=1)
+    (proc / "8" / "cgroup").write_text("0::/\n")
+    psi, _ = JobCgroups(lambda: {8}, proc=str(proc), mounts=(v2, v1)).sample()
+    assert psi == {}                                     # the machine's root
+    ns_root = Mount(str(tmp_path / "unified" / "job"))   # that cgroup, seen from inside
+    psi, _ = JobCgroups(lambda: {8}, proc=str(proc), mounts=(ns_root, None)).sample()
+    assert list(psi) == ["/"]
 
 
 def test_no_cgroup_of_its_own_writes_nothing(tmp_path):
     proc, v2, v1 = _tree(tmp_path, some=1, full=1, maj=1, ref=1)
-    jobs = JobCgroups(lambda: {8, 99}, proc=str(proc), mounts=(str(v2), str(v1)))
-    assert jobs.sample() == {}
-    assert not [r for r in host_rows(Snapshot(1, jobs={}), Snapshot(2, jobs={}))
-                if ".job." in r[1]]
+    jobs = JobCgroups(lambda: {8, 99}, proc=str(proc), mounts=(v2, v1))
+    assert jobs.sample() == ({}, {})
 
 
 def test_a_cgroup_that_went_away_is_dropped(tmp_path):
     proc, v2, v1 = _tree(tmp_path, some=1, full=1, maj=1, ref=1)
-    jobs = JobCgroups(lambda: {7}, proc=str(proc), mounts=(str(v2), str(v1)))
-    assert "/job" in jobs.sample()
-    for d in (v2 / "job", v1 / "job"):
-        for f in d.iterdir():
-            f.unlink()
-        d.rmdir()
+    jobs = JobCgroups(lambda: {7}, proc=str(proc), mounts=(v2, v1))
+    psi, mem = jobs.sample()
+    assert "/job" in psi and "/job" in mem
+    (proc / "7" / "cgroup").unlink()          # the process is gone
     jobs._refreshed = -1e9
-    assert jobs.sample() == {}
+    assert jobs.sample() == ({}, {}) and not jobs._psi and not jobs._mem   # closed
     # a counter that went backwards (a new cgroup of the same name) writes no rate
-    a = Snapshot(1, jobs={"/job": CgroupSample(refault=500)})
-    b = Snapshot(2_000_000_001, jobs={"/job": CgroupSample(refault=5)})
-    assert not [r for r in host_rows(a, b) if r[1] == "vm.job.refault_per_s"]
+    a = Snapshot(1, job_mem={"/job": MemorySample(1, None, 5, 500 * PAGE_BYTES)})
+    b = Snapshot(2_000_000_001, job_mem={"/job": MemorySample(1, None, 6, 5 * PAGE_BYTES)})
+    got = {r[1] for r in host_rows(a, b)}
+    assert "vm.job.refault_bytes_per_s" not in got and "vm.job.pgmajfault_per_s" in got
 
 
 # -- the real kernel -------------------------------------------------------------------
@@ -163,28 +227,30 @@ def test_a_job_short_of_memory_on_the_real_kernel(tmp_path):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        roots = [Path(v2)] + ([Path(v1_memory)] if v1_memory else [])
+        roots = [Path(v2.point)] + ([Path(v1_memory.point)] if v1_memory else [])
         for root in roots:
             (root / name).mkdir()
             made.append(root / name)
             (root / name / "cgroup.procs").write_text(f"{proc.pid}\n")
         if v1_memory:
-            (Path(v1_memory) / name / "memory.limit_in_bytes").write_text(f"{16 << 20}\n")
+            (Path(v1_memory.point) / name / "memory.limit_in_bytes").write_text(f"{16 << 20}\n")
         else:
-            ctl = Path(v2) / "cgroup.subtree_control"
+            ctl = Path(v2.point) / "cgroup.subtree_control"
             if "memory" not in ctl.read_text().split():
                 ctl.write_text("+memory\n")
-            (Path(v2) / name / "memory.max").write_text(f"{16 << 20}\n")
+            (Path(v2.point) / name / "memory.max").write_text(f"{16 << 20}\n")
         # its pages were cached (and charged) when the file was written: evict them
         fd = os.open(data, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
         jobs = JobCgroups(lambda: {proc.pid})
-        first = Snapshot(time.monotonic_ns(), jobs=jobs.sample())
+        first = Snapshot(time.monotonic_ns(), **dict(zip(("job_psi", "job_mem"), jobs.sample())))
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "done"
-        last = Snapshot(time.monotonic_ns(), jobs=jobs.sample())    # before it exits
+        # before it exits
+        last = Snapshot(time.monotonic_ns(), **dict(zip(("job_psi", "job_mem"), jobs.sample())))
+        jobs.close()
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.wait(timeout=30) == 0
@@ -200,11 +266,11 @@ def test_a_job_short_of_memory_on_the_real_kernel(tmp_path):
                 except OSError:
                     time.sleep(0.1)
     key = f"/{name}"
-    assert list(first.jobs) == [key], first.jobs
+    assert list(first.job_psi) == [key] and list(first.job_mem) == [key], first
     got = {(m, d): v for _, m, d, v in host_rows(first, last)}
     assert got[("mem.job.limit_bytes", key)] == 16 << 20
     assert got[("mem.job.usage_bytes", key)] >= 0.75 * (16 << 20)
-    assert got[("vm.job.refault_per_s", key)] > 200, got     # pages read back, per second
+    assert got[("vm.job.refault_bytes_per_s", key)] > 200 * PAGE_BYTES, got   # read back
     assert got[("vm.job.pgmajfault_per_s", key)] > 200, got
     assert ("psi.job.io.some_pct", key) in got and ("psi.job.memory.some_pct", key) in got
     assert got[("psi.job.io.some_pct", key)] > 1.0, got      # it waited on its reads

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ingero_forensics.bundle.schema import HOST_METRICS
-from ingero_forensics.capture.host import (HostSource, ProcReader, Snapshot, host_rows,
+from ingero_forensics.capture.host import (PAGE_BYTES, HostSource, ProcReader, Snapshot, host_rows,
                                            parse_diskstats, parse_meminfo, parse_net_dev,
                                            parse_psi, parse_snmp_tcp, parse_stat, parse_vmstat)
 
@@ -82,7 +82,7 @@ def test_parsers():
                                       "dirty": 128 * 1024, "swap_total": 2048 * 1024,
                                       "swap_free": 1024 * 1024}
     assert parse_vmstat(VMSTAT_A) == {"pgmajfault": 10, "pgscan": 10, "pgsteal": 2, "allocstall": 0,
-                                      "refault": 10}
+                                      "refault": 10, "refault_bytes": 10 * PAGE_BYTES}
     # before kernel 5.9: one refault counter
     assert parse_vmstat(b"workingset_refault 12\nworkingset_activate 4\n")["refault"] == 12
     assert parse_snmp_tcp(SNMP_A) == {"retrans": 10, "out": 1000}
@@ -115,7 +115,8 @@ def test_rates_over_the_interval():
     assert got[("vm.pgscan_per_s", None)] == pytest.approx(40.0)   # khugepaged not counted
     assert got[("vm.pgsteal_per_s", None)] == pytest.approx(20.0)
     assert got[("vm.allocstall_per_s", None)] == pytest.approx(8.0)
-    assert got[("vm.refault_per_s", None)] == pytest.approx(40.0)    # activations not counted
+    # activations not counted; pages in bytes
+    assert got[("vm.refault_bytes_per_s", None)] == pytest.approx(40.0 * PAGE_BYTES)
     assert got[("tcp.retrans_segs_per_s", None)] == pytest.approx(8.0)
     assert got[("tcp.out_segs_per_s", None)] == pytest.approx(4000.0)
     assert got[("net.rx_bytes_per_s", "eth0")] == pytest.approx(800000.0)

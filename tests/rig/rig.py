@@ -441,7 +441,9 @@ class Rig:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     finally:
                         os.close(fd)
-            return lambda: None   # the limit goes with the cgroup
+            # the node cgroups outlive the run: the next scenario must find no limit
+            return lambda: [self.cgroups.unlimit_memory(self.nodes[k].netns)
+                            for k in self.stragglers]
         return lambda: None   # none; io is the straggler's loader mode (heavy)
 
     def _stop_captures(self, caps) -> dict[str, str]:
@@ -571,6 +573,7 @@ class Cgroups:
         self.v1_memory = next((Path(m) for m, t, o in mounts
                                if t == "cgroup" and "memory" in o), None)
         self.made: list[Path] = []
+        self._enabled_memory = False     # "+memory" written to the v2 root by limit_memory
 
     def _dir(self, root: Path, netns: str) -> Path:
         d = root / netns
@@ -580,10 +583,9 @@ class Cgroups:
         return d
 
     def enter(self, netns: str, pids: list[int]) -> None:
-        """Move the node's processes (and their threads) into its cgroups."""
-        if self.v2 is None:
-            raise RigError("no cgroup v2 hierarchy mounted: the rig's nodes need one")
-        roots = [self.v2] + ([self.v1_memory] if self.v1_memory else [])
+        """Move the node's processes (and their threads) into its cgroups (none where no
+        hierarchy is mounted: the nodes then share the kernel's pressure figures)."""
+        roots = [r for r in (self.v2, self.v1_memory) if r is not None]
         for root in roots:
             procs = self._dir(root, netns) / "cgroup.procs"
             for pid in pids:
@@ -593,10 +595,19 @@ class Cgroups:
         if self.v1_memory is not None:
             (self._dir(self.v1_memory, netns) / "memory.limit_in_bytes").write_text(f"{limit}\n")
             return
+        if self.v2 is None:
+            raise RigError("the memory scenario needs a memory cgroup controller (v1 or v2)")
         ctl = (self.v2 / "cgroup.subtree_control")
         if "memory" not in ctl.read_text().split():
             ctl.write_text("+memory\n")
+            self._enabled_memory = True
         (self._dir(self.v2, netns) / "memory.max").write_text(f"{limit}\n")
+
+    def unlimit_memory(self, netns: str) -> None:
+        if self.v1_memory is not None:
+            (self.v1_memory / netns / "memory.limit_in_bytes").write_text("-1\n")
+        elif self.v2 is not None and (self.v2 / netns / "memory.max").exists():
+            (self.v2 / netns / "memory.max").write_text("max\n")
 
     def remove(self) -> None:
         """Remove the node cgroups (empty once their processes are gone: a few tries)."""
@@ -610,6 +621,12 @@ class Cgroups:
                 except OSError:
                     time.sleep(0.1)
         self.made.clear()
+        if self._enabled_memory:
+            try:      # as it was; another user of the controller below the root keeps it
+                (self.v2 / "cgroup.subtree_control").write_text("-memory\n")
+            except OSError:
+                pass
+            self._enabled_memory = False
 
 
 def remove_stale_cgroups() -> None:

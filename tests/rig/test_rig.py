@@ -119,16 +119,18 @@ def test_rig_memory_fault_reads_back_what_it_evicted(runs):
     with measure.connect(o.fleet_db) as con:
         refaults = dict(con.execute(
             "SELECT n.name, AVG(h.value) FROM host_samples h JOIN nodes n USING (node_id) "
-            "WHERE h.metric = 'vm.job.refault_per_s' GROUP BY n.name"))
+            "WHERE h.metric = 'vm.job.refault_bytes_per_s' GROUP BY n.name"))
         at_limit = con.execute(
             "SELECT MAX(u.value) / MAX(l.value) FROM host_samples u JOIN host_samples l "
             "ON l.node_id = u.node_id AND l.metric = 'mem.job.limit_bytes' "
             "JOIN nodes n ON n.node_id = u.node_id "
             "WHERE u.metric = 'mem.job.usage_bytes' AND n.name = ?",
             (o.run.truth.node,)).fetchone()[0]
+    # (v1 memory.stat counts refaults from about kernel 5.13: docs/capture.md)
+    assert o.run.truth.node in refaults, ("no job refaults recorded", refaults)
     mine = refaults.pop(o.run.truth.node)
     assert sorted(refaults) == sorted(n for n in o.run.bundles if n != o.run.truth.node)
-    assert mine >= 500 and max(refaults.values()) < 0.02 * mine, (mine, refaults)
+    assert mine >= 2 << 20 and max(refaults.values()) < 0.02 * mine, (mine, refaults)
     assert at_limit is not None and at_limit >= 0.9, at_limit
     assert o.run.median_step_ms() >= 1.2 * runs.get("none").run.median_step_ms(), \
         show("memory", o)
