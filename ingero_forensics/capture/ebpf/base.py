@@ -315,6 +315,9 @@ class BccSource(Source):
         self.notes: list[tuple[str, str]] = []  # (level, message) queued for capture_log
 
     # -- contract -------------------------------------------------------------------
+    #: what --check says the source would trace, where it can
+    probe_detail = ""
+
     @classmethod
     def probe(cls) -> SourceStatus:
         problem = environment_problem()
@@ -325,7 +328,7 @@ class BccSource(Source):
                 problem = (e.reason, e.fix)
         if problem:
             return SourceStatus(cls.name, False, *problem)
-        return SourceStatus(cls.name, True)
+        return SourceStatus(cls.name, True, cls.probe_detail)
 
     def prepare(self, ctx: CaptureContext) -> None:
         """Compile and load the program (about a CPU-second). For a source whose probes

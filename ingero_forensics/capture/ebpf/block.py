@@ -145,6 +145,8 @@ class DeviceNames:
 
 class BlockSource(BccSource):
     name = "block"
+    probe_detail = ("block tracepoints (request issue and completion) of every disk, the "
+                    "issuer recorded")
 
     def __init__(self, options):
         super().__init__(options)

@@ -365,6 +365,8 @@ class LaunchDuty:
 class CudaSource(BccSource):
     compile_first = True
     name = "cuda"
+    probe_detail = ("uprobes on the libcudart and libcuda each traced process maps (found in "
+                    "its memory maps at run time; --lib PATH adds one)")
     LIBRARIES = ("cudart", "cuda")
     stat_source = "cuda"
     stat_names = API_NAMES

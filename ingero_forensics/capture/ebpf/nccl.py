@@ -377,6 +377,8 @@ def redop_name(v: int) -> str | None:
 class NcclSource(BccSource):
     compile_first = True
     name = "nccl"
+    probe_detail = ("uprobes on the libnccl each traced process maps (found in its memory "
+                    "maps at run time; --lib PATH adds one)")
     LIBRARIES = ("nccl",)
     uses_sites = True
     open_call_map = "tid"

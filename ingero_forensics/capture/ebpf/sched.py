@@ -115,6 +115,7 @@ def cstr(raw: bytes) -> str:
 
 class SchedSource(BccSource):
     name = "sched"
+    probe_detail = ("sched tracepoints (switch, wakeup) of the traced threads")
     stat_source = "sched"
     stat_names = KINDS
 

@@ -490,6 +490,7 @@ class ConnectionIndex:
 
 class TcpSource(BccSource):
     name = "tcp"
+    probe_detail = ("tcp tracepoints: retransmits, and the job's TCP progress")
 
     def __init__(self, options):
         super().__init__(options)
