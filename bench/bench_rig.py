@@ -18,7 +18,7 @@ captures were launched, while they started (launch until every source is on: BCC
 compiling, probes attaching) and after, and the rise while they started, against the
 same time windows of a run without captures.
 
-Usage: python bench/bench_rig.py [--steps N] [--rounds N] [--scenario none|cpu|io|network|gpu|compute]
+Usage: python bench/bench_rig.py [--steps N] [--rounds N] [--scenario none|cpu|io|network|gpu|compute|memory]
        python bench/bench_rig.py --attach-after 5 --steps 700 [--rounds N]
 """
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ingero_forensics.bundle.reader import open_bundle  # noqa: E402
-from tests.rig.rig import Rig  # noqa: E402
+from tests.rig.rig import SCENARIOS, Rig  # noqa: E402
 
 
 def node_figures(run) -> dict[str, dict]:
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--ranks-per-node", type=int, default=2)
-    ap.add_argument("--scenario", default="none")
+    ap.add_argument("--scenario", default="none", choices=SCENARIOS)
     ap.add_argument("--attach-after", type=float, default=None,
                     help="start the captures this many seconds after the job (live incident)")
     args = ap.parse_args()
