@@ -456,9 +456,10 @@ HOST_METRICS: tuple[tuple[str, str, str], ...] = (
      "(/proc/vmstat workingset_refault_anon + _file, times the page size): memory too "
      "small for what is in use."),
     ("psi.job.cpu.some_pct", "%", "As psi.cpu.some_pct, for the tasks of one cgroup v2 "
-     "that traced processes live in (its cpu.pressure; never the machine's root cgroup); "
-     "device = the cgroup's path, as in /proc/PID/cgroup. The job's own pressure where "
-     "the machine is shared."),
+     "that traced processes live in and that is the job's own: its memory controller "
+     "enabled there, or every process in it traced (its cpu.pressure; never the machine's "
+     "root cgroup); device = the cgroup's path, as in /proc/PID/cgroup. The job's own "
+     "pressure where the machine is shared."),
     ("psi.job.io.some_pct", "%", "As psi.io.some_pct, for one traced processes' cgroup "
      "(io.pressure); device as psi.job.cpu.some_pct."),
     ("psi.job.io.full_pct", "%", "As psi.io.full_pct, for one traced processes' cgroup."),
@@ -471,8 +472,9 @@ HOST_METRICS: tuple[tuple[str, str, str], ...] = (
      "cgroup's path: its v2 path where the v2 memory controller is enabled there, else its "
      "path in the v1 memory hierarchy (on a hybrid machine it may differ from the v2 "
      "path of the psi.job rows)."),
-    ("mem.job.limit_bytes", "bytes", "That cgroup's memory limit (memory.max, or v1 "
-     "memory.limit_in_bytes); no row when it has none."),
+    ("mem.job.limit_bytes", "bytes", "That cgroup's memory limit: the lowest of its own "
+     "and its parents' (memory.max, or v1 memory.limit_in_bytes and "
+     "hierarchical_memory_limit); no row when none of them has one."),
     ("vm.job.pgmajfault_per_s", "1/s", "Major page faults per second of that cgroup "
      "(memory.stat pgmajfault)."),
     ("vm.job.refault_bytes_per_s", "bytes/s", "Pages of that cgroup evicted and read "

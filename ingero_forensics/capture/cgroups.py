@@ -11,7 +11,12 @@ hybrid Slurm node a job's v1 memory cgroup (``/slurm/uid_0/job_9/step_0``) is no
 one (systemd's ``/system.slice/slurmd.service``), and each row names the cgroup it was
 read from.
 
-Never the root cgroup: its figures are /proc's own. Paths come from /proc/PID/cgroup and
+Pressure is read only from a v2 cgroup that is the job's own: its memory controller is
+enabled there (a Slurm cgroup/v2 step, a Kubernetes pod), or every process in it is
+traced. On a hybrid Slurm node the job's v2 cgroup is slurmd's service, shared with every
+job on the node: its pressure is not the job's. The memory limit is the lowest of the
+cgroup's own and its parents' (a limit set on the Slurm job over its step, on the pod
+over its container). Never the root cgroup: its figures are /proc's own. Paths come from /proc/PID/cgroup and
 are re-read every ``REFRESH_S`` (a job moved into its cgroup after the capture started, a
 Slurm step, a container, is followed); at most ``MAX_CGROUPS`` of each kind are sampled.
 Files are opened when their cgroup is first seen and re-read with pread at offset 0.
@@ -131,6 +136,45 @@ def parse_memory_stat(raw: bytes) -> tuple[int | None, int | None]:
     return major, refault
 
 
+def hierarchical_limit(raw: bytes) -> int | None:
+    """v1 memory.stat's ``hierarchical_memory_limit``: the lowest limit on the cgroup and
+    its parents."""
+    for line in raw.split(b"\n"):
+        if line.startswith(b"hierarchical_memory_limit "):
+            return _int(line.partition(b" ")[2])
+    return None
+
+
+def _ancestors_limit(d: str, top: str) -> int | None:
+    """The lowest v2 memory.max of the directories above ``d`` up to ``top`` (the
+    mount: the root has none)."""
+    low = None
+    d = os.path.dirname(d.rstrip("/"))
+    while len(d) > len(top.rstrip("/")) and d.startswith(top.rstrip("/")):
+        try:
+            with open(f"{d}/memory.max", "rb") as f:
+                v = _int(f.read())
+        except OSError:
+            v = None
+        if v is not None:
+            low = v if low is None else min(low, v)
+        d = os.path.dirname(d)
+    return low
+
+
+def _own_cgroup(d: str, pids: set[int]) -> bool:
+    """Is the v2 cgroup in ``d`` the job's own: its memory controller enabled there, or
+    every process in it traced?"""
+    if os.path.exists(f"{d}/memory.current"):
+        return True
+    try:
+        with open(f"{d}/cgroup.procs") as f:
+            procs = {int(x) for x in f.read().split()}
+    except (OSError, ValueError):
+        return False
+    return bool(procs) and procs <= pids
+
+
 def _int(raw: bytes | None) -> int | None:
     if raw is None:
         return None
@@ -179,17 +223,22 @@ class JobCgroups:
         self.v2, self.v1_memory = mounts if mounts is not None else cgroup_mounts()
         self._psi: dict[str, _Files] = {}
         self._mem: dict[str, tuple[_Files, bool]] = {}     # path -> (files, is v2)
+        self._parent_limit: dict[str, int | None] = {}     # v2 path -> its parents' lowest
         self._refreshed = -REFRESH_S
 
     def refresh(self) -> None:
         psi: dict[str, str] = {}         # path -> directory
         mem: dict[str, tuple[str, bool]] = {}
-        for pid in sorted(self.pids()):
+        pids = set(self.pids())
+        own: dict[str, bool] = {}
+        for pid in sorted(pids):
             v2, v1m = cgroups_of(pid, self.proc)
             v2_dir = None
             if v2 is not None and self.v2 is not None and not self.v2.is_host_root(v2):
                 v2_dir = self.v2.dir_of(v2)
-            if v2_dir is not None and len(psi) < MAX_CGROUPS:
+            if v2_dir is not None and v2 not in own:
+                own[v2] = _own_cgroup(v2_dir, pids)
+            if v2_dir is not None and own[v2] and len(psi) < MAX_CGROUPS:
                 psi[v2] = v2_dir
             if v2_dir is not None and os.path.exists(f"{v2_dir}/memory.current"):
                 if len(mem) < MAX_CGROUPS:
@@ -205,6 +254,8 @@ class JobCgroups:
         for path, d in psi.items():
             if path not in self._psi:
                 self._psi[path] = _Files(d, ("cpu.pressure", "io.pressure", "memory.pressure"))
+        self._parent_limit = {path: _ancestors_limit(d, self.v2.point)
+                              for path, (d, v2) in mem.items() if v2}
         for path, (d, v2) in mem.items():
             if path not in self._mem:
                 names = (("memory.current", "memory.max", "memory.stat") if v2 else
@@ -230,13 +281,17 @@ class JobCgroups:
             usage = _int(files.read("memory.current" if v2 else "memory.usage_in_bytes"))
             if usage is None:
                 continue                 # gone
-            s = MemorySample(usage, _int(files.read("memory.max" if v2 else
-                                                    "memory.limit_in_bytes")))
-            if s.limit is not None and s.limit >= NO_LIMIT:
-                s.limit = None
+            limits = [_int(files.read("memory.max" if v2 else "memory.limit_in_bytes"))]
+            if v2:
+                limits.append(self._parent_limit.get(path))
+            s = MemorySample(usage)
             if (raw := files.read("memory.stat")) is not None:
                 s.pgmajfault, refault = parse_memory_stat(raw)
                 s.refault_bytes = None if refault is None else refault * PAGE_BYTES
+                if not v2:
+                    limits.append(hierarchical_limit(raw))
+            limits = [v for v in limits if v is not None and v < NO_LIMIT]
+            s.limit = min(limits) if limits else None
             mem[path] = s
         return psi, mem
 
@@ -247,7 +302,8 @@ class JobCgroups:
             where.append(f"cgroup v2 at {self.v2.point}")
         if self.v1_memory is not None:
             where.append(f"v1 memory at {self.v1_memory.point}")
-        return ("the traced processes' cgroups: " + ", ".join(where)) if where else \
+        return ("the traced processes' cgroups: " + ", ".join(where) +
+                " (per-job rows only for a job in a cgroup of its own)") if where else \
             "no cgroup hierarchy mounted: no per-job pressure or memory"
 
     def close(self) -> None:

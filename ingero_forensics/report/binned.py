@@ -73,7 +73,8 @@ class HostBins:
     @staticmethod
     def memory_peaks_sql(where: str) -> str:
         return ("SELECT metric, MAX(hi) FROM host_bins WHERE node_id = ? AND metric IN "
-                "('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') "
+                "('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s', "
+                "'vm.refault_bytes_per_s') "
                 f"AND {where} GROUP BY metric ORDER BY metric")
 
     @staticmethod

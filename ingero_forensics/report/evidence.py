@@ -315,7 +315,10 @@ def node_signals(con, target, node_ids, windows, bins=None,
                 "GROUP BY node_id", [metric] + p)
         if metric == "vm.job.refault_bytes_per_s":
             job_refaults = target in vals     # the suspect's job cgroup was sampled
-        if vals:
+        if vals and metric in REFAULT_SIGNALS:    # read as MiB/s, not millions of bytes
+            add(cause, REFAULT_SIGNALS[metric], {k: v / 2**20 for k, v in vals.items()},
+                floor / 2**20, inverse)
+        elif vals:
             add(cause, metric + (" (worst device)" if metric.startswith(("gpu.", "disk.")) else
                                  " (worst cgroup of the job)" if ".job." in metric else ""),
                 vals, floor, inverse)
@@ -363,9 +366,15 @@ def node_signals(con, target, node_ids, windows, bins=None,
 
 
 
+#: The node-wide memory figures cited as evidence, and their units there.
+NODE_MEMORY_UNITS = {"psi.memory.some_pct": "%", "vm.pgmajfault_per_s": "major faults/s",
+                     "vm.pgscan_per_s": "pages scanned/s", "vm.refault_bytes_per_s": "MiB/s read back"}
 #: Refault signals (pages evicted and read again): the job cgroup's, and the node's.
-JOB_REFAULT_SIGNAL = "vm.job.refault_bytes_per_s (worst cgroup of the job)"
-NODE_REFAULT_SIGNAL = "vm.refault_bytes_per_s"
+JOB_REFAULT_SIGNAL = ("evicted pages the job read back (MiB/s, worst memory cgroup; "
+                      "vm.job.refault_bytes_per_s)")
+NODE_REFAULT_SIGNAL = "evicted pages the node read back (MiB/s; vm.refault_bytes_per_s)"
+REFAULT_SIGNALS = {"vm.job.refault_bytes_per_s": JOB_REFAULT_SIGNAL,
+                   "vm.refault_bytes_per_s": NODE_REFAULT_SIGNAL}
 #: bytes per second: the smallest refault rate worth noticing
 REFAULT_FLOOR = 200 * 1024.0
 #: the share of the job's block reads that refaults must cover to make them memory's
@@ -390,7 +399,7 @@ def _reads_are_refaults(con, out: list[Signal], target, w, p, secs, job: bool) -
         f"SELECT COALESCE(SUM(b.bytes), 0) FROM block_events b WHERE b.node_id = ? AND "
         f"b.op = 'read' AND {w.replace('timestamp_ns', 'b.timestamp_ns')} AND {JOB_BLOCK}",
         [target] + p).fetchone()[0] / secs
-    refault = sig.suspect
+    refault = sig.suspect * 2**20      # the signal is in MiB/s
     if read <= 0 or refault < REFAULT_SHARE * read:
         return
     note = (f" (not scored: pages {whose} had evicted, read again, make "
@@ -569,25 +578,31 @@ def cited_evidence(con, cause, target, windows, nodes,
     elif cause == "memory":
         for t in job_memory(con, target, w, p):
             top.append(t)
-            held = (f"held {t['usage_mib']:,.1f} MiB of its {t['limit_mib']:,.1f} MiB limit "
-                    f"at most, and " if t["limit_mib"] else "")
+            held = (f"used up to {t['used_mib']:,.1f} of its {t['limit_mib']:,.1f} MiB limit "
+                    f"and " if t["limit_mib"] else f"used up to {t['used_mib']:,.1f} MiB and ")
             stall = (f"; its tasks stalled on memory {t['memory_stall_pct']:.1f}% of the time"
                      if t["memory_stall_pct"] is not None else "")
-            ev.append(f"The job's memory cgroup {t['cgroup']} {held}read back "
-                      f"{t['refault_mib_per_s']:,.1f} MiB/s it had had to give up (workingset "
-                      f"refaults; {t['pgmajfault_per_s']:,.0f} major faults/s) in the "
-                      f"windows{stall}.")
+            ev.append(f"The job's memory cgroup {t['cgroup']} {held}read back, on average, "
+                      f"{t['read_back_mib_per_s']:,.1f} MiB/s of pages that had been evicted "
+                      f"(workingset refaults; {t['major_faults_per_s']:,.0f} major faults/s) "
+                      f"in the windows{stall}.")
+        if top:
+            # the job's own figures say it; the node's are every tenant's
+            return ev, top
         sql, params = (
             (bins.memory_peaks_sql(wb[0]), wb[1]) if wb is not None else
             ("SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
-             f"('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s') AND {w} "
+             "('psi.memory.some_pct', 'vm.pgmajfault_per_s', 'vm.pgscan_per_s', "
+             f"'vm.refault_bytes_per_s') AND {w} "
              "GROUP BY metric ORDER BY metric", p))
-        node_wide = [{"metric": metric, "peak": round(mx, 1)}
-                     for metric, mx in con.execute(sql, [target] + params)]
-        top.extend(node_wide)
-        if node_wide:
-            ev.append("Memory pressure on the node: " + ", ".join(
-                f"{t['metric']} peaked at {t['peak']}" for t in node_wide) + ".")
+        for metric, mx in con.execute(sql, [target] + params):
+            if mx:             # a counter that stayed at zero is no evidence
+                top.append({"metric": metric, "peak": round(mx / 2**20, 1)
+                            if metric == "vm.refault_bytes_per_s" else round(mx, 1),
+                            "unit": NODE_MEMORY_UNITS[metric]})
+        if top:
+            ev.append("Memory pressure on the node, at its peak in the windows: " + ", ".join(
+                f"{t['metric']} {t['peak']:,} {t['unit']}" for t in top) + ".")
     elif cause == "gpu":
         sql, params = (
             (bins.gpu_devices_sql(wb[0]), wb[1]) if wb is not None else
@@ -622,17 +637,18 @@ def job_memory(con, target, w, p) -> list[dict]:
             f"'psi.job.memory.some_pct') AND {w} GROUP BY device, metric", [target] + p):
         per[dev][metric] = mx if metric in ("mem.job.usage_bytes", "mem.job.limit_bytes") else avg
     out = [{"cgroup": dev,
-            "usage_mib": round(m["mem.job.usage_bytes"] / 2**20, 1),
+            "used_mib": round(m["mem.job.usage_bytes"] / 2**20, 1),
             "limit_mib": round(m["mem.job.limit_bytes"] / 2**20, 1)
             if "mem.job.limit_bytes" in m else None,
-            "refault_mib_per_s": round(m.get("vm.job.refault_bytes_per_s", 0.0) / 2**20, 2),
-            "pgmajfault_per_s": round(m.get("vm.job.pgmajfault_per_s", 0.0), 1),
+            "read_back_mib_per_s": round(m.get("vm.job.refault_bytes_per_s", 0.0) / 2**20, 2),
+            "major_faults_per_s": round(m.get("vm.job.pgmajfault_per_s", 0.0), 1),
             "memory_stall_pct": round(m["psi.job.memory.some_pct"], 2)
             if "psi.job.memory.some_pct" in m else None}
            for dev, m in per.items() if dev is not None and "mem.job.usage_bytes" in m]
-    return sorted((t for t in out if t["refault_mib_per_s"] * 2**20 >= REFAULT_FLOOR
+    # cited where it read back at least the refault floor, or stalled on memory 3 % or more
+    return sorted((t for t in out if t["read_back_mib_per_s"] * 2**20 >= REFAULT_FLOOR
                    or (t["memory_stall_pct"] or 0.0) >= 3.0),
-                  key=lambda t: (-t["refault_mib_per_s"], -(t["memory_stall_pct"] or 0.0),
+                  key=lambda t: (-t["read_back_mib_per_s"], -(t["memory_stall_pct"] or 0.0),
                                  t["cgroup"]))
 
 
@@ -668,19 +684,20 @@ def next_step(cause, node: str, top: list[dict]) -> str:
                 "windows.")
     if cause == "memory" and top and "cgroup" in top[0]:
         t = top[0]
-        if t["limit_mib"] and t["usage_mib"] >= 0.9 * t["limit_mib"]:
+        if t["limit_mib"] and t["used_mib"] >= 0.9 * t["limit_mib"]:
             return (f"The job's memory cgroup {t['cgroup']} on {node} reached its "
-                    f"{t['limit_mib']:,.1f} MiB limit and read {t['refault_mib_per_s']:,.1f} "
-                    "MiB/s back: raise its limit (memory.max or memory.limit_in_bytes, or "
-                    "the job's memory request) or shrink what it keeps in memory (a "
-                    "memory-mapped dataset, the loader's page cache).")
-        return (f"The job's memory cgroup {t['cgroup']} on {node} read "
-                f"{t['refault_mib_per_s']:,.1f} MiB/s back that it had had to give up: find "
-                "what took the memory (other tenants, the page cache of other files) and "
-                "leave the job its working set.")
+                    f"{t['limit_mib']:,.1f} MiB limit (its own or a parent's) and read back "
+                    f"{t['read_back_mib_per_s']:,.1f} MiB/s of evicted pages: raise the "
+                    "limit (memory.max or memory.limit_in_bytes, or the job's memory "
+                    "request) or shrink what it keeps in memory (a memory-mapped dataset, "
+                    "the loader's page cache).")
+        return (f"The job's memory cgroup {t['cgroup']} on {node} read back "
+                f"{t['read_back_mib_per_s']:,.1f} MiB/s of evicted pages, under no limit "
+                "of its own: find what took the memory (other tenants, the page cache of "
+                "other files) and leave the job its working set.")
     if cause == "memory" and top:
         return (f"Memory pressure on {node} (" + ", ".join(
-            f"{t['metric']} up to {t['peak']}" for t in top) + "): find what grew (other "
+            f"{t['metric']} up to {t['peak']:,} {t['unit']}" for t in top) + "): find what grew (other "
             "tenants, page cache of the loader) and leave the job its memory.")
     return (f"Open the windows of {node} in the trace (ingero-export) and compare its "
             "threads with a healthy node's.")
@@ -695,8 +712,9 @@ def cause_series(con, cause, target, t0, bin_ns, bins=None, signals=()) -> dict:
               "gpu": "gpu.sm_clock_mhz"}[cause]
     best = max((s for s in signals if s.cause == cause), key=lambda s: s.score, default=None)
     if cause == "memory" and best is not None and best.score > 0 and \
-            best.name in (JOB_REFAULT_SIGNAL, NODE_REFAULT_SIGNAL):
-        metric = best.name.split()[0]
+            best.name in REFAULT_SIGNALS.values():
+        metric = next(m for m, name in REFAULT_SIGNALS.items() if name == best.name)
+    scale = 1 / 2**20 if metric in REFAULT_SIGNALS else 1.0     # MiB/s, as its signal
     agg = "MIN" if cause == "gpu" else "MAX"
     per: dict[int, dict[int, float]] = defaultdict(dict)
     if bins is not None and bins.aligned:
@@ -714,8 +732,9 @@ def cause_series(con, cause, target, t0, bin_ns, bins=None, signals=()) -> dict:
     for b in sorted(per):
         vals = per[b]
         others = [v for n, v in vals.items() if n != target]
-        series.append({"t_s": round(b * bin_ns / 1e9, 3), "suspect": round(vals.get(target, 0.0), 3),
-                       "others": round(median(others), 3) if others else 0.0})
+        series.append({"t_s": round(b * bin_ns / 1e9, 3),
+                       "suspect": round(vals.get(target, 0.0) * scale, 3),
+                       "others": round(median(others) * scale, 3) if others else 0.0})
     return {"metric": metric, "points": series}
 
 

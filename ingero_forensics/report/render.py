@@ -198,8 +198,8 @@ METRIC_LABELS = {
     "psi.cpu.some_pct": "CPU pressure (PSI some), % of time",
     "psi.io.some_pct": "I/O pressure (PSI some), % of time",
     "psi.memory.some_pct": "memory pressure (PSI some), % of time",
-    "vm.job.refault_bytes_per_s": "bytes read back per s (the job's memory cgroup, worst)",
-    "vm.refault_bytes_per_s": "bytes read back per s (whole node)",
+    "vm.job.refault_bytes_per_s": "evicted pages read back, MiB/s (the job's memory cgroup, worst)",
+    "vm.refault_bytes_per_s": "evicted pages read back, MiB/s (whole node)",
     "tcp.retrans_segs_per_s": "TCP segments retransmitted per s (whole node)",
     "gpu.sm_clock_mhz": "SM clock, MHz (slowest GPU)",
 }

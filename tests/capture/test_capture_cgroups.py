@@ -92,6 +92,7 @@ def _tree(tmp_path, some, full, maj, ref, limit="25165824", v1_path="/job", v2_p
     d2.mkdir(parents=True, exist_ok=True)
     d1.mkdir(parents=True, exist_ok=True)
     (d2 / "cgroup.type").write_text("domain\n")
+    (d2 / "cgroup.procs").write_text("7\n")
     for res in ("cpu", "io", "memory"):
         (d2 / f"{res}.pressure").write_text(PSI.format(some, full))
         (v2 / f"{res}.pressure").write_text(PSI.format(some, full))   # the root's
@@ -137,21 +138,55 @@ def test_hybrid_slurm_node_names_each_hierarchy_apart(tmp_path):
     (proc / "9").mkdir()
     (proc / "9" / "cgroup").write_text(
         "4:memory:/slurm/uid_0/job_9/step_1\n0::/system.slice/slurmd.service\n")
+    # slurmd's service holds slurmd and every job's processes: its pressure is not the job's
+    (tmp_path / "unified" / "system.slice/slurmd.service" / "cgroup.procs").write_text(
+        "1234\n7\n9\n")
+    (tmp_path / "memory" / "slurm/uid_0/job_9/step_0" / "memory.stat").write_text(
+        V1_STAT.format(maj=1, ref=1) + "hierarchical_memory_limit 4194304\n")
     step1 = tmp_path / "memory" / "slurm/uid_0/job_9/step_1"
     step1.mkdir(parents=True)
     (step1 / "memory.usage_in_bytes").write_text("1048576\n")
     (step1 / "memory.limit_in_bytes").write_text("2097152\n")
     (step1 / "memory.stat").write_text(V1_STAT.format(maj=1, ref=1))
     psi, mem = JobCgroups(lambda: {7, 9}, proc=str(proc), mounts=(v2, v1)).sample()
-    assert list(psi) == ["/system.slice/slurmd.service"]
+    assert psi == {}
     assert sorted(mem) == ["/slurm/uid_0/job_9/step_0", "/slurm/uid_0/job_9/step_1"]
     assert mem["/slurm/uid_0/job_9/step_1"].limit == 2097152
+    # a limit on the job over its step (v1: hierarchical_memory_limit) is the step's too
+    assert mem["/slurm/uid_0/job_9/step_0"].limit == 4194304
     rows = host_rows(None, Snapshot(1, job_psi=psi, job_mem=mem))
+    assert not [r for r in rows if r[1].startswith("psi.job.")]
     assert {(m, d) for _, m, d, _ in rows if m.startswith("mem.job.")} == {
         ("mem.job.usage_bytes", "/slurm/uid_0/job_9/step_0"),
         ("mem.job.limit_bytes", "/slurm/uid_0/job_9/step_0"),
         ("mem.job.usage_bytes", "/slurm/uid_0/job_9/step_1"),
         ("mem.job.limit_bytes", "/slurm/uid_0/job_9/step_1")}
+
+
+def test_v2_memory_controller_and_a_parents_limit(tmp_path):
+    """A pure v2 machine (a Kubernetes pod, a Slurm cgroup/v2 step): the memory comes
+    from the v2 cgroup, its limit the lowest of its own and its parents'; its pressure is
+    read though a process not traced shares it (the pod's pause process)."""
+    v2 = tmp_path / "cg"
+    pod = v2 / "kubepods.slice" / "pod1"
+    ctr = pod / "ctr"
+    ctr.mkdir(parents=True)
+    (v2 / "kubepods.slice" / "memory.max").write_text("max\n")
+    (pod / "memory.max").write_text("8388608\n")
+    for name, text in (("memory.current", "8000000\n"), ("memory.max", "max\n"),
+                       ("memory.stat", V2_STAT.format(maj=1, ref=2)), ("cgroup.type", "domain\n"),
+                       ("cgroup.procs", "7\n55\n")):
+        (ctr / name).write_text(text)
+    for res in ("cpu", "io", "memory"):
+        (ctr / f"{res}.pressure").write_text(PSI.format(1, 1))
+    proc = tmp_path / "proc"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text("0::/kubepods.slice/pod1/ctr\n")
+    psi, mem = JobCgroups(lambda: {7}, proc=str(proc), mounts=(Mount(str(v2)), None)).sample()
+    key = "/kubepods.slice/pod1/ctr"
+    assert list(psi) == [key] and list(mem) == [key]
+    assert mem[key].limit == 8388608 and mem[key].usage == 8000000
+    assert mem[key].refault_bytes == 2 * PAGE_BYTES
 
 
 def test_inside_a_cgroup_namespace_the_jobs_root_is_its_own(tmp_path):
@@ -162,6 +197,7 @@ def test_inside_a_cgroup_namespace_the_jobs_root_is_its_own(tmp_path):
     psi, _ = JobCgroups(lambda: {8}, proc=str(proc), mounts=(v2, v1)).sample()
     assert psi == {}                                     # the machine's root
     ns_root = Mount(str(tmp_path / "unified" / "job"))   # that cgroup, seen from inside
+    (tmp_path / "unified" / "job" / "cgroup.procs").write_text("8\n")
     psi, _ = JobCgroups(lambda: {8}, proc=str(proc), mounts=(ns_root, None)).sample()
     assert list(psi) == ["/"]
 

@@ -79,7 +79,7 @@ def test_reads_that_are_refaults_are_memory(tmp_path, io_fleet):
     assert any("pages the job had evicted" in s.name and "80% of its job's block reads"
                in s.name for s in io), [s.name for s in io]
     assert any(CGROUP in e and "24.0 MiB limit" in e for e in a.evidence), a.evidence
-    assert "raise its limit" in a.next_step and CGROUP in a.next_step
+    assert "raise the limit" in a.next_step and CGROUP in a.next_step
     assert a.cause_series["metric"] == "vm.job.refault_bytes_per_s"
 
 
