@@ -288,6 +288,7 @@ def verdict_text(a: Analysis, network: bool, primary: Straggler | None = None) -
             return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
         return lead
     texts = [_straggler_text(st, a.noise_ms, a.nodes) for st in a.stragglers]
-    if len(texts) > 1:
-        return f"{len(texts)} stragglers. " + " ".join(texts)
-    return texts[0]
+    texts += a.victim_notes     # report/analyze.py, _demote_victims
+    if len(a.stragglers) > 1:
+        return f"{len(a.stragglers)} stragglers. " + " ".join(texts)
+    return " ".join(texts)

@@ -54,9 +54,10 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
                wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False,
                rank_env=True, messages=False, message_traps=False, held_into=None,
-               unsent_rows=False, mapped_addresses=False) -> Fleet:
-    """straggler_rank: a rank (or a tuple of ranks, each late at other collectives) that
-    arrives straggler_late_ns late at every straggler_every-th collective. queued: what each sync records as
+               unsent_rows=False, mapped_addresses=False, together=False) -> Fleet:
+    """straggler_rank: a rank (or a tuple of ranks, each late at other collectives; at the
+    same ones with together=True) that arrives straggler_late_ns late (a tuple: each
+    straggler's) at every straggler_every-th collective. queued: what each sync records as
     queued after the collective (0: a tight observation; 8: kernels, it only bounds the
     completion). claims=False: clocks that say they are unsynchronized. one_host: every
     node is a namespace of one kernel (one clock, one boot_id). late_wakeups: a node
@@ -113,9 +114,11 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
         entries = {}
         for r in range(nranks):
             late = 0
-            if r in stragglers and seq % straggler_every == \
-                    (5 * stragglers.index(r)) % straggler_every:
-                late = straggler_late_ns  # a slow AllReduce for everybody else
+            k = stragglers.index(r) if r in stragglers else -1
+            if k >= 0 and seq % straggler_every == (0 if together else 5 * k) % straggler_every:
+                # a slow AllReduce for everybody else
+                late = straggler_late_ns[k] if isinstance(straggler_late_ns, tuple) \
+                    else straggler_late_ns
             entries[r] = t + rng.randint(0, 3_000_000) + late
         nbytes = (64 << 20) + ((seq % shapes) << 12)
         completion = max(entries.values()) + 1_500_000 + rng.randint(0, 20_000)

@@ -620,6 +620,39 @@ def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tm
         a.verdict
 
 
+def test_a_node_late_only_with_a_straggler_and_resending_to_it_is_its_victim(tmp_path):
+    """Seen on the real-kernel rig (one GPU three times slower, one rank per node): the
+    slow node's upstream neighbour, on time over the run on the shared clock, was late
+    in 1.0 s of the slow node's 5.0 s of windows, resending towards it, and was named a
+    second straggler. Late only while the other was, with no clear cause of its own and
+    resending towards it, it is that node's victim: said, not named. The same lateness
+    without the retransmits, or late at other times, keeps it a straggler of its own."""
+    fleet = make_fleet(tmp_path / "b", nodes=5, ranks_per_node=2, seconds=20,
+                       straggler_rank=(7, 2), straggler_late_ns=(60_000_000, 25_000_000),
+                       together=True, seed=8, messages=True)
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    both = {s.node: s for s in analyze_fleet(tmp_path / "f.db").stragglers}
+    assert set(both) == {"node-1", "node-3"}, both      # without retransmits: both named
+    assert both["node-3"].cost_s > both["node-1"].cost_s
+    a = analyze_fleet(_retransmits_towards(
+        "node-1", "node-3", tmp_path / "f.db", tmp_path / "victim.db", no_sched=None,
+        windows=[(w.start_ns, w.end_ns) for w in both["node-3"].windows]))
+    assert [s.node for s in a.stragglers] == ["node-3"], a.verdict
+    assert a.victims == ["node-1"] and len(a.victim_notes) == 1, a.victims
+    assert "node-1 arrived late too" in a.verdict and "node-3's victim" in a.verdict, a.verdict
+    assert any("node-3's victim, not named" in e for e in a.stragglers[0].evidence)
+    # late at other collectives than node-3 (fleetgen's default): a straggler of its own
+    fleet = make_fleet(tmp_path / "b2", nodes=5, ranks_per_node=2, seconds=20,
+                       straggler_rank=(7, 2), straggler_late_ns=(60_000_000, 25_000_000),
+                       seed=8, messages=True)
+    merge_bundles(fleet.paths, tmp_path / "f2.db")
+    apart = {s.node: s for s in analyze_fleet(tmp_path / "f2.db").stragglers}
+    a = analyze_fleet(_retransmits_towards(
+        "node-1", "node-3", tmp_path / "f2.db", tmp_path / "apart.db", no_sched=None,
+        windows=[(w.start_ns, w.end_ns) for w in apart["node-3"].windows]))
+    assert {s.node for s in a.stragglers} == {"node-1", "node-3"} and a.victims == [], a.verdict
+
+
 def test_retransmits_towards_an_ipv4_mapped_address_count_as_towards_that_node(tmp_path):
     """tcp_events keeps a v4 peer of a v6 socket as ::ffff:a.b.c.d; the late node's own
     rows may name the same address plainly. Both are that node's address."""
