@@ -270,7 +270,8 @@ def test_block_without_io_start_warns(ebpf_ok, monkeypatch):
 def test_check_says_whose_requests_a_kernel_without_io_start_misattributes(ebpf_ok,
                                                                           monkeypatch):
     # --check: the block source runs either way; without block_io_start it says so
-    assert BlockSource.probe().available and BlockSource.probe().reason is None
+    # (with it, the line says what the source traces)
+    assert BlockSource.probe().available and BlockSource.probe().reason == BlockSource.probe_detail
     exists = block.tracepoint_exists
     monkeypatch.setattr(block, "tracepoint_exists",
                         lambda cat, ev: ev != "block_io_start" and exists(cat, ev))

@@ -513,7 +513,7 @@ def test_fast_open_connections_are_not_counted(ebpf_ok, tmp_path):
 def test_check_says_what_a_kernel_without_btf_costs(ebpf_ok, monkeypatch, tmp_path):
     # --check: the tcp source runs either way; without the kernel's BTF it says which
     # rows it will lack, before a capture finds out
-    assert TcpSource.probe().reason is None
+    assert TcpSource.probe().reason == TcpSource.probe_detail   # what it traces
     from ingero_forensics.capture.ebpf import btf
     monkeypatch.setattr(btf, "VMLINUX", str(tmp_path / "no-such-btf"))
     status = TcpSource.probe()
