@@ -11,8 +11,8 @@ import re
 import textwrap
 
 from .analyze import CAUSE_TITLES, Analysis
-from .wording import (clock_check_text, grouped_issues, per_node_text, rank_text,
-                      seconds_text)
+from .wording import (clock_check_sentence, clock_check_text, grouped_issues, per_node_text,
+                      rank_text, seconds_text)
 from .render import report_title
 
 
@@ -141,7 +141,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             for e in st.evidence:       # the figures the verdict's next step rests on
                 lines.append(para(f"{st.node}: {e}", "- " if markdown else "* "))
             if not markdown:
-                lines.append(para(f"{st.node}: clock {clock_check_text(st)}.", "* "))
+                lines.append(para(f"{st.node}: {clock_check_sentence(st)}.", "* "))
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")

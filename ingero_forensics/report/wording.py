@@ -148,6 +148,22 @@ def clock_check_text(st: Straggler) -> str:
     return f"{head}: peak {st.peak_ms:.1f} ms {rel} {_clock_margin():g} x {ms_text(u)}"
 
 
+def clock_check_sentence(st: Straggler) -> str:
+    """clock_check_text in a sentence, for the text form's bullets (the tables keep the
+    short form under their "clock" heading)."""
+    u = st.relative_uncertainty_ms
+    if u is None:
+        return ("clock error cannot be ruled out: no bound on the alignment between it "
+                "and its peers")
+    if st.clock_caveat:
+        return (f"clock error cannot be ruled out: its peak lateness, {st.peak_ms:.1f} ms, is "
+                f"at most {_clock_margin():g} x the alignment uncertainty between it and its "
+                f"peers ({ms_text(u)})")
+    return (f"clock check ok: its peak lateness, {st.peak_ms:.1f} ms, is more than "
+            f"{_clock_margin():g} x the alignment uncertainty between it and its peers "
+            f"({ms_text(u)})")
+
+
 def ms_text(ms: float) -> str:
     """A small duration in ms with the unit its size needs: 8.35 ms, but 1.4 us (not
     "0.00 ms", which reads as a zero or a bug)."""
