@@ -58,6 +58,9 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
                        fleet_noise_ms, late_threshold_ms, rises_ns)
 from .network import _network_suspect, retransmits_towards
 from .gpuwait import gpu_suspect
+from .links import (link_evidence, link_next_step, link_series, link_transits,
+                    link_unsure_text, slow_link)
+from .victims import demote_victims
 from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, ms_text, natural_key, no_comparison_text,
                       rank_text, verdict_text)
@@ -183,7 +186,7 @@ class Analysis:
     #: late nodes put down to a lossy link elsewhere (no cause of their own), or to a
     #: straggler they were late with and resent towards (no clear cause of their own)
     victims: list[str] = field(default_factory=list)
-    #: the latter, each in a sentence (the verdict's; _demote_victims)
+    #: the latter, each in a sentence (the verdict's; victims.demote_victims)
     victim_notes: list[str] = field(default_factory=list)
     lateness: list[NodeLateness] = field(default_factory=list)
     slow_bins: int = 0
@@ -191,6 +194,18 @@ class Analysis:
     #: connections retransmitted far more than the other nodes') or "slow_bins" (the
     #: most retransmits in the slow bins); None without one
     network_basis: str | None = None
+    #: every link between two nodes of the job's TCP connections with its transit times
+    #: (report/links.py): {from, to, transits, median_ms, p90_ms}; empty without
+    #: tcp_progress 'arrive' rows
+    links: list[dict] = field(default_factory=list)
+    #: a link far slower than the others while nobody is late and nothing retransmits
+    #: (rule 4c): {from, to, median_ms, p90_ms, others_ms, score, side, clock_bound_ms,
+    #: transfer_share}; the named node (``straggler``) is its sender, or its receiver
+    #: where every other link into that node is slow too
+    link_suspect: dict | None = None
+    #: such a link whose excess is not well above the alignment uncertainty between its
+    #: two nodes: the same fields; not named, the verdict says that clocks cannot rule it out
+    link_unsure: dict | None = None
     #: a node whose ranks wait for their own GPU work far longer than every other node's
     #: while nobody arrives late (report/gpuwait.py): the GpuSuspect's fields; None without
     gpu_suspect: dict | None = None
@@ -350,6 +365,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     early = EarlyHalf() if len(nodes) >= 3 else None     # nodes late together
     node_index: dict[int, array] = defaultdict(lambda: array("l"))   # for early
     times = array("q")
+    transfer_total_ns = 0     # the collectives' time from the last arrival to completion
     for _, first, last_node, completion, last_entry, arrivals in itertools.chain([first_row],
                                                                                 rows):
         arrivals = json.loads(arrivals)
@@ -386,6 +402,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         last_count[last_node] += 1
         if completion is not None and completion >= last_entry:
             transfers[b].append((completion - last_entry) / 1e6)
+            transfer_total_ns += completion - last_entry
     per_node = {nid: Reservoir(SAMPLE, seed=nid).extend(v) for nid, v in node_lates.items()}
     transfer = {b: Reservoir(TRANSFER_SAMPLE, seed=b).extend(v) for b, v in transfers.items()}
     del transfers
@@ -495,7 +512,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             if n:
                 st.retransmits_towards = {"node": nodes[towards_late][0], "retransmits": n}
     if network_suspect is None and len(a.stragglers) > 1:
-        _demote_victims(a)
+        demote_victims(a)
     if network_suspect is not None and a.stragglers:
         # A lossy link delays the ranks downstream of it too: they start the next step
         # late and look late. Late nodes with no clear cause of their own are its
@@ -514,10 +531,35 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     if a.stragglers:
         network_suspect = None
         a.network_basis = None
+    with con.figure("links"):
+        links = link_transits(con, t0, bin_ns)
+    a.links = [{"from": nodes[lk.sender][0], "to": nodes[lk.receiver][0],
+                "transits": lk.transits, "median_ms": lk.median_ms, "p90_ms": lk.p90_ms}
+               for lk in links if lk.sender in nodes and lk.receiver in nodes]
+    link = None
+    transfer_share = round(min(1.0, transfer_total_ns / run_ns), 4) if run_ns else 0.0
+    if not a.stragglers and network_suspect is None and transfer_share >= MIN_COST_SHARE:
+        # -- 3c. nobody late, nothing retransmits: a link far slower than the others ----
+        link = slow_link([lk for lk in links if lk.sender in nodes and lk.receiver in nodes],
+                         lambda s, r: _link_uncertainty_ms(s, r, rel_unc, clock_of),
+                         CLOCK_MARGIN)
+    if link is not None:
+        slowest = next(lk for lk in links if (lk.sender, lk.receiver) == (link.sender,
+                                                                          link.receiver))
+        suspect = {"from": nodes[link.sender][0], "to": nodes[link.receiver][0],
+                          "median_ms": link.median_ms, "p90_ms": slowest.p90_ms,
+                          "others_ms": link.others_ms, "score": link.score,
+                          "side": link.side, "clock_bound_ms": link.clock_bound_ms,
+                          "transfer_share": transfer_share}
+        if link.clock_limited:
+            # its excess could be clock error between its two nodes: said, not named
+            a.link_unsure, link = suspect, None
+        else:
+            a.network_basis, a.link_suspect = "slow_link", suspect
     gpu = one_sided = None
     late = []
     run_windows = _join_bins(sorted(bins), t0, bin_ns, cell, None)   # the run, its pauses out
-    if not a.stragglers and network_suspect is None:
+    if not a.stragglers and network_suspect is None and link is None:
         one_sided = (_later_in_most_bins(cell, nodes, late_bins, min_bins)
                      if len(nodes) == 2 else None)
         late = sorted((nl for nl in a.lateness if nl.late_bins and
@@ -554,7 +596,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     # a clock error this large could hide (or fake) lateness of the fleet's own jitter:
     # "no straggler" (or "nobody arrives late") would claim more than the alignment knows
     clocks_loose = worst is None or worst > max(LATE_FLOOR_MS, a.noise_ms)
-    if primary is None and network_suspect is None and gpu is None:
+    if primary is None and network_suspect is None and gpu is None and link is None:
         if clocks_loose:
             a.clock_limited = True
             a.cause_confidence = "none"
@@ -564,6 +606,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                                        f"{worst:.2f} ms") + f" of each other ({_why_loose(a)}"
                 f"), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
                 "lateness table shows what each node's clock says; see the clock section.")
+            if a.link_unsure:
+                a.verdict += " " + link_unsure_text(a.link_unsure)
             with con.figure("slow_collectives"):
                 a.slow_collectives = slow_collectives(con)
             return a
@@ -592,8 +636,11 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
                      f"{a.threshold_ms:.2f} ms in at least {min_bins} time bins and costing "
-                     f"the others at least {MIN_COST_SHARE:.0%} of the run), and collectives "
-                     "are not slow for everyone.")
+                     f"the others at least {MIN_COST_SHARE:.0%} of the run), no period of "
+                     "the run has collectives slow for everyone" + (", and no link of the job is far slower than the others."
+                              if len(a.links) >= 2 and not a.link_unsure else "."))
+        if a.link_unsure:
+            a.verdict += " " + link_unsure_text(a.link_unsure)
         if a.bins_limited:
             nl = late[0]
             a.verdict = bins_limited_text(a, nl, span_s=run_ns / 1e9)
@@ -635,6 +682,26 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         if clocks_loose:
             a.clock_limited = True
             a.gpu_suspect["clock_bound_ms"] = worst
+    elif primary is None and link is not None:
+        name, ranks = nodes[link.suspect]
+        primary = Straggler(node=name, node_id=link.suspect, ranks=ranks, late_ranks=[],
+                            windows=run_windows, lateness_ms=0.0, peak_ms=0.0, late_bins=0,
+                            cost_s=0.0, cost_share=0.0,
+                            relative_uncertainty_ms=_pair_uncertainty_ms(
+                                link.suspect, rel_unc, clock_of),
+                            clock_caveat=False)
+        # its host signals over the run, for the table; the cause is the link's
+        _diagnose(con, primary, list(nodes), nodes, network=True, bins=hb)
+        primary.cause, primary.cause_confidence, primary.close_cause = "network", "clear", None
+        s = a.link_suspect
+        primary.signals.insert(0, Signal(
+            "network", f"transit of its bytes to {s['to']} (ms, median over arrivals)"
+            if link.side != "receiver" else
+            f"transit of the bytes from {s['from']} into it (ms, median over arrivals)",
+            link.median_ms, link.others_ms, link.score))
+        primary.evidence = link_evidence(a.link_suspect, a.links)
+        primary.next_step = link_next_step(a.link_suspect)
+        primary.top_offenders = []
     elif primary is None:
         windows = _join_bins(sorted(set(net_bins)), t0, bin_ns, cell, None)
         name, ranks = nodes[network_suspect]
@@ -660,71 +727,30 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
     a.next_step = primary.next_step
     with con.figure("cause_series"):
-        a.cause_series = (cause_series(con, a.cause, primary.node_id, t0, bin_ns, hb,
+        a.cause_series = (link_series(links, link, bin_ns) if link is not None else
+                          cause_series(con, a.cause, primary.node_id, t0, bin_ns, hb,
                                        primary.signals) if a.cause else {})
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
-    a.verdict = verdict_text(a, network_suspect is not None, primary)
+    a.verdict = verdict_text(a, network_suspect is not None or link is not None, primary)
     if a.uncaptured:
         a.verdict += " " + uncaptured_text(a.uncaptured, rank_text)
     return a
 
 
-#: the share of a victim's window time that must lie within its culprits' windows
-VICTIM_OVERLAP = 0.9
-
-
-def _demote_victims(a: Analysis) -> None:
-    """A node named late with another, with no clear cause of its own, whose job connections
-    resent towards that node (``victim_of``), late only while that node was (90 % of its
-    window time within the other's windows) and costing less: it waited for the other
-    (a sender held by a late receiver), so it is that node's victim, not a straggler of
-    its own (issue 16: "a node whose sends are retransmitted towards a late peer is a
-    victim, not the cause"). Named in the culprit's evidence and in ``victims``. Seen on
-    the real-kernel rig: with one GPU three times slower, its upstream neighbour was
-    late in 1.0 s of the slow node's 5.0 s of windows (0 ms on average over the run, on
-    the shared clock) and was named a second straggler, "cannot tell"."""
-    by_name = {st.node: st for st in a.stragglers}
-    kept = []
-    for st in a.stragglers:
-        culprits = [by_name[n] for n in st.victim_of if n in by_name]
-        inside = _overlap_s(st.windows, [w for c in culprits for w in c.windows])
-        total = sum(w.end_ns - w.start_ns for w in st.windows) / 1e9
-        # (victim_of is set only without a clear cause: _diagnose)
-        if (culprits and len(culprits) == len(st.victim_of)
-                and all(c.cost_s > st.cost_s for c in culprits)
-                and total > 0 and inside >= VICTIM_OVERLAP * total):
-            a.victims.append(st.node)
-            whom = " and ".join(c.node for c in culprits)
-            note = (f"{st.node} arrived late too ({st.lateness_ms:.1f} ms in "
-                    f"{total:.2f} s), only while {whom} {'was' if len(culprits) == 1 else 'were'} "
-                    f"late, with no clear cause of its own and resending towards "
-                    f"{'it' if len(culprits) == 1 else 'them'}: {whom}'s victim, not named a "
-                    "straggler.")
-            a.victim_notes.append(note)
-            for c in culprits:
-                c.evidence.append(note)
-        else:
-            kept.append(st)
-    a.stragglers = kept
-
-
-def _overlap_s(windows, others) -> float:
-    """Seconds of ``windows`` that lie within the union of ``others``."""
-    spans = sorted((w.start_ns, w.end_ns) for w in others)
-    merged: list[list[int]] = []
-    for s, e in spans:
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return sum(max(0, min(w.end_ns, e) - max(w.start_ns, s))
-               for w in windows for s, e in merged) / 1e9
-
-
 def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
     with con.figure(f"late_ranks:{node_id}"):
         return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
+
+
+def _link_uncertainty_ms(s: int, r: int, rel_unc, clock_of) -> float | None:
+    """How far node s's clock may be from node r's (ms): 0 on one clock (one boot), the
+    sum of their relative uncertainties, None where either is unbounded."""
+    if clock_of.get(s) is not None and clock_of.get(s) == clock_of.get(r):
+        return 0.0
+    if rel_unc.get(s) is None or rel_unc.get(r) is None:
+        return None
+    return (rel_unc[s] + rel_unc[r]) / 1e3
 
 
 def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:

@@ -51,8 +51,11 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
     The report compares when each node arrives at collectives, finds the windows where
     one node is late (or where collectives are slow for everyone), and scores every
     candidate cause (CPU contention, block I/O, memory pressure, network retransmits,
-    GPU slowdown) on that node against the other nodes over the same windows. The HTML
-    has no scripts and loads nothing: it reads the same in a browser or a mail client.
+    GPU slowdown) on that node against the other nodes over the same windows. Where
+    nobody is late and nothing retransmits, a link whose bytes take far longer from
+    sender to receiver than on the job's other links is named (a slow network link).
+    The HTML has no scripts and loads nothing: it reads the same in a browser or a mail
+    client.
 
     --json prints the analysis on stdout and -o takes the report in the --format chosen:
     "--json -o report.html" gives both; "--format text --json" without -o is refused

@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from operator import itemgetter, truediv
 
+from ..merge.messages import LOCAL_ADDRESSES
 from ..merge.ranks import process_ranks
 from ..merge.summaries import JOB_BLOCK, SYNC_WAIT_APIS
 from .capturelog import unknown_coverage
@@ -204,6 +205,12 @@ def window_seconds(windows) -> float:
 
 
 GPU_WAIT_SIGNAL = "GPU work wait of the slowest rank (ms, median event/device sync)"
+#: SQL: a tcp_events row of a connection that leaves its node. A connection to the node's
+#: own address (ranks of one node over TCP: the rig with two ranks a node) or to loopback
+#: never crosses a NIC, a cable or a switch: its retransmits say nothing of the network.
+#: On the rig, three of them at the run's start named a node "network retransmits, weak".
+LEAVES_NODE = ("(saddr <> daddr AND NOT (" + " OR ".join(
+    f"daddr LIKE '{a}'" for a in LOCAL_ADDRESSES) + "))")
 #: The signal that holds a straggler's job retransmits towards other late nodes: shown,
 #: never scored (docs/report.md, rule 5).
 TOWARDS_LATE_SIGNAL = ("job-connection retransmits towards late nodes (per s; not scored: "
@@ -280,7 +287,8 @@ def node_signals(con, target, node_ids, windows, bins=None,
         not_late = f" AND NOT {to_late}"
         total_job, towards = con.execute(
             f"SELECT COUNT(*), COALESCE(SUM({to_late}), 0) FROM tcp_events WHERE "
-            f"node_id = ? AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w}",
+            f"node_id = ? AND scope = 'job' AND event = 'tcp_retransmit_skb' AND "
+            f"{LEAVES_NODE} AND {w}",
             late_params + [target] + p).fetchone()
     victim = towards > 0 and 2 * towards >= total_job
 
@@ -346,7 +354,8 @@ def node_signals(con, target, node_ids, windows, bins=None,
     add("network", "job-connection retransmits (per s)",
         {k: v / secs for k, v in per_node(
             f"SELECT node_id, COUNT(*) FROM tcp_events WHERE scope = 'job' "
-            f"AND event = 'tcp_retransmit_skb' AND {w}{not_late} GROUP BY node_id",
+            f"AND event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND {w}{not_late} "
+            "GROUP BY node_id",
             p + late_params).items()}, 0.5)
     if towards:
         out.append(Signal("network", TOWARDS_LATE_SIGNAL, round(towards / secs, 3), 0.0, 0.0))
@@ -556,15 +565,16 @@ def cited_evidence(con, cause, target, windows, nodes,
     elif cause == "network":
         for sa, da, dp, n in con.execute(
                 f"SELECT saddr, daddr, dport, COUNT(*) FROM tcp_events WHERE node_id = ? "
-                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w} "
-                f"GROUP BY saddr, daddr, dport ORDER BY COUNT(*) DESC LIMIT 5", [target] + p):
+                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND "
+                f"{w} GROUP BY saddr, daddr, dport ORDER BY COUNT(*) DESC LIMIT 5",
+                [target] + p):
             top.append({"from": sa, "to": da, "port": dp, "retransmits": n})
         if top:
             # every connection counts, not only the five the table lists
             total, peers = con.execute(
                 f"SELECT COUNT(*), COUNT(DISTINCT daddr) FROM tcp_events WHERE node_id = ? "
-                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {w}",
-                [target] + p).fetchone()
+                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {LEAVES_NODE} "
+                f"AND {w}", [target] + p).fetchone()
             shown = sorted({t['to'] for t in top})
             more = f" and {peers - len(shown)} more" if peers > len(shown) else ""
             ev.append(f"{total} TCP retransmits on the job's own connections from "

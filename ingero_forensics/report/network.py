@@ -8,7 +8,7 @@ import json
 from collections import defaultdict
 
 from ..merge.messages import LOCAL_ADDRESSES, plain_address
-from .evidence import CLEAR_SCORE, median
+from .evidence import CLEAR_SCORE, LEAVES_NODE, median
 
 #: A node's job connections must retransmit at least this often, per collective of the
 #: run, for the network to slow collectives for everyone (a clean run has a few
@@ -59,7 +59,7 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     skip, skip_params = towards_late(con, late) if late else ("0", [])
     for nid, b, n in con.execute(
             "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
-            "WHERE scope = 'job' AND event = 'tcp_retransmit_skb' "
+            f"WHERE scope = 'job' AND event = 'tcp_retransmit_skb' AND {LEAVES_NODE} "
             f"AND NOT {skip} GROUP BY 1, 2", [t0, bin_ns] + skip_params):
         per[nid].add(b)
         count[nid] += n

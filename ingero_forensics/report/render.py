@@ -20,6 +20,7 @@ from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
+from .links import LINK_CAUSE_TITLE, LINK_METRIC
 from .wording import clock_check_text, grouped_issues, per_node_text, seconds_text
 
 _ENV: jinja2.Environment | None = None
@@ -201,6 +202,7 @@ METRIC_LABELS = {
     "vm.job.refault_bytes_per_s": "evicted pages read back, MiB/s (the job's memory cgroup, worst)",
     "vm.refault_bytes_per_s": "evicted pages read back, MiB/s (whole node)",
     "tcp.retrans_segs_per_s": "TCP segments retransmitted per s (whole node)",
+    LINK_METRIC: "transit of the link's bytes, ms (median per bin; other links' median)",
     "gpu.sm_clock_mhz": "SM clock, MHz (slowest GPU)",
 }
 
@@ -287,7 +289,8 @@ def render_html(a: Analysis) -> str:
         clock_check=clock_check_text,
         title=report_title(a), window_rows=window_rows, lateness_note=lateness_note,
         capture_issues=grouped_issues(a.capture_issues, every=True),
-        cause_title=CAUSE_TITLES.get(a.cause or "", ""), cause_titles=CAUSE_TITLES,
+        cause_title=(LINK_CAUSE_TITLE if a.link_suspect else
+                     CAUSE_TITLES.get(a.cause or "", "")), cause_titles=CAUSE_TITLES,
         lateness_chart=lateness_chart, timeline_chart=timeline_chart,
         transfer_chart=transfer_chart, cause_chart=cause_chart, t0=t0,
         transfer_median=_num(sorted(transfer_ms)[len(transfer_ms) // 2], 0.01)

@@ -145,6 +145,16 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")
+    if a.link_suspect:
+        lines += [h("Transit on the job's links"), ""]
+        rows = [["from", "to", "arrivals", "median, ms", "p90, ms"]]
+        for lk in a.links:
+            rows.append([lk["from"], lk["to"], f"{lk['transits']:,}", f"{lk['median_ms']:.3f}",
+                         f"{lk['p90_ms']:.3f}"])
+        lines += _table(rows, markdown) + [""]
+        for e in a.evidence:
+            lines.append(para(e, "- " if markdown else "* "))
+        lines.append("")
     if a.commands:
         lines += [h("Next commands"), "",
                   para(f"Runnable as they are in the directory of {a.fleet}."), ""]

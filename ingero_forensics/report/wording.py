@@ -225,6 +225,20 @@ def _cause_tail(st: Straggler) -> str:
     return text
 
 
+def slow_link_text(a: Analysis) -> str:
+    """Rule 4c's verdict: nobody late, nothing retransmitted, one link far slower."""
+    from .links import LINK_CAUSE_TITLE, side_text  # noqa: PLC0415 (links imports evidence)
+    s = a.link_suspect
+    return (f"No node arrives late at collectives and no job connection retransmits "
+            f"markedly, but the job's link from {s['from']} to {s['to']} is slow: its bytes "
+            f"took {ms_text(s['median_ms'])} from sender to receiver at the median, against "
+            f"{ms_text(s['others_ms'])} on the job's other links (score {s['score']:g}), and "
+            f"the collectives spent {s['transfer_share']:.0%} of the run between the last "
+            f"arrival and completion, where every rank waits for it. {side_text(s)} "
+            f"{a.straggler} is named. Root cause: {LINK_CAUSE_TITLE}. Next step: "
+            f"{a.next_step}")
+
+
 def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
     """The verdict when nobody arrives late but one node's GPU work is slower (rule 4b)."""
     g = a.gpu_suspect
@@ -281,6 +295,8 @@ def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
 def verdict_text(a: Analysis, network: bool, primary: Straggler | None = None) -> str:
     if a.gpu_suspect and primary is not None and not a.stragglers and not network:
         return gpu_suspect_text(a, primary)
+    if network and a.link_suspect:
+        return slow_link_text(a)
     if network:
         secs = sum(w.end_ns - w.start_ns for w in a.windows) / 1e9
         late = ("no rank arrived markedly late" if not a.victims else
@@ -304,7 +320,7 @@ def verdict_text(a: Analysis, network: bool, primary: Straggler | None = None) -
             return f"{lead} Root cause: {CAUSE_TITLES[a.cause]}. Next step: {a.next_step}"
         return lead
     texts = [_straggler_text(st, a.noise_ms, a.nodes) for st in a.stragglers]
-    texts += a.victim_notes     # report/analyze.py, _demote_victims
+    texts += a.victim_notes     # report/victims.py, demote_victims
     if len(a.stragglers) > 1:
         return f"{len(a.stragglers)} stragglers. " + " ".join(texts)
     return " ".join(texts)

@@ -16,9 +16,10 @@ from .rig import Rig, RunResult, missing_tools
 
 #: steps per scenario: about 6 s of job at 30-40 ms a step (twice that under tbf)
 STEPS = 150
-#: under the CPU hog a step takes about 250 ms: 80 of them are 20 s of job, the node late
-#: at every one (150 would add 18 s to the rig's CI time for nothing more to see)
-STEPS_OF = {"cpu": 80}
+#: under the CPU hog a step takes about 250 ms: 60 of them are 15 s of job, the node late
+#: at every one (150 would add 23 s to the rig's CI time for nothing more to see); a
+#: step through the slow link takes about 65 ms: 50 of them are 3 s of job
+STEPS_OF = {"cpu": 60, "slowlink": 50}
 
 
 @dataclass
@@ -53,15 +54,16 @@ class Runs:
         return self._done[scenario]
 
 
-def scenario_runs(rig: Rig, steps: int):
-    """get(scenario) -> Outcome, each scenario run once on ``rig``, its captures started
+def scenario_runs(rig: Rig, steps: int, steps_of: dict | None = None):
+    """get(scenario) -> Outcome, each scenario run once on ``rig`` (``steps``, or
+    ``steps_of[scenario]`` where it has one), its captures started
     at normal priority (the idle-priority start is measured by bench_rig; this keeps the
     rig's CI time down), merged and reported."""
     done: dict[str, Outcome] = {}
 
     def get(scenario: str) -> Outcome:
         if scenario not in done:
-            run = rig.run_scenario(scenario, steps=steps,
+            run = rig.run_scenario(scenario, steps=(steps_of or {}).get(scenario, steps),
                                    capture_args=("--start-priority", "normal"))
             fleet, report = merge_and_report(run.all_bundles(),
                                              rig.workdir / f"merged-{scenario}")

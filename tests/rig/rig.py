@@ -45,11 +45,11 @@ from ..fixtures.build import Fixtures, build_fixtures
 PREFIX = "ingero-rig-"
 SUBNET = "10.213.0"          # /24, only inside the rig's own namespaces
 ROOT_PORT = 29500
-SCENARIOS = ("none", "cpu", "io", "network", "gpu", "compute", "memory")
+SCENARIOS = ("none", "cpu", "io", "network", "gpu", "compute", "memory", "slowlink")
 #: The cause the report should give, in its vocabulary; "compute" (the rank's own code
 #: takes longer: no contention, I/O, network or GPU) has none the capture can see.
 CAUSE = {"cpu": "cpu", "io": "io", "network": "network", "gpu": "gpu", "compute": None,
-         "memory": "memory"}
+         "memory": "memory", "slowlink": "network"}
 #: The loader's mode per scenario, on every node: "heavy" only on the straggler (O_DIRECT
 #: reads and synced writes), "paged" on every node (random pages of a memory-mapped shard:
 #: the same work everywhere, the straggler with too little memory for it)
@@ -85,6 +85,11 @@ SEALED = "capture: sealed "
 #: step, a burst of two packets and a 1 ms queue, so packets are dropped and TCP
 #: retransmits (a 100 ms queue would only delay them).
 TBF = ("rate", "300mbit", "burst", "3000", "latency", "1ms")
+#: "slowlink": tbf with a 400 ms queue (10 MB at the rate) and a 64 KiB burst, at two
+#: thirds of that rate: packets wait in the queue and none is dropped, as on a NIC that
+#: negotiated a lower speed or a congested switch port (the ring's steps take 2.5 times
+#: as long, its bytes 5-6 ms across that link; no retransmits)
+TBF_SLOW = ("rate", "200mbit", "burst", "64kb", "latency", "400ms")
 
 
 class RigError(RuntimeError):
@@ -422,11 +427,12 @@ class Rig:
                                sys.executable, "-c", HOG, str(os.getpid())], process_group=0)
             local.append(hog)
             return lambda: stop_process(hog)
-        if scenario == "network":
+        if scenario in ("network", "slowlink"):
             links = [(["tc", "-n", self.nodes[k].netns, "qdisc"], self.nodes[k].veth)
                      for k in self.stragglers]
             for tc, veth in links:
-                run(*tc, "add", "dev", veth, "root", "tbf", *TBF)
+                run(*tc, "add", "dev", veth, "root", "tbf",
+                    *(TBF if scenario == "network" else TBF_SLOW))
             return lambda: [run(*tc, "del", "dev", veth, "root", check=False)
                             for tc, veth in links]
         if scenario == "memory":

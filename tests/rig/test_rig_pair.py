@@ -19,16 +19,17 @@ from .rig import Rig
 
 pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
 
-#: fewer steps than test_rig.py's 150 (a CPU-starved step takes about 260 ms here): still
-#: about 80 time bins, and about 30 s less of the rig's CI time
+#: fewer steps than test_rig.py's 150: still about 80 time bins; a CPU-starved step
+#: takes about 260 ms here, and 60 of them (15 s of job) about 60 bins
 STEPS = 80
+STEPS_OF = {"cpu": 60}
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     skip_without_rig()
     with Rig(tmp_path_factory.mktemp("pair"), nodes=2, straggler=1) as rig:
-        yield scenario_runs(rig, STEPS)
+        yield scenario_runs(rig, STEPS, STEPS_OF)
 
 
 @pytest.mark.parametrize("scenario", ["cpu", "io"])

@@ -16,15 +16,17 @@ from .rig import Rig
 
 pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
 
-#: enough time bins (the late group costs half the run) at a few seconds of CI time
+#: enough time bins (the late group costs half the run) at a few seconds of CI time; a
+#: CPU-starved step takes about 250 ms: 60 of them are 15 s of job
 STEPS = 80
+STEPS_OF = {"cpu": 60}
 
 
 @pytest.fixture(scope="module")
 def together(tmp_path_factory):
     skip_without_rig()
     with Rig(tmp_path_factory.mktemp("together"), nodes=4, straggler=(1, 2)) as rig:
-        yield scenario_runs(rig, STEPS)
+        yield scenario_runs(rig, STEPS, STEPS_OF)
 
 
 @pytest.mark.parametrize("scenario", ["cpu", "io"])

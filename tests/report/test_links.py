@@ -1,0 +1,239 @@
+"""Rule 4c of docs/report.md: a link far slower than the job's other links while nobody
+arrives late and nothing retransmits (report/links.py). The real-kernel proof is tests/rig
+(scenario "slowlink": tbf at 100 Mbit/s with a 400 ms queue on one node's veth, no drops);
+here the rule's edges, on a clean simulated fleet given tcp_progress rows of a TCP ring,
+as a capture writes them (the simulator writes none), with chosen transit times."""
+
+import random
+import shlex
+import subprocess
+
+import apsw
+import pytest
+
+from ingero_forensics.merge import merge_bundles
+from ingero_forensics.report import analyze_fleet
+from ingero_forensics.report.links import LINK_TRANSITS_SQL, MIN_LINK_PAIRS, link_transits
+from ingero_forensics.report.render import render_html
+from ingero_forensics.report.text import render_text
+from ingero_forensics.simulate import FleetConfig, simulate_fleet
+
+from .test_next_commands import run_commands
+
+NODES = 6
+HEALTHY_US = 30
+#: grid positions per connection: rows at the same stream positions on both ends
+POSITIONS = 120
+STEP = 1 << 16
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    d = tmp_path_factory.mktemp("links")
+    simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6))
+    merge_bundles([d / "b"], d / "fleet.db")
+    return (d / "fleet.db").read_bytes()
+
+
+def addr(k: int) -> str:
+    return f"10.9.0.{k + 1}"
+
+
+def _connection(con, ids, bundles, span, s, r, transit_us, rng, port, recv_late_us=0,
+                sender_node=None):
+    """tcp_progress rows of one connection from node s to node r: the sender's 'unsent'
+    row at each grid position (and a send call's start before every fourth), the
+    receiver's 'arrive' row transit_us later (jittered) and its 'recv' return
+    recv_late_us after that. sender_node: the node id the sending rows are written
+    under (another node's: a 4-tuple two nodes claim)."""
+    t0, t1 = span
+    sid, rid = ids[s] if sender_node is None else sender_node, ids[r]
+    rows = []
+    for i in range(POSITIONS):
+        pos = i * STEP
+        t = t0 + (t1 - t0) * i // POSITIONS
+        if i % 4 == 0:
+            rows.append((t - 200_000, "send", addr(s), port, addr(r), 29500, pos, 0, sid))
+        rows.append((t, "unsent", addr(s), port, addr(r), 29500, pos, 1, sid))
+        arrive = t + int(transit_us * 1000 * rng.uniform(0.7, 1.3))
+        # the receiver's rows: its own address first, the bytes up to pos + 1448
+        rows.append((arrive, "arrive", addr(r), 29500, addr(s), port, pos - 4096, 5544, rid))
+        rows.append((arrive + recv_late_us * 1000, "recv", addr(r), 29500, addr(s), port,
+                     pos - 4096, 5544, rid))
+    con.executemany(
+        "INSERT INTO tcp_progress (timestamp_ns, direction, family, saddr, sport, daddr, "
+        "dport, connected_ns, stream_offset, bytes, pid, tid, node_id, bundle_id, mono_ns) "
+        "VALUES (?, ?, 4, ?, ?, ?, ?, ?, ?, ?, 7, 7, ?, ?, ?)",
+        [(t, d, sa, sp, da, dp, t0 - 1_000_000, off, b, nid, bundles[nid], t)
+         for t, d, sa, sp, da, dp, off, b, nid in rows])
+
+
+def _fleet(tmp_path, clean, slow=(), slow_ms=8.0, extra=(), recv_late_us=0,
+           uncertainty_us=None, two_senders=False):
+    """The clean fleet with a TCP ring node k -> k+1; links in ``slow`` take slow_ms,
+    every other HEALTHY_US; ``extra``: more (s, r) links, slow if listed in ``slow``.
+    uncertainty_us: every node's relative alignment uncertainty set to that (each its
+    own boot already: the simulator's nodes are separate machines)."""
+    path = tmp_path / "fleet.db"
+    path.write_bytes(clean)
+    con = apsw.Connection(str(path))
+    rng = random.Random(11)
+    ids = {int(name.split("-")[1]): nid for nid, name in con.execute(
+        "SELECT node_id, name FROM nodes")}
+    bundles = dict(con.execute("SELECT node_id, MIN(bundle_id) FROM bundles GROUP BY 1"))
+    span = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) FROM collectives"
+                       ).fetchone()
+    links = [(k, (k + 1) % NODES) for k in range(NODES)] + list(extra)
+    with con:
+        for i, (s, r) in enumerate(links):
+            _connection(con, ids, bundles, span, s, r,
+                        slow_ms * 1000 if (s, r) in slow else HEALTHY_US, rng, 40000 + i,
+                        recv_late_us=recv_late_us)
+        if two_senders:
+            # the same 4-tuple as link 0 -> 1, its sending rows also claimed by node 3
+            _connection(con, ids, bundles, span, 0, 1, slow_ms * 1000, rng, 40000,
+                        sender_node=ids[3])
+        if uncertainty_us is not None:
+            con.execute("UPDATE clock_alignment SET relative_uncertainty_ns = ?",
+                        (int(uncertainty_us * 1000),))
+    con.close()
+    return path, analyze_fleet(path)
+
+
+def _brute_force(path):
+    """Per (sender, receiver) node names, every arrival's transit bound (ms), computed
+    the slow way: for each 'arrive' row, the latest 'send' or 'unsent' row of the same
+    connection whose position lies below the bytes it brought."""
+    con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    name = dict(con.execute("SELECT node_id, name FROM nodes"))
+    rows = list(con.execute("SELECT node_id, direction, saddr, sport, daddr, dport, "
+                            "stream_offset, bytes, timestamp_ns FROM tcp_progress"))
+    out: dict = {}
+    for nid, d, sa, sp, da, dp, off, b, t in rows:
+        if d != "arrive":
+            continue
+        before = [(tt, n) for n, dd, a2, p2, a3, p3, o2, _, tt in rows
+                  if dd in ("send", "unsent") and (a2, p2, a3, p3) == (da, dp, sa, sp)
+                  and o2 < off + b]
+        if before:
+            tt, sender = max(before)
+            out.setdefault((name[sender], name[nid]), []).append((t - tt) / 1e6)
+    return out
+
+
+def test_transits_match_a_brute_force_pairing(tmp_path, clean):
+    path, _ = _fleet(tmp_path, clean, slow={(2, 3)})
+    truth = _brute_force(path)
+    con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    name = dict(con.execute("SELECT node_id, name FROM nodes"))
+    got = {(name[lk.sender], name[lk.receiver]): lk for lk in link_transits(con)}
+    assert sorted(got) == sorted(truth)
+    for key, v in truth.items():
+        v.sort()
+        assert got[key].transits == len(v)
+        assert got[key].median_ms == pytest.approx(v[len(v) // 2], abs=0.002) or \
+            got[key].median_ms == pytest.approx((v[len(v) // 2 - 1] + v[len(v) // 2]) / 2,
+                                                abs=0.002)
+    # the shown statement runs as it is
+    assert sum(1 for _ in con.execute(LINK_TRANSITS_SQL, {"same": 1_000_000})) == \
+        sum(len(v) for v in truth.values())
+
+
+def test_healthy_ring_names_no_link(tmp_path, clean):
+    _, a = _fleet(tmp_path, clean)
+    assert a.straggler is None and a.link_suspect is None, a.verdict
+    assert len(a.links) == NODES and all(lk["median_ms"] < 0.05 for lk in a.links)
+    assert "no link of the job is far slower than the others" in a.verdict
+
+
+def test_slow_link_is_named_with_its_figures(tmp_path, clean):
+    _, a = _fleet(tmp_path, clean, slow={(2, 3)})
+    assert a.stragglers == []          # nobody late: a suspect, as the network's
+    assert a.straggler == "node-02" and a.cause == "network", a.verdict
+    assert a.cause_confidence == "clear" and a.network_basis == "slow_link"
+    s = a.link_suspect
+    assert (s["from"], s["to"], s["side"]) == ("node-02", "node-03", "path")
+    assert 7.0 < s["median_ms"] < 9.0 and s["others_ms"] < 0.05 and s["score"] >= 5
+    assert "link from node-02 to node-03 is slow" in a.verdict
+    assert "Root cause: slow network link" in a.verdict
+    assert "tc -s qdisc" in a.next_step and "node-03" in a.next_step
+    html = render_html(a)
+    assert "Transit on the job's links" in html and "Root cause: slow network link" in html
+    text = render_text(a)
+    assert "Transit on the job's links" in text and "node-02" in text
+    # the cause chart is the link's transit against the other links', per bin
+    assert a.cause_series["metric"] == "link.transit_ms"
+    pts = a.cause_series["points"]
+    assert len(pts) >= 5 and all(p["suspect"] > 5 and p["others"] < 0.1 for p in pts), pts
+    # the scored table leads with what named it
+    assert a.signals[0].cause == "network" and a.signals[0].name.startswith("transit")
+    assert a.signals[0].suspect == s["median_ms"] and a.signals[0].score == s["score"]
+
+
+def test_slow_link_next_commands_run(tmp_path, clean):
+    """The link's next command (its transits per link) runs as it is and lists every link,
+    the slow one first; no retransmit evidence is offered for it."""
+    path, _ = _fleet(tmp_path, clean, slow={(2, 3)})
+    a = run_commands(path, tmp_path)
+    whats = [c["what"] for c in a.commands]
+    assert any(w.startswith("Transit of the job's bytes per link") for w in whats), whats
+    assert not any("Evidence on" in w for w in whats), whats
+    cmd = next(c["command"] for c in a.commands if c["what"].startswith("Transit"))
+    out = subprocess.run(shlex.split(cmd), cwd=tmp_path / "work", capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[2].split()[:2] == ["node-02", "node-03"], out
+    assert sum(1 for line in out if line.startswith("node-")) == NODES
+
+
+def test_every_link_out_of_a_node_slow_names_its_sending_side(tmp_path, clean):
+    _, a = _fleet(tmp_path, clean, slow={(2, 3), (2, 5)}, extra=[(2, 5)])
+    assert a.link_suspect["side"] == "sender" and a.straggler == "node-02", a.verdict
+    assert "Every other link out of node-02 is slow too" in a.verdict
+
+
+def test_every_link_into_a_node_slow_names_its_receiving_side(tmp_path, clean):
+    _, a = _fleet(tmp_path, clean, slow={(2, 3), (0, 3)}, extra=[(0, 3)])
+    assert a.link_suspect["side"] == "receiver" and a.straggler == "node-03", a.verdict
+    assert "Every other link into node-03 is slow too" in a.verdict
+
+
+def test_a_late_reader_is_not_a_slow_link(tmp_path, clean):
+    """Receives return when the reader gets a CPU: a starved reader's returns come late
+    on every link into it, the arrivals (the kernel's) do not, and only they count."""
+    _, a = _fleet(tmp_path, clean, recv_late_us=20_000)
+    assert a.link_suspect is None and a.straggler is None, a.verdict
+
+
+def test_a_link_within_clock_error_is_not_named(tmp_path, clean):
+    """8 ms more than the others, between nodes whose clocks are aligned only to within
+    2 x 1.5 ms: the excess is not 3 times that, so clock error could make it."""
+    _, a = _fleet(tmp_path, clean, slow={(2, 3)}, uncertainty_us=1500)
+    assert a.link_suspect is None and a.straggler is None, a.verdict
+    assert a.link_unsure is not None and a.link_unsure["from"] == "node-02"
+    assert "clock error cannot be ruled out" in a.verdict
+    # and within 3 x 2 x 1 ms, it is named
+    _, a = _fleet(tmp_path, clean, slow={(2, 3)}, uncertainty_us=1000)
+    assert a.link_suspect is not None and a.straggler == "node-02", a.verdict
+
+
+def test_a_4_tuple_two_nodes_send_on_is_left_out(tmp_path, clean):
+    """A 4-tuple whose sending end two nodes claim (a NAT, a reused address) is no one
+    link: its transits are not counted, so its slow rows name nothing."""
+    path, a = _fleet(tmp_path, clean, two_senders=True)
+    assert a.link_suspect is None, a.verdict
+    assert ("node-00", "node-01") not in {(lk["from"], lk["to"]) for lk in a.links}
+    assert len(a.links) == NODES - 1
+
+
+def test_too_few_arrivals_measure_no_link(tmp_path, clean):
+    path, _ = _fleet(tmp_path, clean, slow={(2, 3)})
+    con = apsw.Connection(str(path))
+    with con:
+        # keep MIN_LINK_PAIRS - 1 arrivals on the slow link
+        con.execute("DELETE FROM tcp_progress WHERE direction = 'arrive' AND saddr = ? "
+                    "AND id NOT IN (SELECT id FROM tcp_progress WHERE direction = 'arrive' "
+                    "AND saddr = ? ORDER BY id LIMIT ?)",
+                    (addr(3), addr(3), MIN_LINK_PAIRS - 1))
+    con.close()
+    a = analyze_fleet(path)
+    assert a.link_suspect is None and len(a.links) == NODES - 1, a.verdict
