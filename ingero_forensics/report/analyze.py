@@ -65,7 +65,7 @@ from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, ms_text, natural_key, no_comparison_text,
                       rank_text, verdict_text)
 from .sql import Recorder
-from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, RUNQ_SIGNAL, SAMPLE,
+from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, OWN_RUNQ_NOTE, RUNQ_SIGNAL, SAMPLE,
                        TOWARDS_LATE_SIGNAL, WEAK_SCORE,
                        Reservoir, Signal, alignment_rows, capture_cost, capture_issues,
                        cause_series, cited_evidence, inventory, next_step, late_ranks, median,
@@ -532,7 +532,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         network_suspect = None
         a.network_basis = None
     with con.figure("links"):
-        links = link_transits(con, t0, bin_ns)
+        links = link_transits(con)
     a.links = [{"from": nodes[lk.sender][0], "to": nodes[lk.receiver][0],
                 "transits": lk.transits, "median_ms": lk.median_ms, "p90_ms": lk.p90_ms}
                for lk in links if lk.sender in nodes and lk.receiver in nodes]
@@ -727,7 +727,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
     a.next_step = primary.next_step
     with con.figure("cause_series"):
-        a.cause_series = (link_series(links, link, bin_ns) if link is not None else
+        a.cause_series = (link_series(links, link, t0, bin_ns) if link is not None else
                           cause_series(con, a.cause, primary.node_id, t0, bin_ns, hb,
                                        primary.signals) if a.cause else {})
     with con.figure("slow_collectives"):
@@ -809,6 +809,15 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
     with con.figure(f"evidence:{st.node_id}"):
         st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes,
                                                        bins)
+    own = next((s for s in st.signals if s.name.startswith(RUNQ_SIGNAL + OWN_RUNQ_NOTE[:14])),
+               None)
+    if own is not None and st.cause != "cpu":
+        st.evidence.append(
+            f"Its traced threads waited for a CPU {own.suspect:,.0f} ms per s in the windows "
+            f"against {own.others:,.0f} on the other nodes, mostly behind the job's own "
+            "processes: its ranks kept each other waiting (more CPU work per step than its "
+            "peers', or fewer CPUs: a cpuset, cpu.max), not another process, so CPU "
+            "contention is not named.")
     if short is not None:
         st.evidence.append(short)
     towards = next((s for s in st.signals if s.name == TOWARDS_LATE_SIGNAL), None)

@@ -370,7 +370,42 @@ def node_signals(con, target, node_ids, windows, bins=None,
         # hog: 72 here against 142 for the run queue, which then lost its clear verdict)
         gpu_wait.name += " (not scored: its threads waited for a CPU, which lengthens every wait)"
         gpu_wait.score = 0.0
+    if runq.score >= WEAK_SCORE:
+        own = _runq_behind_the_job(con, target, w, p)
+        if own >= OWN_RUNQ_SHARE:
+            # (after the GPU rule: its woken threads wait for a CPU all the same) the
+            # node's CPU pressure and use are then the job's own load too
+            runq.name += OWN_RUNQ_NOTE.format(share=own)
+            runq.score = 0.0
+            for s in out:
+                if s.cause == "cpu" and s is not runq and s.score > 0:
+                    s.name += " (not scored: the job's own processes kept the CPUs busy)"
+                    s.score = 0.0
     return out
+
+
+#: A node's run-queue delay is contention from outside the job only where less than this
+#: share of it was behind the job's own processes (of any node on the same kernel).
+OWN_RUNQ_SHARE = 0.5
+#: ... else the signal is shown with this note and not scored. On the real-kernel rig
+#: with two ranks a node, a rank whose own code takes 8 ms more CPU per step made its
+#: node's threads wait for a CPU behind the job's own ranks, and the node was named with
+#: "CPU contention (weak)" and a next step to move its own rank off the node.
+OWN_RUNQ_NOTE = (" (not scored: {share:.0%} of it behind the job's own processes: its ranks "
+                 "kept each other waiting, not another process)")
+
+
+def _runq_behind_the_job(con, target, w, p) -> float:
+    """The share of target's run-queue delay in the windows spent behind a process of the
+    job: a traced process of any node on the same kernel (one boot; pids of other
+    machines mean other processes)."""
+    total, own = con.execute(
+        "SELECT COALESCE(SUM(duration_ns), 0), COALESCE(SUM(CASE WHEN other_pid IN ("
+        "SELECT p.pid FROM processes p JOIN nodes n ON n.node_id = p.node_id WHERE "
+        "n.boot_id = (SELECT boot_id FROM nodes WHERE node_id = ?)) THEN duration_ns END), 0) "
+        f"FROM sched_events WHERE node_id = ? AND kind = 'runq_delay' AND {w}",
+        [target, target] + p).fetchone()
+    return own / total if total else 0.0
 
 
 

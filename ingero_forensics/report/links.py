@@ -11,9 +11,9 @@ connection: on the sender, an instant before byte N left (a send that began copy
 or an 'unsent' row: not sent yet); on the receiver, an instant by which the bytes up to
 E had arrived (an 'arrive' row, written when the kernel queues them, before the reader
 gets a CPU). For each arrival, the latest sender row below E bounds the transit of that
-byte from above: ``arrival - sent_after``. On the real-kernel rig it is 20-40 us at the
+byte from above: ``arrival - sent_after``. On the real-kernel rig it is 17-43 us at the
 median on every healthy link, under a CPU hog, O_DIRECT reads or memory pressure alike,
-and 10.8 ms on a link shaped to 100 Mbit/s with a 400 ms queue (tests/rig, scenario
+and 5-11 ms on a link shaped to 100-200 Mbit/s with a 400 ms queue (tests/rig, scenario
 ``slowlink``).
 
 The figures are on the merged time axis: a link's transit is off by the alignment error
@@ -51,11 +51,13 @@ _ENDS = (
     "SELECT node_id, 1, {da}, dport, {sa}, sport, connected_ns, stream_offset + bytes, "
     "timestamp_ns FROM tcp_progress WHERE direction = 'arrive'")
 
-#: Per arrival: the node that sent, the node that received, and an upper bound on the
-#: transit of a byte it brought (ns). A connection is one 4-tuple with one sending and
-#: one receiving node, each with one establishment (a 4-tuple reused is left out), never
-#: a local address. Sender rows at the arrival's end position are not below it: the
-#: arrival is ordered first at equal positions.
+#: Per arrival: the node that sent, the node that received, an upper bound on the
+#: transit of a byte it brought (ns), and its time: link_pairs's pairs in one statement
+#: (the report's next command; link_pairs reads the rows once and pairs them in Python,
+#: twice as fast). A connection is one 4-tuple with one sending and one receiving node,
+#: each with one establishment (a 4-tuple reused is left out), never a local address.
+#: Sender rows at the arrival's end position are not below it: the arrival is ordered
+#: first at equal positions.
 LINK_TRANSITS_SQL = (
     f"WITH ends AS ({_ENDS.format(sa=plain_address('saddr'), da=plain_address('daddr'))}), "
     "conn AS (SELECT s_addr, s_port, r_addr, r_port, "
@@ -81,6 +83,70 @@ LINK_TRANSITS_SQL = (
     + ")")
 
 
+#: The rows the report pairs (link_pairs), in the order it needs them: per connection
+#: (its 4-tuple, addresses as tcp_progress's sending end writes them), by stream position,
+#: an arrival before a sender row at the same position. Above LINK_ROWS_READ rows, one
+#: second in every ``:every`` of the run is read (link_transits).
+LINK_ROWS_SQL = (
+    f"WITH ends AS ({_ENDS.format(sa=plain_address('saddr'), da=plain_address('daddr'))}) "
+    "SELECT s_addr, s_port, r_addr, r_port, side, node_id, connected_ns, t FROM ends "
+    f"WHERE t / {1_000_000_000} % :every = 0 "
+    "ORDER BY s_addr, s_port, r_addr, r_port, pos, side DESC")
+#: Rows of tcp_progress read whole; a larger table is read one second in every k (k the
+#: smallest that keeps about this many): at 5.5 M rows (64 nodes, 8 connections a link,
+#: an hour) the whole read takes 10 s, and the medians need far fewer arrivals
+LINK_ROWS_READ = 2_000_000
+
+
+def _local(addr: str) -> bool:
+    """An address that never leaves its node (merge.messages.LOCAL_ADDRESSES's patterns)."""
+    return any(addr.startswith(p[:-1]) if p.endswith("%") else addr == p
+               for p in LOCAL_ADDRESSES)
+
+
+def link_pairs(con, every: int = 1):
+    """(sending node, receiving node, transit bound ns, arrival ns) per arrival, as
+    LINK_TRANSITS_SQL computes them (the same rows when every is 1; tested), from one
+    ordered read of LINK_ROWS_SQL: a window function and a join over millions of rows
+    took twice as long. With every > 1, an arrival is paired only with a sender row of
+    its own second (the row before it may lie in a second not read)."""
+    key = None
+    senders: set = set()
+    receivers: set = set()
+    s_conn: list = []
+    r_conn: list = []
+    arrivals: list = []
+    sent_after = None
+
+    def complete():
+        return (len(senders) == 1 and len(receivers) == 1 and senders != receivers
+                and (max(s_conn) - min(s_conn)) <= SAME_CONNECTION_NS
+                and (max(r_conn) - min(r_conn)) <= SAME_CONNECTION_NS
+                and not _local(key[0]) and not _local(key[2]))
+    for sa, sp, ra, rp, side, nid, conn, t in con.execute(LINK_ROWS_SQL, {"every": every}):
+        if (sa, sp, ra, rp) != key:
+            if key is not None and complete():
+                (s,) = senders
+                yield from ((s, r, ns, at) for r, ns, at in arrivals)
+            key = (sa, sp, ra, rp)
+            senders, receivers, s_conn, r_conn, arrivals = set(), set(), [], [], []
+            sent_after = None
+        if side == 0:
+            senders.add(nid)
+            s_conn.append(conn)
+            if sent_after is None or t > sent_after:
+                sent_after = t
+        else:
+            receivers.add(nid)
+            r_conn.append(conn)
+            if sent_after is not None and (every == 1 or
+                                           sent_after // 1_000_000_000 == t // 1_000_000_000):
+                arrivals.append((nid, t - sent_after, t))
+    if key is not None and complete():
+        (s,) = senders
+        yield from ((s, r, ns, at) for r, ns, at in arrivals)
+
+
 @dataclass
 class Link:
     sender: int          # node ids
@@ -88,46 +154,59 @@ class Link:
     transits: int        # arrivals measured
     median_ms: float
     p90_ms: float
-    #: report time bin -> the median transit of the arrivals in it (ms)
-    per_bin: dict[int, float] = field(default_factory=dict, repr=False)
+    #: each arrival's time (ns) and transit bound (ms), for the cause chart (at most
+    #: about LINK_ROWS_READ / 3 arrivals in all: the read is bounded)
+    times: array = field(default_factory=lambda: array("q"), repr=False)
+    values: array = field(default_factory=lambda: array("d"), repr=False)
 
 
-def link_transits(con, t0: int = 0, bin_ns: int = 1_000_000_000) -> list[Link]:
+def link_transits(con, max_rows: int | None = None) -> list[Link]:
     """Every link (sending node, receiving node) of the job's connections with at least
     MIN_LINK_PAIRS measured arrivals: the median and 90th percentile of the transit
-    bound, and its median per time bin of bin_ns from t0. Empty where the fleet has no
+    bound, and the arrivals themselves. Empty where the fleet has no
     tcp_progress (an older capture, a job whose collectives do not use TCP: InfiniBand,
-    NVLink) or no 'arrive' rows (kernels before the sock: tracepoints)."""
+    NVLink) or no 'arrive' rows (kernels before the sock: tracepoints). A table of more
+    than max_rows (LINK_ROWS_READ) rows is read one second in every k."""
     have = con.execute("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND "
                        "name = 'tcp_progress'").fetchone()
     if have is None:
         return []
-    per: dict[tuple[int, int], array] = defaultdict(lambda: array("d"))
-    binned: dict[tuple[int, int], dict[int, array]] = defaultdict(
-        lambda: defaultdict(lambda: array("d")))
-    for s, r, ns, at in con.execute(LINK_TRANSITS_SQL, {"same": SAME_CONNECTION_NS}):
-        per[(s, r)].append(ns / 1e6)
-        binned[(s, r)][(at - t0) // bin_ns].append(ns / 1e6)
+    # rows written in order: the largest rowid is their number, without a count's scan
+    rows = con.execute("SELECT MAX(id) FROM tcp_progress").fetchone()[0] or 0
+    every = max(1, -(-rows // (max_rows or LINK_ROWS_READ)))
+    per: dict[tuple[int, int], Link] = {}
+    for s, r, ns, at in link_pairs(con, every):
+        lk = per.get((s, r))
+        if lk is None:
+            lk = per[(s, r)] = Link(s, r, 0, 0.0, 0.0)
+        lk.times.append(at)
+        lk.values.append(ns / 1e6)
     out = []
-    for (s, r), v in sorted(per.items()):
-        if len(v) >= MIN_LINK_PAIRS:
-            out.append(Link(s, r, len(v), round(median(v), 3), round(quantile(v, 0.9), 3),
-                            {b: median(x) for b, x in binned[(s, r)].items()}))
+    for key, lk in sorted(per.items()):
+        if len(lk.values) >= MIN_LINK_PAIRS:
+            lk.transits = len(lk.values)
+            lk.median_ms = round(median(lk.values), 3)
+            lk.p90_ms = round(quantile(lk.values, 0.9), 3)
+            out.append(lk)
     return out
 
 
-def link_series(links: list[Link], slow: "SlowLink", bin_ns: int) -> dict:
-    """The cause chart's series: the slow link's median transit per bin against the
-    median of the other links' (evidence.cause_series's form)."""
-    mine = next(lk for lk in links if (lk.sender, lk.receiver) == (slow.sender, slow.receiver))
-    others = [lk for lk in links if lk is not mine]
-    points = []
-    for b in sorted(mine.per_bin):
-        if b < 0:
-            continue
-        rest = [lk.per_bin[b] for lk in others if b in lk.per_bin]
-        points.append({"t_s": round(b * bin_ns / 1e9, 3), "suspect": round(mine.per_bin[b], 3),
-                       "others": round(median(rest), 3) if rest else 0.0})
+def link_series(links: list[Link], slow: "SlowLink", t0: int, bin_ns: int) -> dict:
+    """The cause chart's series: the slow link's median transit per report bin against
+    the median of the other links' arrivals in the same bin (evidence.cause_series's
+    form)."""
+    def per_bin(lks) -> dict[int, array]:
+        out: dict[int, array] = defaultdict(lambda: array("d"))
+        for lk in lks:
+            for t, v in zip(lk.times, lk.values):
+                out[(t - t0) // bin_ns].append(v)
+        return out
+    key = (slow.sender, slow.receiver)
+    mine = per_bin(lk for lk in links if (lk.sender, lk.receiver) == key)
+    rest = per_bin(lk for lk in links if (lk.sender, lk.receiver) != key)
+    points = [{"t_s": round(b * bin_ns / 1e9, 3), "suspect": round(median(v), 3),
+               "others": round(median(rest[b]), 3) if b in rest else 0.0}
+              for b, v in sorted(mine.items()) if b >= 0]
     return {"metric": LINK_METRIC, "points": points}
 
 

@@ -202,7 +202,7 @@ METRIC_LABELS = {
     "vm.job.refault_bytes_per_s": "evicted pages read back, MiB/s (the job's memory cgroup, worst)",
     "vm.refault_bytes_per_s": "evicted pages read back, MiB/s (whole node)",
     "tcp.retrans_segs_per_s": "TCP segments retransmitted per s (whole node)",
-    LINK_METRIC: "transit of the link's bytes, ms (median per bin; other links' median)",
+    LINK_METRIC: "transit of the link's bytes, ms (median per bin; the other links' arrivals, median)",
     "gpu.sm_clock_mhz": "SM clock, MHz (slowest GPU)",
 }
 

@@ -13,7 +13,9 @@ import pytest
 
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
-from ingero_forensics.report.links import LINK_TRANSITS_SQL, MIN_LINK_PAIRS, link_transits
+from ingero_forensics.merge.messages import SAME_CONNECTION_NS
+from ingero_forensics.report.links import (LINK_TRANSITS_SQL, MIN_LINK_PAIRS, link_pairs,
+                                           link_transits)
 from ingero_forensics.report.render import render_html
 from ingero_forensics.report.text import render_text
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
@@ -134,9 +136,23 @@ def test_transits_match_a_brute_force_pairing(tmp_path, clean):
         assert got[key].median_ms == pytest.approx(v[len(v) // 2], abs=0.002) or \
             got[key].median_ms == pytest.approx((v[len(v) // 2 - 1] + v[len(v) // 2]) / 2,
                                                 abs=0.002)
-    # the shown statement runs as it is
-    assert sum(1 for _ in con.execute(LINK_TRANSITS_SQL, {"same": 1_000_000})) == \
-        sum(len(v) for v in truth.values())
+    # the next command's statement pairs the same arrivals the same way
+    assert sorted(con.execute(LINK_TRANSITS_SQL, {"same": SAME_CONNECTION_NS})) == \
+        sorted(link_pairs(con))
+
+
+def test_a_large_table_is_read_one_second_in_k(tmp_path, clean):
+    """Above max_rows rows, one second in every k is read: fewer arrivals, each paired
+    within its own second, and the same links at nearly the same medians."""
+    path, _ = _fleet(tmp_path, clean, slow={(2, 3)})
+    con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    rows = con.execute("SELECT COUNT(*) FROM tcp_progress").fetchone()[0]
+    full = {(lk.sender, lk.receiver): lk for lk in link_transits(con)}
+    part = {(lk.sender, lk.receiver): lk for lk in link_transits(con, max_rows=rows // 3)}
+    assert part.keys() == full.keys()
+    for k, lk in full.items():
+        assert part[k].transits < 0.6 * lk.transits
+        assert part[k].median_ms == pytest.approx(lk.median_ms, rel=0.25), (k, lk, part[k])
 
 
 def test_healthy_ring_names_no_link(tmp_path, clean):

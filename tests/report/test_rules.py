@@ -15,7 +15,7 @@ import pytest
 from ingero_forensics.bundle import BundleWriter
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
-from ingero_forensics.report.evidence import TOWARDS_LATE_SIGNAL
+from ingero_forensics.report.evidence import RUNQ_SIGNAL, TOWARDS_LATE_SIGNAL
 from ingero_forensics.report.lateness import LATE_FLOOR_MS
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
 
@@ -552,6 +552,35 @@ def test_retransmits_towards_the_late_node_do_not_make_its_peer_the_suspect(tmp_
         "node-03's own slowness" in a.verdict, a.verdict
     a = analyze_fleet(_retransmits_towards("node-02", "node-05", db, tmp_path / "to-other.db"))
     assert (a.straggler, a.cause, a.victims) == ("node-02", "network", ["node-03"]), a.verdict
+
+
+def test_waits_behind_the_jobs_own_processes_are_not_cpu_contention(tmp_path):
+    """A node's threads that wait for a CPU behind the job's own processes (its ranks
+    keep each other waiting: more CPU work per step, or fewer CPUs) are not contended by
+    another process. Seen on the rig with two ranks a node: a rank whose own code took
+    8 ms more CPU per step was named "CPU contention (weak)", with a next step to move
+    its own rank off the node. The simulated CPU fault's competitor, made one of the
+    straggler's own traced processes, names no cause; its own pid keeps the verdict."""
+    import shutil
+
+    truth, db = _simulate(tmp_path, nodes=6, ranks_per_node=2, steps=150, fault="cpu",
+                          seed=5, straggler=3)
+    a = analyze_fleet(db)
+    assert (a.straggler, a.cause, a.cause_confidence) == ("node-03", "cpu", "clear"), a.verdict
+    own = tmp_path / "own.db"
+    shutil.copyfile(db, own)
+    con = apsw.Connection(str(own))
+    with con:
+        nid, pid = con.execute("SELECT p.node_id, MIN(p.pid) FROM processes p JOIN nodes n "
+                               "USING (node_id) WHERE n.name = 'node-03'").fetchone()
+        con.execute("UPDATE sched_events SET other_pid = ? WHERE node_id = ? AND "
+                    "kind = 'runq_delay' AND other_comm = ?", (pid, nid, a.top_offenders[0]["task"]))
+    con.close()
+    b = analyze_fleet(own)
+    assert b.straggler == "node-03" and b.cause is None, b.verdict
+    rq = next(s for s in b.signals if s.name.startswith(RUNQ_SIGNAL))
+    assert rq.score == 0.0 and "behind the job's own processes" in rq.name, rq
+    assert any("its ranks kept each other waiting" in e for e in b.evidence), b.evidence
 
 
 def test_retransmits_to_the_nodes_own_address_are_not_the_network(tmp_path):
