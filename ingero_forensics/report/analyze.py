@@ -56,7 +56,7 @@ from .together import EarlyHalf, early_half_ref
 from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cost_ns,
                        _join_bins, _later_in_most_bins, _straggler_windows, active_ns,
                        fleet_noise_ms, late_threshold_ms, rises_ns)
-from .network import _network_suspect, retransmits_towards
+from .network import _network_suspect, retransmits_in, retransmits_towards
 from .gpuwait import gpu_suspect
 from .links import (link_evidence, link_next_step, link_series, link_transits,
                     link_unsure_text, slow_link)
@@ -186,6 +186,9 @@ class Analysis:
     #: late nodes put down to a lossy link elsewhere (no cause of their own), or to a
     #: straggler they were late with and resent towards (no clear cause of their own)
     victims: list[str] = field(default_factory=list)
+    #: victims of the network suspect whose only clear cause was their waits for their
+    #: own GPU work, in bins where the suspect retransmitted (a stalled collective's symptom)
+    gpu_symptoms: list[str] = field(default_factory=list)
     #: the latter, each in a sentence (the verdict's; victims.demote_victims)
     victim_notes: list[str] = field(default_factory=list)
     lateness: list[NodeLateness] = field(default_factory=list)
@@ -517,16 +520,26 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         # A lossy link delays the ranks downstream of it too: they start the next step
         # late and look late. Late nodes with no clear cause of their own are its
         # victims; a node with a clear cause of its own is a straggler of its own.
+        # A node's waits for its own GPU work include the collectives the lossy link
+        # stalls (device and event synchronizations wait for NCCL's kernels too): in bins
+        # where the suspect retransmitted they are its symptom, not a cause of the node's
+        # own. On the rig, the lossy link's downstream node, late in two bins of
+        # retransmit timeouts, was named "GPU slowdown, clear" and the link went unnamed.
         kept = []
         suspect_name = nodes[network_suspect][0]
         for st in a.stragglers:
+            gpu_symptom = st.cause == "gpu" and st.node_id != network_suspect and \
+                retransmits_in(con, network_suspect, st.windows) > 0
             if suspect_name in st.late_with:     # late at the suspect's own collectives
                 a.victims.append(st.node)
             elif st.node_id == network_suspect or (st.cause not in (None, "network")
-                                                   and st.cause_confidence == "clear"):
+                                                   and st.cause_confidence == "clear"
+                                                   and not gpu_symptom):
                 kept.append(st)
             else:
                 a.victims.append(st.node)
+                if gpu_symptom:
+                    a.gpu_symptoms.append(st.node)
         a.stragglers = [st for st in kept if st.node_id != network_suspect]
     if a.stragglers:
         network_suspect = None
@@ -719,6 +732,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                                         if len(a.victims) == 1 else
                                         " arrived late too, with no cause of their own: ")
                 + f"waiting for {primary.node}'s lossy connections.")
+        for name in a.gpu_symptoms:
+            primary.evidence.append(
+                f"{name}'s waits for its own GPU work were long in its windows, while "
+                f"{primary.node} retransmitted: a collective the lossy link stalls "
+                "lengthens every wait that includes it, so they are not counted as a cause "
+                f"of {name}'s own.")
     a.straggler_node_id, a.straggler, a.straggler_ranks = primary.node_id, primary.node, primary.ranks
     a.late_ranks, a.windows = primary.late_ranks, primary.windows
     a.cause, a.cause_confidence, a.clock_caveat = (primary.cause, primary.cause_confidence,

@@ -599,6 +599,42 @@ def test_retransmits_to_the_nodes_own_address_are_not_the_network(tmp_path):
     assert net.suspect == 0.0 and "node-02" not in a.verdict, (net, a.verdict)
 
 
+def test_gpu_waits_where_the_lossy_link_retransmitted_are_its_symptom(tmp_path):
+    """A collective the lossy link stalls lengthens every wait for the GPU work that
+    includes it (device and event synchronizations wait for NCCL's kernels too). Seen on
+    the rig: the lossy link's downstream node, late in two bins of retransmit timeouts,
+    was named "GPU slowdown, clear", and the link itself went unnamed. Here node-02's
+    connections retransmit all run long towards node-05, and the late node-03 (no
+    scheduler rows: no CPU cause) waits three times longer for its GPU work: it is the
+    suspect's victim, and node-02's network is named (without the retransmits, node-03
+    is a straggler with "GPU slowdown, clear")."""
+    from ingero_forensics.merge.summaries import SYNC_WAIT_APIS
+
+    truth, db = _simulate(tmp_path, nodes=6, ranks_per_node=2, steps=150, fault="cpu",
+                          seed=5, straggler=3)
+    con = apsw.Connection(str(db))
+    with con:
+        (nid,) = con.execute("SELECT node_id FROM nodes WHERE name = 'node-03'").fetchone()
+        # its CPU fault's host figures gone too (a capture without host samples there)
+        for table in ("host_samples", "host_bins"):
+            con.execute(f"DELETE FROM {table} WHERE node_id = ? AND metric IN "
+                        "('psi.cpu.some_pct', 'cpu.busy_pct')", (nid,))
+        apis = ", ".join(f"'{x}'" for x in SYNC_WAIT_APIS)
+        con.execute("UPDATE cuda_events SET duration_ns = duration_ns * 6 WHERE node_id = ? "
+                    f"AND api IN ({apis})", (nid,))
+        con.execute("UPDATE sync_waits SET duration_ns = duration_ns * 6 WHERE node_id = ?",
+                    (nid,))
+        con.execute("DELETE FROM sched_events WHERE node_id = ?", (nid,))
+    con.close()
+    a = analyze_fleet(db)
+    assert (a.straggler, a.cause, a.cause_confidence) == ("node-03", "gpu", "clear"), a.verdict
+    out = _retransmits_towards("node-02", "node-05", db, tmp_path / "lossy.db", no_sched=None)
+    a = analyze_fleet(out)
+    assert (a.straggler, a.cause, a.stragglers) == ("node-02", "network", []), a.verdict
+    assert a.victims == ["node-03"] and a.gpu_symptoms == ["node-03"], a.verdict
+    assert any("node-03's waits for its own GPU work were long" in e for e in a.evidence)
+
+
 def test_a_stragglers_retransmits_towards_another_late_node_are_not_its_cause(tmp_path):
     """Seen on the real-kernel rig (2 ranks per node, one node's GPU three times slower):
     its upstream neighbour, late too, was named a second straggler with "network

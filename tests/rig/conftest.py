@@ -16,10 +16,10 @@ from .rig import Rig, RunResult, missing_tools
 
 #: steps per scenario: about 6 s of job at 30-40 ms a step (twice that under tbf)
 STEPS = 150
-#: under the CPU hog a step takes about 250 ms: 60 of them are 15 s of job, the node late
-#: at every one (150 would add 23 s to the rig's CI time for nothing more to see); a
-#: step through the slow link takes about 65 ms: 50 of them are 3 s of job
-STEPS_OF = {"cpu": 60, "slowlink": 50}
+#: under the CPU hog a step takes about 250 ms: 45 of them are 11 s of job (45 time
+#: bins), the node late at every one (150 would add 26 s to the rig's CI time for nothing
+#: more to see); a step through the slow link takes about 65 ms: 50 of them are 3 s
+STEPS_OF = {"cpu": 45, "slowlink": 50}
 
 
 @dataclass

@@ -20,9 +20,9 @@ from .rig import Rig
 pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
 
 #: fewer steps than test_rig.py's 150: still about 80 time bins; a CPU-starved step
-#: takes about 260 ms here, and 60 of them (15 s of job) about 60 bins
+#: takes about 260 ms here, and 45 of them (11 s of job) about 45 bins
 STEPS = 80
-STEPS_OF = {"cpu": 60}
+STEPS_OF = {"cpu": 45}
 
 
 @pytest.fixture(scope="module")

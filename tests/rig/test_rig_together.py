@@ -17,9 +17,9 @@ from .rig import Rig
 pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
 
 #: enough time bins (the late group costs half the run) at a few seconds of CI time; a
-#: CPU-starved step takes about 250 ms: 60 of them are 15 s of job
+#: CPU-starved step takes about 250 ms: 45 of them are 11 s of job
 STEPS = 80
-STEPS_OF = {"cpu": 60}
+STEPS_OF = {"cpu": 45}
 
 
 @pytest.fixture(scope="module")
