@@ -381,9 +381,8 @@ def test_skew_moves_every_clock_reading_consistently(runs, tmp_path):
 
 #: the job runs this long; the captures start LATE_ATTACH_S after it, so a hundred or
 #: more collectives are seen (the hog makes a cpu step about 250 ms; the four captures,
-#: started at normal priority, have every source on about 7.5 s after launch: a 48 s job
-#: let them see 352 collectives, and on a day twice as slow to start 38 s leaves 20 s
-#: of job, over 150)
+#: started at normal priority beside the running job and its hog, have every source on
+#: 20-25 s after launch: jobs of 48, 38 and 32 s let them see 352, 220 and 96)
 LATE_JOB = "38s"
 LATE_ATTACH_S = 3.0
 
