@@ -58,8 +58,8 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
                        fleet_noise_ms, late_threshold_ms, rises_ns)
 from .network import _network_suspect, retransmits_in, retransmits_towards
 from .gpuwait import gpu_suspect
-from .links import (link_evidence, link_next_step, link_series, link_transits,
-                    link_unsure_text, slow_link)
+from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_next_step, link_series,
+                    link_transits, link_unsure_text, slow_link)
 from .victims import demote_victims
 from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, ms_text, natural_key, no_comparison_text,
@@ -79,6 +79,10 @@ MIN_COST_SHARE = 0.01
 #: A straggler's lateness must exceed this many times its relative alignment
 #: uncertainty (plus its peers') before the clock is ruled out as its cause.
 CLOCK_MARGIN = 3.0
+#: A late node's GPU waits are the lossy link's symptom where the network suspect resent
+#: at least this many segments towards it in its windows (its data came late); a clean
+#: rig run retransmits a handful per node in all.
+GPU_SYMPTOM_RETRANSMITS = 10
 #: CPU contention is named with "clear" confidence only if it can account for the wait:
 #: the straggler's run-queue delay in its windows beyond the other nodes' must be at
 #: least this share of what the others waited for it. On a busy node the run queue
@@ -529,7 +533,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         suspect_name = nodes[network_suspect][0]
         for st in a.stragglers:
             gpu_symptom = st.cause == "gpu" and st.node_id != network_suspect and \
-                retransmits_in(con, network_suspect, st.windows) > 0
+                retransmits_in(con, network_suspect, st.windows, st.node_id) >= \
+                GPU_SYMPTOM_RETRANSMITS
             if suspect_name in st.late_with:     # late at the suspect's own collectives
                 a.victims.append(st.node)
             elif st.node_id == network_suspect or (st.cause not in (None, "network")
@@ -563,7 +568,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                           "median_ms": link.median_ms, "p90_ms": slowest.p90_ms,
                           "others_ms": link.others_ms, "score": link.score,
                           "side": link.side, "clock_bound_ms": link.clock_bound_ms,
-                          "transfer_share": transfer_share}
+                          "transfer_share": transfer_share, "node": nodes[link.suspect][0],
+                          "slow_links": [{"from": nodes[s][0], "to": nodes[r][0],
+                                          "median_ms": m} for s, r, m in link.slow]}
         if link.clock_limited:
             # its excess could be clock error between its two nodes: said, not named
             a.link_unsure, link = suspect, None
@@ -646,14 +653,17 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # and costly is not "no straggler"
             a.bins_limited = {"nodes": [nl.name for nl in late], "bins": n_bins,
                               "min_bins": min_bins, "bin_s": bin_ns / 1e9}
+        # rule 4c was asked (two links or more measured, a transfer worth a share): say so
+        links_asked = len(a.links) >= 2 and transfer_share >= MIN_COST_SHARE
+        checked = ["no period of the run has collectives slow for everyone"] + (
+            ["no link of the job is far slower than the others"]
+            if links_asked and not a.link_unsure else [])
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
                      f"{a.threshold_ms:.2f} ms in at least {min_bins} time bins and costing "
-                     f"the others at least {MIN_COST_SHARE:.0%} of the run), no period of "
-                     "the run has collectives slow for everyone" + (", and no link of the job is far slower than the others."
-                              if len(a.links) >= 2 and not a.link_unsure else "."))
-        if a.link_unsure:
-            a.verdict += " " + link_unsure_text(a.link_unsure)
+                     f"the others at least {MIN_COST_SHARE:.0%} of the run), "
+                     + ", ".join(checked[:-1]) + (", and " if len(checked) > 1 else "and ")
+                     + checked[-1] + ".")
         if a.bins_limited:
             nl = late[0]
             a.verdict = bins_limited_text(a, nl, span_s=run_ns / 1e9)
@@ -662,6 +672,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                          + uncaptured_text(a.uncaptured, rank_text) + " No captured node "
                          "arrives late at collectives beyond the fleet's normal jitter "
                          f"({a.noise_ms:.2f} ms).")
+        if a.link_unsure:
+            a.verdict += " " + link_unsure_text(a.link_unsure)
         a.cause_confidence = "none"
         with con.figure("slow_collectives"):
             a.slow_collectives = slow_collectives(con)
@@ -708,9 +720,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         primary.cause, primary.cause_confidence, primary.close_cause = "network", "clear", None
         s = a.link_suspect
         primary.signals.insert(0, Signal(
-            "network", f"transit of its bytes to {s['to']} (ms, median over arrivals)"
-            if link.side != "receiver" else
-            f"transit of the bytes from {s['from']} into it (ms, median over arrivals)",
+            "network", f"{LINK_SIGNAL_PREFIX} from {s['from']} to {s['to']} (ms, median over "
+            "arrivals; beside it, the other links' median)",
             link.median_ms, link.others_ms, link.score))
         primary.evidence = link_evidence(a.link_suspect, a.links)
         primary.next_step = link_next_step(a.link_suspect)
@@ -752,6 +763,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
     a.verdict = verdict_text(a, network_suspect is not None or link is not None, primary)
+    if a.link_unsure:       # (a GPU suspect named beside it)
+        a.verdict += " " + link_unsure_text(a.link_unsure)
     if a.uncaptured:
         a.verdict += " " + uncaptured_text(a.uncaptured, rank_text)
     return a
@@ -834,9 +847,9 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
         st.evidence.append(
             f"Its traced threads waited for a CPU {own.suspect:,.0f} ms per s in the windows "
             f"against {own.others:,.0f} on the other nodes, mostly behind the job's own "
-            "processes: its ranks kept each other waiting (more CPU work per step than its "
-            "peers', or fewer CPUs: a cpuset, cpu.max), not another process, so CPU "
-            "contention is not named.")
+            "processes (its ranks, their loader workers): they kept each other waiting (more "
+            "CPU work per step than its peers', or fewer CPUs: a cpuset, cpu.max), not "
+            "another process, so CPU contention is not named.")
     if short is not None:
         st.evidence.append(short)
     towards = next((s for s in st.signals if s.name == TOWARDS_LATE_SIGNAL), None)

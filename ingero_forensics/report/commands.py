@@ -86,9 +86,14 @@ def next_commands(a) -> list[dict]:
             what = (f"the first {(end - start) / 1e9:.0f} s of "
                     + ("its window" if len(st.windows) == 1 else "its longest window"))
         peer = _healthy_peer(a, {node})
+        why = "a node of typical lateness"
+        if st is a and a.link_suspect:
+            # the other end of the link is the one to compare with
+            s = a.link_suspect
+            peer, why = (s["to"] if node == s["from"] else s["from"]), "the link's other end"
         nodes = [node] + ([peer] if peer else [])
         out.append({"what": f"Trace of {node} in {what}"
-                            + (f", beside {peer} (a node of typical lateness)" if peer else ""),
+                            + (f", beside {peer} ({why})" if peer else ""),
                     "command": _export(a.fleet, start, end, nodes,
                                        f"{node}-window.json.gz")})
         if st is a and a.link_suspect:

@@ -85,16 +85,18 @@ LINK_TRANSITS_SQL = (
 
 #: The rows the report pairs (link_pairs), in the order it needs them: per connection
 #: (its 4-tuple, addresses as tcp_progress's sending end writes them), by stream position,
-#: an arrival before a sender row at the same position. Above LINK_ROWS_READ rows, one
-#: second in every ``:every`` of the run is read (link_transits).
+#: an arrival before a sender row at the same position. Above LINK_ROWS_READ rows, the
+#: arrivals of one second in every ``:every`` are read, with the sender rows of that
+#: second and the one before it (link_transits).
 LINK_ROWS_SQL = (
     f"WITH ends AS ({_ENDS.format(sa=plain_address('saddr'), da=plain_address('daddr'))}) "
     "SELECT s_addr, s_port, r_addr, r_port, side, node_id, connected_ns, t FROM ends "
-    f"WHERE t / {1_000_000_000} % :every = 0 "
+    f"WHERE t / {1_000_000_000} % :every = 0 OR "
+    f"(side = 0 AND (t / {1_000_000_000} + 1) % :every = 0) "
     "ORDER BY s_addr, s_port, r_addr, r_port, pos, side DESC")
 #: Rows of tcp_progress read whole; a larger table is read one second in every k (k the
 #: smallest that keeps about this many): at 5.5 M rows (64 nodes, 8 connections a link,
-#: an hour) the whole read takes 10 s, and the medians need far fewer arrivals
+#: an hour) the whole read takes 10.6-13.6 s, and the medians need far fewer arrivals
 LINK_ROWS_READ = 2_000_000
 
 
@@ -109,7 +111,8 @@ def link_pairs(con, every: int = 1):
     LINK_TRANSITS_SQL computes them (the same rows when every is 1; tested), from one
     ordered read of LINK_ROWS_SQL: a window function and a join over millions of rows
     took twice as long. With every > 1, an arrival is paired only with a sender row of
-    its own second (the row before it may lie in a second not read)."""
+    its own second or the one before (an older row may lie in a second not read): a
+    transit over a second is then not measured."""
     key = None
     senders: set = set()
     receivers: set = set()
@@ -140,7 +143,7 @@ def link_pairs(con, every: int = 1):
             receivers.add(nid)
             r_conn.append(conn)
             if sent_after is not None and (every == 1 or
-                                           sent_after // 1_000_000_000 == t // 1_000_000_000):
+                                           sent_after // 1_000_000_000 >= t // 1_000_000_000 - 1):
                 arrivals.append((nid, t - sent_after, t))
     if key is not None and complete():
         (s,) = senders
@@ -205,7 +208,7 @@ def link_series(links: list[Link], slow: "SlowLink", t0: int, bin_ns: int) -> di
     mine = per_bin(lk for lk in links if (lk.sender, lk.receiver) == key)
     rest = per_bin(lk for lk in links if (lk.sender, lk.receiver) != key)
     points = [{"t_s": round(b * bin_ns / 1e9, 3), "suspect": round(median(v), 3),
-               "others": round(median(rest[b]), 3) if b in rest else 0.0}
+               **({"others": round(median(rest[b]), 3)} if b in rest else {})}
               for b, v in sorted(mine.items()) if b >= 0]
     return {"metric": LINK_METRIC, "points": points}
 
@@ -218,13 +221,16 @@ class SlowLink:
     others_ms: float          # the median of the other links' medians
     score: float
     #: "sender" (every other link out of the sender is slow too), "receiver" (every other
-    #: link into the receiver), or "path" (no other link tells the two ends apart)
+    #: link into the receiver), "node" (several links slow, one node at an end of each:
+    #: its NIC, both ways), or "path" (no other link tells the two ends apart)
     side: str
     suspect: int              # the node named: the receiver on "receiver", else the sender
     clock_bound_ms: float | None   # the alignment uncertainty between the two nodes
     #: the excess is not above CLOCK_MARGIN times that uncertainty (or it is unbounded):
     #: the link cannot be named, and the verdict says why
     clock_limited: bool = False
+    #: every slow link (the slowest first): (sender, receiver, median ms)
+    slow: list = field(default_factory=list)
 
 
 def slow_link(links: list[Link], pair_uncertainty_ms, clock_margin: float) -> SlowLink | None:
@@ -247,24 +253,34 @@ def slow_link(links: list[Link], pair_uncertainty_ms, clock_margin: float) -> Sl
 
     def slow_too(lk: Link) -> bool:
         return lk.median_ms - med >= SAME_SIDE_SHARE * excess
+    slow = sorted((lk for lk in links if slow_too(lk)), key=lambda lk: -lk.median_ms)
+    # a NIC that negotiated a lower speed slows its node's links both ways (in a ring,
+    # the one in and the one out): one node at an end of every slow link, in both roles
+    common = set.intersection(*({lk.sender, lk.receiver} for lk in slow))
+    both = [n for n in common if any(lk.sender == n for lk in slow) and
+            any(lk.receiver == n for lk in slow)]
     out_of = [lk for lk in links if lk.sender == worst.sender and lk is not worst]
     into = [lk for lk in links if lk.receiver == worst.receiver and lk is not worst]
-    if out_of and all(map(slow_too, out_of)) and not (into and all(map(slow_too, into))):
-        side = "sender"
+    if len(both) == 1:
+        side, suspect = "node", both[0]
+    elif out_of and all(map(slow_too, out_of)) and not (into and all(map(slow_too, into))):
+        side, suspect = "sender", worst.sender
     elif into and all(map(slow_too, into)) and not (out_of and all(map(slow_too, out_of))):
-        side = "receiver"
+        side, suspect = "receiver", worst.receiver
     else:
-        side = "path"
+        side, suspect = "path", worst.sender
     return SlowLink(worst.sender, worst.receiver, worst.median_ms, round(med, 3),
-                    round(score, 1), side,
-                    worst.receiver if side == "receiver" else worst.sender, bound,
-                    clock_limited=bound is None or excess <= clock_margin * bound)
+                    round(score, 1), side, suspect, bound,
+                    clock_limited=bound is None or excess <= clock_margin * bound,
+                    slow=[(lk.sender, lk.receiver, lk.median_ms) for lk in slow])
 
 
 #: the cause's title where a slow link named it (the JSON's cause stays "network")
 LINK_CAUSE_TITLE = "slow network link"
 #: the cause chart's metric where a slow link named it (not a host_samples metric)
 LINK_METRIC = "link.transit_ms"
+#: how the link's own row in the scored signals begins (the page titles it by this)
+LINK_SIGNAL_PREFIX = "transit of the job's bytes"
 
 
 def side_text(s: dict) -> str:
@@ -275,6 +291,12 @@ def side_text(s: dict) -> str:
     if s["side"] == "receiver":
         return (f"Every other link into {s['to']} is slow too: the fault is on {s['to']}'s "
                 "side (its NIC, its switch port).")
+    if s["side"] == "node":
+        ways = ", ".join(f"{x['from']} to {x['to']} {x['median_ms']:,.3f} ms"
+                         for x in s["slow_links"])
+        return (f"The links into and out of {s['node']} are slow ({ways}): the fault is on "
+                f"{s['node']}'s side, both ways (its NIC, its switch port: a NIC that "
+                "negotiated a lower speed does that).")
     return (f"No other link of the job tells which end is at fault: {s['from']}'s NIC or "
             f"queueing discipline, the switch ports between them, or {s['to']}'s NIC.")
 
@@ -296,18 +318,26 @@ def link_evidence(s: dict, links: list[dict]) -> list[str]:
         side_text(s),
         clock,
         f"The collectives spent {s['transfer_share']:.0%} of the run between the last "
-        "arrival and completion, where every rank waits for the link."]
+        "arrival and completion: the transfer, which a slow link lengthens (how much of "
+        "it this link added, one run cannot tell; a slowdown that lasts the whole run "
+        "does not show in the per-bin chart of that time)."]
 
 
 def link_next_step(s: dict) -> str:
+    nic = "(ethtool: speed and duplex; ethtool -S: errors, drops, pause frames)"
     if s["side"] == "receiver":
-        return (f"On {s['to']}, check the NIC the job's traffic arrives on (ethtool: speed "
-                "and duplex; ethtool -S: errors, drops, pause frames) and its switch port; "
-                f"compare with a healthy node's.")
-    return (f"On {s['from']}, check the NIC the job's traffic to {s['to']} leaves by "
-            "(ethtool: speed and duplex; ethtool -S: errors, drops, pause frames) and its "
-            "queueing discipline (tc -s qdisc: a shaper, a backlog), then the switch ports "
-            f"on the path to {s['to']}; compare with a healthy node's.")
+        return (f"On {s['to']}, check the NIC the job's traffic arrives on {nic} and its "
+                "switch port; compare with a healthy node's.")
+    if s["side"] == "node":
+        return (f"On {s['node']}, check the NIC the job's traffic uses {nic}, its queueing "
+                "discipline (tc -s qdisc: a shaper, a backlog) and its switch port; compare "
+                "with a healthy node's.")
+    step = (f"On {s['from']}, check the NIC the job's traffic to {s['to']} leaves by {nic} "
+            "and its queueing discipline (tc -s qdisc: a shaper, a backlog), then the switch "
+            f"ports on the path to {s['to']}")
+    if s["side"] == "path":
+        step += f", and the NIC of {s['to']} it arrives on"
+    return step + "; compare with a healthy node's."
 
 
 def link_unsure_text(s: dict) -> str:

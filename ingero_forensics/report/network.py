@@ -122,11 +122,12 @@ def retransmits_towards(con, sender: int, node_id: int) -> int:
         f"{addresses_of(con, '?')}", (sender, json.dumps([node_id]))).fetchone()[0]
 
 
-def retransmits_in(con, node_id: int, windows) -> int:
-    """Job retransmits of node ``node_id`` on connections that leave it, in ``windows``
-    (Window objects)."""
+def retransmits_in(con, node_id: int, windows, towards: int) -> int:
+    """Job retransmits of node ``node_id`` towards node ``towards`` (its addresses), in
+    ``windows`` (Window objects)."""
     w = " OR ".join("(timestamp_ns >= ? AND timestamp_ns < ?)" for _ in windows) or "0"
     return con.execute(
         "SELECT COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
-        f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND ({w})",
-        [node_id] + [x for win in windows for x in (win.start_ns, win.end_ns)]).fetchone()[0]
+        f"event = 'tcp_retransmit_skb' AND {_plain('daddr')} IN {addresses_of(con, '?')} "
+        f"AND ({w})", [node_id, json.dumps([towards])]
+        + [x for win in windows for x in (win.start_ns, win.end_ns)]).fetchone()[0]

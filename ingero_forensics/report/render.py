@@ -20,7 +20,7 @@ from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
-from .links import LINK_CAUSE_TITLE, LINK_METRIC
+from .links import LINK_CAUSE_TITLE, LINK_METRIC, LINK_SIGNAL_PREFIX
 from .wording import clock_check_text, grouped_issues, per_node_text, seconds_text
 
 _ENV: jinja2.Environment | None = None
@@ -269,9 +269,12 @@ def render_html(a: Analysis) -> str:
     if a.cause_series.get("points"):
         metric = a.cause_series["metric"]
         pts = [p for p in a.cause_series["points"] if t_end is None or p["t_s"] <= t_end]
+        s = a.link_suspect
         cause_chart = _line_chart(
-            pts, [("suspect", a.straggler or "suspect", "line suspect"),
-                  ("others", "other nodes (median)", "line fleet")],
+            pts, [("suspect", f"{s['from']} to {s['to']}" if s else a.straggler or "suspect",
+                   "line suspect"),
+                  ("others", "other links (median)" if s else "other nodes (median)",
+                   "line fleet")],
             METRIC_LABELS.get(metric, metric), windows_s, t_end=t_end, origin_s=origin_s)
     window_rows = []
     for w in a.windows:
@@ -291,6 +294,7 @@ def render_html(a: Analysis) -> str:
         capture_issues=grouped_issues(a.capture_issues, every=True),
         cause_title=(LINK_CAUSE_TITLE if a.link_suspect else
                      CAUSE_TITLES.get(a.cause or "", "")), cause_titles=CAUSE_TITLES,
+        link_title=LINK_CAUSE_TITLE, link_signal=LINK_SIGNAL_PREFIX,
         lateness_chart=lateness_chart, timeline_chart=timeline_chart,
         transfer_chart=transfer_chart, cause_chart=cause_chart, t0=t0,
         transfer_median=_num(sorted(transfer_ms)[len(transfer_ms) // 2], 0.01)

@@ -232,9 +232,9 @@ def slow_link_text(a: Analysis) -> str:
     return (f"No node arrives late at collectives and no job connection retransmits "
             f"markedly, but the job's link from {s['from']} to {s['to']} is slow: its bytes "
             f"took {ms_text(s['median_ms'])} from sender to receiver at the median, against "
-            f"{ms_text(s['others_ms'])} on the job's other links (score {s['score']:g}), and "
-            f"the collectives spent {s['transfer_share']:.0%} of the run between the last "
-            f"arrival and completion, where every rank waits for it. {side_text(s)} "
+            f"{ms_text(s['others_ms'])} on the job's other links (score {s['score']:g}); the "
+            f"collectives spent {s['transfer_share']:.0%} of the run between the last "
+            f"arrival and completion, the transfer a slow link lengthens. {side_text(s)} "
             f"{a.straggler} is named. Root cause: {LINK_CAUSE_TITLE}. Next step: "
             f"{a.next_step}")
 

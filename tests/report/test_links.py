@@ -159,7 +159,19 @@ def test_healthy_ring_names_no_link(tmp_path, clean):
     _, a = _fleet(tmp_path, clean)
     assert a.straggler is None and a.link_suspect is None, a.verdict
     assert len(a.links) == NODES and all(lk["median_ms"] < 0.05 for lk in a.links)
-    assert "no link of the job is far slower than the others" in a.verdict
+    assert a.verdict.endswith("no period of the run has collectives slow for everyone, and "
+                              "no link of the job is far slower than the others."), a.verdict
+
+
+def test_no_links_measured_claims_none(tmp_path, clean):
+    """A fleet without tcp_progress (an older capture, InfiniBand) measured no link: the
+    verdict does not say that none is slow."""
+    path = tmp_path / "fleet.db"
+    path.write_bytes(clean)
+    a = analyze_fleet(path)
+    assert a.links == [] and a.link_suspect is None
+    assert a.verdict.endswith("of the run), and no period of the run has collectives slow "
+                              "for everyone."), a.verdict
 
 
 def test_slow_link_is_named_with_its_figures(tmp_path, clean):
@@ -172,7 +184,8 @@ def test_slow_link_is_named_with_its_figures(tmp_path, clean):
     assert 7.0 < s["median_ms"] < 9.0 and s["others_ms"] < 0.05 and s["score"] >= 5
     assert "link from node-02 to node-03 is slow" in a.verdict
     assert "Root cause: slow network link" in a.verdict
-    assert "tc -s qdisc" in a.next_step and "node-03" in a.next_step
+    assert "tc -s qdisc" in a.next_step and "the NIC of node-03" in a.next_step
+    assert "where every rank waits" not in a.verdict   # the transfer share is no cost
     html = render_html(a)
     assert "Transit on the job's links" in html and "Root cause: slow network link" in html
     text = render_text(a)
@@ -193,6 +206,9 @@ def test_slow_link_next_commands_run(tmp_path, clean):
     a = run_commands(path, tmp_path)
     whats = [c["what"] for c in a.commands]
     assert any(w.startswith("Transit of the job's bytes per link") for w in whats), whats
+    # the trace beside the link's other end, not a node of typical lateness
+    assert any(w.startswith("Trace of node-02") and "beside node-03 (the link's other end)"
+               in w for w in whats), whats
     assert not any("Evidence on" in w for w in whats), whats
     cmd = next(c["command"] for c in a.commands if c["what"].startswith("Transit"))
     out = subprocess.run(shlex.split(cmd), cwd=tmp_path / "work", capture_output=True,
@@ -205,6 +221,20 @@ def test_every_link_out_of_a_node_slow_names_its_sending_side(tmp_path, clean):
     _, a = _fleet(tmp_path, clean, slow={(2, 3), (2, 5)}, extra=[(2, 5)])
     assert a.link_suspect["side"] == "sender" and a.straggler == "node-02", a.verdict
     assert "Every other link out of node-02 is slow too" in a.verdict
+
+
+def test_both_links_of_a_node_slow_name_that_node(tmp_path, clean):
+    """A NIC that negotiated a lower speed slows its node's links both ways: in a ring,
+    the one in and the one out. Whichever of the two is the slowest, the node at both
+    is named, with both links."""
+    for slow_ms in (6.0, 9.0):
+        _, a = _fleet(tmp_path, clean, slow={(2, 3), (3, 4)}, slow_ms=slow_ms)
+        s = a.link_suspect
+        assert (s["side"], s["node"], a.straggler) == ("node", "node-03", "node-03"), a.verdict
+        assert sorted((x["from"], x["to"]) for x in s["slow_links"]) == \
+            [("node-02", "node-03"), ("node-03", "node-04")]
+        assert "The links into and out of node-03 are slow" in a.verdict
+        assert a.next_step.startswith("On node-03, check the NIC"), a.next_step
 
 
 def test_every_link_into_a_node_slow_names_its_receiving_side(tmp_path, clean):
