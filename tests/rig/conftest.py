@@ -20,10 +20,10 @@ STEPS = 150
 #: bins), the node late at every one (150 would add 26 s to the rig's CI time for nothing
 #: more to see); a step through the slow link takes about 65 ms: 50 of them are 3 s;
 #: through the lossy one about 60 ms: 100 of them are 6 s, a few thousand retransmits;
-#: the clean run, O_DIRECT reads and memory pressure (26-45 ms a step) at 100 steps are
-#: 3-5 s of job, 12-18 time bins, their stragglers late in most
+#: the clean run, O_DIRECT reads, memory pressure and the slow GPU (26-45 ms a step) at
+#: 100 steps are 3-5 s of job, 12-18 time bins, their stragglers late in most
 STEPS_OF = {"cpu": 45, "slowlink": 50, "network": 100, "none": 100, "io": 100,
-            "memory": 100}
+            "memory": 100, "gpu": 100}
 
 
 @dataclass
