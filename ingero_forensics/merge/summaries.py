@@ -39,8 +39,8 @@ import json
 __all__ = ["HOST_BIN_METRICS", "JOB_BLOCK", "SUMMARY_OF", "SYNC_WAIT_APIS", "default_bin_s",
            "host_bin_params", "host_bin_window", "write_summaries", "write_summary"]
 
-#: The host metrics the report reads (evidence.py: signals, cause series, cited
-#: evidence, the capture's cost). Others are not summarized; nor are per-CPU rows of
+#: The host metrics the report reads (report/evidence.py: signals; figures.py: cause series;
+#: citing.py: cited evidence; the capture's cost). Others are not summarized; nor are per-CPU rows of
 #: cpu.* metrics, which the report never reads (only the whole-node row, device NULL).
 HOST_BIN_METRICS = ("psi.cpu.some_pct", "cpu.busy_pct", "psi.io.some_pct", "disk.await_ms",
                     "psi.memory.some_pct", "vm.pgmajfault_per_s", "vm.pgscan_per_s",

@@ -196,7 +196,7 @@ def link_transits(con, max_rows: int | None = None) -> list[Link]:
 
 def link_series(links: list[Link], slow: "SlowLink", t0: int, bin_ns: int) -> dict:
     """The cause chart's series: the slow link's median transit per report bin against
-    the median of the other links' arrivals in the same bin (evidence.cause_series's
+    the median of the other links' arrivals in the same bin (figures.cause_series's
     form)."""
     def per_bin(lks) -> dict[int, array]:
         out: dict[int, array] = defaultdict(lambda: array("d"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .analyze import Analysis
+    from .model import Analysis
 
 #: the share of a victim's window time that must lie within its culprits' windows
 VICTIM_OVERLAP = 0.9

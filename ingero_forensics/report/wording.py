@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .evidence import CAUSE_TITLES
 
 if TYPE_CHECKING:
-    from .analyze import Analysis, Straggler
+    from .model import Analysis, Straggler
 
 
 def no_comparison_text(a: Analysis, nodes) -> str:
