@@ -60,7 +60,8 @@ from .network import _network_suspect, retransmits_in, retransmits_towards
 from .gpuwait import gpu_suspect
 from .model import Analysis, NodeLateness, Straggler
 from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_next_step, link_series,
-                    link_transits, link_unsure_text, slow_link)
+                    link_transits, link_unsure_text, slow_link,
+                    also_slow_link_text)
 from .victims import demote_victims
 from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, ms_text, natural_key, no_comparison_text,
@@ -384,6 +385,10 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 if gpu_symptom:
                     a.gpu_symptoms.append(st.node)
         a.stragglers = [st for st in kept if st.node_id != network_suspect]
+    # the nodes a finding names so far (a lossy link's node too where stragglers of their
+    # own displace it): a slow link at one of them is no second finding
+    named_ids = {st.node_id for st in a.stragglers} | (
+        {network_suspect} if network_suspect is not None else set())
     if a.stragglers:
         network_suspect = None
         a.network_basis = None
@@ -394,22 +399,28 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                for lk in links if lk.sender in nodes and lk.receiver in nodes]
     link = None
     transfer_share = round(min(1.0, transfer_total_ns / run_ns), 4) if run_ns else 0.0
-    if not a.stragglers and network_suspect is None and transfer_share >= MIN_COST_SHARE:
-        # -- 3c. nobody late, nothing retransmits: a link far slower than the others ----
+    if transfer_share >= MIN_COST_SHARE:
+        # -- 3c. nothing retransmits: a link far slower than the others ------------------
         link = slow_link([lk for lk in links if lk.sender in nodes and lk.receiver in nodes],
                          lambda s, r: _link_uncertainty_ms(s, r, rel_unc, clock_of),
                          CLOCK_MARGIN)
     if link is not None:
-        slowest = next(lk for lk in links if (lk.sender, lk.receiver) == (link.sender,
-                                                                          link.receiver))
-        suspect = {"from": nodes[link.sender][0], "to": nodes[link.receiver][0],
-                          "median_ms": link.median_ms, "p90_ms": slowest.p90_ms,
-                          "others_ms": link.others_ms, "score": link.score,
-                          "side": link.side, "clock_bound_ms": link.clock_bound_ms,
-                          "transfer_share": transfer_share, "node": nodes[link.suspect][0],
-                          "slow_links": [{"from": nodes[s][0], "to": nodes[r][0],
-                                          "median_ms": m} for s, r, m in link.slow]}
-        if link.clock_limited:
+        suspect = _link_finding(link, links, nodes, transfer_share)
+        ends = {n for s, r, _ in link.slow for n in (s, r)} | {link.suspect}
+        if named_ids:
+            # Beside a straggler (or a lossy link) already named: a second, separate
+            # finding, only where none of its slow links touches a node named (a late
+            # or starved node's own links are its own story). On the rig, a CPU hog on
+            # one node and a shaped link between two others: the hog's node was named
+            # and the link, 5.4 ms against 0.05 ms, went unsaid.
+            if ends & named_ids:
+                pass
+            elif link.clock_limited:
+                a.link_unsure = suspect
+            else:
+                a.also_slow_link = suspect
+            link = None
+        elif link.clock_limited:
             # its excess could be clock error between its two nodes: said, not named
             a.link_unsure, link = suspect, None
         else:
@@ -601,7 +612,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     with con.figure("slow_collectives"):
         a.slow_collectives = slow_collectives(con)
     a.verdict = verdict_text(a, network_suspect is not None or link is not None, primary)
-    if a.link_unsure:       # (a GPU suspect named beside it)
+    if a.also_slow_link:
+        a.verdict += " " + also_slow_link_text(a.also_slow_link)
+    if a.link_unsure:       # (a GPU suspect or a straggler named beside it)
         a.verdict += " " + link_unsure_text(a.link_unsure)
     if a.uncaptured:
         a.verdict += " " + uncaptured_text(a.uncaptured, rank_text)
@@ -611,6 +624,20 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
     with con.figure(f"late_ranks:{node_id}"):
         return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
+
+
+def _link_finding(link, links, nodes, transfer_share: float) -> dict:
+    """The slow link's figures as the JSON gives them (link_suspect, link_unsure,
+    also_slow_link)."""
+    slowest = next(lk for lk in links if (lk.sender, lk.receiver) == (link.sender,
+                                                                      link.receiver))
+    return {"from": nodes[link.sender][0], "to": nodes[link.receiver][0],
+            "median_ms": link.median_ms, "p90_ms": slowest.p90_ms,
+            "others_ms": link.others_ms, "score": link.score,
+            "side": link.side, "clock_bound_ms": link.clock_bound_ms,
+            "transfer_share": transfer_share, "node": nodes[link.suspect][0],
+            "slow_links": [{"from": nodes[s][0], "to": nodes[r][0], "median_ms": m}
+                           for s, r, m in link.slow]}
 
 
 def _link_uncertainty_ms(s: int, r: int, rel_unc, clock_of) -> float | None:

@@ -98,16 +98,7 @@ def next_commands(a) -> list[dict]:
                                        f"{node}-window.json.gz")})
         if st is a and a.link_suspect:
             # nobody arrived late and nothing retransmitted: what named it is the transit
-            out.append({"what": "Transit of the job's bytes per link, as the report paired "
-                                "them (mean and longest: SQLite has no median, which the "
-                                "verdict quotes)",
-                        "command": _query(a.fleet, (
-                            "SELECT s.name AS sender, r.name AS receiver, COUNT(*) AS "
-                            "arrivals, ROUND(AVG(t.transit_ns) / 1e6, 3) AS mean_ms, "
-                            "ROUND(MAX(t.transit_ns) / 1e6, 3) AS max_ms FROM ("
-                            + inline(LINK_TRANSITS_SQL, {"same": SAME_CONNECTION_NS})
-                            + ") t JOIN nodes s ON s.node_id = t.sender JOIN nodes r ON "
-                            "r.node_id = t.receiver GROUP BY 1, 2 ORDER BY mean_ms DESC"))})
+            out.append(_link_transits_command(a))
             continue
         if st is a and a.gpu_suspect:
             # nobody arrived late: what named it is its waits for its own GPU work
@@ -139,4 +130,18 @@ def next_commands(a) -> list[dict]:
             out.append({"what": f"Evidence on {node} the report cites"
                                 + (f" ({k} of {len(cited)})" if len(cited) > 1 else ""),
                         "command": _query(a.fleet, e["sql"])})
+    if a.also_slow_link:
+        out.append(_link_transits_command(a))   # the second finding's figures
     return out
+
+
+def _link_transits_command(a) -> dict:
+    return {"what": "Transit of the job's bytes per link, as the report paired them (mean "
+                    "and longest: SQLite has no median, which the verdict quotes)",
+            "command": _query(a.fleet, (
+                "SELECT s.name AS sender, r.name AS receiver, COUNT(*) AS "
+                "arrivals, ROUND(AVG(t.transit_ns) / 1e6, 3) AS mean_ms, "
+                "ROUND(MAX(t.transit_ns) / 1e6, 3) AS max_ms FROM ("
+                + inline(LINK_TRANSITS_SQL, {"same": SAME_CONNECTION_NS})
+                + ") t JOIN nodes s ON s.node_id = t.sender JOIN nodes r ON "
+                "r.node_id = t.receiver GROUP BY 1, 2 ORDER BY mean_ms DESC"))}

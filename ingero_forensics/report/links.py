@@ -340,6 +340,15 @@ def link_next_step(s: dict) -> str:
     return step + "; compare with a healthy node's."
 
 
+def also_slow_link_text(s: dict) -> str:
+    """A slow link beside the finding the verdict leads with, in two sentences."""
+    return (f"Separately, the job's link from {s['from']} to {s['to']} is far slower than "
+            f"its other links ({s['median_ms']:,.3f} ms from sender to receiver at the "
+            f"median against {s['others_ms']:,.3f} ms, score {s['score']:g}): a slow network link, a problem of its own beside what is "
+            "named above, and not its cause (neither end is a node named above). " + side_text(s) + " "
+            + link_next_step(s))
+
+
 def link_unsure_text(s: dict) -> str:
     """A slow-looking link whose excess the clocks cannot rule out, in a sentence."""
     bound = ("an unbounded error" if s["clock_bound_ms"] is None

@@ -128,6 +128,9 @@ class Analysis:
     #: such a link whose excess is not well above the alignment uncertainty between its
     #: two nodes: the same fields; not named, the verdict says that clocks cannot rule it out
     link_unsure: dict | None = None
+    #: a slow link (the link_suspect's fields and test) found beside a straggler or a
+    #: lossy link already named, away from every node named: a second, separate finding
+    also_slow_link: dict | None = None
     #: a node whose ranks wait for their own GPU work far longer than every other node's
     #: while nobody arrives late (report/gpuwait.py): the GpuSuspect's fields; None without
     gpu_suspect: dict | None = None

@@ -13,6 +13,7 @@ import textwrap
 from .analyze import CAUSE_TITLES, Analysis
 from .wording import (clock_check_sentence, clock_check_text, grouped_issues, per_node_text,
                       rank_text, seconds_text)
+from .links import also_slow_link_text
 from .render import report_title
 
 
@@ -145,14 +146,14 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")
-    if a.link_suspect:
+    if a.link_suspect or a.also_slow_link:
         lines += [h("Transit on the job's links"), ""]
         rows = [["from", "to", "arrivals", "median, ms", "p90, ms"]]
         for lk in a.links:
             rows.append([lk["from"], lk["to"], f"{lk['transits']:,}", f"{lk['median_ms']:.3f}",
                          f"{lk['p90_ms']:.3f}"])
         lines += _table(rows, markdown) + [""]
-        for e in a.evidence:
+        for e in (a.evidence if a.link_suspect else [also_slow_link_text(a.also_slow_link)]):
             lines.append(para(e, "- " if markdown else "* "))
         lines.append("")
     if a.commands:

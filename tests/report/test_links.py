@@ -283,3 +283,63 @@ def test_too_few_arrivals_measure_no_link(tmp_path, clean):
     con.close()
     a = analyze_fleet(path)
     assert a.link_suspect is None and len(a.links) == NODES - 1, a.verdict
+
+
+# -- a slow link beside a straggler: a second, separate finding ---------------------------
+
+@pytest.fixture(scope="module")
+def late(tmp_path_factory):
+    """A fleet whose node 1 is CPU-starved (late at collectives), on the ring's clocks."""
+    d = tmp_path_factory.mktemp("links-late")
+    simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6,
+                                        fault="cpu", straggler=1))
+    merge_bundles([d / "b"], d / "fleet.db")
+    return (d / "fleet.db").read_bytes()
+
+
+def test_slow_link_beside_a_straggler_is_a_second_finding(tmp_path, late):
+    """On the rig: a CPU hog on one node, a link queueing between two others; the report
+    named the hog's node and left the link out. The straggler stays the verdict's lead;
+    the link is said beside it, with its own next step, in the page and the text."""
+    path, a = _fleet(tmp_path, late, slow={(3, 4)})
+    assert [(st.node, st.cause) for st in a.stragglers] == [("node-01", "cpu")], a.verdict
+    assert a.straggler == "node-01" and a.cause == "cpu" and a.link_suspect is None
+    assert a.network_basis is None and a.link_unsure is None
+    s = a.also_slow_link
+    assert (s["from"], s["to"], s["side"]) == ("node-03", "node-04", "path"), s
+    assert 7.0 < s["median_ms"] < 9.0 and s["others_ms"] < 0.05 and s["score"] >= 5
+    assert a.verdict.startswith("node-01 ")
+    assert "Separately, the job's link from node-03 to node-04 is far slower" in a.verdict
+    assert "On node-03, check the NIC the job's traffic to node-04" in a.verdict
+    assert "tc -s qdisc" not in a.next_step   # the straggler's own step is the CPU's
+    html = render_html(a)
+    assert "A second finding:</b> the link from node-03 to node-04" in html
+    assert '<tr class="hi"><td>node-03</td><td>node-04</td>' in html
+    text = render_text(a)
+    assert "Transit on the job's links" in text and "* Separately, the job's link" in text
+    # its figures are one runnable command away
+    a = run_commands(path, tmp_path)
+    cmd = next(c["command"] for c in a.commands
+               if c["what"].startswith("Transit of the job's bytes per link"))
+    out = subprocess.run(shlex.split(cmd), cwd=tmp_path / "work", capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[2].split()[:2] == ["node-03", "node-04"], out
+
+
+def test_slow_link_at_the_straggler_is_no_second_finding(tmp_path, late):
+    """A slow link with the late node at one end is left to the straggler's story (a
+    starved node's own sends and arrivals), not named a second problem."""
+    _, a = _fleet(tmp_path, late, slow={(0, 1)})
+    assert [st.node for st in a.stragglers] == ["node-01"], a.verdict
+    assert a.also_slow_link is None and a.link_suspect is None and a.link_unsure is None
+    assert "Separately" not in a.verdict
+
+
+def test_second_slow_link_within_clock_error_is_said_not_named(tmp_path, late):
+    """Beside a straggler, as alone: a link whose excess the clocks cannot rule out is
+    said to look slower, and not named."""
+    _, a = _fleet(tmp_path, late, slow={(3, 4)}, uncertainty_us=4000)
+    assert a.also_slow_link is None and a.link_suspect is None
+    assert (a.link_unsure["from"], a.link_unsure["to"]) == ("node-03", "node-04")
+    assert "The job's link from node-03 to node-04 looks slower than the others" in a.verdict
+    assert "Separately" not in a.verdict

@@ -58,9 +58,11 @@ class Runs:
         return self._done[scenario]
 
 
-def scenario_runs(rig: Rig, steps: int, steps_of: dict | None = None):
+def scenario_runs(rig: Rig, steps: int, steps_of: dict | None = None,
+                  slow_link_of: dict | None = None):
     """get(scenario) -> Outcome, each scenario run once on ``rig`` (``steps``, or
-    ``steps_of[scenario]`` where it has one), its captures started
+    ``steps_of[scenario]`` where it has one; with the queueing link of node
+    ``slow_link_of[scenario]`` beside its fault where it has one), its captures started
     at normal priority (the idle-priority start is measured by bench_rig; this keeps the
     rig's CI time down), merged and reported."""
     done: dict[str, Outcome] = {}
@@ -68,7 +70,8 @@ def scenario_runs(rig: Rig, steps: int, steps_of: dict | None = None):
     def get(scenario: str) -> Outcome:
         if scenario not in done:
             run = rig.run_scenario(scenario, steps=(steps_of or {}).get(scenario, steps),
-                                   capture_args=("--start-priority", "normal"))
+                                   capture_args=("--start-priority", "normal"),
+                                   slow_link=(slow_link_of or {}).get(scenario))
             fleet, report = merge_and_report(run.all_bundles(),
                                              rig.workdir / f"merged-{scenario}")
             done[scenario] = Outcome(run, fleet, report)

@@ -298,14 +298,19 @@ class Rig:
     # -- one scenario --------------------------------------------------------------------
     def run_scenario(self, scenario: str, steps: int | str = 200, settle_s: float = 1.5,
                      capture_args: tuple[str, ...] = (), captures: bool = True,
-                     attach_after_s: float | None = None) -> RunResult:
+                     attach_after_s: float | None = None,
+                     slow_link: int | None = None) -> RunResult:
         """Run the job once with ``scenario``'s fault on the straggler node, each node
         traced by its own capture (``captures=False``: no capture, for overhead figures).
         ``attach_after_s``: the captures start that long after the job did, as an operator
         attaches to a running job (``steps`` as "SECONDSs" keeps it running meanwhile).
+        ``slow_link``: the index of a node whose link queues (``TBF_SLOW`` on its veth)
+        beside the scenario's own fault: two faults at once, on different nodes.
         Returns the bundles, the truth and the job's own timings."""
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
+        if slow_link is not None and not 0 <= slow_link < len(self.nodes):
+            raise ValueError("the slow link's node must be one of the nodes")
         self.reap_captures()
         self._runs += 1
         out = self.workdir / f"{self._runs:02d}-{scenario}"
@@ -330,7 +335,7 @@ class Rig:
                 return t, time.monotonic_ns()
             if attach_after_s is None:
                 window = start_captures()
-            fault_off = self._fault_on(scenario, local)
+            fault_off = self._fault_on(scenario, local, slow_link)
             before = {n.name: retrans_segs(ranks[n.ranks[0]].pid) for n in self.nodes}
             for p in ranks.values():
                 p.stdin.write("go\n")
@@ -417,8 +422,26 @@ class Rig:
             self.cgroups.enter(n.netns, [ranks[r].pid for r in n.ranks])
         return ranks
 
-    def _fault_on(self, scenario: str, local: list):
-        """Switch the scenario's fault on; return the function that switches it off."""
+    def _fault_on(self, scenario: str, local: list, slow_link: int | None = None):
+        """Switch the scenario's fault on, and slow_link's queueing link if given; return
+        the function that switches them off."""
+        off = self._scenario_fault_on(scenario, local)
+        if slow_link is None:
+            return off
+        tc, veth = ["tc", "-n", self.nodes[slow_link].netns, "qdisc"], \
+            self.nodes[slow_link].veth
+        try:
+            run(*tc, "add", "dev", veth, "root", "tbf", *TBF_SLOW)
+        except BaseException:
+            off()
+            raise
+
+        def both_off():
+            run(*tc, "del", "dev", veth, "root", check=False)
+            off()
+        return both_off
+
+    def _scenario_fault_on(self, scenario: str, local: list):
         if scenario == "cpu":
             # at nice -10 (about ten times a rank's weight): the contention is then the
             # same on every run, whatever else the machine does and however the

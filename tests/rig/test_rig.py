@@ -171,6 +171,8 @@ def test_report_names_the_straggler_and_cause(runs, scenario):
         assert s["median_ms"] >= 2.5 and s["median_ms"] >= 20 * s["others_ms"], s
     else:
         assert o.report["link_suspect"] is None, show(scenario, o)
+    # one fault on one node: no second finding beside it
+    assert o.report["also_slow_link"] is None, show(scenario, o)
     if scenario in ("cpu", "gpu", "memory", "slowlink"):
         # a CPU-starved node's waits for its GPU work are long too (its woken threads
         # wait for a CPU): they must not make the GPU a close second to the run queue;
