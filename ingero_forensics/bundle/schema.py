@@ -419,12 +419,20 @@ TABLES: tuple[Table, ...] = (
         C("daddr", "TEXT", False, "", "Remote address as text."),
         C("dport", "INTEGER", False, "", "Remote port."),
         C("connected_ns", "INTEGER", False, "ns, CLOCK_MONOTONIC", "When the connection "
-          "was established on this node: with the 4-tuple, which connection of that "
-          "4-tuple the row belongs to."),
+          "was established on this node (attached: when the capture first saw a traced "
+          "process use it): with the 4-tuple, which connection of that 4-tuple the row "
+          "belongs to."),
         C("stream_offset", "INTEGER", False, "bytes", "Bytes the connection had carried in "
-          "this direction since it was established, before this call."),
+          "this direction since it was established, before this call (attached: from the "
+          "socket's own counts; a sending end that opened the connection may count its "
+          "SYN, one byte high)."),
         C("bytes", "INTEGER", False, "bytes", "Bytes this call moved (> 0)."),
         _PID, _TID,
+        Column("attached", "INTEGER", True, "",
+               "1: the connection was established before the capture counted it (a "
+               "capture attached to a running job): connected_ns is when it was first "
+               "seen, not its establishment, and the two ends' connected_ns do not "
+               "match; 0 or NULL: counted from its establishment.", required=False),
     ), required=False),
 )
 

@@ -348,8 +348,9 @@ Groups = Callable[[], Iterable[tuple[object, bool, list[tuple[int, int | None, i
 #: (connection, sending node, send raw ns, receiving node, receive raw ns) of TCP
 #: messages (messages.message_pairs).
 Messages = Iterable[tuple[int, int, int, int, int]]
-#: connection -> (sending node, its establishment raw ns, receiving node, its raw ns)
-Connections = dict[int, tuple[int, int, int, int]]
+#: connection -> (sending node, its establishment raw ns, receiving node, its raw ns;
+#: either time None where that end's capture attached to the connection established)
+Connections = dict[int, tuple[int, int | None, int, int | None]]
 #: Pairs per sending node, receiving node and time bin the causal steps keep (the
 #: tightest of each), bins at most PAIR_BIN_MAX_S wide.
 PAIR_BINS = 64
@@ -669,8 +670,9 @@ def _apply_messages(result: dict[int, NodeAlignment], nodes, messages: Messages,
     refused = set()
     for cid, (i, sc, j, rc) in connections.items():
         a, b = result.get(i), result.get(j)
-        # the two ends were established within a round trip of each other
-        if a is not None and b is not None and (
+        # the two ends were established within a round trip of each other (unknown
+        # where a capture attached to a connection already established: sc or rc None)
+        if a is not None and b is not None and sc is not None and rc is not None and (
                 contradicts(a, b, a.aligned(sc), b.aligned(rc) + MESSAGE_REFUSE_NS)
                 or contradicts(b, a, b.aligned(rc), a.aligned(sc) + MESSAGE_REFUSE_NS)):
             refused.add(cid)

@@ -20,9 +20,9 @@ from ..bundle.schema import NOT_EVENTS, Column, C
 #: cuda_events queued work (bundle format 1.1). 3: calls_in_flight (bundle format 1.1).
 #: 4: host_bins, job_block_io, sync_waits (merge/summaries.py), inferred_comms (late
 #: attach). 5: event_stats.observed_ns (sampled launch counts). 6: tcp_progress (bundle
-#: format 1.1), clock_alignment.message_pairs. An older fleet.db is not extended: merge
-#: its bundles again.
-FLEET_VERSION = 6
+#: format 1.1), clock_alignment.message_pairs. 7: tcp_progress.attached (connections a
+#: capture attached to). An older fleet.db is not extended: merge its bundles again.
+FLEET_VERSION = 7
 #: PRAGMA application_id of a fleet database: ASCII "INGM".
 FLEET_APPLICATION_ID = 0x494E474D
 

@@ -47,7 +47,8 @@ def plain_address(col: str) -> str:
     return f"(CASE WHEN {col} LIKE '::ffff:%.%' THEN substr({col}, 8) ELSE {col} END)"
 
 
-_COLS = "(node_id, dir, kind, laddr, lport, raddr, rport, connected_ns, mono_ns, pos)"
+_COLS = ("(node_id, dir, kind, laddr, lport, raddr, rport, connected_ns, mono_ns, pos, "
+         "attached)")
 #: send: the first byte the call copied; unsent: the first byte not sent yet; recv and
 #: arrive: the end of what the call returned or the socket held
 _POS = ("CASE WHEN e.direction IN ('send', 'unsent') THEN e.stream_offset "
@@ -67,25 +68,29 @@ def sample_progress(con, pending, bundle_predicate) -> int:
     con.execute("DROP TABLE IF EXISTS temp.flow_sp")
     con.execute("CREATE TEMP TABLE flow_sp (node_id INTEGER, dir INTEGER, kind INTEGER, "
                 "laddr TEXT, lport INTEGER, raddr TEXT, rport INTEGER, connected_ns INTEGER, "
-                "mono_ns INTEGER, pos INTEGER)")
+                "mono_ns INTEGER, pos INTEGER, attached INTEGER)")
     if _has_table(con, "main", "tcp_progress"):
         # earlier merges: connected_ns is aligned; back to the node's raw clock through
         # the alignment it was written with
         con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT e.node_id, {_DIR}, {_KIND}, "
                     f"{plain_address('e.saddr')}, "
                     f"e.sport, {plain_address('e.daddr')}, e.dport, CAST(ROUND((e.connected_ns - a.offset_ns) / "
-                    f"(1.0 + a.slope)) AS INTEGER), e.mono_ns, {_POS} FROM main.tcp_progress "
+                    f"(1.0 + a.slope)) AS INTEGER), e.mono_ns, {_POS}, "
+                    "COALESCE(e.attached, 0) FROM main.tcp_progress "
                     "e JOIN main.clock_alignment a USING (node_id)")
     for item in pending:
         bundle = item["bundle"]
         if "tcp_progress" in getattr(bundle, "absent_tables", ()):
             continue
+        # a bundle written before the column: every connection counted from establishment
+        late = ("0" if "attached" in getattr(bundle, "absent", {}).get("tcp_progress", ())
+                else "COALESCE(e.attached, 0)")
         with attached(con, bundle.db_path, "b"):
             con.execute(f"INSERT INTO temp.flow_sp {_COLS} SELECT ?, {_DIR}, {_KIND}, "
                         f"{plain_address('e.saddr')}, "
                         f"e.sport, {plain_address('e.daddr')}, e.dport, e.connected_ns, "
                         "e.timestamp_ns, "
-                        f"{_POS} FROM b.tcp_progress e WHERE "
+                        f"{_POS}, {late} FROM b.tcp_progress e WHERE "
                         f"{bundle_predicate(bundle, 'tcp_progress')}", (item["node_id"],))
     return con.execute("SELECT COUNT(*) FROM temp.flow_sp").fetchone()[0]
 
@@ -99,7 +104,8 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
                                  dict[int, tuple[int, int, int, int]], dict]:
     """The tightest (connection, send node, send raw ns, receive node, receive raw ns) per
     connection and time bin, from temp.flow_sp; per connection (send node, its
-    establishment raw ns, receive node, its establishment raw ns); and counts for the
+    establishment raw ns, receive node, its establishment raw ns; None for an end whose
+    capture attached to it established); and counts for the
     merge log: connections paired, 4-tuples left out as ambiguous."""
     if not _has_table(con, "temp", "flow_sp"):
         return [], {}, {"connections": 0, "left_out": 0}
@@ -110,10 +116,13 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
     con.execute(
         "CREATE TEMP TABLE flow_conn AS WITH ends AS (SELECT dir, laddr, lport, raddr, "
         "rport, MIN(node_id) AS node_id, COUNT(DISTINCT node_id) AS nodes, "
-        "MIN(connected_ns) AS connected, MAX(connected_ns) - MIN(connected_ns) AS span "
+        "MIN(connected_ns) AS connected, MAX(connected_ns) - MIN(connected_ns) AS span, "
+        "MAX(attached) AS attached "
         f"FROM temp.flow_sp WHERE NOT ({local}) GROUP BY 1, 2, 3, 4, 5) "
-        "SELECT s.laddr, s.lport, s.raddr, s.rport, s.node_id AS sn, s.connected AS sc, "
-        "r.node_id AS rn, r.connected AS rc, "
+        # an end attached to has no establishment time (when it was first seen instead)
+        "SELECT s.laddr, s.lport, s.raddr, s.rport, s.node_id AS sn, "
+        "CASE WHEN s.attached THEN NULL ELSE s.connected END AS sc, "
+        "r.node_id AS rn, CASE WHEN r.attached THEN NULL ELSE r.connected END AS rc, "
         "s.nodes = 1 AND r.nodes = 1 AND s.node_id != r.node_id AND s.span <= ?1 AND "
         "r.span <= ?1 AS ok FROM ends s JOIN ends r ON r.dir = 1 AND r.laddr = s.raddr "
         "AND r.lport = s.rport AND r.raddr = s.laddr AND r.rport = s.lport "

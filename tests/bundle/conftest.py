@@ -130,11 +130,12 @@ def sample_rows(stack_a: int | None, stack_b: int | None) -> dict[str, list[tupl
         ],
         "tcp_progress": [
             (T0 + 400, "send", 4, "10.0.0.7", 41234, "10.0.0.8", 29500, T0 + 300, 0, 65536,
-             4242, 4250),
+             4242, 4250, 0),
             (T0 + 500, "recv", 4, "10.0.0.7", 41236, "10.0.0.6", 29500, T0 + 301, 131072, 4096,
-             4242, 4250),
+             4242, 4250, None),
+            # a connection established before the capture attached
             (T0 + 600, "send", 6, "fd00::7", 41240, "fd00::8", 29501, T0 + 302, 1 << 33, 1,
-             4242, 4251),
+             4242, 4251, 1),
         ],
     }
 

@@ -226,6 +226,21 @@ def test_a_version_1_0_bundle_opens_and_merges(tmp_path, sample_bundle):
     con.close()
 
 
+def test_a_bundle_without_tcp_progress_attached_opens_and_merges(tmp_path, sample_bundle):
+    """A 1.1 bundle written before tcp_progress.attached: its rows count from their
+    connections' establishment, the column NULL in fleet.db."""
+    from ingero_forensics.merge import merge_bundles
+    p = _rewrap(tmp_path, sample_bundle, "ALTER TABLE tcp_progress DROP COLUMN attached")
+    with open_bundle(p) as b:
+        assert b.absent["tcp_progress"] == {"attached"}
+    res = merge_bundles([p], tmp_path / "f.db", strict=True)
+    assert res.skipped == [], res.skipped
+    con = apsw.Connection(str(tmp_path / "f.db"))
+    assert con.execute("SELECT COUNT(*), COUNT(attached) FROM tcp_progress").fetchone() == \
+        (3, 0)
+    con.close()
+
+
 def test_optional_table_and_its_manifest_count_go_together(tmp_path, sample_bundle):
     gone = _rewrap(tmp_path, sample_bundle, "DROP TABLE calls_in_flight")
     assert reason_of(gone) == ("table calls_in_flight is missing but the manifest says "

@@ -54,7 +54,8 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
                straggler_late_ns=60_000_000, one_host=False, late_wakeups=None,
                wakeup_rows=True, late_attach=None, shapes=1, late_in_flight=False,
                rank_env=True, messages=False, message_traps=False, held_into=None,
-               unsent_rows=False, mapped_addresses=False, together=False) -> Fleet:
+               unsent_rows=False, mapped_addresses=False, together=False,
+               progress_attached=None) -> Fleet:
     """straggler_rank: a rank (or a tuple of ranks, each late at other collectives; at the
     same ones with together=True) that arrives straggler_late_ns late (a tuple: each
     straggler's) at every straggler_every-th collective. queued: what each sync records as
@@ -83,7 +84,11 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     addresses). held_into: a node index whose reader the ring's sends into it wait for
     (a full receive window): each such send starts 5-50 ms before its bytes leave.
     unsent_rows: the sending ends also record, as the capture does at the ACK that
-    opens the window, an 'unsent' row 5-20 us before the bytes leave."""
+    opens the window, an 'unsent' row 5-20 us before the bytes leave.
+    progress_attached: node index -> seconds into the job when its capture attached to
+    the ring's connections, already established: its tcp_progress rows start there,
+    marked attached, each end's connected_ns its first row's time (the stream positions
+    stay the true ones, as the capture reads them from the socket)."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -199,6 +204,15 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
             if message_traps and nodes > 3:
                 _trap_rows(per_node_rows, truths, t, seq, chunk, seconds, step_ms * 1_000_000)
         t += step_ms * 1_000_000
+    for ni, since in (progress_attached or {}).items():
+        tr, first, kept = truths[ni], {}, []
+        for row in per_node_rows[ni]["tcp_progress"]:
+            if _true(tr, row[0]) < T_JOB + since * 1e9:
+                continue
+            end = (row[1] in ("send", "unsent"),) + row[3:7]
+            first.setdefault(end, row[0])
+            kept.append(row[:7] + (first[end],) + row[8:] + (1,))
+        per_node_rows[ni]["tcp_progress"] = kept
     late_seen: dict = {}
     for ni, tr in enumerate(truths):
         seg_bounds = [T_JOB + int(k * seconds * 1e9 / segments) for k in range(segments + 1)]

@@ -135,3 +135,43 @@ def test_unsent_rows_place_a_node_whose_sends_wait(tmp_path, unsent):
         return
     assert max(abs(v) for v in rel.values()) <= 100_000, rel
     assert max(stated.values()) <= 200_000, stated
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_connections_a_capture_attached_to_place_clocks(tmp_path, marked, monkeypatch):
+    """Captures attached to a running job, each at its own time (0, 4, 8 and 12 s in):
+    the ring's connections were established before any of them, so each end's
+    connected_ns is when its capture first saw it, seconds from the other end's. Marked
+    attached, the pairs place every node within 100 us, as with establishment times;
+    unmarked, the two ends' times contradict the clocks (synchronized, as they claim) by
+    seconds and every connection is refused: what a 4-tuple reused looks like."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=20, seed=5,
+                       claims=True, ntp_step=False, retransmits=False, queued=8,
+                       messages=True, progress_attached={0: 0.0, 1: 4.0, 2: 8.0, 3: 12.0})
+    if not marked:
+        from ingero_forensics.merge import clocks
+        monkeypatch.setattr(clocks, "sample_progress", _unmarked(clocks.sample_progress))
+    merge_bundles(fleet.paths, tmp_path / "f.db")
+    al = alignment(tmp_path / "f.db")
+    con = apsw.Connection(str(tmp_path / "f.db"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        flags = con.execute("SELECT DISTINCT attached FROM tcp_progress").fetchall()
+    finally:
+        con.close()
+    assert flags == [(1,)]                         # kept in fleet.db
+    if not marked:
+        assert all(a["message_pairs"] == 0 for a in al.values()), al
+        assert log_of(tmp_path / "f.db", "messages_refused")
+        return
+    assert all(a["message_pairs"] > 0 for a in al.values()), al
+    rel = relative_errors(fleet, tmp_path / "f.db", 20)
+    assert max(abs(v) for v in rel.values()) <= 100_000, rel
+
+
+def _unmarked(sample_progress):
+    """sample_progress, then every row taken as counted from establishment."""
+    def wrapped(con, *a, **k):
+        n = sample_progress(con, *a, **k)
+        con.execute("UPDATE temp.flow_sp SET attached = 0")
+        return n
+    return wrapped

@@ -440,3 +440,54 @@ def test_late_attach_names_the_cpu_straggler(late):
     assert [(s.node, s.cause) for s in named] == [(run.truth.node, "cpu")], \
         verdict.summary(report)
 
+
+
+def test_late_attach_counts_the_connections_established_before(late):
+    """The ring's connections were established before the captures: their bytes are
+    counted from the sockets' own sequence numbers (rows marked attached). On the shared
+    clock every receive or arrival still comes after the sends of its bytes, the merge
+    pairs them on every node, and the report measures every link of the ring."""
+    run, fleet, report = late
+    pairs, broken, some = measure.message_bounds_broken(fleet)
+    with measure.connect(fleet) as con:
+        kinds = dict(con.execute("SELECT direction, COUNT(*) FROM tcp_progress "
+                                 "WHERE attached = 1 GROUP BY 1"))
+        counted = con.execute("SELECT COUNT(*) FROM tcp_progress WHERE attached = 0"
+                              ).fetchone()[0]
+        (paired,) = con.execute("SELECT message FROM merge_log WHERE event = "
+                                "'message_pairs'").fetchone()
+    print("late attach: message pairs checked", pairs, "rows", kinds, "links",
+          report["links"])
+    assert paired.startswith(f"{len(run.bundles)} TCP connections between nodes"), paired
+    assert counted == 0 and all(kinds.get(k, 0) > 0 for k in
+                                ("send", "recv", "arrive", "unsent")), (kinds, counted)
+    assert pairs > 100 and broken == 0, (pairs, broken, some)
+    ring = {(run.node_of_rank[r], run.node_of_rank[(r + 1) % len(run.results)])
+            for r in run.results}
+    assert {(lk["from"], lk["to"]) for lk in report["links"]} == ring, report["links"]
+    assert max(lk["median_ms"] for lk in report["links"]) < 1.0, report["links"]
+
+
+def test_late_attach_every_node_its_own_clock(late, tmp_path):
+    """The late run's bundles with every node a boot of its own (readings unchanged):
+    its communicator inferred, the ring's messages (counted from the sockets) place
+    every clock within 100 us of the shared one, within what the merge states, and the
+    straggler is still named with its cause."""
+    run, _fleet, _report = late
+    inputs = []
+    for node, bundles in sorted(run.bundles.items()):
+        inputs += skew_node(bundles, tmp_path / "own" / node, 0, ppm=0.0)[0]
+    fleet, report = merge_and_report(inputs, tmp_path / "merged")
+    errors = measure.alignment_errors(fleet)
+    stated = {a["node"]: a["relative_uncertainty_us"] for a in report["alignment"]}
+    with measure.connect(fleet) as con:
+        used = dict(con.execute("SELECT n.name, a.message_pairs FROM clock_alignment a "
+                                "JOIN nodes n USING (node_id)"))
+    print(f"late attach, every node its own clock: alignment error (us) {errors}; stated "
+          f"(us) {stated}; message pairs {used}; verdict {verdict.summary(report)}")
+    assert all(n > 0 for n in used.values()), used
+    assert all(stated[n] is not None and errors[n] <= stated[n] for n in errors), \
+        (errors, stated)
+    assert max(errors.values()) <= MAX_ALIGNMENT_ERROR_US, errors
+    assert [(s.node, s.cause) for s in verdict.stragglers(report)] == \
+        [(run.truth.node, "cpu")], verdict.summary(report)

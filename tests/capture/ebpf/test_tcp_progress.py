@@ -15,7 +15,7 @@ import time
 import pytest
 
 from .conftest import Running, StaticTargets, options
-from ingero_forensics.capture.ebpf.tcp import TcpSource
+from ingero_forensics.capture.ebpf.tcp import DIRECTIONS, TcpSource
 
 pytestmark = pytest.mark.ebpf
 
@@ -73,7 +73,7 @@ PROGRESS_SENDER = textwrap.dedent(r"""
 
 def grid_positions(total: int) -> list[int]:
     """The stream positions below `total` that every end writes a row at (next_mark in
-    tcp.py): 0, then 32 per power of two, 64 KiB to 16 GiB apart."""
+    progress.py): 0, then 32 per power of two, 64 KiB to 16 GiB apart."""
     out = [0]
     for g in range(1 << 16, total, 1 << 16):
         k = g.bit_length() - 1
@@ -86,7 +86,9 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
     """Both ends of a loopback connection traced: every receive's bytes were sent by a
     send that began before it (one kernel, one clock: the claim the merge's clock
     bounds rest on), stream positions are exact, rows are sampled per interval, and an
-    untraced process and a connection opened before the capture give no rows."""
+    untraced process gives no rows. A connection opened before the capture (as the
+    job's are when an operator attaches to it) is counted from the socket's own
+    sequence numbers, marked attached: the same positions, the opener's one byte high."""
     (tmp_path / "grecv.py").write_text(PROGRESS_RECEIVER)
     (tmp_path / "gsend.py").write_text(PROGRESS_SENDER)
     rounds, chunk, interval_ms = 300, 40_000, 5
@@ -104,7 +106,7 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
                                  stdout=subprocess.PIPE, text=True)
         procs += [send, other]
         early_port = int(send.stdout.readline())
-        other.stdout.readline()
+        other_early = int(other.stdout.readline())
         opts = options(tcp_progress_interval_ms=interval_ms)
         source = TcpSource(opts)
         with Running(source, StaticTargets([send.pid, recv.pid]), opts) as run:
@@ -131,7 +133,16 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
     assert {b"sock:sock_send_length", b"sock:sock_recv_length",
             b"sock:inet_sock_set_state", b"tcp:tcp_sendmsg_locked",
             b"sock:sk_data_ready"} <= attached
-    rows = run.sink.dicts("tcp_progress")
+    all_rows = run.sink.dicts("tcp_progress")
+    early_rows = [r for r in all_rows if early_port in (r["sport"], r["dport"])]
+    # the untraced sender's early connection: its traced reader's end only, attached
+    other_rows = [r for r in all_rows if other_early in (r["sport"], r["dport"])]
+    assert other_rows and {(r["direction"] in ("recv", "arrive"), r["attached"], r["pid"])
+                           for r in other_rows} == {(True, 1, recv.pid)}
+    rows = [r for r in all_rows if r not in early_rows and r not in other_rows]
+    check_attached_connection(early_rows, early_port, port, send.pid, recv.pid,
+                              rounds * 3 * chunk, chunk)
+    assert {r["attached"] for r in rows} == {0}
     arrivals = sorted((r for r in rows if r["direction"] == "arrive"
                        and r["dport"] == sport), key=lambda r: r["stream_offset"])
     sends = sorted((r for r in rows if r["direction"] == "send"),
@@ -147,7 +158,6 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
     assert {(r["daddr"], r["dport"], r["saddr"], r["sport"], r["pid"]) for r in recvs} == \
         {conn + (recv.pid,), ("127.0.0.1", other_port, "127.0.0.1", port, recv.pid)}
     assert {r["direction"] for r in rows} == {"send", "recv", "arrive", "unsent"}
-    assert early_port not in {r["sport"] for r in rows} | {r["dport"] for r in rows}
     recvs = [r for r in recvs if r["dport"] == sport]
     total = rounds * 3 * chunk
     for r in sends:
@@ -210,6 +220,48 @@ def test_tcp_progress_pairs_sends_with_receives(ebpf_ok, tmp_path):
           % (len(sends), len(recvs), len(arrivals), min(slack) / 1e3,
              statistics.median(slack) / 1e3, min(arrive_slack) / 1e3,
              statistics.median(arrive_slack) / 1e3))
+
+
+def check_attached_connection(rows, early_port, port, send_pid, recv_pid, total, chunk):
+    """The rows of a connection established before the capture started, whose bytes
+    all moved after it: attached, positions from the socket's sequence numbers (the
+    receiver's exact, the sender's one byte high: it opened the connection, and its
+    bytes_acked counts the SYN), and every receive, arrival and unsent row consistent
+    with the sends on the one clock."""
+    assert rows and {r["attached"] for r in rows} == {1}, rows[:3]
+    by = {d: sorted((r for r in rows if r["direction"] == d),
+                    key=lambda r: r["stream_offset"]) for d in DIRECTIONS}
+    assert all(by[d] for d in DIRECTIONS), {d: len(v) for d, v in by.items()}
+    for r in by["send"] + by["unsent"]:
+        assert (r["sport"], r["dport"], r["pid"]) == (early_port, port, send_pid), r
+    for r in by["recv"] + by["arrive"]:
+        assert (r["sport"], r["dport"], r["pid"]) == (port, early_port, recv_pid), r
+    # one first sighting per end, before its rows
+    for end in (by["send"] + by["unsent"], by["recv"] + by["arrive"]):
+        assert len({r["connected_ns"] for r in end}) == 1
+        assert end[0]["connected_ns"] <= min(r["timestamp_ns"] for r in end)
+    for r in by["send"]:
+        assert 1 <= r["stream_offset"] and r["stream_offset"] + r["bytes"] <= total + 1, r
+        if r["bytes"] == chunk:
+            assert r["stream_offset"] % chunk == 1, r      # the SYN: one byte high
+    for r in by["recv"] + by["arrive"]:
+        assert r["stream_offset"] + r["bytes"] <= total, r  # the reader's: exact
+    assert any(r["stream_offset"] % chunk == 0 and r["bytes"] >= chunk
+               for r in by["recv"]) or len(by["recv"]) > 10
+    for r in by["unsent"]:
+        assert 1 <= r["stream_offset"] <= total + 1, r
+    # on the one clock: the latest sender row below the bytes a receive returned or an
+    # arrival brought was written before it
+    senders = sorted(by["send"] + by["unsent"], key=lambda r: r["stream_offset"])
+    checked = 0
+    for r in by["recv"] + by["arrive"]:
+        end = r["stream_offset"] + r["bytes"]
+        before = [s for s in senders if s["stream_offset"] < end]
+        if before:
+            last = max(before, key=lambda s: (s["stream_offset"], s["timestamp_ns"]))
+            assert last["timestamp_ns"] < r["timestamp_ns"], (last, r)
+            checked += 1
+    assert checked > 10, checked
 
 
 def test_tcp_progress_that_cannot_load_keeps_the_rest(ebpf_ok, monkeypatch):
@@ -489,10 +541,13 @@ FASTOPEN = textwrap.dedent(r"""
 """)
 
 
-def test_fast_open_connections_are_not_counted(ebpf_ok, tmp_path):
+def test_fast_open_connections_are_counted_from_the_sockets_own_counts(ebpf_ok, tmp_path):
     """Data written before establishment (Fast Open: in the SYN, or queued while the
-    cookie is fetched) is in one end's count and not in the other's: such a connection
-    gets no rows at all, on either end, while an ordinary one does."""
+    cookie is fetched) is in one end's count from establishment and not in the other's:
+    such a connection is not counted from its establishment. Its ends' calls are then
+    counted as a connection attached to (from the sockets' sequence numbers, which hold
+    those bytes on both ends): the client's 200,000-byte send after its first 1,000
+    bytes at 1,001 (its SYN counted: one byte high), the server's reads exact."""
     with open("/proc/sys/net/ipv4/tcp_fastopen") as f:
         saved = f.read().strip()
     with open("/proc/sys/net/ipv4/tcp_fastopen", "w") as f:
@@ -507,7 +562,17 @@ def test_fast_open_connections_are_not_counted(ebpf_ok, tmp_path):
     rows = run.sink.dicts("tcp_progress")
     ends = {(r["sport"], r["dport"]) for r in rows}
     assert (plain, port) in ends and (port, plain) in ends, ends
-    assert not {(fast, port), (port, fast), (cookie, port), (port, cookie)} & ends, ends
+    assert {r["attached"] for r in rows if plain in (r["sport"], r["dport"])} == {0}
+    for client in (fast, cookie):
+        mine = [r for r in rows if client in (r["sport"], r["dport"])]
+        assert mine and {r["attached"] for r in mine} == {1}, mine[:3]
+        sends = [r for r in mine if r["direction"] == "send" and r["sport"] == client]
+        assert [(r["stream_offset"], r["bytes"]) for r in sends] == [(1001, 200000)], sends
+        reads = [r for r in mine if r["direction"] == "recv" and r["dport"] == client]
+        assert reads and max(r["stream_offset"] + r["bytes"] for r in reads) == 201000
+        # the server's "ok" on its passive end: exact
+        assert [(r["stream_offset"], r["bytes"]) for r in mine if r["direction"] == "send"
+                and r["dport"] == client] in ([], [(0, 2)])
 
 
 def test_check_says_what_a_kernel_without_btf_costs(ebpf_ok, monkeypatch, tmp_path):
