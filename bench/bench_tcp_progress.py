@@ -4,7 +4,8 @@ Two traced processes on loopback: a client sends N small messages and the server
 each (2 sends and 2 receives per round trip, the worst case: tiny calls back to back);
 then a bulk transfer of 1 MiB sends to a non-blocking reader (calls of NCCL's size).
 Each is timed without a capture, with the tcp source without tcp_progress
-(--no-tcp-progress: retransmits only) and with it (the default), alternating, median of
+(--no-tcp-progress: retransmits only), with it (the default), and with it started after
+the connection (counted as attached, from the sockets), alternating, median of
 --repeats; the elapsed times of two Python processes ping-ponging on 2 cores scatter by
 several percent, so the probes' own cost is measured in the kernel as well: the run time
 of the source's BPF programs during the transfer (kernel.bpf_stats_enabled, switched on
@@ -91,25 +92,35 @@ CLIENT = textwrap.dedent(r"""
 def one_run(tmp: Path, mode: str, n: int, capture: str | None
             ) -> tuple[float, int, int, int]:
     """(seconds, calls, rows written, BPF run time in ns) of one transfer; capture None,
-    'off' or 'on'."""
+    'off', 'on' or 'late' (on, started after the connection: counted as attached)."""
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     port = int(server.stdout.readline())
     client = None
     try:
         cap = None
-        if capture is not None:
+
+        def start_capture():
+            opts = CaptureOptions(tcp_progress=capture != "off")
+            c = Polled(TcpSource(opts), opts, [server.pid])
+            c.__enter__()
+            return c
+        if capture in ("off", "on"):
             # the source starts before the connection: tcp_progress counts from the
             # establishment, as in a capture started before the job
-            opts = CaptureOptions(tcp_progress=capture == "on")
-            cap = Polled(TcpSource(opts), opts, [server.pid])
-            cap.__enter__()
+            cap = start_capture()
         client = subprocess.Popen([sys.executable, "-c", CLIENT, str(port), mode, str(n)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if cap is not None:
             cap.pids.add(client.pid)
             cap.source.add_target(client.pid)
         assert client.stdout.readline().strip() == "connected"
+        if capture == "late":
+            # the connection predates the source, as a job's do when the capture is
+            # attached to it: counted from the sockets' sequence numbers (attached)
+            cap = start_capture()
+            cap.pids.add(client.pid)
+            cap.source.add_target(client.pid)
         server.stdin.write(mode + "\n")
         server.stdin.flush()
         bpf0 = bpf_run_time_ns() or 0
@@ -157,17 +168,19 @@ def run(a, tmp: Path) -> None:
     print(f"tcp_progress cost on {os.uname().release}, {os.cpu_count()} CPUs; medians of "
           f"{a.repeats}, alternating")
     for mode, n in (("echo", a.rounds), ("bulk", a.mib)):
-        times = {None: [], "off": [], "on": []}
-        bpf = {"off": [], "on": []}
-        rows = []
+        times = {None: [], "off": [], "on": [], "late": []}
+        bpf = {"off": [], "on": [], "late": []}
+        rows, late_rows = [], []
         for _ in range(a.repeats):
-            for cap in (None, "off", "on"):
+            for cap in (None, "off", "on", "late"):
                 secs, calls, r, ns = one_run(tmp, mode, n, cap)
                 times[cap].append(secs)
                 if cap is not None:
                     bpf[cap].append(ns)
                 if cap == "on":
                     rows.append(r)
+                if cap == "late":
+                    late_rows.append(r)
         med = {k: statistics.median(v) for k, v in times.items()}
         kern = {k: statistics.median(v) for k, v in bpf.items()}
         if mode == "echo":
@@ -180,7 +193,9 @@ def run(a, tmp: Path) -> None:
                   f"per call ({(med['on'] / med['off'] - 1) * 100:+.1f} %, elapsed); BPF run "
                   f"time per call: {kern['on'] / calls:,.0f} ns with tcp_progress, "
                   f"{kern['off'] / calls:,.0f} ns without; rows "
-                  f"{statistics.median(rows):,.0f}")
+                  f"{statistics.median(rows):,.0f}; on a connection older than the "
+                  f"capture (attached) {kern['late'] / calls:,.0f} ns per call, rows "
+                  f"{statistics.median(late_rows):,.0f}")
         else:
             gbs = {k: n / 1024 / v for k, v in med.items()}
             print(f"bulk, {n:,} MiB in 1 MiB sends to a non-blocking reader: no capture "
@@ -189,7 +204,9 @@ def run(a, tmp: Path) -> None:
                   f"({(med['on'] / med['off'] - 1) * 100:+.1f} % time); BPF run time "
                   f"{kern['on'] / 1e6:.1f} ms with tcp_progress ({kern['on'] / n / 1e3:.1f} us "
                   f"per MiB), {kern['off'] / 1e6:.1f} ms without; rows "
-                  f"{statistics.median(rows):,.0f}")
+                  f"{statistics.median(rows):,.0f}; on a connection older than the "
+                  f"capture (attached) {kern['late'] / n / 1e3:.1f} us per MiB, rows "
+                  f"{statistics.median(late_rows):,.0f}")
 
 
 if __name__ == "__main__":

@@ -296,10 +296,9 @@ UNSENT_PROGRAM = r"""
    bytes_received and rcv_nxt, so each difference is read whole. The sending way's
    bytes_acked counts an active opener's SYN: its positions are then one byte high,
    which makes every claim on its bytes weaker, never stronger. */
-static __always_inline void attach_ready(u64 sk, const u8 *saddr, const u8 *daddr,
-                                         u16 sport, u16 dport, u16 family, u32 snd_una) {
-    struct flow *f = flows.lookup(&sk);
-    if (!f || !f->attached || f->ready) return;
+static __always_inline void attach_ready(struct flow *f, u64 sk, const u8 *saddr,
+                                         const u8 *daddr, u16 sport, u16 dport,
+                                         u16 family, u32 snd_una) {
     u64 acked = 0, rcvd = 0;
     u32 rnxt = 0;
     if (bpf_probe_read_kernel(&acked, sizeof(acked), (void *)(sk + BYTES_ACKED_OFFSET)) ||
@@ -321,14 +320,19 @@ static __always_inline void attach_ready(u64 sk, const u8 *saddr, const u8 *dadd
     f->acked0 = 0;
     __sync_fetch_and_add(&f->ready, 1);   /* last: the mappings are whole before it */
 }
-#define PROGRESS_ATTACH_READY() attach_ready((u64)args->skaddr, args->saddr, args->daddr, \
-                                             args->sport, args->dport, args->family, \
-                                             args->snd_una)
 
-static __always_inline void unsent(u64 sk, u32 snd_nxt, u32 snd_una) {
+/* Every segment an established socket takes in, on every socket of the node: one flow
+   lookup, then a connection attached to gets its mappings, and one a traced process
+   writes its 'unsent' row when due. */
+static __always_inline void unsent(u64 sk, u32 snd_nxt, u32 snd_una, const u8 *saddr,
+                                   const u8 *daddr, u16 sport, u16 dport, u16 family) {
     struct flow *f = flows.lookup(&sk);
-    if (!f || !f->wtgid) return;               /* connections a traced process writes */
-    if (f->attached && !f->ready) return;
+    if (!f) return;
+    if (f->attached && !f->ready) {
+        attach_ready(f, sk, saddr, daddr, sport, dport, family, snd_una);
+        if (!f->ready) return;
+    }
+    if (!f->wtgid) return;                     /* connections a traced process writes */
     u64 now = bpf_ktime_get_ns();
     u64 quiet = now - f->last[3];
     f->last[3] = now;
@@ -352,5 +356,7 @@ static __always_inline void unsent(u64 sk, u32 snd_nxt, u32 snd_una) {
     f->cand_ts = now;
     f->cand_off = first;
 }
-#define PROGRESS_UNSENT() unsent((u64)args->skaddr, args->snd_nxt, args->snd_una)
+#define PROGRESS_UNSENT() unsent((u64)args->skaddr, args->snd_nxt, args->snd_una, \
+                                 args->saddr, args->daddr, args->sport, args->dport, \
+                                 args->family)
 """

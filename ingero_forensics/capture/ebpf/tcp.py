@@ -106,9 +106,6 @@ TRACEPOINT_PROBE(tcp, tcp_probe) {
 #ifdef PROBE_SAMPLE
     PROBE_SAMPLE();
 #endif
-#ifdef PROGRESS_ATTACH_READY
-    PROGRESS_ATTACH_READY();
-#endif
 #ifdef PROGRESS_UNSENT
     PROGRESS_UNSENT();
 #endif
