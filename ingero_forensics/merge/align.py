@@ -348,9 +348,10 @@ Groups = Callable[[], Iterable[tuple[object, bool, list[tuple[int, int | None, i
 #: (connection, sending node, send raw ns, receiving node, receive raw ns) of TCP
 #: messages (messages.message_pairs).
 Messages = Iterable[tuple[int, int, int, int, int]]
-#: connection -> (sending node, its establishment raw ns, receiving node, its raw ns;
-#: either time None where that end's capture attached to the connection established)
-Connections = dict[int, tuple[int, int | None, int, int | None]]
+#: connection -> (sending node, its establishment raw ns, receiving node, its raw ns,
+#: whether each end's capture attached to the connection established: its time is then
+#: when it first saw the connection, an upper bound on the establishment)
+Connections = dict[int, tuple[int, int, int, int, bool, bool]]
 #: Pairs per sending node, receiving node and time bin the causal steps keep (the
 #: tightest of each), bins at most PAIR_BIN_MAX_S wide.
 PAIR_BINS = 64
@@ -403,7 +404,8 @@ def align_fleet(nodes: dict[int, NodeInput], groups: Groups,
         clocks, clock_groups, min_latency_ns,
         [(c, rep_of[i], s, rep_of[j], r) for c, i, s, j, r in messages
          if rep_of[i] != rep_of[j]],
-        {c: (rep_of[i], si, rep_of[j], sj) for c, (i, si, j, sj) in (connections or {}).items()
+        {c: (rep_of[i], si, rep_of[j], sj, *attached)
+         for c, (i, si, j, sj, *attached) in (connections or {}).items()
          if rep_of[i] != rep_of[j]})
     out = {}
     for nid in nodes:
@@ -668,13 +670,18 @@ def _apply_messages(result: dict[int, NodeAlignment], nodes, messages: Messages,
         return ua is not None and ub is not None and send + min_latency_ns - recv > ua + ub
 
     refused = set()
-    for cid, (i, sc, j, rc) in connections.items():
+    for cid, (i, sc, j, rc, s_attached, r_attached) in connections.items():
         a, b = result.get(i), result.get(j)
-        # the two ends were established within a round trip of each other (unknown
-        # where a capture attached to a connection already established: sc or rc None)
-        if a is not None and b is not None and sc is not None and rc is not None and (
-                contradicts(a, b, a.aligned(sc), b.aligned(rc) + MESSAGE_REFUSE_NS)
-                or contradicts(b, a, b.aligned(rc), a.aligned(sc) + MESSAGE_REFUSE_NS)):
+        if a is None or b is None:
+            continue
+        # the two ends were established within a round trip of each other; an end a
+        # capture attached to was established before it was first seen, so the other
+        # end's establishment cannot come after that (a 4-tuple reused, the attached
+        # end having seen the older connection); two attached ends bound nothing
+        if (not s_attached and contradicts(a, b, a.aligned(sc),
+                                           b.aligned(rc) + MESSAGE_REFUSE_NS)) or \
+                (not r_attached and contradicts(b, a, b.aligned(rc),
+                                                a.aligned(sc) + MESSAGE_REFUSE_NS)):
             refused.add(cid)
     usable = []
     for cid, i, s, j, r in messages:

@@ -104,8 +104,9 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
                                  dict[int, tuple[int, int, int, int]], dict]:
     """The tightest (connection, send node, send raw ns, receive node, receive raw ns) per
     connection and time bin, from temp.flow_sp; per connection (send node, its
-    establishment raw ns, receive node, its establishment raw ns; None for an end whose
-    capture attached to it established); and counts for the
+    establishment raw ns, receive node, its establishment raw ns, and whether each end's
+    capture attached to it established: that end's time is then when it first saw it);
+    and counts for the
     merge log: connections paired, 4-tuples left out as ambiguous."""
     if not _has_table(con, "temp", "flow_sp"):
         return [], {}, {"connections": 0, "left_out": 0}
@@ -119,10 +120,9 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
         "MIN(connected_ns) AS connected, MAX(connected_ns) - MIN(connected_ns) AS span, "
         "MAX(attached) AS attached "
         f"FROM temp.flow_sp WHERE NOT ({local}) GROUP BY 1, 2, 3, 4, 5) "
-        # an end attached to has no establishment time (when it was first seen instead)
-        "SELECT s.laddr, s.lport, s.raddr, s.rport, s.node_id AS sn, "
-        "CASE WHEN s.attached THEN NULL ELSE s.connected END AS sc, "
-        "r.node_id AS rn, CASE WHEN r.attached THEN NULL ELSE r.connected END AS rc, "
+        # an end attached to has no establishment time: when it was first seen instead
+        "SELECT s.laddr, s.lport, s.raddr, s.rport, s.node_id AS sn, s.connected AS sc, "
+        "r.node_id AS rn, r.connected AS rc, s.attached AS sa, r.attached AS ra, "
         "s.nodes = 1 AND r.nodes = 1 AND s.node_id != r.node_id AND s.span <= ?1 AND "
         "r.span <= ?1 AS ok FROM ends s JOIN ends r ON r.dir = 1 AND r.laddr = s.raddr "
         "AND r.lport = s.rport AND r.raddr = s.laddr AND r.rport = s.lport "
@@ -134,8 +134,9 @@ def message_pairs(con) -> tuple[list[tuple[int, int, int, int, int]],
     stats = {"connections": connections, "left_out": left_out}
     if not connections:
         return [], {}, stats
-    conns = {cid: (sn, sc, rn, rc) for cid, sn, sc, rn, rc in con.execute(
-        "SELECT rowid, sn, sc, rn, rc FROM temp.flow_conn")}
+    conns = {cid: (sn, sc, rn, rc, bool(sa), bool(ra))
+             for cid, sn, sc, rn, rc, sa, ra in con.execute(
+                 "SELECT rowid, sn, sc, rn, rc, sa, ra FROM temp.flow_conn")}
     con.execute("CREATE INDEX temp.flow_send ON flow_sp (laddr, lport, raddr, rport, kind, "
                 "pos, mono_ns) WHERE dir = 0")
     # each receive with, of each kind, the sending end's row of the largest position

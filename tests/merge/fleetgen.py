@@ -87,8 +87,9 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
     opens the window, an 'unsent' row 5-20 us before the bytes leave.
     progress_attached: node index -> seconds into the job when its capture attached to
     the ring's connections, already established: its tcp_progress rows start there,
-    marked attached, each end's connected_ns its first row's time (the stream positions
-    stay the true ones, as the capture reads them from the socket)."""
+    marked attached, each end's connected_ns its first row's time, the stream positions
+    as the capture reads them from the socket (a sending end's one byte high: it opened
+    the connection and its count holds the SYN)."""
     stragglers = () if straggler_rank is None else (
         straggler_rank if isinstance(straggler_rank, tuple) else (straggler_rank,))
     rng = random.Random(seed)
@@ -209,9 +210,10 @@ def make_fleet(out_dir, *, nodes=4, ranks_per_node=2, seconds=20.0, step_ms=100,
         for row in per_node_rows[ni]["tcp_progress"]:
             if _true(tr, row[0]) < T_JOB + since * 1e9:
                 continue
-            end = (row[1] in ("send", "unsent"),) + row[3:7]
+            sending = row[1] in ("send", "unsent")
+            end = (sending,) + row[3:7]
             first.setdefault(end, row[0])
-            kept.append(row[:7] + (first[end],) + row[8:] + (1,))
+            kept.append(row[:7] + (first[end], row[8] + sending) + row[9:] + (1,))
         per_node_rows[ni]["tcp_progress"] = kept
     late_seen: dict = {}
     for ni, tr in enumerate(truths):

@@ -261,7 +261,8 @@ def test_a_rate_the_messages_ask_beyond_the_bound_is_clamped_and_said():
     msgs = [(1, 0, t, 1, t + 50_000 - round(600e-6 * t)) for t in (s // 5, 3 * s, 59 * s // 10)]
     msgs.append((2, 1, 15 * s // 100, 0, 15 * s // 100 + 50_000))
     result = align_fleet({0: node(0), 1: node(1)}, lambda: iter(()), messages=msgs,
-                         connections={1: (0, 0, 1, 0), 2: (1, 0, 0, 0)})
+                         connections={1: (0, 0, 1, 0, False, False),
+                                      2: (1, 0, 0, 0, False, False)})
     for a in result.values():
         assert a.message_pairs and a.method == "causal", a
         assert a.rate_clamped, a
@@ -269,3 +270,34 @@ def test_a_rate_the_messages_ask_beyond_the_bound_is_clamped_and_said():
         assert abs(a.drift_ppm) <= DRIFT_BOUND_PPM * 1.001, a     # drift_ppm: 1/(1+slope) - 1
     # the two lines still part the way the messages ask, as far as the bound allows
     assert result[0].slope < 0 < result[1].slope
+
+
+@pytest.mark.parametrize("case", ["exact", "sender_attached", "receiver_attached",
+                                  "both_attached"])
+def test_establishment_times_refuse_a_reused_4_tuple_one_sided_when_attached(case):
+    """Two nodes on synchronized clocks (0.2 ms claims), one connection whose pairs are
+    all consistent (each receive 50 us after its send), and establishment times 5 s
+    apart: the receiving end's 5 s after the sending end's. Both exact, that is two
+    connections on one 4-tuple: refused. An end a capture attached to has its first
+    sighting instead, an upper bound on its establishment: the other end's exact
+    establishment cannot come after it (receiver attached: the sender's, 5 s before, is
+    consistent; sender attached: the receiver's, 5 s after the sender first saw it, is
+    not). Two attached ends bound nothing."""
+    from ingero_forensics.merge.align import NodeInput, align_fleet
+
+    base, s = 1_700_000_000 * 10**9, 10**9
+
+    def node(nid):
+        return NodeInput(nid, samples=[ClockSample(mid=k * s, realtime=base + k * s,
+                                                   half_bracket=1000, claim=200_000,
+                                                   est=100_000) for k in range(9)],
+                         manifest_pairs=[(base, 0), (base + 8 * s, 8 * s)])
+
+    msgs = [(1, 0, t, 1, t + 50_000) for t in (6 * s, 7 * s, 15 * s // 2)]
+    s_att, r_att = case in ("sender_attached", "both_attached"), \
+        case in ("receiver_attached", "both_attached")
+    result = align_fleet({0: node(0), 1: node(1)}, lambda: iter(()), messages=msgs,
+                         connections={1: (0, 0, 1, 5 * s, s_att, r_att)})
+    refused = result[0].messages_refused > 0
+    assert refused == (case in ("exact", "sender_attached")), (case, result[0])
+    assert (result[0].message_pairs > 0) == (not refused), result[0]

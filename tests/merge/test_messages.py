@@ -175,3 +175,37 @@ def _unmarked(sample_progress):
         con.execute("UPDATE temp.flow_sp SET attached = 0")
         return n
     return wrapped
+
+
+def test_a_reused_4_tuple_with_an_attached_end_is_refused(tmp_path):
+    """message_traps' reused 4-tuple, its receiving end (node 1) attached from the start:
+    node 1 saw the first connection and counts from when it first saw it, node 0 sent
+    on the second, established half way. With no establishment time on node 1's end,
+    the one-sided test still holds: node 0's connection was established after node 1
+    first saw the 4-tuple, so they are not one connection. The ring, node 1's end
+    attached too, still places every node within 100 us."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=20, seed=7,
+                       claims=False, ntp_step=False, retransmits=False, messages=True,
+                       message_traps=True, progress_attached={1: 0.0})
+    res = merge_bundles(fleet.paths, tmp_path / "f.db")
+    assert res.skipped == [], res.skipped
+    refused = log_of(tmp_path / "f.db", "messages_refused")
+    assert [m.split(":")[0] for m, _ in refused] == ["node node-0", "node node-1"], refused
+    rel = relative_errors(fleet, tmp_path / "f.db", 20)
+    assert max(abs(v) for v in rel.values()) <= 100_000, rel
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_messages_within_one_clock_are_not_used(tmp_path, attached):
+    """Four namespaces of one kernel (one boot: one clock, as the rig's nodes): the ring's
+    messages say nothing about clocks that are one, counted from establishment or
+    attached to; the merge still pairs and logs them, and places nothing by them."""
+    fleet = make_fleet(tmp_path / "b", nodes=4, ranks_per_node=1, seconds=10, seed=5,
+                       one_host=True, retransmits=False, messages=True,
+                       progress_attached={0: 0.0, 2: 3.0} if attached else None)
+    res = merge_bundles(fleet.paths, tmp_path / "f.db")
+    assert res.skipped == [], res.skipped
+    al = alignment(tmp_path / "f.db")
+    assert all(a["message_pairs"] == 0 for a in al.values()), al
+    ((msg, _count),) = log_of(tmp_path / "f.db", "message_pairs")
+    assert msg.startswith("4 TCP connections between nodes"), msg

@@ -35,10 +35,12 @@ struct flow {
     u64 mark[4];                   /* by row kind: the next grid position (next_mark) */
     u64 cand_ts; u64 cand_off;     /* unsent: the last instant the mark had not left */
     /* a connection established before the capture counted it (attach_pending): its
-       positions come from the socket's sequence numbers, not from counts; `ready` once
-       tcp:tcp_probe has read the two mappings, and sent/rcvd then hold recent positions */
+       positions come from the socket's sequence numbers, not from counts. Per way, the
+       mapping (position - sequence number, mod 2^32) << 32 | 1 once tcp:tcp_probe has
+       read it (attach_ready): one aligned 64-bit word, so a reader on another CPU sees
+       all of it or none (no ordering to rely on, on any architecture) */
     u32 attached; u32 ready;
-    u32 seq_s; u32 seq_r;          /* position - sequence number, mod 2^32, each way */
+    u64 map_s; u64 map_r;
 };
 struct progress {
     u64 ts; u64 offset; u64 connected; u32 bytes; u32 pid; u32 tid; u16 sport; u16 dport;
@@ -165,9 +167,19 @@ static __always_inline void attach_pending(u64 sk, u8 dir) {
 }
 
 /* The position of a sequence number's byte: near + the signed 32-bit distance (near
-   is a recent position of the same direction, well within 2 GiB) */
+   is the socket's own count of the same way, read now: bytes_acked for a byte at or
+   after snd_una, bytes_received for one at or before rcv_nxt, each within a socket
+   buffer of it, far inside 2 GiB) */
 static __always_inline u64 at_seq(u64 near, u32 pos) {
     return near + (u64)(s64)(s32)(pos - (u32)near);
+}
+
+/* A socket with an upper-layer protocol (kernel TLS) counts record headers and tags in
+   its sequence space, and a send's bytes may not have reached it yet: no rows. */
+static __always_inline int has_ulp(u64 sk) {
+    u64 ulp = 1;
+    bpf_probe_read_kernel(&ulp, sizeof(ulp), (void *)(sk + ICSK_ULP_OPS_OFFSET));
+    return ulp != 0;
 }
 #endif
 
@@ -184,24 +196,29 @@ static __always_inline int progress(u64 sk, int ret, u8 dir, u64 began) {
 #ifdef PROGRESS_ATTACH
     if (f->attached) {
         u64 id = bpf_get_current_pid_tgid();
-        /* read as the kernel's READ_ONCE: `ready` first, then the mappings it was set
-           after (attach_ready), never a mapping read ahead of it */
-        if (!*(volatile u32 *)&f->ready) {   /* no mapping yet: who uses it, no row */
+        u64 map = dir ? *(volatile u64 *)&f->map_r : *(volatile u64 *)&f->map_s;
+        if (!(map & 1)) {                 /* no mapping yet: who uses it, no row */
             if (!is_target(id >> 32)) return 0;
             if (dir) { f->tgid = id >> 32; f->tid = id; }
             else { f->wtgid = id >> 32; f->wtid = id; }
             return 0;
         }
-        /* the caller's own end of the stream, after its call: write_seq (a writer's
-           bytes so far) or copied_seq (a reader's), which only the caller moves */
+        /* the caller's end of the stream after its call: write_seq (the bytes written
+           so far; another writer's only make it higher, the claim weaker) or copied_seq
+           (read so far: one reader at a time, as for every count here), and the way's
+           own count to unwrap it against */
         u32 seq = 0;
+        u64 count = 0;
         if (bpf_probe_read_kernel(&seq, sizeof(seq), (void *)(sk + (dir ? COPIED_SEQ_OFFSET
-                                                                   : WRITE_SEQ_OFFSET))))
+                                                                   : WRITE_SEQ_OFFSET))) ||
+            bpf_probe_read_kernel(&count, sizeof(count),
+                                  (void *)(sk + (dir ? BYTES_RECEIVED_OFFSET
+                                                     : BYTES_ACKED_OFFSET))) ||
+            has_ulp(sk))
             return 0;
-        u64 *near = dir ? &f->rcvd : &f->sent;
-        u32 map = dir ? *(volatile u32 *)&f->seq_r : *(volatile u32 *)&f->seq_s;
-        u64 end = at_seq(*(volatile u64 *)near, seq + map);
-        *near = end;
+        if (dir) now = bpf_ktime_get_ns();   /* after the read: no later byte claimed */
+        u64 end = at_seq(count, seq + (u32)(map >> 32));
+        if (end < (u64)ret) return 0;
         offset = end - ret;
     } else
 #endif
@@ -248,7 +265,7 @@ TRACEPOINT_PROBE(sock, sk_data_ready) {
     if (args->protocol != 6) return 0;
     u64 sk = (u64)args->skaddr;
     struct flow *f = flows.lookup(&sk);
-    if (!f || !f->tgid || (f->attached && !*(volatile u32 *)&f->ready)) return 0;
+    if (!f || !f->tgid || (f->attached && !f->ready)) return 0;   /* (under the lock) */
     u64 now = bpf_ktime_get_ns();
     u64 quiet = now - f->last[2];
     f->last[2] = now;
@@ -269,7 +286,13 @@ TRACEPOINT_PROBE(sock, sk_data_ready) {
     if (nxt - copied == 0 || nxt - copied >= (1u << 31)) return 0;   /* nothing queued */
     if (!ulp) extent = nxt - copied;
 #ifdef PROGRESS_ATTACH
-    if (f->attached) rcvd = at_seq(f->rcvd, copied + *(volatile u32 *)&f->seq_r);
+    if (f->attached) {
+        u64 count = 0;
+        if (ulp || bpf_probe_read_kernel(&count, sizeof(count),
+                                         (void *)(sk + BYTES_RECEIVED_OFFSET)))
+            return 0;
+        rcvd = at_seq(count, copied + (u32)(f->map_r >> 32));
+    }
 #endif
 #endif
     if (!due(f, 2, rcvd + extent, now, quiet)) return 0;
@@ -303,7 +326,8 @@ static __always_inline void attach_ready(struct flow *f, u64 sk, const u8 *saddr
     u32 rnxt = 0;
     if (bpf_probe_read_kernel(&acked, sizeof(acked), (void *)(sk + BYTES_ACKED_OFFSET)) ||
         bpf_probe_read_kernel(&rcvd, sizeof(rcvd), (void *)(sk + BYTES_RECEIVED_OFFSET)) ||
-        bpf_probe_read_kernel(&rnxt, sizeof(rnxt), (void *)(sk + RCV_NXT_OFFSET)))
+        bpf_probe_read_kernel(&rnxt, sizeof(rnxt), (void *)(sk + RCV_NXT_OFFSET)) ||
+        has_ulp(sk))
         return;
     f->sport = sport; f->dport = dport; f->family = family;
     if (family == 2) {         /* sockaddr_in: sin_addr at offset 4 */
@@ -313,12 +337,12 @@ static __always_inline void attach_ready(struct flow *f, u64 sk, const u8 *saddr
         bpf_probe_read_kernel(f->saddr, 16, saddr + 8);
         bpf_probe_read_kernel(f->daddr, 16, daddr + 8);
     }
-    f->seq_s = (u32)acked - snd_una;
-    f->seq_r = (u32)rcvd - rnxt;
-    f->sent = acked;           /* positions near the current ones, for at_seq */
-    f->rcvd = rcvd;
     f->acked0 = 0;
-    __sync_fetch_and_add(&f->ready, 1);   /* last: the mappings are whole before it */
+    /* each mapping and its "read" bit in one 64-bit store (progress() reads them
+       without the lock); `ready` is for the handlers that run under it */
+    *(volatile u64 *)&f->map_s = (u64)((u32)acked - snd_una) << 32 | 1;
+    *(volatile u64 *)&f->map_r = (u64)((u32)rcvd - rnxt) << 32 | 1;
+    f->ready = 1;
 }
 
 /* Every segment an established socket takes in, on every socket of the node: one flow

@@ -122,6 +122,8 @@ TCP_STATES = (None, "ESTABLISHED", "SYN_SENT", "SYN_RECV", "FIN_WAIT1", "FIN_WAI
               "TIME_WAIT", "CLOSE", "CLOSE_WAIT", "LAST_ACK", "LISTEN", "CLOSING",
               "NEW_SYN_RECV")
 AF_INET, AF_INET6 = 2, 10
+#: stream positions at or above this are no stream's (the merge screens at 2^60 too)
+MAX_POSITION = 1 << 60
 
 
 def normalize(addr: ipaddress._BaseAddress) -> ipaddress._BaseAddress:
@@ -490,6 +492,11 @@ class TcpSource(BccSource):
         for rec in raw:
             (ts, offset, connected, nbytes, pid, tid, sport, dport, family, direction,
              attached, saddr, daddr) = PROGRESS.unpack(rec)
+            if family not in (AF_INET, AF_INET6) or offset + nbytes >= MAX_POSITION:
+                # a connection attached to whose 4-tuple another CPU had not seen yet
+                # when the row was written (no ordering between map fields), or a
+                # position no stream reaches: not a row to pair
+                continue
             if family == AF_INET:
                 src, dst = ipaddress.IPv4Address(saddr[:4]), ipaddress.IPv4Address(daddr[:4])
             else:

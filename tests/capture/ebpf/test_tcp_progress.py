@@ -246,8 +246,8 @@ def check_attached_connection(rows, early_port, port, send_pid, recv_pid, total,
             assert r["stream_offset"] % chunk == 1, r      # the SYN: one byte high
     for r in by["recv"] + by["arrive"]:
         assert r["stream_offset"] + r["bytes"] <= total, r  # the reader's: exact
-    assert any(r["stream_offset"] % chunk == 0 and r["bytes"] >= chunk
-               for r in by["recv"]) or len(by["recv"]) > 10
+    # ... and up to near the end (the grid is 1 MiB apart there)
+    assert max(r["stream_offset"] + r["bytes"] for r in by["recv"]) > total - (2 << 20)
     for r in by["unsent"]:
         assert 1 <= r["stream_offset"] <= total + 1, r
     # on the one clock: the latest sender row below the bytes a receive returned or an
@@ -572,7 +572,7 @@ def test_fast_open_connections_are_counted_from_the_sockets_own_counts(ebpf_ok, 
         assert reads and max(r["stream_offset"] + r["bytes"] for r in reads) == 201000
         # the server's "ok" on its passive end: exact
         assert [(r["stream_offset"], r["bytes"]) for r in mine if r["direction"] == "send"
-                and r["dport"] == client] in ([], [(0, 2)])
+                and r["dport"] == client] == [(0, 2)]
 
 
 def test_check_says_what_a_kernel_without_btf_costs(ebpf_ok, monkeypatch, tmp_path):
