@@ -400,7 +400,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     link = None
     transfer_share = round(min(1.0, transfer_total_ns / run_ns), 4) if run_ns else 0.0
     if transfer_share >= MIN_COST_SHARE:
-        # -- 3c. nothing retransmits: a link far slower than the others ------------------
+        # -- 3c. a link far slower than the others: named alone where nobody is late and
+        # nothing retransmits, else a second finding away from the nodes named ----------
         link = slow_link([lk for lk in links if lk.sender in nodes and lk.receiver in nodes],
                          lambda s, r: _link_uncertainty_ms(s, r, rel_unc, clock_of),
                          CLOCK_MARGIN)

@@ -341,11 +341,13 @@ def link_next_step(s: dict) -> str:
 
 
 def also_slow_link_text(s: dict) -> str:
-    """A slow link beside the finding the verdict leads with, in two sentences."""
-    return (f"Separately, the job's link from {s['from']} to {s['to']} is far slower than "
-            f"its other links ({s['median_ms']:,.3f} ms from sender to receiver at the "
-            f"median against {s['others_ms']:,.3f} ms, score {s['score']:g}): a slow network link, a problem of its own beside what is "
-            "named above, and not its cause (neither end is a node named above). " + side_text(s) + " "
+    """A slow link beside the finding the verdict leads with: what it is, which end,
+    what to check."""
+    return (f"Separately, a second problem: the job's link from {s['from']} to {s['to']} "
+            f"is far slower than the job's other links ({s['median_ms']:,.3f} ms from "
+            f"sender to receiver at the median, against {s['others_ms']:,.3f} ms on the "
+            "others). Neither of its ends is a node named above, so it does not explain "
+            "that finding and needs fixing on its own. " + side_text(s) + " "
             + link_next_step(s))
 
 

@@ -13,7 +13,6 @@ import textwrap
 from .analyze import CAUSE_TITLES, Analysis
 from .wording import (clock_check_sentence, clock_check_text, grouped_issues, per_node_text,
                       rank_text, seconds_text)
-from .links import also_slow_link_text
 from .render import report_title
 
 
@@ -153,7 +152,14 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             rows.append([lk["from"], lk["to"], f"{lk['transits']:,}", f"{lk['median_ms']:.3f}",
                          f"{lk['p90_ms']:.3f}"])
         lines += _table(rows, markdown) + [""]
-        for e in (a.evidence if a.link_suspect else [also_slow_link_text(a.also_slow_link)]):
+        if a.link_suspect:
+            notes = a.evidence
+        else:
+            s = a.also_slow_link
+            notes = [f"The link from {s['from']} to {s['to']} is the verdict's second "
+                     "finding (above): far slower than the others, away from the nodes "
+                     "named."]
+        for e in notes:
             lines.append(para(e, "- " if markdown else "* "))
         lines.append("")
     if a.commands:

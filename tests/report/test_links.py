@@ -309,14 +309,17 @@ def test_slow_link_beside_a_straggler_is_a_second_finding(tmp_path, late):
     assert (s["from"], s["to"], s["side"]) == ("node-03", "node-04", "path"), s
     assert 7.0 < s["median_ms"] < 9.0 and s["others_ms"] < 0.05 and s["score"] >= 5
     assert a.verdict.startswith("node-01 ")
-    assert "Separately, the job's link from node-03 to node-04 is far slower" in a.verdict
+    assert ("Separately, a second problem: the job's link from node-03 to node-04 is far "
+            "slower than the job's other links") in a.verdict
+    assert "Neither of its ends is a node named above" in a.verdict
     assert "On node-03, check the NIC the job's traffic to node-04" in a.verdict
     assert "tc -s qdisc" not in a.next_step   # the straggler's own step is the CPU's
     html = render_html(a)
     assert "A second finding:</b> the link from node-03 to node-04" in html
     assert '<tr class="hi"><td>node-03</td><td>node-04</td>' in html
     text = render_text(a)
-    assert "Transit on the job's links" in text and "* Separately, the job's link" in text
+    assert "Transit on the job's links" in text
+    assert "* The link from node-03 to node-04 is the verdict's second finding" in text
     # its figures are one runnable command away
     a = run_commands(path, tmp_path)
     cmd = next(c["command"] for c in a.commands
@@ -343,3 +346,22 @@ def test_second_slow_link_within_clock_error_is_said_not_named(tmp_path, late):
     assert (a.link_unsure["from"], a.link_unsure["to"]) == ("node-03", "node-04")
     assert "The job's link from node-03 to node-04 looks slower than the others" in a.verdict
     assert "Separately" not in a.verdict
+
+
+def test_slow_link_beside_a_lossy_link_is_a_second_finding(tmp_path_factory, tmp_path):
+    """Beside a lossy link (rule 4: node 1's connections retransmit, collectives slow
+    for everyone) the verdict leads with that node's network; a queueing link between
+    two other nodes is said beside it, and one at the lossy node is not."""
+    d = tmp_path_factory.mktemp("links-lossy")
+    simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6,
+                                        fault="network", straggler=1))
+    merge_bundles([d / "b"], d / "fleet.db")
+    lossy = (d / "fleet.db").read_bytes()
+    _, a = _fleet(tmp_path, lossy, slow={(3, 4)})
+    assert a.straggler == "node-01" and a.cause == "network", a.verdict
+    assert a.network_basis != "slow_link" and a.link_suspect is None
+    assert (a.also_slow_link["from"], a.also_slow_link["to"]) == ("node-03", "node-04")
+    assert a.verdict.startswith("node-01") and "Separately, a second problem" in a.verdict
+    (tmp_path / "at").mkdir()
+    _, a = _fleet(tmp_path / "at", lossy, slow={(1, 2)})
+    assert a.straggler == "node-01" and a.also_slow_link is None, a.verdict

@@ -81,7 +81,8 @@ def test_slow_link_beside_the_late_nodes_is_a_second_finding(together):
     assert also["median_ms"] >= 2.5 and also["median_ms"] >= 20 * also["others_ms"], also
     # the late nodes lead the verdict; the link is beside them, not their cause
     assert o.report["link_suspect"] is None and o.report["network_basis"] is None
-    assert "Separately, the job's link from " + slow_node in o.report["verdict"]
+    assert "Separately, a second problem: the job's link from " + slow_node in \
+        o.report["verdict"]
     assert "A second finding:" in (o.fleet_db.parent / "report.html").read_text()
 
 

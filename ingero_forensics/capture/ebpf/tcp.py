@@ -353,14 +353,16 @@ class TcpSource(BccSource):
                 cls.sock_offsets_from_btf()
             except btf.BtfError as e:
                 return SourceStatus(cls.name, True, f"no 'unsent' tcp_progress rows, "
-                                    f"one-byte arrivals: {e}")
+                                    f"one-byte arrivals, no rows for connections older "
+                                    f"than the capture: {e}")
         return status
 
     def _find_sock_offsets(self) -> None:
-        """'unsent' rows need tcp:tcp_probe and tcp_sock.bytes_acked, and the extent of
-        an arrival rcv_nxt and copied_seq, at their offsets in the running kernel;
-        without them the sends and the first unread byte still bound the clocks, loosely
-        where sends wait for the receiver's window."""
+        """'unsent' rows and the connections older than the capture need tcp:tcp_probe
+        and tcp_sock's counts and sequence numbers, and the extent of an arrival rcv_nxt
+        and copied_seq, at their offsets in the running kernel; without them the sends
+        and the first unread byte of connections the capture saw established still bound
+        the clocks, loosely where sends wait for the receiver's window."""
         try:
             self.sock_offsets = self.sock_offsets_from_btf()
         except btf.BtfError as e:
@@ -368,20 +370,25 @@ class TcpSource(BccSource):
                                f"one byte: the kernel's BTF does not give tcp_sock's "
                                f"{', '.join(self.SOCK_MEMBERS | self.ICSK_MEMBERS)} "
                                f"({e}), so sends that wait "
-                               f"for the receiver's window bound the clocks loosely"))
+                               f"for the receiver's window bound the clocks loosely and "
+                               f"connections established before the capture (all of a "
+                               f"job it attached to) get no rows"))
             return
         if tracepoint_exists("tcp", "tcp_probe"):
             self.progress_unsent = True
         else:
             self.notes.append(("warning", "tracepoint tcp:tcp_probe not found: no 'unsent' "
                                "tcp_progress rows, so sends that wait for the receiver's "
-                               "window bound the clocks loosely"))
+                               "window bound the clocks loosely, and connections "
+                               "established before the capture (all of a job it attached "
+                               "to) get no rows"))
 
     #: (attribute, what the capture loses without it) of the optional parts, the
     #: cheapest to lose first
     OPTIONAL = (("probe_on", "tcp:tcp_probe left off: {why}; only retransmits are recorded"),
                 ("progress_unsent", "tcp_progress 'unsent' rows left off: {why}; sends that "
-                 "wait for the receiver's window bound the clocks loosely"),
+                 "wait for the receiver's window bound the clocks loosely, and connections "
+                 "established before the capture get no rows"),
                 ("progress_on", "tcp_progress left off: {why}; the merge cannot bound this "
                  "node's clock by its TCP messages"))
 

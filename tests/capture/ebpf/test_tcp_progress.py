@@ -583,5 +583,7 @@ def test_check_says_what_a_kernel_without_btf_costs(ebpf_ok, monkeypatch, tmp_pa
     monkeypatch.setattr(btf, "VMLINUX", str(tmp_path / "no-such-btf"))
     status = TcpSource.probe()
     assert status.available and status.reason.startswith("no 'unsent' tcp_progress rows, "
-                                                         "one-byte arrivals: cannot read ")
+                                                         "one-byte arrivals, no rows for "
+                                                         "connections older than the "
+                                                         "capture: cannot read ")
     assert "no-such-btf" in status.reason
