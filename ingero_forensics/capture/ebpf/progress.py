@@ -87,7 +87,10 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
         if (nxt != una || rnxt != copied || f.acked0 > 1) return 0;
 #endif
         flows.update(&sk, &f);
-    } else if (args->oldstate == 1) {            /* leaving ESTABLISHED: stop counting */
+    } else if (args->oldstate == 1 || args->newstate == 7) {
+        /* leaving ESTABLISHED: stop counting; reaching TCP_CLOSE: also a pending flow
+           of a socket read after it left ESTABLISHED (never ready), whose address a
+           new socket could otherwise inherit it with */
         flows.delete(&sk);
     }
     return 0;

@@ -587,3 +587,54 @@ def test_check_says_what_a_kernel_without_btf_costs(ebpf_ok, monkeypatch, tmp_pa
                                                          "connections older than the "
                                                          "capture: cannot read ")
     assert "no-such-btf" in status.reason
+
+
+# A connection established before the capture, whose peer sends and closes: its reader
+# reads in CLOSE_WAIT (a traced call on a socket the map does not hold: a pending flow
+# that never becomes ready) and then closes it.
+READ_AFTER_FIN = textwrap.dedent(r"""
+    import socket, sys, time
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    cli = socket.create_connection(srv.getsockname())
+    peer, _ = srv.accept()
+    print(srv.getsockname()[1], flush=True)
+    sys.stdin.readline()
+    peer.sendall(b"z" * 100)
+    peer.close()                 # FIN: cli is in CLOSE_WAIT before it reads
+    time.sleep(0.1)
+    assert len(cli.recv(100)) == 100
+    cli.close()                  # LAST_ACK, then CLOSE
+    time.sleep(0.1)
+    print("done", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_socket_read_after_its_fin_leaves_no_pending_flow(ebpf_ok, tmp_path):
+    """A traced read on a socket no longer established puts in a pending flow that never
+    gets its mappings; reaching TCP_CLOSE removes it, so no later socket at that address
+    inherits it."""
+    path = tmp_path / "fin.py"
+    path.write_text(READ_AFTER_FIN)
+    proc = subprocess.Popen([sys.executable, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()
+        opts = options(tcp_progress_interval_ms=5)
+        source = TcpSource(opts)
+        with Running(source, StaticTargets([proc.pid]), opts):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "done"
+            pending = [leaf for _key, leaf in source.bpf[b"flows"].items()
+                       if leaf.attached and not leaf.ready]
+            proc.stdin.write("exit\n")
+            proc.stdin.flush()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert pending == [], [(p.tgid, p.wtgid) for p in pending]
