@@ -316,10 +316,10 @@ PINGPONG = textwrap.dedent(r"""
 """)
 
 
-def _traced(script: str, args: list[str], opts, tmp_path, lines: int):
+def _traced(script: str, args: list[str], opts, tmp_path, lines: int, inside=None):
     """Run one traced script under a TcpSource: it prints a port, waits for a line, then
-    prints `lines` lines. (the run, its pid, the port, those lines, tracepoints
-    attached, the source)."""
+    prints `lines` lines (inside(source) is called then, its maps still there). (the
+    run, its pid, the port, those lines, tracepoints attached, the source)."""
     path = tmp_path / "traced.py"
     path.write_text(script)
     proc = subprocess.Popen([sys.executable, str(path), *args], stdin=subprocess.PIPE,
@@ -332,6 +332,8 @@ def _traced(script: str, args: list[str], opts, tmp_path, lines: int):
             proc.stdin.write("go\n")
             proc.stdin.flush()
             printed = [proc.stdout.readline().strip() for _ in range(lines)]
+            if inside is not None:
+                inside(source)
             time.sleep(0.2)
         proc.wait(timeout=10)
     finally:
@@ -608,7 +610,7 @@ READ_AFTER_FIN = textwrap.dedent(r"""
     cli.close()                  # LAST_ACK, then CLOSE
     time.sleep(0.1)
     print("done", flush=True)
-    sys.stdin.readline()
+    time.sleep(0.5)              # the test reads the flows map meanwhile
 """)
 
 
@@ -616,25 +618,12 @@ def test_a_socket_read_after_its_fin_leaves_no_pending_flow(ebpf_ok, tmp_path):
     """A traced read on a socket no longer established puts in a pending flow that never
     gets its mappings; reaching TCP_CLOSE removes it, so no later socket at that address
     inherits it."""
-    path = tmp_path / "fin.py"
-    path.write_text(READ_AFTER_FIN)
-    proc = subprocess.Popen([sys.executable, str(path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        proc.stdout.readline()
-        opts = options(tcp_progress_interval_ms=5)
-        source = TcpSource(opts)
-        with Running(source, StaticTargets([proc.pid]), opts):
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            assert proc.stdout.readline().strip() == "done"
-            pending = [leaf for _key, leaf in source.bpf[b"flows"].items()
-                       if leaf.attached and not leaf.ready]
-            proc.stdin.write("exit\n")
-            proc.stdin.flush()
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    pending = []
+
+    def look(source):
+        pending.extend(leaf for _key, leaf in source.bpf[b"flows"].items()
+                       if leaf.attached and not leaf.ready)
+    _run, _pid, _port, printed, _attached, _source = _traced(
+        READ_AFTER_FIN, [], options(tcp_progress_interval_ms=5), tmp_path, 1, inside=look)
+    assert printed == ["done"]
     assert pending == [], [(p.tgid, p.wtgid) for p in pending]
