@@ -570,11 +570,18 @@ def stop_process(p: subprocess.Popen, grace: float = 5.0) -> None:
 
 def remove_stale_namespaces() -> None:
     """Delete rig namespaces left by a rig process that no longer exists (a killed test
-    run); those of live rigs are left alone."""
+    run), first killing what still runs in them (its captures run up to 15 minutes, and
+    their probes and polling would load the next run's two cores); those of live rigs
+    are left alone."""
     listing = run("ip", "netns", "list", check=False).stdout
     for line in listing.splitlines():
         m = re.match(rf"({re.escape(PREFIX)}(\d+)-\S+)", line)
         if m and not os.path.exists(f"/proc/{m.group(2)}"):
+            for pid in run("ip", "netns", "pids", m.group(1), check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             run("ip", "netns", "del", m.group(1), check=False)
 
 

@@ -189,11 +189,16 @@ def test_block_requests_kblockd_issues_stay_the_submitters(ebpf_ok):
     if not tracepoint_exists("block", "block_io_start"):
         pytest.skip("no block:block_io_start tracepoint (kernel before 6.5)")
     size = 8 << 20
-    control = _direct_write_from_a_cold_mapping(False, size).sink.dicts("block_events")
-    by_kblockd = sum(r["bytes"] for r in control if r["op"] == "write"
-                     and r["pid"] != os.getpid() and (r["comm"] or "").startswith("kworker"))
-    if by_kblockd == 0:
-        pytest.skip("kblockd issued none of the requests here: nothing to attribute")
+    # the control (taken at issue) shows that kblockd does issue such requests here;
+    # whether it does depends on plugging and on the disk's queue, so it is tried up to
+    # three times, and the attribution below is checked either way
+    for _ in range(3):
+        control = _direct_write_from_a_cold_mapping(False, size).sink.dicts("block_events")
+        by_kblockd = sum(r["bytes"] for r in control if r["op"] == "write" and
+                         r["pid"] != os.getpid() and (r["comm"] or "").startswith("kworker"))
+        if by_kblockd:
+            break
+    print(f"control, taken at issue: {by_kblockd} of {size} bytes kblockd's")
     run = _direct_write_from_a_cold_mapping(True, size)
     mine = [r for r in run.sink.dicts("block_events") if r["pid"] == os.getpid()]
     assert sum(r["bytes"] for r in mine if r["op"] == "write") >= size
