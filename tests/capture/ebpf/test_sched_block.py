@@ -110,7 +110,11 @@ def backing_disk(path: str) -> str | None:
     st = os.stat(path)
     mm = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     try:
-        return os.path.basename(os.readlink(f"/sys/dev/block/{mm}"))
+        dev = os.path.realpath(f"/sys/dev/block/{mm}")
+        # block events name the disk, not a partition of it (vda for vda1)
+        if os.path.exists(os.path.join(dev, "partition")):
+            dev = os.path.dirname(dev)
+        return os.path.basename(dev) if os.path.exists(dev) else None
     except OSError:
         return None
 
