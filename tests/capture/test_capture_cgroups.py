@@ -257,7 +257,8 @@ def test_a_job_short_of_memory_on_the_real_kernel(tmp_path):
             f.write(os.urandom(1 << 20))
         f.flush()
         os.fsync(f.fileno())      # clean pages: posix_fadvise below can drop them
-    name = f"ingero-test-{os.getpid()}"
+    # (a killed run's cgroup may remain, and pids are reused)
+    name = f"ingero-test-{os.getpid()}-{os.urandom(3).hex()}"
     made = []
     proc = subprocess.Popen([sys.executable, "-c", THRASH, str(data), "3"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

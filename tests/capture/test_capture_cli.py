@@ -84,14 +84,16 @@ def test_sizes_and_seconds_that_are_no_bound_are_usage_errors(tmp_path, args):
 
 
 def test_json_summary_and_quiet(tmp_path):
+    # --comm of no process: automatic discovery would trace any process on the machine
+    # with RANK in its environment (a CI agent's, a leaked rank)
     r = run_capture("--bundle", tmp_path, "--node", "js", "--no-ebpf", "--duration", "1",
-                    "--json", "--quiet")
+                    "--json", "--quiet", "--comm", "ingero-none")
     assert r.returncode == 0
     from ingero_forensics.capture.host import HostSource
     nvml = HostSource.probe_nvml()
     # --quiet: nothing but errors, one line per source that is off (NVML on a machine
     # without the driver; --no-ebpf is on purpose) and the blind spot of a capture that
-    # traced no process (none given, none found)
+    # traced no process (none matched)
     lines = r.stderr.splitlines()
     assert [ln for ln in lines if "NVML off: " not in ln and
             "no process was traced during the capture" not in ln] == [], r.stderr

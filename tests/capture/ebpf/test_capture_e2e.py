@@ -84,7 +84,7 @@ def test_sources_off_say_why_even_with_quiet(ebpf_ok, tmp_path):
     """Under `ip netns exec` (a fresh /sys without tracefs) every eBPF source is off: each
     says so on stderr with the real reason and the fix, also with --quiet, which hides
     progress, never a blind spot; the bundle's capture_log has the same lines."""
-    ns = f"ingero-tfs-{os.getpid()}"
+    ns = f"ingero-tfs-{os.getpid()}-{os.urandom(3).hex()}"   # pids are reused
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         out = tmp_path / "b"

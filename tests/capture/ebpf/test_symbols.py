@@ -163,6 +163,8 @@ def test_jit_code_is_named_from_the_perf_map(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     perf_map = f"/tmp/perf-{p.pid}.map"
+    if os.path.lexists(perf_map):
+        os.unlink(perf_map)     # a dead process's, whose pid this child reuses
     try:
         base = int(p.stdout.readline())
         table = ProcessSymbols(p.pid)
