@@ -58,9 +58,12 @@ LOADER = {"io": "heavy", "memory": "paged"}
 #: charged from "ready" on), under the 32 MiB shard each rank reads pages of at random:
 #: evicted pages are read again (the kernel counts that time as memory stall)
 MEMORY_LIMIT_PER_RANK = 12 << 20
-#: Environment of the straggler's ranks per scenario: "gpu", a GPU three times slower
-#: (the cudart shim's kernels); "compute", 8 ms more collate CPU time per step.
-FAULT_ENV = {"gpu": {"INGERO_SHIM_KERNEL_PCT": "300"},
+#: Environment of the straggler's ranks per scenario: "gpu", a GPU four times slower
+#: (the cudart shim's kernels: three times was enough while every shim kernel also paid its
+#: thread's wake-up, about 100 us; with the shim's own timeline three times scored 4.1-7.1
+#: against rule 4b's clear 5 in six runs, four times 7.2-9.6 in four); "compute", 8 ms
+#: more collate CPU time per step.
+FAULT_ENV = {"gpu": {"INGERO_SHIM_KERNEL_PCT": "400"},
              "compute": {"INGERO_JOB_COLLATE_EXTRA_US": "8000"}}
 #: The CPU hog: a competing job of HOG_PROCS busy processes (one process group, in the
 #: ranks' session: the scheduler's autogroups would otherwise give it only its own share),
@@ -186,11 +189,13 @@ class Rig:
 
     ``straggler`` is the index of the node that scenarios other than "none" degrade, or a
     tuple of indices: those nodes all at once (one CPU hog shared by their ranks, each
-    node's own loader or link).
+    node's own loader or link). ``tensor_parallel``: each node's ranks also all-reduce on
+    a communicator of their own (communicator-local ranks, as PyTorch's new_group).
     """
 
     def __init__(self, workdir: Path, nodes: int = 4, ranks_per_node: int = 1,
-                 straggler: int | tuple[int, ...] = 2, fixtures: Fixtures | None = None):
+                 straggler: int | tuple[int, ...] = 2, fixtures: Fixtures | None = None,
+                 tensor_parallel: bool = False):
         self.stragglers = straggler if isinstance(straggler, tuple) else (straggler,)
         if not 1 < nodes < 200 or not self.stragglers or \
                 not all(0 <= k < nodes for k in self.stragglers):
@@ -198,6 +203,8 @@ class Rig:
         self.workdir = Path(workdir)
         self.fixtures = fixtures or build_fixtures()
         self.ranks_per_node = ranks_per_node
+        # each node's ranks also share a communicator of their own (train_job.c)
+        self.tensor_parallel = tensor_parallel and ranks_per_node > 1
         self.straggler = self.stragglers[0]
         tag = f"{PREFIX}{os.getpid()}"
         short = f"ir{os.getpid() % 100000}"
@@ -399,6 +406,15 @@ class Rig:
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world_size),
                            LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(self.ranks_per_node),
                            NODE_RANK=str(n.index))
+                if self.tensor_parallel:
+                    # the node's own communicator: its first rank listens at the node's
+                    # address (the world's at node 0's, see idfile)
+                    tp_id = out / f"nccl-tp-id-{n.index}"
+                    if not tp_id.exists():
+                        tp_id.write_bytes(struct.pack("<H", ROOT_PORT + 500 + self._runs) +
+                                          bytes(int(x) for x in n.addr.split(".")) +
+                                          os.urandom(122))
+                    env.update(INGERO_JOB_TP=str(self.ranks_per_node), INGERO_JOB_TP_ID=str(tp_id))
                 if n in stragglers:
                     env.update(FAULT_ENV.get(scenario, {}))
                 pin = []

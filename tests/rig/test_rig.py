@@ -2,7 +2,7 @@
 all-reduce, one ingero-capture per node, real faults, then ingero-merge and
 ingero-report as a user would run them. The faults: a CPU hog, O_DIRECT reads, a lossy
 link (tbf), a slow link that drops nothing (tbf with a long queue), memory pressure (a
-cgroup limit) and a GPU three times slower (the cudart shim's kernels: the host is barely
+cgroup limit) and a GPU four times slower (the cudart shim's kernels: the host is barely
 late, its all-reduces start late on the GPU). test_rig_two_ranks.py adds a rank's own
 code 8 ms slower per step, a cause the capture has no signal for ("cannot tell", never
 a cause).
@@ -115,7 +115,7 @@ def test_rig_slow_link_queues_without_loss(runs):
 
 
 def test_rig_gpu_fault_slows_the_job_from_the_gpu(runs):
-    """A GPU three times slower on one node slows every rank's steps, while that node's
+    """A GPU four times slower on one node slows every rank's steps, while that node's
     host is barely late at the collectives (its all-reduces start late on the GPU):
     the case rule 4b of docs/report.md exists for."""
     o = runs.get("gpu")

@@ -2,7 +2,7 @@
 cores): where a busy host blurs the signals. Two verdicts were wrong here and right with
 one rank per node (test_rig.py):
 
-- "gpu" (one node's shim kernels three times longer): the slow node, late by its
+- "gpu" (one node's shim kernels three times longer; four now): the slow node, late by its
   forward pass's sync, was named; its upstream ring neighbour, late with it, was named a
   second straggler with "network retransmits, clear" for the segments it resent towards
   the slow node. A sender waiting for a late receiver is its victim (docs/report.md,
@@ -12,9 +12,16 @@ one rank per node (test_rig.py):
   peers' 0.5 ms at the median, while their waits reach 2.7 ms at the 90th percentile.
   The GPU-wait score now needs a median beyond nine in ten of the peers' waits.
 
+Each node's two ranks also share a tensor-parallel communicator of their own (made as
+PyTorch's new_group makes one, an all-reduce after every forward pass), whose ranks are
+0 and 1 on every node: the report names world ranks, and a communicator whose ranks are
+all on one node is no evidence of lateness between nodes.
+
 Real faults, real captures, the same commands as test_rig.py."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -33,7 +40,7 @@ STEPS = 80
 def two_ranks(tmp_path_factory):
     skip_without_rig()
     with Rig(tmp_path_factory.mktemp("two-ranks"), nodes=4, ranks_per_node=2,
-             straggler=2) as rig:
+             straggler=2, tensor_parallel=True) as rig:
         yield scenario_runs(rig, STEPS)
 
 
@@ -61,3 +68,27 @@ def test_own_code_slower_is_named_without_a_cause(two_ranks):
     named = verdict.stragglers(o.report)
     assert [s.node for s in named] == [truth.node], verdict.summary(o.report)
     assert named[0].cause is None, verdict.summary(o.report)
+    # world ranks (4 and 5), not the tensor-parallel communicator's (0 and 1)
+    assert set(named[0].ranks) == set(truth.ranks), verdict.summary(o.report)
+    assert o.report["straggler_ranks"] == sorted(truth.ranks), verdict.summary(o.report)
+
+
+def test_tensor_parallel_communicators_keep_world_ranks(two_ranks):
+    """The captures saw the world communicator and the four node-local ones with their
+    local ranks; fleet.db lists each node's world ranks and names no other."""
+    o = two_ranks("compute")
+    with measure.connect(o.fleet_db) as con:
+        comms = sorted(con.execute(
+            "SELECT MAX(c.nranks), MAX(c.ranks_seen), COUNT(DISTINCT e.node_id) "
+            "FROM collectives c JOIN nccl_events e USING (comm_id_hash, seq) "
+            "GROUP BY c.comm_id_hash"))
+        ranks = {name: json.loads(r) for name, r in con.execute(
+            "SELECT name, ranks FROM nodes")}
+        local = sorted({r for (r,) in con.execute(
+            "SELECT DISTINCT e.rank FROM nccl_events e JOIN collectives c USING "
+            "(comm_id_hash, seq) WHERE c.nranks = 2")})
+    # (size, ranks seen, nodes): four of two ranks on one node each, the world's
+    assert comms == [(2, 2, 1)] * 4 + [(8, 8, 4)], comms
+    assert local == [0, 1], local
+    assert ranks == {name: sorted(r for r, n in o.run.node_of_rank.items() if n == name)
+                     for name in ranks}, ranks
