@@ -15,7 +15,8 @@
 # so both are replaced by stand-ins that define the symbols LLVM binds to (functions
 # that abort, libxml2's symbol versions), generated from LLVM's own symbol table. With
 # them the kit is about 50 MB with the wheels; checked here by capturing with the kit's
-# libraries alone (`ldd` resolves every one of them inside it).
+# libraries first on the library path (`ldd` resolves each of them inside it; libc,
+# libstdc++, libgcc_s, libz and liblzma come from the GPU machine's own system).
 #
 # There: bash KIT/setup.sh && python3 bench/bench_pytorch.py --capture-ld-path /tmp/bccroot/lib
 set -euo pipefail
@@ -24,6 +25,7 @@ KIT=${1:-.devcarry}
 LIBDIR=/usr/lib/x86_64-linux-gnu
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
+rm -rf "$KIT/whl"     # wheels of other versions would be installed beside the new ones
 mkdir -p "$KIT/whl" "$STAGE/lib" "$STAGE/py" "$STAGE/stub"
 
 for f in libbcc.so.0 libbcc_bpf.so.0 libLLVM-14.so.1 libclang-cpp.so.14 libbpf.so.1 \
@@ -56,13 +58,18 @@ with open(sys.argv[2], "w") as m:
 gcc -shared -fPIC -O1 -Wl,-soname,libz3.so.4 -o "$STAGE/lib/libz3.so.4" "$STAGE/stub/z3.c"
 gcc -shared -fPIC -O1 -Wl,-soname,libxml2.so.2 -Wl,--version-script="$STAGE/stub/xml.map" \
     -o "$STAGE/lib/libxml2.so.2" "$STAGE/stub/xml.c"
-missing=$(LD_LIBRARY_PATH="$STAGE/lib" ldd "$STAGE/lib/libbcc.so.0" | grep "not found" || true)
-[ -z "$missing" ] || { echo "device_kit: unresolved: $missing" >&2; exit 1; }
+deps=$(LD_LIBRARY_PATH="$STAGE/lib" ldd "$STAGE/lib/libbcc.so.0")
+if grep -q "not found" <<<"$deps"; then
+    echo "device_kit: unresolved: $(grep "not found" <<<"$deps")" >&2
+    exit 1
+fi
 
 tar -C "$STAGE" -cf - lib py | xz -T2 -6 > "$KIT/bcc.tar.xz"
-hdr=$(ls -d /usr/src/linux-headers-*-amd64 | sort -V | tail -n 1)
+# the generic flavour (not -cloud-amd64 or -rt-amd64), x86 alone of the architectures
+hdr=$(ls -d /usr/src/linux-headers-*[0-9]-amd64 | sort -V | tail -n 1)
 common="${hdr%-amd64}-common"
 tar -C /usr/src -cf - --exclude="$(basename "$common")/arch/[a-wyz]*" \
+    --exclude="$(basename "$common")/arch/x[!8]*" \
     "$(basename "$hdr")" "$(basename "$common")" | xz -T2 -6 > "$KIT/headers.tar.xz"
 
 # this project's compiled dependencies, in the versions the development venv holds

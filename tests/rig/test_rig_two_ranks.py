@@ -45,7 +45,8 @@ def two_ranks(tmp_path_factory):
 
 
 def test_slow_gpu_never_blames_another_node(two_ranks):
-    """Here the slow GPU is near the report's bars: in runs it was late enough to be
+    """Here the slow GPU is near the report's bars (measured three times slower, before
+    the shim's device kept its own time and the tensor-parallel communicator): in runs it was late enough to be
     named, with GPU slowdown (weak) or "cannot tell"; in another its host was 3.8 ms late
     against a bar of 9.5 ms and its GPU waits scored 2.9 against the 3 of weak evidence
     ("No straggler"; docs/report.md, Limits). What must hold every time: if it is named,

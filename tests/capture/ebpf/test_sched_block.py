@@ -195,7 +195,8 @@ def test_block_requests_kblockd_issues_stay_the_submitters(ebpf_ok):
     size = 8 << 20
     # the control (taken at issue) shows that kblockd does issue such requests here;
     # whether it does depends on plugging and on the disk's queue, so it is tried up to
-    # three times, and the attribution below is checked either way
+    # three times; the attribution below is checked either way, and a run where kblockd
+    # issued nothing ends as an expected failure
     for _ in range(3):
         control = _direct_write_from_a_cold_mapping(False, size).sink.dicts("block_events")
         by_kblockd = sum(r["bytes"] for r in control if r["op"] == "write" and
@@ -209,6 +210,11 @@ def test_block_requests_kblockd_issues_stay_the_submitters(ebpf_ok):
     assert sum(r["bytes"] for r in mine if r["op"] == "read") >= size   # the faults
     assert all(r["tid"] and r["comm"] for r in mine)
     assert any("block_io_start" in log[3] for log in run.sink.logs), run.sink.logs
+    if not by_kblockd:
+        # the attribution held, but the case it exists for did not occur: say so (an
+        # expected failure, not a skip or a pass)
+        pytest.xfail("kblockd issued none of the control's requests in three tries: "
+                     "the submitter issued them itself, so nothing was re-attributed")
 
 
 def test_block_flushes_are_recorded(ebpf_ok):

@@ -554,10 +554,11 @@ def test_fast_open_connections_are_counted_from_the_sockets_own_counts(ebpf_ok, 
     200,000-byte send after its first 1,000 bytes at 1,001 (its SYN counted: one byte
     high), the server's reads exact. The first Fast Open connection to an address only
     asks for a cookie: its SYN carries no data and its bytes follow establishment, so it
-    is counted from there, exactly. (CI once failed here: an address the kernel held a
-    cookie for from an earlier run made that first connection a Fast Open one.)"""
-    # an address of loopback's /8 the kernel has no cookie for (its cache keeps one an
-    # hour), forgotten too where iproute2 can
+    is counted from there, exactly. (CI once failed here: the test expected that first
+    connection to carry data in its SYN, true only while the kernel still held a cookie
+    for 127.0.0.1 from an earlier run; a freshly booted machine held none.)"""
+    # an address of loopback's /8 the kernel holds no cookie for (it keeps one until the
+    # entry is reclaimed or deleted, or the machine reboots), deleted too where iproute2 can
     addr = f"127.{random.randrange(1, 255)}.{random.randrange(256)}.{random.randrange(1, 255)}"
     if shutil.which("ip"):
         subprocess.run(["ip", "tcp_metrics", "delete", addr], capture_output=True)
