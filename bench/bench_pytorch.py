@@ -217,6 +217,11 @@ def inspect_fleet(work: Path, name: str) -> dict:
     out["processes"] = q("SELECT pid, comm, exe, rank FROM processes")
     out["capture_log"] = q("SELECT level, event, count(*), max(substr(message, 1, 160))"
                            " FROM capture_log GROUP BY level, event ORDER BY 3 DESC")
+    # when the losses happened, in seconds after the first source went on
+    out["lost_at_s"] = q("SELECT round((timestamp_ns - (SELECT min(timestamp_ns) FROM capture_log"
+                         " WHERE event = 'source_on')) / 1e9, 2), source, count FROM capture_log"
+                         " WHERE event = 'lost_events' ORDER BY 1")
+    out["preload"] = q("SELECT source, message FROM capture_log WHERE message LIKE 'symbols of %'")
     out["late_attach"] = q("SELECT count(handle_seq), count(comm_handle) FROM nccl_events")
     out["event_stats"] = q("SELECT source, name, sum(count), count(*), count(observed_ns)"
                            " FROM event_stats GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 15")

@@ -272,6 +272,21 @@ class Symbolizer:
         self._process(tgid).refresh()
         return True
 
+    def preload(self, pids) -> str | None:
+        """Read the symbols of the files the running targets map (ProcessSymbols.preload):
+        before the probes go on, not at the first stacks, while events arrive. What was
+        done, for capture_log, or None when there was no process new to it (the
+        mappings are shared by every source: the first source to start reads them)."""
+        t, files, n = time.monotonic(), 0, 0
+        for pid in sorted(pids):
+            if pid not in self.processes and os.path.exists(f"/proc/{pid}"):
+                files += self._process(pid).preload()
+                n += 1
+        if not n:
+            return None
+        return (f"symbols of {files} mapped files of {n} running process(es) read before "
+                f"attaching, in {time.monotonic() - t:.1f} s")
+
     def forget(self, tgid: int) -> None:
         """The process is gone: drop its mappings."""
         self.refreshed.pop(tgid, None)
@@ -501,6 +516,10 @@ class BccSource(Source):
         if self.uprobes.mode == "perf":
             self.load_functions(perf_programs)
         self.symbolizer = Symbolizer(self.bpf[b"stacks"]) if self.options.stacks else None
+        if self.symbolizer:
+            done = self.symbolizer.preload(ctx.targets.pids())
+            if done:
+                self.notes.append(("info", done))
         self._attach_new(ctx.targets.pids())
         if not self.attached:
             self.attached.append(waiting)

@@ -43,6 +43,9 @@ MAX_SYMBOLS = 4_000_000
 MAX_PERF_MAP = 64 << 20
 #: parsed files kept (by identity: device, inode, size, mtime), least recently used out
 FILE_CACHE = 128
+#: files a process maps that ``ProcessSymbols.preload`` reads at most, the largest first
+#: (the cache must still hold them when the stacks come)
+PRELOAD_FILES = FILE_CACHE // 2
 #: elf_symbols: the file could not be opened as a regular file (not: it is not ELF)
 UNREADABLE = object()
 
@@ -359,6 +362,31 @@ class ProcessSymbols:
         if hit is None:
             return None, vaddr, shown
         return hit[0], hit[1], shown
+
+    def preload(self, limit: int = PRELOAD_FILES) -> int:
+        """Read the symbols of the files this process maps executable, the largest first,
+        up to ``limit``; the number of files. A capture does this before its probes go
+        on: read at the first stack instead, as a running job's calls already arrive,
+        PyTorch's libraries (about a million symbols in the largest) hold the reading
+        loop for seconds, and the ring buffer fills meanwhile."""
+        first: dict[str, tuple[int, int]] = {}
+        for lo, hi, _off, path in self.maps:
+            if path.startswith("/") and not path.startswith("/memfd:"):
+                first.setdefault(path, (lo, hi))
+        sized = []
+        for lo, hi in first.values():
+            try:
+                size = os.stat(f"{self.proc}/{self.pid}/map_files/{lo:x}-{hi:x}").st_size
+            except OSError:
+                continue      # gone, or no CAP_SYS_ADMIN: read at its first stack
+            sized.append((size, lo))
+        sized.sort(reverse=True)
+        for _size, lo in sized[:limit]:
+            try:
+                self.resolve(lo)
+            except Exception:   # noqa: BLE001 - as in a stack: that file stays unnamed
+                pass
+        return min(len(sized), limit)
 
     def _jit(self, addr: int) -> tuple[str | None, int, str | None]:
         """Code a JIT described in /tmp/perf-PID.map (perf's convention; PID as the

@@ -4,6 +4,7 @@ sources and seals a bundle; the rows are read back with the bundle reader."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import pytest
 
 from ingero_forensics.bundle.reader import open_bundle
 from ingero_forensics.capture.ebpf.hashing import hex_hash, unique_id_hash
+from ...fixtures.build import rank_job_with_many_symbols
 from .jobs import Job, make_ids
 
 pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
@@ -130,14 +132,12 @@ def test_a_capture_that_never_found_the_libraries_says_so(ebpf_ok, tmp_path):
     assert warned == {"nccl", "cuda"}
 
 
-def test_attached_to_a_busy_job_loses_nothing_while_it_starts(ebpf_ok, fixtures, tmp_path):
-    """Nothing reads the ring buffers until every source is on. The uprobe sources used
-    to be attached first, and a running job's CUDA calls filled their buffers while the
-    tracepoint sources compiled: a real PyTorch job lost 8,000-28,000 events in each
-    capture's first seconds. Now they are compiled first and attached last. The job here
-    makes about 25,000 kept calls per second (a copy per loop, a 1 MiB ring holds about
-    10,000) all through the capture's start."""
-    job = Job(lambda r: [str(fixtures.rank_job), "nofp", "1000000"], 1)
+def attach_to_busy_job(tmp_path, rank_job, libcudart):
+    """Start a capture on a running rank_job making about 25,000 kept CUDA calls per
+    second (a copy per loop; a 1 MiB ring holds about 10,000), stop it 2 s after its
+    sources are on: (copies recorded, lost_events rows, sources in the order they came
+    on, capture_log messages, the copies' callers as named in their stacks)."""
+    job = Job(lambda r: [str(rank_job), "nofp", "1000000"], 1)
     out = tmp_path / "bundles"
     cap = None
     try:
@@ -145,7 +145,7 @@ def test_attached_to_a_busy_job_loses_nothing_while_it_starts(ebpf_ok, fixtures,
         job.procs[0].stdin.flush()
         time.sleep(0.5)
         cap = subprocess.Popen([*capture_cmd(), "--bundle", str(out), "--node", "busy",
-                                "--start-priority", "normal", "--lib", str(fixtures.libcudart),
+                                "--start-priority", "normal", "--lib", str(libcudart),
                                 "--pid", str(job.pids[0])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         seen = []
@@ -172,7 +172,40 @@ def test_attached_to_a_busy_job_loses_nothing_while_it_starts(ebpf_ok, fixtures,
                              "WHERE event = 'lost_events'").fetchall()
         order = [s for (s,) in b.con.execute(
             "SELECT source FROM capture_log WHERE event = 'source_on' ORDER BY id")]
+        messages = [m for (m,) in b.con.execute("SELECT message FROM capture_log")]
+        callers = {json.loads(f)[1]["symbol"] for (f,) in b.con.execute(
+            "SELECT s.frames FROM cuda_events e JOIN stacks s USING (stack_id) "
+            "WHERE e.api = 'cudaMemcpyAsync'")}
+    return copies, lost, order, messages, callers
+
+
+def test_attached_to_a_busy_job_loses_nothing_while_it_starts(ebpf_ok, fixtures, tmp_path):
+    """Nothing reads the ring buffers until every source is on. The uprobe sources used
+    to be attached first, and a running job's CUDA calls filled their buffers while the
+    tracepoint sources compiled: a real PyTorch job lost 8,000-28,000 events in each
+    capture's first seconds. Now they are compiled first and attached last."""
+    copies, lost, order, _messages, _callers = attach_to_busy_job(tmp_path, fixtures.rank_job,
+                                                        fixtures.libcudart)
     assert copies > 10_000, copies
     assert lost == [], lost
     # the uprobe sources came on last
     assert order.index("cuda") > order.index("sched") and order.index("nccl") > order.index("tcp")
+
+
+def test_a_running_jobs_large_files_are_read_before_the_probes_go_on(ebpf_ok, fixtures,
+                                                                       tmp_path):
+    """The first stacks of a job the capture attaches to name functions in its libraries,
+    and PyTorch's are large (libtorch_cpu.so: 356,000 symbols, 1.4 s to read on an H200
+    machine). Read then, a running job's calls filled the ring buffer meanwhile: a
+    capture attached to a real PyTorch job lost 6,053 and 11,179 CUDA events in its first
+    second (docs/performance.md). Now they are read before the probes go on. Here the
+    job's own program holds 400,000 more symbols (2 s to read on this VM), and frame 1
+    of every recorded call is in it. (The probed libraries' symbols are read anyway, to
+    attach.)"""
+    rank_job = rank_job_with_many_symbols(tmp_path / "big", 400_000)
+    copies, lost, _order, messages, callers = attach_to_busy_job(tmp_path, rank_job,
+                                                                 fixtures.libcudart)
+    assert copies > 10_000, copies
+    assert lost == [], lost
+    assert any("read before attaching" in m for m in messages), messages
+    assert callers == {"copy_nofp"}, callers       # named from the large program

@@ -219,3 +219,26 @@ def test_names_of_cxx_functions_are_demangled():
         "at::native::add(at::Tensor const&, at::Tensor const&, c10::Scalar const&)"
     assert demangle(b"ncclAllReduce") == "ncclAllReduce"
     assert demangle(b"_Znot_mangled_at_all") == "_Znot_mangled_at_all"
+
+
+def test_preload_reads_the_largest_mapped_files_before_any_stack(holder, monkeypatch):
+    """What a capture does before its probes go on: the files are read then, so the
+    first stacks of a running job find them parsed (no read at all)."""
+    lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
+    proc, addrs = holder(lib, ["ncclAllReduce"])
+    table = ProcessSymbols(proc.pid)
+    files = {path for _lo, _hi, _off, path in table.maps if path.startswith("/")}
+    assert len(files) >= 3                 # python, libc, libnccl at least
+    parsed = []
+    real_parse = symbols._parse
+    monkeypatch.setattr(symbols, "_parse", lambda fd, size: parsed.append(size)
+                        or real_parse(fd, size))
+    assert table.preload(limit=2) == 2
+    # the two largest, and libnccl (over 100 MB) is one of them
+    sizes = sorted((os.path.getsize(f) for f in files if os.path.exists(f)), reverse=True)
+    assert sorted(parsed, reverse=True)[:2] == sizes[:2]
+    assert os.path.getsize(lib) in parsed
+    parsed.clear()
+    sym, off, _module = table.resolve(addrs["ncclAllReduce"] + 5)
+    assert (sym, off) == ("ncclAllReduce", 5) and parsed == []     # read before, not now
+    assert table.preload() == len(files)
