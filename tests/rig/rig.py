@@ -206,7 +206,9 @@ class Rig:
         # each node's ranks also share a communicator of their own (train_job.c)
         self.tensor_parallel = tensor_parallel and ranks_per_node > 1
         self.straggler = self.stragglers[0]
-        tag = f"{PREFIX}{os.getpid()}"
+        # the process's start time too: a pid alone may belong to another process by
+        # the time a later run asks whether this rig is gone
+        tag = f"{PREFIX}{os.getpid()}.{start_time(os.getpid())}"
         short = f"ir{os.getpid() % 100000}"
         self.bridge_ns = f"{tag}-br"
         self.nodes = [Node(k, f"rig-node-{k}", f"{tag}-{k}", f"{short}n{k}", f"{short}b{k}",
@@ -584,6 +586,28 @@ def stop_process(p: subprocess.Popen, grace: float = 5.0) -> None:
             continue
 
 
+#: a rig's namespace or cgroup name: PREFIX, the rig process's pid and start time (before
+#: 2026-11-28 the pid alone), a suffix
+_OWNED = re.compile(rf"({re.escape(PREFIX)}(\d+)(?:\.(\d+))?-\S+)")
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), or
+    None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_gone(m: re.Match) -> bool:
+    """Whether the rig process that named it no longer exists (its pid gone, or now
+    another process's)."""
+    now = start_time(int(m.group(2)))
+    return now is None or (m.group(3) is not None and now != m.group(3))
+
+
 def remove_stale_namespaces() -> None:
     """Delete rig namespaces left by a rig process that no longer exists (a killed test
     run), first killing what still runs in them (its captures run up to 15 minutes, and
@@ -591,8 +615,8 @@ def remove_stale_namespaces() -> None:
     are left alone."""
     listing = run("ip", "netns", "list", check=False).stdout
     for line in listing.splitlines():
-        m = re.match(rf"({re.escape(PREFIX)}(\d+)-\S+)", line)
-        if m and not os.path.exists(f"/proc/{m.group(2)}"):
+        m = _OWNED.match(line)
+        if m and _owner_gone(m):
             for pid in run("ip", "netns", "pids", m.group(1), check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -689,8 +713,8 @@ def remove_stale_cgroups() -> None:
         except OSError:
             continue
         for name in names:
-            m = re.match(rf"{re.escape(PREFIX)}(\d+)-\S+$", name)
-            if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            m = _OWNED.fullmatch(name)
+            if m and _owner_gone(m):
                 try:
                     os.rmdir(os.path.join(mount, name))
                 except OSError:

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from .conftest import skip_without_rig
-from .rig import PREFIX, remove_stale_namespaces, run
+from .rig import PREFIX, remove_stale_namespaces, run, start_time
 
 pytestmark = [pytest.mark.ebpf]
 
@@ -25,22 +25,25 @@ def _dead_pid() -> int:
 def test_stale_namespaces_and_their_processes_are_removed():
     skip_without_rig()
     stale = f"{PREFIX}{_dead_pid()}-0"
-    live = f"{PREFIX}{os.getpid()}-cleanup"    # a live rig's: left alone
+    # a rig whose pid a later process now has: its start time differs
+    reused = f"{PREFIX}{os.getpid()}.{int(start_time(os.getpid())) + 1}-0"
+    live = f"{PREFIX}{os.getpid()}.{start_time(os.getpid())}-cleanup"    # left alone
     procs = []
     try:
-        for name in (stale, live):
+        for name in (stale, reused, live):
             run("ip", "netns", "add", name)
             procs.append(subprocess.Popen(["nsenter", f"--net=/run/netns/{name}",
                                            "sleep", "300"]))
         remove_stale_namespaces()
         assert procs[0].wait(timeout=10) == -signal.SIGKILL
-        assert procs[1].poll() is None
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL
+        assert procs[2].poll() is None
         names = {line.split()[0] for line in
                  run("ip", "netns", "list").stdout.splitlines() if line.strip()}
-        assert stale not in names and live in names, names
+        assert stale not in names and reused not in names and live in names, names
     finally:
         for p in procs:
             p.kill()
             p.wait()
-        for name in (stale, live):
+        for name in (stale, reused, live):
             run("ip", "netns", "del", name, check=False)
