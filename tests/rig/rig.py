@@ -1,7 +1,8 @@
 """A real-kernel multi-node rig on one machine: network namespaces as nodes.
 
-Every node is a network namespace of our own (``ingero-rig-<pid>-<k>``) joined by a veth
-pair to a bridge that lives in a namespace of its own (``ingero-rig-<pid>-br``), so no
+Every node is a network namespace of our own (``ingero-rig-<pid>.<start>-<k>``: the rig
+process's pid and start time) joined by a veth pair to a bridge that lives in a namespace
+of its own (``ingero-rig-<pid>.<start>-br``), so no
 address, route or packet of the rig ever touches the root namespace. Each node runs one
 or two ranks of tests/fixtures/train_job.c (TCP ring all-reduce through the NCCL shim)
 and one ``ingero-capture`` restricted to that node's ranks, with its own ``--node`` and
@@ -11,7 +12,7 @@ clock skew between the nodes is 0, which makes every alignment checkable.
 Processes enter a namespace with ``nsenter --net=/run/netns/NAME``, never ``ip netns
 exec``: the latter remounts /sys, which hides tracefs from the capture.
 
-Every node's ranks also live in a cgroup of their own (``ingero-rig-<pid>-<k>`` in the
+Every node's ranks also live in a cgroup of their own (``ingero-rig-<pid>.<start>-<k>`` in the
 cgroup v2 hierarchy), as a job does on its machine, so that each capture can tell its
 node's pressure (PSI) from the shared kernel's; the "memory" fault limits the
 straggler's (the v1 memory controller where it is bound there, else v2 ``memory.max``).
@@ -39,6 +40,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ingero_forensics.capture.procs import read_stat_starttime
 
 from ..fixtures.build import Fixtures, build_fixtures
 
@@ -208,7 +211,7 @@ class Rig:
         self.straggler = self.stragglers[0]
         # the process's start time too: a pid alone may belong to another process by
         # the time a later run asks whether this rig is gone
-        tag = f"{PREFIX}{os.getpid()}.{start_time(os.getpid())}"
+        tag = f"{PREFIX}{os.getpid()}.{read_stat_starttime(os.getpid())}"
         short = f"ir{os.getpid() % 100000}"
         self.bridge_ns = f"{tag}-br"
         self.nodes = [Node(k, f"rig-node-{k}", f"{tag}-{k}", f"{short}n{k}", f"{short}b{k}",
@@ -586,26 +589,16 @@ def stop_process(p: subprocess.Popen, grace: float = 5.0) -> None:
             continue
 
 
-#: a rig's namespace or cgroup name: PREFIX, the rig process's pid and start time (before
-#: 2026-11-28 the pid alone), a suffix
+#: a rig's namespace or cgroup name: PREFIX, the rig process's pid and start time (ns
+#: since boot; before 2026-11-28 the pid alone), a suffix
 _OWNED = re.compile(rf"({re.escape(PREFIX)}(\d+)(?:\.(\d+))?-\S+)")
-
-
-def start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), or
-    None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _owner_gone(m: re.Match) -> bool:
     """Whether the rig process that named it no longer exists (its pid gone, or now
     another process's)."""
-    now = start_time(int(m.group(2)))
-    return now is None or (m.group(3) is not None and now != m.group(3))
+    now = read_stat_starttime(int(m.group(2)))
+    return now is None or (m.group(3) is not None and str(now) != m.group(3))
 
 
 def remove_stale_namespaces() -> None:

@@ -11,7 +11,9 @@ import subprocess
 import pytest
 
 from .conftest import skip_without_rig
-from .rig import PREFIX, remove_stale_namespaces, run, start_time
+from ingero_forensics.capture.procs import read_stat_starttime
+
+from .rig import PREFIX, remove_stale_namespaces, run
 
 pytestmark = [pytest.mark.ebpf]
 
@@ -26,8 +28,8 @@ def test_stale_namespaces_and_their_processes_are_removed():
     skip_without_rig()
     stale = f"{PREFIX}{_dead_pid()}-0"
     # a rig whose pid a later process now has: its start time differs
-    reused = f"{PREFIX}{os.getpid()}.{int(start_time(os.getpid())) + 1}-0"
-    live = f"{PREFIX}{os.getpid()}.{start_time(os.getpid())}-cleanup"    # left alone
+    reused = f"{PREFIX}{os.getpid()}.{read_stat_starttime(os.getpid()) + 1}-0"
+    live = f"{PREFIX}{os.getpid()}.{read_stat_starttime(os.getpid())}-cleanup"    # left alone
     procs = []
     try:
         for name in (stale, reused, live):

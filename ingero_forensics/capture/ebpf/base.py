@@ -21,6 +21,7 @@ from abc import abstractmethod
 from ..source import CaptureContext, RowSink, Source, SourceStatus, SourceUnavailable
 from ._bcc import check_environment, environment_problem, import_bcc
 from .symbols import ProcessSymbols
+from .symbols import preload as preload_symbols
 from .uprobes import Probe, Uprobes
 
 HIST_SLOTS = 40   # 2^40 ns is 18 minutes: anything longer lands in the last slot
@@ -272,20 +273,25 @@ class Symbolizer:
         self._process(tgid).refresh()
         return True
 
-    def preload(self, pids) -> str | None:
-        """Read the symbols of the files the running targets map (ProcessSymbols.preload):
-        before the probes go on, not at the first stacks, while events arrive. What was
-        done, for capture_log, or None when there was no process new to it (the
-        mappings are shared by every source: the first source to start reads them)."""
-        t, files, n = time.monotonic(), 0, 0
+    @classmethod
+    def preload(cls, pids) -> str | None:
+        """Read the mappings of the running targets and the symbols of the files they map
+        (symbols.preload), before any source is on: not at the first stacks, while
+        events arrive. What was done, for capture_log, or None when no process was new
+        (the mappings are shared by every source: the first source to compile reads
+        them)."""
+        t, new = time.monotonic(), []
         for pid in sorted(pids):
-            if pid not in self.processes and os.path.exists(f"/proc/{pid}"):
-                files += self._process(pid).preload()
-                n += 1
-        if not n:
+            if pid not in cls.processes and os.path.exists(f"/proc/{pid}"):
+                new.append(ProcessSymbols(pid))
+                cls.processes[pid] = new[-1]
+                # as if never read: a library it maps by the first stacks is found then
+                cls.refreshed[pid] = 0.0
+        if not new:
             return None
-        return (f"symbols of {files} mapped files of {n} running process(es) read before "
-                f"attaching, in {time.monotonic() - t:.1f} s")
+        files = preload_symbols(new)
+        return (f"symbols of {files} mapped files of {len(new)} running process(es) read "
+                f"before the sources went on, in {time.monotonic() - t:.1f} s")
 
     def forget(self, tgid: int) -> None:
         """The process is gone: drop its mappings."""
@@ -349,7 +355,9 @@ class BccSource(Source):
         """Compile and load the program (about a CPU-second). For a source whose probes
         are attached by ``attach`` (uprobes), nothing fires yet: the capture compiles
         these first and attaches them last, right before it starts reading, so that
-        their ring buffers do not fill while the other sources compile."""
+        their ring buffers do not fill while the other sources compile. Those sources
+        symbolize stacks, and the files the running targets map are read here too: no
+        source is on yet, so no buffer fills meanwhile (Symbolizer.preload)."""
         self.bcc = import_bcc()
         check_environment()
         self.ctx = ctx
@@ -359,6 +367,10 @@ class BccSource(Source):
         except Exception as e:   # BCC raises bare Exception; clang's errors went to stderr
             raise SourceUnavailable(f"{self.name}: BPF program failed to compile or load: {e}",
                                     "check kernel headers (scripts/setup-ebpf.sh) and dmesg") from None
+        if self.compile_first and self.options.stacks:
+            done = Symbolizer.preload(ctx.targets.pids())
+            if done:
+                self.notes.append(("info", done))
 
     def start(self, ctx: CaptureContext) -> None:
         if self.bpf is None:
@@ -516,10 +528,6 @@ class BccSource(Source):
         if self.uprobes.mode == "perf":
             self.load_functions(perf_programs)
         self.symbolizer = Symbolizer(self.bpf[b"stacks"]) if self.options.stacks else None
-        if self.symbolizer:
-            done = self.symbolizer.preload(ctx.targets.pids())
-            if done:
-                self.notes.append(("info", done))
         self._attach_new(ctx.targets.pids())
         if not self.attached:
             self.attached.append(waiting)

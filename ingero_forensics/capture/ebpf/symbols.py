@@ -37,7 +37,7 @@ STT_FUNC, STT_GNU_IFUNC = 2, 10
 NT_GNU_BUILD_ID = 3
 DEBUG_DIR = "/usr/lib/debug"
 #: symbol table entries read per file at most, all tables together (a hostile or broken
-#: header must not exhaust memory: libtorch's largest has about a million)
+#: header must not exhaust memory: libtorch's largest has about a million entries)
 MAX_SYMBOLS = 4_000_000
 #: a perf map read at most (JIT maps are a line per compiled function)
 MAX_PERF_MAP = 64 << 20
@@ -265,6 +265,26 @@ def elf_symbols(path: str, root: str = "", logical: str = "") -> ElfSymbols | No
     return found
 
 
+def preload(processes, limit: int = PRELOAD_FILES) -> int:
+    """Read the symbols of the files the processes map executable: the ``limit`` largest,
+    each file once however many map it; the number read. A capture does this before its
+    probes go on. Read at the first stacks instead, while a running job's calls arrive,
+    PyTorch's libraries (libtorch_cpu.so: 356,000 function symbols) hold the loop that
+    empties the ring buffers for seconds, and they fill meanwhile. The smallest are read
+    first, so that the largest, the dearest to read again, are the cache's newest."""
+    chosen: dict[tuple[int, int], tuple[int, ProcessSymbols, int]] = {}
+    for proc in processes:
+        for size, ident, lo in proc.mapped_files():
+            chosen.setdefault(ident, (size, proc, lo))
+    picked = sorted(chosen.values(), key=lambda c: c[0], reverse=True)[:limit]
+    for _size, proc, lo in reversed(picked):
+        try:
+            proc.resolve(lo)
+        except Exception:   # noqa: BLE001 - as in a stack: that file stays unnamed
+            pass
+    return len(picked)
+
+
 @functools.lru_cache(maxsize=1)
 def _cxa_demangle():
     try:
@@ -363,30 +383,28 @@ class ProcessSymbols:
             return None, vaddr, shown
         return hit[0], hit[1], shown
 
-    def preload(self, limit: int = PRELOAD_FILES) -> int:
-        """Read the symbols of the files this process maps executable, the largest first,
-        up to ``limit``; the number of files. A capture does this before its probes go
-        on: read at the first stack instead, as a running job's calls already arrive,
-        PyTorch's libraries (about a million symbols in the largest) hold the reading
-        loop for seconds, and the ring buffer fills meanwhile."""
-        first: dict[str, tuple[int, int]] = {}
+    def mapped_files(self) -> list[tuple[int, tuple[int, int], int]]:
+        """(size, (device, inode), start address of a mapping) of each file this process
+        maps executable, found as ``resolve`` opens it: the very file mapped, else (no
+        CAP_SYS_ADMIN) its path in the process's root when it was not deleted."""
+        first: dict[str, int] = {}
         for lo, hi, _off, path in self.maps:
             if path.startswith("/") and not path.startswith("/memfd:"):
                 first.setdefault(path, (lo, hi))
-        sized = []
-        for lo, hi in first.values():
+        out = []
+        for path, (lo, hi) in first.items():
             try:
-                size = os.stat(f"{self.proc}/{self.pid}/map_files/{lo:x}-{hi:x}").st_size
+                st = os.stat(f"{self.proc}/{self.pid}/map_files/{lo:x}-{hi:x}")
             except OSError:
-                continue      # gone, or no CAP_SYS_ADMIN: read at its first stack
-            sized.append((size, lo))
-        sized.sort(reverse=True)
-        for _size, lo in sized[:limit]:
-            try:
-                self.resolve(lo)
-            except Exception:   # noqa: BLE001 - as in a stack: that file stays unnamed
-                pass
-        return min(len(sized), limit)
+                if path.endswith(" (deleted)"):
+                    continue
+                try:
+                    st = os.stat(f"{self.proc}/{self.pid}/root{path}")
+                except OSError:
+                    continue                      # gone: read at its first stack, if any
+            if stat.S_ISREG(st.st_mode):
+                out.append((st.st_size, (st.st_dev, st.st_ino), lo))
+        return out
 
     def _jit(self, addr: int) -> tuple[str | None, int, str | None]:
         """Code a JIT described in /tmp/perf-PID.map (perf's convention; PID as the

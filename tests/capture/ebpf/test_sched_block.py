@@ -306,7 +306,7 @@ def test_capture_bpf_run_time_is_recorded_when_the_kernel_keeps_it(ebpf_ok):
     sysctl = Path("/proc/sys/kernel/bpf_stats_enabled")
     before = sysctl.read_text().strip()
     BPF = import_bcc().BPF
-    b = BPF(text="TRACEPOINT_PROBE(sched, sched_switch) { return 0; }")
+    b = BPF(text=b"TRACEPOINT_PROBE(sched, sched_switch) { return 0; }")
     try:
         sysctl.write_text("0\n")
         assert bpf_run_time_ns() is None

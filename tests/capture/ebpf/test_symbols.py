@@ -222,23 +222,27 @@ def test_names_of_cxx_functions_are_demangled():
 
 
 def test_preload_reads_the_largest_mapped_files_before_any_stack(holder, monkeypatch):
-    """What a capture does before its probes go on: the files are read then, so the
-    first stacks of a running job find them parsed (no read at all)."""
+    """What a capture does before its sources go on: the files are read then, so the
+    first stacks of a running job find them parsed (no read at all). Each file once,
+    however many processes map it."""
     lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
-    proc, addrs = holder(lib, ["ncclAllReduce"])
-    table = ProcessSymbols(proc.pid)
-    files = {path for _lo, _hi, _off, path in table.maps if path.startswith("/")}
-    assert len(files) >= 3                 # python, libc, libnccl at least
+    proc, _ = holder(lib, ["ncclAllReduce"])
+    other, addrs = holder(lib, ["ncclAllReduce"])
+    tables = [ProcessSymbols(proc.pid), ProcessSymbols(other.pid)]
+    mapped = {os.path.realpath(path) for _lo, _hi, _off, path in tables[0].maps
+              if path.startswith("/")}
+    assert len(mapped) >= 3                 # python, libc, libnccl at least
+    ident = {f: (os.stat(f).st_dev, os.stat(f).st_ino) for f in mapped}
+    largest = sorted(mapped, key=os.path.getsize, reverse=True)
     parsed = []
     real_parse = symbols._parse
     monkeypatch.setattr(symbols, "_parse", lambda fd, size: parsed.append(size)
                         or real_parse(fd, size))
-    assert table.preload(limit=2) == 2
-    # the two largest, and libnccl (over 100 MB) is one of them
-    sizes = sorted((os.path.getsize(f) for f in files if os.path.exists(f)), reverse=True)
-    assert sorted(parsed, reverse=True)[:2] == sizes[:2]
-    assert os.path.getsize(lib) in parsed
+    assert symbols.preload(tables, limit=2) == 2
+    assert {k[:2] for k in symbols._files} == {ident[f] for f in largest[:2]}
+    assert os.path.realpath(lib) in largest[:2]       # over 100 MB
+    assert len(parsed) == 2                           # not once per process
     parsed.clear()
-    sym, off, _module = table.resolve(addrs["ncclAllReduce"] + 5)
+    sym, off, _module = tables[1].resolve(addrs["ncclAllReduce"] + 5)
     assert (sym, off) == ("ncclAllReduce", 5) and parsed == []     # read before, not now
-    assert table.preload() == len(files)
+    assert symbols.preload(tables) == len(mapped)
