@@ -11,7 +11,11 @@ Prints, for a realistic mix of event rows (stated below):
     all cores, fsync, link), against the floor: the zstd CLI (`zstd -3 -T0`) on the same
     image;
   * verify-and-open MB/s (open_bundle), for reference;
-  * bytes per event in the database image and in the sealed bundle.
+  * bytes per event in the database image and in the sealed bundle;
+  * add_stack per call (a row's stack, stored once per segment), for the symbolizer's own
+    lists (the same list for every call of a stack: known by identity) and for equal
+    lists made anew (the JSON text is made to find it). No floor: the cost per call is
+    the figure (``--stacks-only`` runs this part alone).
 
 Figures depend on the machine; nothing here is asserted.
 """
@@ -165,6 +169,25 @@ def bench_floor(rows, tmp: Path, batch: int) -> float:
     return rate
 
 
+def bench_stacks(tmp: Path, calls: int, stacks: int = 200, depth: int = 20) -> None:
+    """add_stack per call: ``stacks`` distinct stacks of ``depth`` frames (as PyTorch's),
+    cycled ``calls`` times."""
+    made = [[{"module": "libtorch_cpu.so", "symbol": f"at::native::fn_{s}_{d}",
+              "offset": 16 * d + s} for d in range(depth)] for s in range(stacks)]
+    for same, label in ((True, "the symbolizer's lists"), (False, "equal lists anew")):
+        w = BundleWriter(tmp / f"stacks{int(same)}.db", node="bench", host=HOST,
+                         batch_rows=1 << 30)
+        inputs = made if same else [[dict(f) for f in fr] for fr in made]
+        t = time.perf_counter()
+        for i in range(calls):
+            fr = inputs[i % stacks]
+            w.add_stack(fr if same else list(fr))
+        dt = time.perf_counter() - t
+        w.abort()
+        print(f"add_stack:          {dt / calls * 1e6:>10.2f} us a call ({label}; {calls:,} "
+              f"calls over {stacks} stacks of {depth} frames)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows for the writer runs")
@@ -172,9 +195,13 @@ def main() -> None:
                     help="rows in the segment that is sealed")
     ap.add_argument("--batch", type=int, default=200_000, help="writer batch_rows")
     ap.add_argument("--repeat", type=int, default=3, help="best of N for the rates")
+    ap.add_argument("--stacks-only", action="store_true", help="only the add_stack figures")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-bundle-", dir=os.environ.get("TMPDIR")))
     try:
+        bench_stacks(tmp, 300_000)
+        if args.stacks_only:
+            return
         print(f"mix per 100 rows: {', '.join(f'{t} {k}' for t, k in MIX.items())}")
         rows = make_rows(args.rows)
         best = {"add": 0.0, "add_many": 0.0, "floor": 0.0}

@@ -72,6 +72,26 @@ def test_stacks_are_stored_once(tmp_path):
         assert b.con.execute("SELECT COUNT(*) FROM stacks").fetchone()[0] == 2
 
 
+def test_a_stack_list_passed_again_is_known_without_its_text(tmp_path, monkeypatch):
+    """The symbolizer hands the same list for every call of a stack: its text (15 us for
+    20 frames) is made once, and the ids stay right when the lists known are dropped."""
+    from ingero_forensics.bundle import writer
+    made = []
+    real = writer.canonical_frames
+    monkeypatch.setattr(writer, "canonical_frames", lambda f: made.append(1) or real(f))
+    monkeypatch.setattr(writer, "STACK_LISTS", 3)
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    a, b = w.add_stack(FRAMES_A), w.add_stack(FRAMES_B)
+    assert [w.add_stack(FRAMES_A) for _ in range(100)] == [a] * 100 and len(made) == 2
+    copies = [[dict(f) for f in FRAMES_B] for _ in range(5)]     # equal lists, made anew
+    assert [w.add_stack(c) for c in copies] == [b] * 5 and len(made) == 7
+    assert len(w._stack_lists) <= 3                              # bounded
+    assert w.add_stack(FRAMES_A) == a and w.add_stack(FRAMES_B) == b
+    path = w.seal(tmp_path, capture_end=END)
+    with open_bundle(path) as bundle:
+        assert bundle.con.execute("SELECT COUNT(*) FROM stacks").fetchone()[0] == 2
+
+
 def test_segments_of_one_node_sort_by_time(tmp_path):
     names = [bundle_filename("node-1", START[0] + i * 3_600_000_000_000, i) for i in range(3)]
     names += [bundle_filename("node-1.a", START[0], 0)]
