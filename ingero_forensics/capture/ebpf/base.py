@@ -205,9 +205,15 @@ class Symbolizer:
     """
 
     REFRESH_S = 10.0
-    #: tgid -> its mappings; tgid -> when they were read. Shared by every source.
+    #: how long a process's mappings are kept after its exit was seen: its last calls'
+    #: events may still wait in the ring buffers (the exit is seen by a 1 Hz rescan,
+    #: the buffers are read at 20 Hz)
+    GONE_GRACE_S = 5.0
+    #: tgid -> its mappings; tgid -> when they were read; tgid -> when its exit was
+    #: seen. Shared by every source.
     processes: dict[int, ProcessSymbols] = {}
     refreshed: dict[int, float] = {}
+    gone: dict[int, float] = {}
 
     def __init__(self, table):
         self.table = table
@@ -294,9 +300,24 @@ class Symbolizer:
                 f"before the sources went on, in {time.monotonic() - t:.1f} s")
 
     def forget(self, tgid: int) -> None:
-        """The process is gone: drop its mappings."""
+        """The process is gone: its mappings are dropped GONE_GRACE_S later, so that the
+        events it made before it exited are still named."""
+        self.gone.setdefault(tgid, time.monotonic())
+        self._drop_gone()
+
+    def _drop_gone(self) -> None:
+        now = time.monotonic()
+        for tgid in [t for t, at in self.gone.items() if now - at >= self.GONE_GRACE_S]:
+            self.discard(tgid)
+
+    def discard(self, tgid: int) -> None:
+        """Drop what is known of the process at once: it is gone for long, or its pid is a
+        new target's (whose mappings and stacks are not its)."""
+        self.gone.pop(tgid, None)
         self.refreshed.pop(tgid, None)
         self.processes.pop(tgid, None)
+        for key in [k for k in self.cache if k[0] == tgid]:
+            del self.cache[key]
 
 
 class BccSource(Source):
@@ -567,6 +588,8 @@ class BccSource(Source):
             t[t.Key(pid)] = t.Leaf(1)
 
     def on_new_target(self, pid: int) -> None:
+        if self.symbolizer:
+            self.symbolizer.discard(pid)      # a pid reused: nothing of the old process
         self.add_target(pid)
 
     def on_exit_target(self, pid: int) -> None:

@@ -318,7 +318,9 @@ def demangle(raw: bytes) -> str:
 
 class ProcessSymbols:
     """The executable mappings of one process, read from /proc/PID/maps at creation and
-    on ``refresh``; ``resolve`` names an address."""
+    on ``refresh``; ``resolve`` names an address. A mapping's symbols, once read, are
+    kept with it: the process's last stacks are still named after it exited (its files
+    can then no longer be opened through /proc), and a frame costs no open()."""
 
     def __init__(self, pid: int, proc: str = "/proc") -> None:
         self.pid = pid
@@ -326,15 +328,18 @@ class ProcessSymbols:
         self.maps: list[tuple[int, int, int, str]] = []   # (start, end, offset, path)
         self.starts: list[int] = []
         self._perf_map: tuple[list[int], list[tuple[int, int, str]], str] | None = None
+        #: mapping (start, end, offset, path) -> its file's symbols (None: not ELF)
+        self._elf: dict[tuple[int, int, int, str], ElfSymbols | None] = {}
         self.refresh()
 
     def refresh(self) -> None:
+        """Read the mappings again; a process gone keeps the ones it had."""
         maps = []
         try:
             with open(f"{self.proc}/{self.pid}/maps", "rb") as f:
                 lines = f.read().splitlines()
         except OSError:
-            lines = []
+            return
         for line in lines:
             parts = line.split(None, 5)
             if len(parts) < 6 or b"x" not in parts[1]:
@@ -350,6 +355,8 @@ class ProcessSymbols:
         self.maps = maps
         self.starts = [m[0] for m in maps]
         self._perf_map = None
+        kept = set(maps)
+        self._elf = {m: e for m, e in self._elf.items() if m in kept}
 
     def resolve(self, addr: int) -> tuple[str | None, int, str | None]:
         """(symbol, offset, module path): offset into the symbol, or into the module
@@ -365,12 +372,16 @@ class ProcessSymbols:
             return None, addr - lo, path                  # [vdso], a memfd
         deleted = path.endswith(" (deleted)")
         shown = path[:-len(" (deleted)")] if deleted else path
-        root = f"{self.proc}/{self.pid}/root"
-        elf = elf_symbols(f"{self.proc}/{self.pid}/map_files/{lo:x}-{hi:x}", root, shown)
-        if elf is UNREADABLE and not deleted:
-            # map_files needs CAP_SYS_ADMIN; the path may name another file by now, so
-            # only when the very file could not be opened, and never for a deleted one
-            elf = elf_symbols(root + shown, root, shown)
+        elf = self._elf.get(self.maps[i], UNREADABLE)
+        if elf is UNREADABLE:
+            root = f"{self.proc}/{self.pid}/root"
+            elf = elf_symbols(f"{self.proc}/{self.pid}/map_files/{lo:x}-{hi:x}", root, shown)
+            if elf is UNREADABLE and not deleted:
+                # map_files needs CAP_SYS_ADMIN; the path may name another file by now, so
+                # only when the very file could not be opened, and never for a deleted one
+                elf = elf_symbols(root + shown, root, shown)
+            if elf is not UNREADABLE:
+                self._elf[self.maps[i]] = elf
         file_offset = addr - lo + off
         if elf is None or elf is UNREADABLE:              # not ELF: /dev/zero, for one
             jit = self._jit(addr)

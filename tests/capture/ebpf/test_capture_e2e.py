@@ -214,3 +214,47 @@ def test_a_running_jobs_large_files_are_read_before_the_sources_go_on(ebpf_ok, f
     assert lost == [], lost
     assert any("read before the sources went on" in m for m in messages), messages
     assert callers == {"copy_nofp"}, callers       # named from the large program
+
+
+def test_a_process_s_last_calls_keep_their_stacks_after_it_exited(ebpf_ok, fixtures,
+                                                                  tmp_path):
+    """A rank that crashes, or a job's teardown: its last calls come from call sites new
+    to the capture, and their stacks are symbolized after the process is gone, when its
+    files can no longer be opened through /proc. The symbols each mapping had are kept
+    with it, and the process's mappings GONE_GRACE_S past its exit. (On a GPU machine,
+    35-175 calls a run lost their stacks at the job's exit.)"""
+    job = Job(lambda r: [str(fixtures.rank_job), "lastcall", "2000"], 1)
+    out = tmp_path / "bundles"
+    cap = subprocess.Popen([*capture_cmd(), "--bundle", str(out), "--node", "last",
+                            "--start-priority", "normal", "--lib", str(fixtures.libcudart),
+                            "--pid", str(job.pids[0])],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in cap.stderr:
+            seen.append(line)
+            if "sources on:" in line:
+                break
+        job.procs[0].stdin.write("go\n")
+        job.procs[0].stdin.flush()
+        assert job.procs[0].wait(timeout=30) == 0
+        time.sleep(1.5)
+        cap.send_signal(signal.SIGTERM)
+        _, err = cap.communicate(timeout=120)
+    finally:
+        job.kill()
+        if cap.poll() is None:
+            cap.kill()
+            cap.wait()
+    assert cap.returncode == 0, "".join(seen) + err
+    (bundle,) = out.glob("*.bundle")
+    with open_bundle(bundle) as b:
+        (frames,), = b.con.execute(
+            "SELECT s.frames FROM cuda_events e JOIN stacks s USING (stack_id) "
+            "WHERE e.api = 'cudaStreamSynchronize'").fetchall()
+        copies = b.con.execute("SELECT count(*), count(stack_id) FROM cuda_events "
+                               "WHERE api = 'cudaMemcpyAsync'").fetchone()
+    assert copies == (2000, 2000), copies
+    named = [(f["module"], f["symbol"]) for f in json.loads(frames)[:3]]
+    assert named[:2] == [("libcudart.so.12", "cudaStreamSynchronize"),
+                         ("rank_job", "last_sync")], named

@@ -92,6 +92,23 @@ def test_real_libnccl_functions_are_named_in_another_process(holder):
             assert (sym, off, os.path.realpath(module)) == (name, k, os.path.realpath(lib))
 
 
+def test_a_process_gone_keeps_the_names_it_had(holder):
+    """Its last calls' stacks are symbolized after it exited (a rank that crashed): the
+    mappings are kept when they can no longer be read, and each mapping's symbols once
+    read, though its files can no longer be opened through /proc."""
+    lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
+    proc, addrs = holder(lib, ["ncclAllReduce", "ncclGroupEnd"])
+    table = ProcessSymbols(proc.pid)
+    assert table.resolve(addrs["ncclAllReduce"] + 3)[:2] == ("ncclAllReduce", 3)
+    proc.stdin.close()
+    proc.wait(timeout=30)
+    assert not os.path.exists(f"/proc/{proc.pid}")
+    table.refresh()                                    # the unknown frame's re-read
+    assert table.maps
+    sym, off, module = table.resolve(addrs["ncclGroupEnd"] + 9)   # not asked before
+    assert (sym, off, os.path.realpath(module)) == ("ncclGroupEnd", 9, os.path.realpath(lib))
+
+
 def test_a_static_function_and_a_deleted_library(tmp_path, holder):
     """.symtab names the static function; the library is read through
     /proc/PID/map_files, so it is named though its path is gone."""
