@@ -29,6 +29,24 @@ def capture_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "ingero_forensics.capture"]
 
 
+def sources_on(cap) -> list[str]:
+    """The capture's stderr lines up to the one that says its sources are on."""
+    seen = []
+    for line in cap.stderr:
+        seen.append(line)
+        if "sources on:" in line:
+            break
+    return seen
+
+
+def stop_all(job, cap) -> None:
+    """Kill what a failed test left running."""
+    job.kill()
+    if cap is not None and cap.poll() is None:
+        cap.kill()
+        cap.wait()
+
+
 def test_capture_cli_writes_ebpf_rows(ebpf_ok, fixtures, tmp_path):
     ids = make_ids(tmp_path / "ids")
     job = Job(lambda r: [str(fixtures.rank_job), "full", str(r), str(NRANKS),
@@ -41,11 +59,7 @@ def test_capture_cli_writes_ebpf_rows(ebpf_ok, fixtures, tmp_path):
         cmd += ["--pid", str(pid)]
     cap = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        seen = []
-        for line in cap.stderr:    # the capture says when its sources are on
-            seen.append(line)
-            if "sources on:" in line:
-                break
+        seen = sources_on(cap)
         assert any("nccl" in line for line in seen if "sources on:" in line), "".join(seen)
         job.go()
         # Stacks are symbolized while the process lives: give the capture's 50 ms poll
@@ -54,10 +68,7 @@ def test_capture_cli_writes_ebpf_rows(ebpf_ok, fixtures, tmp_path):
         job.finish()
         _, err = cap.communicate(timeout=60)
     finally:
-        job.kill()
-        if cap.poll() is None:
-            cap.kill()
-            cap.wait()
+        stop_all(job, cap)
     assert cap.returncode == 0, "".join(seen) + err
     bundles = glob.glob(os.path.join(out, "*.bundle"))
     assert len(bundles) == 1
@@ -148,20 +159,13 @@ def attach_to_busy_job(tmp_path, rank_job, libcudart):
                                 "--start-priority", "normal", "--lib", str(libcudart),
                                 "--pid", str(job.pids[0])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        seen = []
-        for line in cap.stderr:
-            seen.append(line)
-            if "sources on:" in line:
-                break
+        seen = sources_on(cap)
         time.sleep(2)
         cap.send_signal(signal.SIGTERM)
         _, err = cap.communicate(timeout=120)
         assert job.procs[0].poll() is None, "the job ended before the capture did"
     finally:
-        job.kill()
-        if cap is not None and cap.poll() is None:
-            cap.kill()
-            cap.wait()
+        stop_all(job, cap)
     assert cap.returncode == 0, "".join(seen) + err
     assert "cuda" in "".join(seen), "".join(seen)
     (bundle,) = out.glob("*.bundle")
@@ -230,11 +234,7 @@ def test_a_process_s_last_calls_keep_their_stacks_after_it_exited(ebpf_ok, fixtu
                             "--pid", str(job.pids[0])],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        seen = []
-        for line in cap.stderr:
-            seen.append(line)
-            if "sources on:" in line:
-                break
+        seen = sources_on(cap)
         job.procs[0].stdin.write("go\n")
         job.procs[0].stdin.flush()
         assert job.procs[0].wait(timeout=30) == 0
@@ -242,10 +242,7 @@ def test_a_process_s_last_calls_keep_their_stacks_after_it_exited(ebpf_ok, fixtu
         cap.send_signal(signal.SIGTERM)
         _, err = cap.communicate(timeout=120)
     finally:
-        job.kill()
-        if cap.poll() is None:
-            cap.kill()
-            cap.wait()
+        stop_all(job, cap)
     assert cap.returncode == 0, "".join(seen) + err
     (bundle,) = out.glob("*.bundle")
     with open_bundle(bundle) as b:
