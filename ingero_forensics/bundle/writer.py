@@ -31,7 +31,7 @@ def now_pair() -> tuple[int, int]:
 
 
 #: frame lists add_stack keeps to know them again by identity, at most
-STACK_LISTS = 65536
+STACK_LISTS = 8192
 
 
 def canonical_frames(frames) -> str:

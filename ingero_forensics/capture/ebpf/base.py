@@ -16,9 +16,11 @@ import ctypes
 import json
 import os
 import time
+import weakref
 from abc import abstractmethod
 
 from ..source import CaptureContext, RowSink, Source, SourceStatus, SourceUnavailable
+from ..procs import read_stat_starttime
 from ._bcc import check_environment, environment_problem, import_bcc
 from .symbols import ProcessSymbols
 from .symbols import preload as preload_symbols
@@ -206,16 +208,22 @@ class Symbolizer:
 
     REFRESH_S = 10.0
     #: how long a process's mappings are kept after its exit was seen: its last calls'
-    #: events may still wait in the ring buffers (the exit is seen by a 1 Hz rescan,
-    #: the buffers are read at 20 Hz)
+    #: events may still wait in the ring buffers (read at 20 Hz; the exit is seen by the
+    #: targets' 1 Hz rescan, or by ``sweep``)
     GONE_GRACE_S = 5.0
+    #: how often ``sweep`` looks for processes gone or pids reused (s)
+    SWEEP_S = 1.0
     #: tgid -> its mappings; tgid -> when they were read; tgid -> when its exit was
-    #: seen. Shared by every source.
+    #: seen. Shared by every source, as is ``sweep``'s last time.
     processes: dict[int, ProcessSymbols] = {}
     refreshed: dict[int, float] = {}
     gone: dict[int, float] = {}
+    swept = 0.0
+    #: every source's symbolizer: a process dropped leaves none of their caches
+    instances: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, table):
+        self.instances.add(self)
         self.table = table
         #: (tgid, stack id, return address) -> (frames, None when every frame is known,
         #: else when the process's mappings were read for them: resolved again once re-read)
@@ -250,6 +258,8 @@ class Symbolizer:
         if not any(f["module"] for f in frames):
             self.failed += 1
             return None   # process gone: addresses alone mean nothing off this node
+        if hit and frames == hit[0]:
+            frames = hit[0]     # the same list: the bundle writer knows it by identity
         self.cache[key] = (frames, self.refreshed.get(tgid) if unknown else None)
         return frames
 
@@ -299,25 +309,49 @@ class Symbolizer:
         return (f"symbols of {files} mapped files of {len(new)} running process(es) read "
                 f"before the sources went on, in {time.monotonic() - t:.1f} s")
 
-    def forget(self, tgid: int) -> None:
+    @classmethod
+    def forget(cls, tgid: int) -> None:
         """The process is gone: its mappings are dropped GONE_GRACE_S later, so that the
         events it made before it exited are still named."""
-        self.gone.setdefault(tgid, time.monotonic())
-        self._drop_gone()
+        cls.gone.setdefault(tgid, time.monotonic())
+        cls._drop_gone()
 
-    def _drop_gone(self) -> None:
+    @classmethod
+    def sweep(cls) -> None:
+        """At most every SWEEP_S: processes known here that are gone are forgotten (also
+        those no target scan follows: without --pid or --comm every process's calls are
+        traced), and a pid that is another process's by now is dropped at once."""
         now = time.monotonic()
-        for tgid in [t for t, at in self.gone.items() if now - at >= self.GONE_GRACE_S]:
-            self.discard(tgid)
+        if now - cls.swept < cls.SWEEP_S:
+            return
+        cls.swept = now
+        for tgid, proc in list(cls.processes.items()):
+            if tgid in cls.gone:
+                continue
+            started = read_stat_starttime(tgid)
+            if started is None:
+                cls.gone[tgid] = now
+            elif proc.started is not None and started != proc.started:
+                cls.discard(tgid)
+        cls._drop_gone()
 
-    def discard(self, tgid: int) -> None:
-        """Drop what is known of the process at once: it is gone for long, or its pid is a
-        new target's (whose mappings and stacks are not its)."""
-        self.gone.pop(tgid, None)
-        self.refreshed.pop(tgid, None)
-        self.processes.pop(tgid, None)
-        for key in [k for k in self.cache if k[0] == tgid]:
-            del self.cache[key]
+    @classmethod
+    def _drop_gone(cls) -> None:
+        now = time.monotonic()
+        for tgid in [t for t, at in cls.gone.items() if now - at >= cls.GONE_GRACE_S]:
+            cls.discard(tgid)
+
+    @classmethod
+    def discard(cls, tgid: int) -> None:
+        """Drop what is known of the process at once, in every source's symbolizer: it
+        is gone for long, or its pid is another process's (whose mappings and stacks
+        are not its)."""
+        cls.gone.pop(tgid, None)
+        cls.refreshed.pop(tgid, None)
+        cls.processes.pop(tgid, None)
+        for sym in list(cls.instances):
+            for key in [k for k in sym.cache if k[0] == tgid]:
+                del sym.cache[key]
 
 
 class BccSource(Source):
@@ -424,6 +458,8 @@ class BccSource(Source):
         raw, self._raw = self._raw, []
         if raw:
             self.handle(raw, sink)
+        if self.symbolizer:
+            Symbolizer.sweep()      # after the events read: a process's last are named
         self.housekeeping(sink)
         for level, msg in self.notes:
             sink.log(level, self.name, "warning" if level == "warning" else "info", msg)

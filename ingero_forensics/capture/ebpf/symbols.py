@@ -27,6 +27,8 @@ import zlib
 from array import array
 from collections import OrderedDict
 
+from ..procs import read_stat_starttime
+
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _PHDR = struct.Struct("<IIQQQQQQ")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
@@ -325,6 +327,8 @@ class ProcessSymbols:
     def __init__(self, pid: int, proc: str = "/proc") -> None:
         self.pid = pid
         self.proc = proc
+        #: when the process started (ns since boot): the same pid later is another one
+        self.started = read_stat_starttime(pid, proc)
         self.maps: list[tuple[int, int, int, str]] = []   # (start, end, offset, path)
         self.starts: list[int] = []
         self._perf_map: tuple[list[int], list[tuple[int, int, str]], str] | None = None
@@ -333,7 +337,8 @@ class ProcessSymbols:
         self.refresh()
 
     def refresh(self) -> None:
-        """Read the mappings again; a process gone keeps the ones it had."""
+        """Read the mappings again; a process gone keeps the ones it had (its maps file
+        cannot be opened once reaped, and reads empty while it is a zombie)."""
         maps = []
         try:
             with open(f"{self.proc}/{self.pid}/maps", "rb") as f:
@@ -351,6 +356,8 @@ class ProcessSymbols:
                 continue
             path = parts[5].decode("utf-8", "replace")
             maps.append((lo, hi, off, path))
+        if not maps:
+            return
         maps.sort()
         self.maps = maps
         self.starts = [m[0] for m in maps]

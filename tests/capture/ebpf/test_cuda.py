@@ -385,6 +385,8 @@ def test_symbolizer_refreshes_rarely_and_frees_its_caches():
     finally:
         symbols.ProcessSymbols.refresh = real_refresh
     assert refreshes == [pid]
+    # resolved again to the same frames: the same list (the bundle writer knows it so)
+    assert stacks[-91] is stacks[5]
     assert all(s[0]["symbol"] == "getpid" and s[0]["module"].startswith("libc")
                and s[1]["module"] is None for s in stacks)
     assert len(os.listdir("/proc/self/fd")) == fds
@@ -393,8 +395,50 @@ def test_symbolizer_refreshes_rarely_and_frees_its_caches():
     Symbolizer.gone[pid] -= Symbolizer.GONE_GRACE_S          # as if that long had passed
     sym._drop_gone()
     assert pid not in Symbolizer.processes and pid not in Symbolizer.gone
+    # in every source's cache too
+    assert not [k for s in (sym, other) for k in s.cache if k[0] == pid]
     assert sym.frames(pid, 7)[0]["module"].startswith("libc")   # alive: read again
     Symbolizer.processes.pop(pid, None)
     gone = subprocess.Popen(["true"])
     gone.wait()
     assert sym.frames(gone.pid, 1) is None and gone.pid not in Symbolizer.processes
+
+
+def test_symbolizer_sweep_forgets_processes_gone_and_pids_reused():
+    """Without --pid or --comm no target scan reports exits: the sweep finds them. A
+    process gone is kept GONE_GRACE_S (its last events may wait in the buffers); a pid
+    that another process has by now is dropped at once."""
+    import os
+    import subprocess
+    import sys
+
+    from ingero_forensics.capture.ebpf.base import Symbolizer
+
+    class Walks:
+        def walk(self, stack_id):
+            return [stack_id]
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    sym = Symbolizer(Walks())
+    try:
+        sym._process(child.pid)
+        sym._process(os.getpid())
+        sym.cache[(child.pid, 1, 0)] = ([{"module": "x"}], None)
+        child.stdin.close()
+        child.wait(timeout=30)
+        Symbolizer.swept = 0.0
+        Symbolizer.sweep()
+        assert child.pid in Symbolizer.gone and child.pid in Symbolizer.processes
+        Symbolizer.gone[child.pid] -= Symbolizer.GONE_GRACE_S
+        Symbolizer.swept = 0.0
+        Symbolizer.sweep()
+        assert child.pid not in Symbolizer.processes and not sym.cache
+        assert os.getpid() in Symbolizer.processes         # alive: kept
+        Symbolizer.processes[os.getpid()].started -= 1     # as if the pid were reused
+        Symbolizer.swept = 0.0
+        Symbolizer.sweep()
+        assert os.getpid() not in Symbolizer.processes
+    finally:
+        for pid in (child.pid, os.getpid()):
+            Symbolizer.discard(pid)

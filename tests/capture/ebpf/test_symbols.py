@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -107,6 +108,24 @@ def test_a_process_gone_keeps_the_names_it_had(holder):
     assert table.maps
     sym, off, module = table.resolve(addrs["ncclGroupEnd"] + 9)   # not asked before
     assert (sym, off, os.path.realpath(module)) == ("ncclGroupEnd", 9, os.path.realpath(lib))
+
+
+def test_a_zombie_keeps_its_mappings(holder):
+    """Exited, not yet reaped (a crashed rank until its launcher waits for it): its maps
+    file opens and reads empty, and must not empty what was read while it lived."""
+    lib = real_lib("nvidia-nccl-cu12", "libnccl.so.2")
+    proc, addrs = holder(lib, ["ncclAllReduce", "ncclGroupEnd"])
+    table = ProcessSymbols(proc.pid)
+    assert table.resolve(addrs["ncclGroupEnd"])[0] == "ncclGroupEnd"    # read while alive
+    proc.stdin.close()
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the holder did not exit"
+        time.sleep(0.01)                  # not reaped: no wait() until the fixture's end
+    assert open(f"/proc/{proc.pid}/maps").read() == ""
+    table.refresh()
+    sym, off, _module = table.resolve(addrs["ncclAllReduce"] + 2)
+    assert (sym, off) == ("ncclAllReduce", 2)
 
 
 def test_a_static_function_and_a_deleted_library(tmp_path, holder):
