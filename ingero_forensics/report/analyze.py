@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from array import array
 from collections import defaultdict
 from dataclasses import asdict
@@ -64,8 +65,8 @@ from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_next_step, link_seri
                     also_slow_link_text)
 from .victims import demote_victims
 from .coverage import uncaptured_ranks, uncaptured_text
-from .wording import (bins_limited_text, ms_text, natural_key, no_comparison_text,
-                      rank_text, verdict_text)
+from .wording import (bins_limited_text, clock_unsure_text, ms_text, natural_key,
+                      no_comparison_text, rank_text, verdict_text)
 from .sql import Recorder
 from .citing import cited_evidence, next_step
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, OWN_RUNQ_NOTE, RUNQ_SIGNAL, SAMPLE,
@@ -326,6 +327,18 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     for st in a.stragglers:
         u = st.relative_uncertainty_ms
         st.clock_caveat = u is None or st.peak_ms <= CLOCK_MARGIN * u
+    # Late by no more than the clocks are known to: the clock error alone could make
+    # this node (or another) look that late, so not even which node was late is known.
+    # Said, not named. (Two nodes, one GPU slowed, clocks 35-136 ms apart with no tight
+    # sync point on the slow one: the healthy node looked 35 ms late and was named.)
+    unsure = [st for st in a.stragglers if st.relative_uncertainty_ms is None
+              or st.peak_ms <= st.relative_uncertainty_ms]
+    if unsure:
+        a.clock_unsure = [{"node": st.node, "ranks": st.late_ranks or st.ranks,
+                           "peak_ms": st.peak_ms, "lateness_ms": st.lateness_ms,
+                           "relative_uncertainty_ms": st.relative_uncertainty_ms}
+                          for st in unsure]
+        a.stragglers = [st for st in a.stragglers if st not in unsure]
 
     # -- 3. slow collectives with nobody late: the network --------------------------
     tr_med = {b: median(v.values) for b, v in transfer.items() if v.n}
@@ -467,6 +480,15 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     # "no straggler" (or "nobody arrives late") would claim more than the alignment knows
     clocks_loose = worst is None or worst > max(LATE_FLOOR_MS, a.noise_ms)
     if primary is None and network_suspect is None and gpu is None and link is None:
+        if a.clock_unsure:
+            a.clock_limited = True
+            a.cause_confidence = "none"
+            a.verdict = clock_unsure_text(a.clock_unsure)
+            if a.link_unsure:
+                a.verdict += " " + link_unsure_text(a.link_unsure)
+            with con.figure("slow_collectives"):
+                a.slow_collectives = slow_collectives(con)
+            return a
         if clocks_loose:
             a.clock_limited = True
             a.cause_confidence = "none"
@@ -617,6 +639,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.verdict += " " + also_slow_link_text(a.also_slow_link)
     if a.link_unsure:       # (a GPU suspect or a straggler named beside it)
         a.verdict += " " + link_unsure_text(a.link_unsure)
+    if a.clock_unsure:      # late beside the finding, by no more than the clocks allow
+        a.verdict += " " + clock_unsure_text(a.clock_unsure, also=True)
     if a.uncaptured:
         a.verdict += " " + uncaptured_text(a.uncaptured, rank_text)
     return a
@@ -655,7 +679,8 @@ def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:
     """How far the node's clock may be from its typical peer's (ms): the median over its
     peers of the pair's uncertainty, the sum of both nodes' relative uncertainties, or 0
     for a peer on the same clock (one boot: the merge aligns them as one clock). None when
-    the node's is unknown and a peer has another clock."""
+    the node's is unknown and a peer has another clock, or when the median pair is
+    unbounded (a peer whose own is unknown counts as an unbounded pair, not as none)."""
     clock_of = clock_of or {}
     mine = rel_unc.get(node_id)
     pairs = []
@@ -666,11 +691,14 @@ def _pair_uncertainty_ms(node_id, rel_unc, clock_of=None) -> float | None:
             pairs.append(0.0)
         elif mine is None:
             return None
-        elif v is not None:
-            pairs.append(mine + v)
+        else:
+            pairs.append(math.inf if v is None else mine + v)
     if mine is None and not pairs:
         return None
-    return round((median(pairs) if pairs else mine) / 1e3, 3)
+    m = sorted(pairs)[(len(pairs) - 1) // 2: len(pairs) // 2 + 1] if pairs else [mine]
+    if math.inf in m:
+        return None
+    return round(sum(m) / len(m) / 1e3, 3)
 
 
 def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,

@@ -85,6 +85,10 @@ class Analysis:
     #: saw (coverage.py): {comm_id_hash, nranks, ranks_seen, collectives, short,
     #: missing}; "no straggler" cannot be said, and a named one comes with a caveat
     uncaptured: dict | None = None
+    #: nodes late by no more than the clock alignment uncertainty between them and their
+    #: peers (or an unbounded one): which node was late is not known, so none of them
+    #: is named; [{node, ranks, peak_ms, lateness_ms, relative_uncertainty_ms}]
+    clock_unsure: list[dict] = field(default_factory=list)
     straggler: str | None = None
     straggler_node_id: int | None = None
     straggler_ranks: list[int] = field(default_factory=list)

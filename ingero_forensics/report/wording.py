@@ -55,6 +55,27 @@ def bins_limited_text(a: Analysis, nl, span_s: float) -> str:
             f"again with a smaller bin (ingero-report --bin {suggest:g}).")
 
 
+def clock_unsure_text(unsure: list[dict], also: bool = False) -> str:
+    """Nodes late by no more than the clock alignment uncertainty between them and their
+    peers: neither they nor the others can be said to be late."""
+    parts = []
+    for u in unsure:
+        bound = ("an unbounded uncertainty" if u["relative_uncertainty_ms"] is None else
+                 f"{ms_text(u['relative_uncertainty_ms'])}")
+        parts.append(f"{u['node']} ({rank_text(u['ranks'])}) arrived late by "
+                     f"{u['peak_ms']:.1f} ms at its peak, against {bound} between its clock "
+                     "and its peers'")
+    nodes = ", ".join(u["node"] for u in unsure)
+    head = (f"Also, cannot tell whether {nodes} {'is a straggler' if len(unsure) == 1 else 'are stragglers'}: "
+            if also else
+            f"Cannot tell whether {nodes} {'is a straggler' if len(unsure) == 1 else 'are stragglers'}: ")
+    return (head + "; ".join(parts) + ". The clock error alone could make a node look "
+            "that late, so not even which node was late is known. The clock section says "
+            "what bounds each node's clock; clocks synchronized better (PTP, or chrony "
+            "on every node), or a capture that sees the job's TCP traffic (tcp_progress), "
+            "would tell.")
+
+
 def _windows_text(windows) -> str:
     return "1 window" if len(windows) == 1 else f"{len(windows)} windows"
 

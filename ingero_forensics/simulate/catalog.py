@@ -145,5 +145,7 @@ KERNEL_TASKS = ("kworker/u386:2", "ksoftirqd/{cpu}", "migration/{cpu}", "kworker
 #: other processes that show up on a healthy node
 SYSTEM_TASKS = ("node_exporter", "dcgm-exporter", "systemd-journal", "containerd", "sshd")
 
+#: the last one is NCCL's proxy thread, which moves the bytes (it keeps the name it
+#: inherits: NCCL names its threads only with NCCL_SET_THREAD_NAME=1)
 RANK_THREADS = ("python3", "pt_data_pin", "pt_data_worker", "pt_data_worker",
-                "cuda-EvtHandlr", "pt_nccl_watchdg")
+                "cuda-EvtHandlr", "pt_nccl_watchdg", "python3")

@@ -38,6 +38,10 @@ def _bad(e: SimulateConfigError, param: str):
               help="Each node's NTP daemon steps its clock once mid-run.")
 @click.option("--lying-clock", metavar="NODE",
               help="Make this node's adjtimex error claims dishonest (default: none).")
+@click.option("--no-tcp-progress", "no_tcp_progress", is_flag=True,
+              help="Write no tcp_progress rows (the ring's TCP byte positions, the merge's "
+                   "tightest clock bounds), as a capture with --no-tcp-progress or on a "
+                   "kernel before 6.3 writes none.")
 @click.option("--seed", type=int, default=1, show_default=True,
               help="Random seed: the same seed gives the same fleet.")
 @click.option("--workers", type=int, default=None,
@@ -48,15 +52,16 @@ def _bad(e: SimulateConfigError, param: str):
 @cliutil.version_option("ingero-simulate")
 @cliutil.handle_errors
 def main(out_dir, nodes, ranks_per_node, steps, fault, straggler, fault_windows,
-         max_offset_ms, max_drift_ppm, ntp_step, lying_clock, seed, workers, force,
-         as_json, quiet):
+         max_offset_ms, max_drift_ppm, ntp_step, lying_clock, no_tcp_progress, seed, workers,
+         force, as_json, quiet):
     """Simulate a multi-node training fleet and write one real bundle per node.
 
     Each node gets a bundle (node-00, node-01, ...) written through the real bundle
     writer: NCCL collectives on two communicators, CUDA synchronizations, scheduler,
-    block and TCP events, host and GPU samples, clock samples and processes. The
-    injected fault, the straggler and every node's true clock offset, drift and NTP
-    step are written to DIR/truth.json, beside the bundles, never inside them.
+    block and TCP events, the ring's TCP byte progress, host and GPU samples, clock
+    samples and processes. The injected fault, the straggler and every node's true
+    clock offset, drift and NTP step are written to DIR/truth.json, beside the
+    bundles, never inside them.
 
     \b
     Example:
@@ -73,7 +78,7 @@ def main(out_dir, nodes, ranks_per_node, steps, fault, straggler, fault_windows,
                           fault=fault, straggler=strag, fault_windows=windows,
                           max_offset_ms=max_offset_ms, max_drift_ppm=max_drift_ppm,
                           ntp_step=ntp_step, lying_clock=liar, seed=seed,
-                          workers=workers).validated()
+                          workers=workers, tcp_progress=not no_tcp_progress).validated()
     except SimulateConfigError as e:
         raise _bad(e, e.param) from None
     if workers is not None and workers < 1:

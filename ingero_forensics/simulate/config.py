@@ -46,6 +46,9 @@ class FleetConfig:
     workers: int | None = None
     #: zstd level used to seal the bundles
     zstd_level: int = 3
+    #: write the ring's tcp_progress rows (False: as a capture with --no-tcp-progress,
+    #: or one on a kernel before 6.3)
+    tcp_progress: bool = True
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:

@@ -433,6 +433,10 @@ class Schedule:
     step_end: list[float]      # latest rank's loss-sync end
     #: per step: factor the network fault applied to transfers (1.0 = none)
     net_factor: list[float]
+    #: per step, per gradient bucket: (start, flow_ns, rto_ns, stall_at): the ring's bytes
+    #: move from ``start`` for ``flow_ns``, a retransmission timeout of ``rto_ns`` (0:
+    #: none) stalling them at fraction ``stall_at`` of the bytes (simulate/progress.py)
+    transfers: list[list[tuple[float, float, float, float]]]
 
     @property
     def job_end(self) -> float:
@@ -454,19 +458,23 @@ def compute_schedule(cfg: FleetConfig, plan: FaultPlan) -> Schedule:
     xfer = [transfer_ns(b, nranks, cfg.nodes) for b in BUCKET_BYTES]
     loss_xfer = transfer_ns(4, nranks, cfg.nodes)
     net_node = plan.node if plan.kind == "network" else None
-    completions, starts, ends, factors = [], [], [], []
+    stalls = rng_for(cfg.seed, "stall")    # its own draws: the fleet's stay as they were
+    completions, starts, ends, factors, transfers = [], [], [], [], []
     for step in range(cfg.steps):
         recs = [tl.phase_backward(step) for tl in ranks]
         factor = 1.0
         if net_node is not None and plan.active(step):
             factor = fr.uniform(3.0, 6.5)
-        done, prev = [], 0.0
+        done, prev, moves = [], 0.0, []
         for j in range(N_BUCKETS):
             arrive = max(rec.device[j] for rec in recs)
             x = xfer[j] * jit(fr, 0.04) * factor
+            rto = 0.0
             if factor > 1.0 and fr.random() < 0.12:
-                x += fr.uniform(200, 230) * MS  # a TCP retransmission timeout
-            prev = max(arrive, prev) + x
+                rto = fr.uniform(200, 230) * MS  # a TCP retransmission timeout
+            start = max(arrive, prev)
+            moves.append((start, x, rto, stalls.random() if rto else 0.0))
+            prev = start + (x + rto)
             done.append(prev)
         loss_arrive = max(tl.phase_optimizer(prev) for tl in ranks)
         loss_done = loss_arrive + loss_xfer * jit(fr, 0.05) * (factor if factor > 1 else 1.0)
@@ -475,4 +483,5 @@ def compute_schedule(cfg: FleetConfig, plan: FaultPlan) -> Schedule:
         starts.append(min(rec.start for rec in recs))
         completions.append(done)
         factors.append(factor)
-    return Schedule(world_done, split_done, completions, starts, ends, factors)
+        transfers.append(moves)
+    return Schedule(world_done, split_done, completions, starts, ends, factors, transfers)

@@ -19,6 +19,7 @@ from .config import FleetConfig, node_name
 from .model import (BUCKET_BYTES, DATA_WAIT, DSTATE, LAUNCHES, MS, N_BUCKETS, RUNQ_BENIGN,
                     RUNQ_COMPETITOR, S, US, FaultPlan, NodeClock, RankTimeline, Schedule,
                     rng_for, subseed, tri)
+from .progress import hop_ends
 
 CHUNK_STEPS = 48
 HOST_TICK_NS = 100 * MS        # host_samples at 10 Hz
@@ -88,6 +89,7 @@ class NodeGenerator:
         self.m0, self.k = clock.mono_at_t0, clock.rate
         self.name = node_name(node)
         self.r = rng_for(cfg.seed, "node", node)
+        self.progress_rng = rng_for(cfg.seed, "progress", node)
         R = cfg.ranks_per_node
         self.R = R
         self.world = cfg.nodes * R
@@ -170,12 +172,13 @@ class NodeGenerator:
         self._stats_k = 0
         self._launches: dict[int, list[int]] = {}
         self._host_state = None
+        hops = hop_ends(self)
         t_lo = self.cap_start
         steps = cfg.steps
         for c0 in range(0, steps, CHUNK_STEPS):
             c1 = min(steps, c0 + CHUNK_STEPS)
             rows = {n: [] for n in ("nccl_events", "cuda_events", "sched_events",
-                                    "block_events")}
+                                    "block_events", "tcp_progress")}
             for step in range(c0, c1):
                 done = sched.completions[step]
                 for tl in tls:
@@ -184,6 +187,8 @@ class NodeGenerator:
                     tl.phase_optimizer(done[N_BUCKETS - 1])
                 for lr, tl in enumerate(tls):
                     self._rank_step_rows(lr, tl.phase_end(done[N_BUCKETS]), rows)
+                for hop in hops:
+                    hop.rows(step, rows["tcp_progress"])
             t_hi = sched.step_start[c1] if c1 < steps else self.cap_end
             if c1 >= steps:
                 self._teardown_rows(tls, rows)
@@ -387,7 +392,9 @@ class NodeGenerator:
             ("nccl", f"uprobes on {catalog.LIBNCCL} (27 functions)"),
             ("cuda", f"uprobes on {catalog.LIBCUDART} and {catalog.LIBCUDA}; "
                      "cudaLaunchKernel aggregated in kernel"),
-            ("tcp", "tracepoint tcp:tcp_retransmit_skb"),
+            ("tcp", "tracepoint tcp:tcp_retransmit_skb" + (
+                "; job connections' progress: sock:sock_send_length, sock:sock_recv_length, "
+                "sock:sk_data_ready, tcp:tcp_sendmsg_locked" if self.cfg.tcp_progress else "")),
             ("sched", "tracepoints sched:sched_wakeup, sched:sched_switch; spans >= 1 ms kept"),
             ("block", "tracepoints block:block_rq_issue, block:block_rq_complete"),
         )

@@ -2,7 +2,8 @@
 arrives late and nothing retransmits (report/links.py). The real-kernel proof is tests/rig
 (scenario "slowlink": tbf at 100 Mbit/s with a 400 ms queue on one node's veth, no drops);
 here the rule's edges, on a clean simulated fleet given tcp_progress rows of a TCP ring,
-as a capture writes them (the simulator writes none), with chosen transit times."""
+as a capture writes them (simulated without its own: --no-tcp-progress), with chosen
+transit times."""
 
 import random
 import shlex
@@ -32,7 +33,8 @@ STEP = 1 << 16
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     d = tmp_path_factory.mktemp("links")
-    simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6))
+    simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6,
+                                        tcp_progress=False))
     merge_bundles([d / "b"], d / "fleet.db")
     return (d / "fleet.db").read_bytes()
 
@@ -292,7 +294,7 @@ def late(tmp_path_factory):
     """A fleet whose node 1 is CPU-starved (late at collectives), on the ring's clocks."""
     d = tmp_path_factory.mktemp("links-late")
     simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6,
-                                        fault="cpu", straggler=1))
+                                        fault="cpu", straggler=1, tcp_progress=False))
     merge_bundles([d / "b"], d / "fleet.db")
     return (d / "fleet.db").read_bytes()
 
@@ -354,7 +356,7 @@ def test_slow_link_beside_a_lossy_link_is_a_second_finding(tmp_path_factory, tmp
     two other nodes is said beside it, and one at the lossy node is not."""
     d = tmp_path_factory.mktemp("links-lossy")
     simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6,
-                                        fault="network", straggler=1))
+                                        fault="network", straggler=1, tcp_progress=False))
     merge_bundles([d / "b"], d / "fleet.db")
     lossy = (d / "fleet.db").read_bytes()
     _, a = _fleet(tmp_path, lossy, slow={(3, 4)})
