@@ -63,6 +63,39 @@ def refuse_output_over_input(output, *inputs) -> None:
             raise BadUsage(f"{output}: the output would replace {what}; choose another -o")
 
 
+def evidence_kind(path) -> str | None:
+    """'a fleet.db' or 'a bundle' when the existing file at path is one (by its first
+    bytes: SQLite's header with ingero-merge's application_id, or a bundle's manifest
+    frame), else None."""
+    from .bundle.container import SKIPPABLE_MAGIC, SQLITE_MAGIC
+    from .merge.fleet_schema import FLEET_APPLICATION_ID
+    try:
+        if not os.path.isfile(path):
+            return None
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except OSError:
+        return None
+    if head[:16] == SQLITE_MAGIC and len(head) >= 72 and \
+            int.from_bytes(head[68:72], "big") == FLEET_APPLICATION_ID:
+        return "a fleet.db"
+    if head[:4] == SKIPPABLE_MAGIC.to_bytes(4, "little"):
+        return "a bundle"
+    return None
+
+
+def refuse_output_over_evidence(output, what: str) -> None:
+    """BadUsage when output names an existing fleet.db or bundle: a report, a trace or a
+    redacted copy never replaces the evidence (a slip of -o, or of a shell's history).
+    Other files are replaced, as the commands document."""
+    if output is None or str(output) == "-":
+        return
+    kind = evidence_kind(output)
+    if kind is not None:
+        raise BadUsage(f"{output}: is {kind}; refusing to replace it with {what} (remove "
+                       "it first, or choose another -o)")
+
+
 def require_output_dir(output) -> None:
     """IngeroError (exit 1) when the directory of the file output names does not exist:
     said before any work (a --redact copy, an analysis), not after it."""
@@ -170,7 +203,10 @@ def handle_errors(fn):
 
 def _run(fn, args, kwargs):
     try:
-        return fn(*args, **kwargs)
+        rv = fn(*args, **kwargs)
+        if sys.stdout is not None:
+            sys.stdout.flush()      # a write that fails fails here, not at exit
+        return rv
     except IngeroError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(getattr(e, "exit_code", EXIT_ERROR))
@@ -182,6 +218,15 @@ def _run(fn, args, kwargs):
         with contextlib.suppress(Exception):
             sys.stdout = None
         sys.exit(EXIT_OK)
+    except OSError as e:
+        # One the library did not turn into an error of its own, which names its files:
+        # writing to standard output, as a rule (`--json > /mnt/usb/out.json` onto a
+        # full transfer medium). Nothing more goes there, not even at exit.
+        with contextlib.suppress(Exception):
+            sys.stdout = None
+        what = f"{e.filename}: cannot use it" if e.filename else "<stdout>: cannot write"
+        click.echo(f"Error: {what}: {e.strerror or e}", err=True)
+        sys.exit(EXIT_ERROR)
 
 
 def echo_json(obj) -> None:

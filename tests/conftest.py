@@ -6,6 +6,7 @@ a failure: a CI run that did not exercise the real kernel is not a green run.
 """
 
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,3 +86,24 @@ def pytest_sessionfinish(session, exitstatus):
     # the failures made of skips above must fail the run's exit status too
     if _SKIPS_FAILED and session.exitstatus == 0:
         session.exitstatus = 1
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """tmpfs(size): a real tmpfs of that size, mounted under tmp_path and unmounted
+    after the test. CI runs as root: there it must mount, not skip."""
+    mounts = []
+
+    def mount(size):
+        if os.geteuid() != 0:
+            assert not os.environ.get("CI"), "mounting a tmpfs needs root in CI"
+            pytest.skip("mounting a tmpfs needs root")
+        mnt = tmp_path / f"tmpfs{len(mounts)}"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                       check=True)
+        mounts.append(mnt)
+        return mnt
+    yield mount
+    for mnt in mounts:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

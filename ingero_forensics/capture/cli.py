@@ -137,8 +137,8 @@ EXIT_SOURCE_OFF = 4
                    "NAME=value words with such names, URL passwords and well-known token "
                    "shapes become ***), full (verbatim), none (not written).")
 @click.option("--strict", is_flag=True,
-              help="Fail (exit 1) when any eBPF source is off: with --check, after "
-                   "printing; on a capture, at start (what was recorded is sealed). For "
+              help="Fail when any eBPF source is off: with --check, after printing "
+                   "(exit 1); on a capture, at start (exit 4; what was recorded is sealed). For "
                    "fleet roll-outs that must not go on with clock and host samples only.")
 @click.option("--start-priority", type=click.Choice(["idle", "normal"]), default="idle",
               show_default=True,

@@ -8,8 +8,8 @@ import apsw
 import click
 
 from ..cliutil import (EXIT_CODES_HELP, BadUsage, echo_json, handle_errors, human_bytes,
-                       refuse_output_over_input, require_output_dir, sqlite_message,
-                       version_option)
+                       refuse_output_over_evidence, refuse_output_over_input, require_output_dir,
+                       sqlite_message, version_option)
 from ..errors import IngeroError
 from ..merge.nodes import data_start
 from ..redact import redacted_input
@@ -31,7 +31,8 @@ def _split(values) -> tuple[str, ...]:
                    "offline viewing without ui.perfetto.dev: docs/airgap.md). "
                    "Required: the format is named so that others can be added.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Output file (never FLEET_DB); a name ending in .gz is gzip-compressed. "
+              help="Output file (never FLEET_DB, another fleet.db or a bundle); a name "
+                   "ending in .gz is gzip-compressed. "
                    "Default, or -: stdout.")
 @click.option("--from", "start", metavar="TIME",
               help="Only events starting at or after TIME: ISO 8601 UTC "
@@ -109,6 +110,11 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
           --nodes node-05 -o window.json
       ingero-export fleet.db --chrome-trace --ranks 40-47 | gzip > ranks.json.gz
     """
+    if nodes and not _split(nodes):
+        # an empty --nodes (a shell variable that was not set) would export every node
+        raise click.BadParameter("names no node", param_hint="--nodes")
+    if kinds and not _split(kinds):
+        raise click.BadParameter("names no kind", param_hint="--kinds")
     kind_set = frozenset(_split(kinds)) if kinds else frozenset(KINDS)
     bad = sorted(kind_set - set(KINDS))
     if bad:
@@ -125,6 +131,7 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
                        "-o (or -o -) stdout holds the trace itself; give the trace a file "
                        "with -o")
     refuse_output_over_input(output, fleet_db)
+    refuse_output_over_evidence(output, "a trace")
     check_selection(fleet_db, start=start, end=end, nodes=_split(nodes), ranks=rank_set,
                     redact=redact)
     opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,

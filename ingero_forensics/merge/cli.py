@@ -50,7 +50,8 @@ Example:
 @click.command(help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("bundles", nargs=-1, required=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="fleet.db to create or extend (required unless --list or --verify).")
+              help="fleet.db to create (a new path, or an empty file) or extend "
+                   "(required unless --list or --verify).")
 @click.option("--list", "list_", is_flag=True,
               help="Print each bundle's manifest (no decompression) and exit; exit 3 if "
                    "any input is not a readable bundle.")
@@ -92,6 +93,9 @@ def main(bundles, output, list_, verify, strict, integrity, tmpdir, as_json, qui
         sys.exit(cliutil.EXIT_PARTIAL if bad else cliutil.EXIT_OK)
     if not output:
         raise click.UsageError("-o/--output is required (or use --list or --verify)")
+    if output == "-":
+        raise cliutil.BadUsage("-o -: fleet.db is a database file, not a stream; give it a "
+                               "file name (-o fleet.db)")
     inputs = expand_inputs(bundles)
     cliutil.refuse_output_over_input(output, *(str(p) for _, p, _ in inputs if p is not None))
     n_inputs = len(inputs)

@@ -43,7 +43,8 @@ from .collectives import STAGING_DDL, CollectiveJob, int_or_null as _int, open_s
 from .copying import (CACHE_MB, CORRUPT_ERRORS, FLEET_PAGE_SIZE, PASS1_TABLES, PASS3_TABLES,
                       CorruptBundle, CorruptOutput, TableBuilder, builder_share, bundle_predicate,
                       copy_bundle_table, flush_file, load_stack_map, release_bundles)
-from .files import MergeError, check_fleet, expand_inputs, fleet_sound, lock_output
+from .files import (MergeError, check_fleet, expand_inputs, fleet_sound, lock_output,
+                    new_output)
 from .inflight import settle_in_flight
 from .lateattach import infer_late_attach
 from .summaries import write_summaries
@@ -210,7 +211,7 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
     out = Path(out_path)
     res = MergeResult(output=str(out), accelerated=fastcoll is not None)
     progress = progress or (lambda n=1: None)
-    fresh = not out.exists()
+    fresh = new_output(out)
     if not fresh:
         check_fleet(out)
     if not out.parent.exists():

@@ -11,6 +11,7 @@ import fcntl
 import glob
 import os
 import re
+import stat
 from pathlib import Path
 
 import apsw
@@ -72,6 +73,18 @@ def list_bundles(inputs) -> list[dict]:
     return res
 
 
+def new_output(out: Path) -> bool:
+    """Whether the merge makes a new fleet.db at out: nothing there, or an empty file
+    (as `mktemp` leaves one), which holds nothing to keep or to refuse."""
+    try:
+        st = out.stat()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False        # what is wrong with it is said by the open that follows
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
+
+
 def check_fleet(path: Path) -> None:
     try:
         con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
@@ -125,7 +138,7 @@ def lock_output(out: Path, tmpdir: Path | None = None) -> tuple[int, Path]:
         os.close(fd)                    # its holder removed it as we opened it: again
     try:
         remove_stale_scratch(out, tmpdir)
-        if out.exists():
+        if not new_output(out):
             check_fleet(out)            # only a fleet.db is settled, nothing else touched
             settle_output(out)
     except BaseException:

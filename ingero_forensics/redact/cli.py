@@ -12,7 +12,8 @@ from .core import redact_fleet
                context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("fleet_db", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="The redacted fleet.db to write (replaced atomically; never FLEET_DB).")
+              help="The redacted fleet.db to write (replaced atomically when it is an "
+                   "earlier redacted copy; never FLEET_DB, another fleet.db or a bundle).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was rewritten as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @version_option("ingero-redact")

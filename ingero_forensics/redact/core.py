@@ -46,7 +46,7 @@ from pathlib import Path
 import apsw
 
 from .. import __version__
-from ..cliutil import BadUsage, sqlite_message
+from ..cliutil import BadUsage, evidence_kind, sqlite_message
 from ..db import connect_readonly
 from ..errors import IngeroError
 from ..fleetfile import check_fleet_file
@@ -101,6 +101,11 @@ class RedactError(IngeroError):
 
 class OutputIsInput(RedactError, BadUsage):
     """The output names the input itself: a usage error (exit 2), refused before any work."""
+
+
+class BadOutput(RedactError, BadUsage):
+    """An -o that is refused before any work (exit 2): a bundle or a fleet.db that is not
+    redacted (evidence), or "-" (the copy is a database file, not a stream)."""
 
 
 # ------------------------------------------------------------------ IP pseudonyms
@@ -505,10 +510,20 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
     shown = str(dest)
     src, dest = Path(src), Path(dest)
     check_fleet_file(src, RedactError)
+    if shown == "-":
+        raise BadOutput("-o -: the redacted copy is a database file, not a stream; "
+                               "give it a file name (-o redacted.db)")
     if not dest.name or shown.endswith(os.sep) or dest.is_dir():
         raise RedactError(f"{shown or repr(shown)}: -o needs a file name, not a directory")
     if dest.exists() and os.path.samefile(src, dest):
         raise OutputIsInput(f"{dest}: the output would replace the input; choose another -o")
+    kind = evidence_kind(dest)
+    if kind == "a bundle" or (kind == "a fleet.db" and not _is_redacted(dest)):
+        # an earlier redacted copy is replaced; evidence never is
+        raise BadOutput(f"{dest}: is {kind}" + (" that is not redacted" if kind ==
+                                                     "a fleet.db" else "")
+                            + "; refusing to replace it with a redacted copy (remove it "
+                            "first, or choose another -o)")
     if not dest.parent.is_dir():
         raise RedactError(f"{dest}: directory {dest.parent} does not exist")
     try:
@@ -524,11 +539,28 @@ def redact_fleet(src, dest, *, key: bytes | None = None) -> RedactResult:
         # left to do (and no Ctrl-C to report) once it is there
         os.replace(tmp_out, dest)
     except BaseException:
-        run_held(lambda: tmp_out.unlink(missing_ok=True))
+        # VACUUM INTO keeps a journal beside its target while it writes
+        run_held(lambda: [p.unlink(missing_ok=True)
+                          for p in (tmp_out, tmp_out.with_name(tmp_out.name + "-journal"))])
         raise
     res.output = str(dest)
     res.elapsed_s = round(time.monotonic() - t0, 3)
     return res
+
+
+def _is_redacted(path) -> bool:
+    """Whether the fleet.db at path is one ingero-redact wrote (fleet_info 'redacted')."""
+    try:
+        con = connect_readonly(path)
+    except apsw.Error:
+        return False
+    try:
+        return con.execute("SELECT 1 FROM fleet_info WHERE key = 'redacted'").fetchone() \
+            is not None
+    except apsw.Error:
+        return False
+    finally:
+        con.close()
 
 
 def _write_redacted(source, src, dest, work_dir: Path, tmp_out: Path, key) -> RedactResult:
@@ -565,6 +597,7 @@ def _write_redacted(source, src, dest, work_dir: Path, tmp_out: Path, key) -> Re
     try:
         con.execute("VACUUM INTO ?", (str(tmp_out),))
     except apsw.FullError:
+        con.close()
         raise RedactError(f"{dest}: file system full") from None
     except _DAMAGED as e:
         con.close()

@@ -7,8 +7,8 @@ import shlex
 import click
 
 from ..cliutil import (EXIT_CODES_HELP, BadUsage, FiniteFloatRange, echo_json, handle_errors,
-                       reading_database, refuse_output_over_input, require_output_dir,
-                       version_option)
+                       reading_database, refuse_output_over_evidence, refuse_output_over_input,
+                       require_output_dir, version_option)
 from ..fleetfile import check_fleet_file
 from ..redact import redacted_input
 from . import analyze_fleet, write_report
@@ -21,7 +21,7 @@ from .text import render_text
 @click.option("-o", "--output", "output", default=None,
               type=click.Path(dir_okay=False),
               help="File to write the report to (--format), replaced atomically; never "
-                   "FLEET_DB, and not a .json name (the JSON is --json's, on stdout); "
+                   "FLEET_DB or another fleet.db or bundle, and not a .json name (the JSON is --json's, on stdout); "
                    "- for stdout [default: report.html; with --json or a text format "
                    "and no -o, nothing is written but stdout].")
 @click.option("--format", "fmt", type=click.Choice(["html", "text", "markdown"]),
@@ -133,6 +133,7 @@ def check_outputs(fleet_db, output, *, fmt: str, as_json: bool, fmt_given: bool 
         raise BadUsage(f"{output}: -o writes the {fmt} report, not JSON; for the analysis "
                        f"as JSON use --json (on stdout: --json > {output})")
     refuse_output_over_input(output, fleet_db)
+    refuse_output_over_evidence(output, "a report")
     return output
 
 

@@ -67,6 +67,17 @@ def test_unknown_rank_is_an_error_like_an_unknown_node(copy, tmp_path):
     assert json.loads(out.read_bytes())["traceEvents"]
 
 
+@pytest.mark.parametrize("opt", ["--nodes", "--kinds"])
+@pytest.mark.parametrize("value", ["", " , "])
+def test_an_empty_selection_is_a_usage_error(copy, tmp_path, opt, value):
+    """`--nodes "$NODES"` with NODES unset would otherwise export every node."""
+    out = tmp_path / "t.json"
+    r = run(copy, "--chrome-trace", "-o", out, opt, value)
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for {opt}: names no {opt[2:-1]}" in r.stderr
+    assert not out.exists()
+
+
 def test_redact_selection_errors_name_the_users_file(copy, tmp_path):
     r = run(copy, "--chrome-trace", "--redact", "-o", tmp_path / "t.json", "--nodes", "node-00")
     assert r.exit_code == 1

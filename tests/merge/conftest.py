@@ -1,5 +1,4 @@
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,22 +36,3 @@ def built_accel():
     return load
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """tmpfs(size): a real tmpfs of that size, mounted under tmp_path and unmounted
-    after the test. CI runs as root: there it must mount, not skip."""
-    mounts = []
-
-    def mount(size):
-        if os.geteuid() != 0:
-            assert not os.environ.get("CI"), "mounting a tmpfs needs root in CI"
-            pytest.skip("mounting a tmpfs needs root")
-        mnt = tmp_path / f"tmpfs{len(mounts)}"
-        mnt.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                       check=True)
-        mounts.append(mnt)
-        return mnt
-    yield mount
-    for mnt in mounts:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

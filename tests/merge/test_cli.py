@@ -158,3 +158,35 @@ def test_output_that_is_an_input_is_refused(tmp_path):
     assert r.stderr == f"Error: {target}: the output would replace the input; choose another -o\n"
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(
         p.name for p in fleet.paths)
+
+
+def test_output_dash_is_refused(tmp_path):
+    """-o - is standard output elsewhere; fleet.db is a database file, never a file
+    named "-"."""
+    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=55)
+    r = CliRunner().invoke(main, [str(tmp_path / "b"), "-o", "-"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr == ("Error: -o -: fleet.db is a database file, not a stream; give it a "
+                        "file name (-o fleet.db)\n")
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(
+        p.name for p in fleet.paths)
+    assert not (tmp_path / "-").exists()
+
+
+def test_an_empty_output_file_becomes_the_fleet_db(tmp_path):
+    """An empty file (as `mktemp` leaves one) holds nothing to keep: a new fleet.db is
+    made there, as for a path that does not exist. A file with anything in it that is
+    not a fleet.db is still refused."""
+    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=56)
+    out = tmp_path / "tmp.XXXX"
+    out.write_bytes(b"")
+    r = CliRunner().invoke(main, [*map(str, fleet.paths), "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["bundles_merged"] == 2
+    con = apsw.Connection(str(out), flags=apsw.SQLITE_OPEN_READONLY)
+    assert con.execute("SELECT COUNT(*) FROM nodes").fetchone()[0] == 2
+    con.close()
+    text = tmp_path / "notes.txt"
+    text.write_text("x")
+    r = CliRunner().invoke(main, [*map(str, fleet.paths), "-o", str(text)])
+    assert r.exit_code == 1 and text.read_text() == "x", r.output

@@ -112,3 +112,51 @@ def test_redact_option_with_a_missing_output_directory_is_one_line(copy, tmp_pat
         assert r.stderr == (f"Error: {args[-1]}: directory {tmp_path / 'no'} does not "
                             "exist\n"), r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.db"]
+
+
+@pytest.fixture(scope="module")
+def simulated_fleet(tmp_path_factory):
+    """A simulated fleet.db of some megabytes (VACUUM INTO journals its target there)."""
+    from ingero_forensics.merge import merge_bundles
+    from ingero_forensics.simulate import FleetConfig, simulate_fleet
+    d = tmp_path_factory.mktemp("simfleet")
+    simulate_fleet(d, FleetConfig(nodes=4, ranks_per_node=2, steps=60, workers=1))
+    merge_bundles(sorted(d.glob("*.bundle")), d / "fleet.db")
+    return d / "fleet.db"
+
+
+@pytest.mark.parametrize("share", [0.08, 0.3, 0.7])
+def test_a_full_disk_is_one_error_line_and_leaves_nothing(simulated_fleet, tmpfs, share):
+    """The output on a medium too small for it (the one that leaves the site, as a
+    rule): one line naming it, exit 1, and no temporary file or its journal left."""
+    small = tmpfs(f"{int(os.path.getsize(simulated_fleet) * share) // 4096 * 4096}")
+    out = small / "r.db"
+    r = run(simulated_fleet, "-o", out, "-q")
+    assert r.exit_code == 1, r.output
+    assert r.stderr == f"Error: {out}: file system full\n"
+    assert list(small.iterdir()) == []
+
+
+def test_evidence_is_never_replaced_an_earlier_redacted_copy_is(copy, sensitive_fleet, tmp_path):
+    """-o naming a bundle or a fleet.db that is not redacted is refused before any work
+    (exit 2, the file as it was); an earlier redacted copy is replaced, as a second run
+    of the same command does; -o - is refused (a database file, not a stream)."""
+    other = tmp_path / "other.db"
+    shutil.copyfile(sensitive_fleet, other)
+    before = sha(other)
+    r = run(copy, "-o", other)
+    assert r.exit_code == 2, r.output
+    assert r.stderr == (f"Error: {other}: is a fleet.db that is not redacted; refusing to "
+                        "replace it with a redacted copy (remove it first, or choose "
+                        "another -o)\n")
+    assert sha(other) == before
+    out = tmp_path / "red.db"
+    assert run(copy, "-o", out, "-q").exit_code == 0
+    first = os.stat(out).st_ino
+    r = run(copy, "-o", out, "-q")
+    assert r.exit_code == 0, r.output
+    assert os.stat(out).st_ino != first         # a new copy moved into its place
+    r = run(copy, "-o", "-")
+    assert r.exit_code == 2
+    assert r.stderr.startswith("Error: -o -: the redacted copy is a database file")
+    assert not os.path.exists("-")
