@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import IngeroError
 
-FAULTS = ("none", "cpu", "io", "network", "gpu", "memory")
+FAULTS = ("none", "cpu", "io", "network", "gpu", "memory", "slowlink")
 MAX_NODES = 1024
 MAX_RANKS_PER_NODE = 16
 
@@ -76,13 +76,16 @@ class FleetConfig:
                                       f"the fleet (node-00 .. {node_name(self.nodes - 1)})")
         if self.fault == "none" and self.straggler is not None:
             raise SimulateConfigError("--straggler", "a straggler needs a fault "
-                                      "(--fault cpu|io|network|gpu|memory)")
+                                      "(--fault cpu|io|network|gpu|memory|slowlink)")
         if self.fault == "none" and self.fault_windows:
             raise SimulateConfigError("--fault-window", "fault windows need a fault "
-                                      "(--fault cpu|io|network|gpu|memory)")
+                                      "(--fault cpu|io|network|gpu|memory|slowlink)")
         if self.fault == "network" and self.nodes < 2:
             raise SimulateConfigError("--fault", "network needs at least 2 nodes "
                                       "(the straggler's ring neighbours)")
+        if self.fault == "slowlink" and self.nodes < 3:
+            raise SimulateConfigError("--fault", "slowlink needs at least 3 nodes (a link "
+                                      "slower than the job's other links)")
         if self.lying_clock is not None and not 0 <= self.lying_clock < self.nodes:
             raise SimulateConfigError("--lying-clock", f"node {self.lying_clock} is "
                                       "outside the fleet")

@@ -158,6 +158,12 @@ def build_truth(cfg: FleetConfig, plan, clocks, sched, bundles) -> dict:
                                    addrs[x]["data"] for x in
                                    sorted({(plan.node - 1) % n, (plan.node + 1) % n}
                                           - {plan.node})]}
+        elif plan.kind == "slowlink":
+            to = (plan.node + 1) % cfg.nodes
+            fault["ranks"] = node_ranks
+            fault["detail"] = {"link": [node_name(plan.node), node_name(to)],
+                               "addresses": [addrs[plan.node]["data"], addrs[to]["data"]],
+                               "queue_ms": [4.0, 12.0], "rate_factor": [2.0, 4.0]}
         else:
             fault["ranks"] = fault["late_ranks"] = node_ranks
             if plan.kind == "cpu":

@@ -178,7 +178,7 @@ def make_clocks(cfg: FleetConfig) -> list[NodeClock]:
 
 @dataclass(frozen=True)
 class FaultPlan:
-    kind: str                       # none, cpu, io, network, gpu, memory
+    kind: str                       # none, cpu, io, network, gpu, memory, slowlink
     node: int | None                # straggler node index
     windows: tuple[tuple[int, int], ...]
     gpu_local_rank: int | None      # gpu fault: the slow GPU on the straggler
@@ -211,7 +211,7 @@ def make_fault_plan(cfg: FleetConfig) -> FaultPlan:
 
 def rank_fault(plan: FaultPlan, node: int, local_rank: int) -> str:
     """The fault this rank suffers when a window is active ('' = none)."""
-    if plan.node != node or plan.kind in ("none", "network"):
+    if plan.node != node or plan.kind in ("none", "network", "slowlink"):
         return ""
     if plan.kind == "gpu" and local_rank != plan.gpu_local_rank:
         return ""
@@ -433,10 +433,11 @@ class Schedule:
     step_end: list[float]      # latest rank's loss-sync end
     #: per step: factor the network fault applied to transfers (1.0 = none)
     net_factor: list[float]
-    #: per step, per gradient bucket: (start, flow_ns, rto_ns, stall_at): the ring's bytes
-    #: move from ``start`` for ``flow_ns``, a retransmission timeout of ``rto_ns`` (0:
-    #: none) stalling them at fraction ``stall_at`` of the bytes (simulate/progress.py)
-    transfers: list[list[tuple[float, float, float, float]]]
+    #: per step, per gradient bucket: (start, flow_ns, rto_ns, stall_at, queue_ns): the
+    #: ring's bytes move from ``start`` for ``flow_ns``, a retransmission timeout of
+    #: ``rto_ns`` (0: none) stalling them at fraction ``stall_at`` of the bytes; the
+    #: slowlink fault's hop queues its last byte ``queue_ns`` (simulate/progress.py)
+    transfers: list[list[tuple[float, float, float, float, float]]]
 
     @property
     def job_end(self) -> float:
@@ -458,26 +459,34 @@ def compute_schedule(cfg: FleetConfig, plan: FaultPlan) -> Schedule:
     xfer = [transfer_ns(b, nranks, cfg.nodes) for b in BUCKET_BYTES]
     loss_xfer = transfer_ns(4, nranks, cfg.nodes)
     net_node = plan.node if plan.kind == "network" else None
+    # a link that queues (a shaper, a NIC at a lower speed): the ring moves at its rate,
+    # and its queue holds each transfer's bytes longer, the last ones longest; nothing
+    # is lost, nobody is late
+    slow_node = plan.node if plan.kind == "slowlink" else None
     stalls = rng_for(cfg.seed, "stall")    # its own draws: the fleet's stay as they were
     completions, starts, ends, factors, transfers = [], [], [], [], []
     for step in range(cfg.steps):
         recs = [tl.phase_backward(step) for tl in ranks]
-        factor = 1.0
+        factor, queue = 1.0, 0.0
         if net_node is not None and plan.active(step):
             factor = fr.uniform(3.0, 6.5)
+        slow = slow_node is not None and plan.active(step)
+        if slow:
+            factor, queue = fr.uniform(2.0, 4.0), fr.uniform(4.0, 12.0) * MS
         done, prev, moves = [], 0.0, []
         for j in range(N_BUCKETS):
             arrive = max(rec.device[j] for rec in recs)
             x = xfer[j] * jit(fr, 0.04) * factor
             rto = 0.0
-            if factor > 1.0 and fr.random() < 0.12:
+            if factor > 1.0 and not slow and fr.random() < 0.12:
                 rto = fr.uniform(200, 230) * MS  # a TCP retransmission timeout
             start = max(arrive, prev)
-            moves.append((start, x, rto, stalls.random() if rto else 0.0))
-            prev = start + (x + rto)
+            moves.append((start, x, rto, stalls.random() if rto else 0.0, queue))
+            prev = start + (x + rto) + queue
             done.append(prev)
         loss_arrive = max(tl.phase_optimizer(prev) for tl in ranks)
-        loss_done = loss_arrive + loss_xfer * jit(fr, 0.05) * (factor if factor > 1 else 1.0)
+        loss_done = loss_arrive + loss_xfer * jit(fr, 0.05) * (factor if factor > 1 else 1.0) \
+            + (fr.uniform(0.3, 1.0) * queue if slow else 0.0)
         done.append(loss_done)
         ends.append(max(tl.phase_end(loss_done).lsync_end for tl in ranks))
         starts.append(min(rec.start for rec in recs))

@@ -84,6 +84,8 @@ class HopEnd:
         # a lossy NIC at either end of the hop (network fault) delays some arrivals
         plan = gen.plan
         self.lossy = plan.kind == "network" and plan.node in (send_node, recv_node)
+        # the slowlink fault's hop (from its node to the next) queues its bytes
+        self.queues = plan.kind == "slowlink" and plan.node == send_node
         # a CPU-starved receiving node returns its reads late (its arrivals are not)
         self.starved = (not sending and plan.kind == "cpu" and plan.node == recv_node)
         kinds = ("send",) if sending else ("arrive", "recv")
@@ -93,7 +95,7 @@ class HopEnd:
     # -- one transfer --------------------------------------------------------------------
     def _departure(self, move, size: int, q: int) -> float:
         """True time byte ``q`` of a transfer of ``size`` bytes left the sender."""
-        start, flow, rto, stall_at = move
+        start, flow, rto, stall_at, _queue = move
         span = max(flow - 50 * US, 0.5 * flow)
         t = start + span * q / size
         if rto and q >= stall_at * size:
@@ -147,6 +149,10 @@ class HopEnd:
             return self._departure(move, size, lo)
         t = self._departure(move, size, hi - 1)
         t += self._transit(key, t)
+        if self.queues and move[4]:
+            # the hop's queue stands half full from the transfers before and fills over
+            # this one: its last byte waits the longest
+            t += move[4] * (0.5 + 0.5 * (hi - 1) / size)
         if kind == "recv":          # the read returns once its last bytes are in
             t += 3 * US + 15 * US * self.r.random() * self.r.random()
             if self.starved and self.gen.fault_at(t) and self.r.random() < 0.4:

@@ -367,3 +367,28 @@ def test_slow_link_beside_a_lossy_link_is_a_second_finding(tmp_path_factory, tmp
     (tmp_path / "at").mkdir()
     _, a = _fleet(tmp_path / "at", lossy, slow={(1, 2)})
     assert a.straggler == "node-01" and a.also_slow_link is None, a.verdict
+
+
+@pytest.mark.parametrize("fault", ["slowlink", "none"])
+def test_the_simulator_s_own_ring_rows(tmp_path, fault):
+    """The simulator's own tcp_progress (its ring, sampled as the capture samples it):
+    its slow link (a queue on one hop, the whole run) is named with its two ends, its
+    sending node, and the network cause, nobody else; on a clean run every hop is
+    measured and none is named."""
+    kw = dict(fault="slowlink", straggler=4) if fault != "none" else {}
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120,
+                                               seed=7, **kw))
+    merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    assert len(a.links) == NODES and all(lk["transits"] >= MIN_LINK_PAIRS for lk in a.links)
+    if fault == "none":
+        assert a.link_suspect is None and a.link_unsure is None and a.straggler is None
+        assert "no link of the job is far slower than the others" in a.verdict, a.verdict
+        assert max(lk["median_ms"] for lk in a.links) < 0.1, a.links
+        return
+    s = a.link_suspect
+    assert s is not None, a.verdict
+    assert (s["from"], s["to"], a.straggler, a.cause, a.cause_confidence) == \
+        ("node-04", "node-05", "node-04", "network", "clear"), a.verdict
+    assert a.network_basis == "slow_link" and a.stragglers == []
+    assert s["median_ms"] > 2.0 and s["others_ms"] < 0.1, s

@@ -41,7 +41,7 @@ def test_straggler_by_index_and_summary_line(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--fault", "disk"], "Error: Invalid value for '--fault': unknown fault 'disk' "
-                          "(choose from none, cpu, io, network, gpu, memory)"),
+                          "(choose from none, cpu, io, network, gpu, memory, slowlink)"),
     (["--fault", "cpu", "--straggler", "node-07"], "Error: Invalid value for '--straggler': node-07 is "
                                  "outside the fleet (node-00 .. node-02)"),
     (["--fault", "cpu", "--straggler", "3"], "Error: Invalid value for '--straggler': 3 is outside the "
@@ -62,9 +62,9 @@ def test_straggler_by_index_and_summary_line(tmp_path):
     (["--fault", "cpu", "--fault-window", "2:10", "--fault-window", "8:12"],
      "Error: Invalid value for '--fault-window': windows overlap"),
     (["--straggler", "1"], "Error: Invalid value for '--straggler': a straggler needs a "
-                           "fault (--fault cpu|io|network|gpu|memory)"),
+                           "fault (--fault cpu|io|network|gpu|memory|slowlink)"),
     (["--fault-window", "2:5"], "Error: Invalid value for '--fault-window': fault windows "
-                                "need a fault (--fault cpu|io|network|gpu|memory)"),
+                                "need a fault (--fault cpu|io|network|gpu|memory|slowlink)"),
     (["--ranks-per-node", "0"], "Error: Invalid value for '--ranks-per-node': must be "
                                 "between 1 and 16, got 0"),
 ])
@@ -83,6 +83,16 @@ def test_network_needs_two_nodes(tmp_path):
     assert res.output.splitlines()[-1] == ("Error: Invalid value for '--fault': network "
                                            "needs at least 2 nodes (the straggler's ring "
                                            "neighbours)")
+
+
+def test_slowlink_needs_three_nodes(tmp_path):
+    res = run(["-o", str(tmp_path / "f"), "--nodes", "2", "--steps", "5", "--fault",
+               "slowlink"])
+    assert res.exit_code == 2
+    assert res.output.splitlines()[-1] == ("Error: Invalid value for '--fault': slowlink "
+                                           "needs at least 3 nodes (a link slower than the "
+                                           "job's other links)")
+    assert not (tmp_path / "f").exists()
 
 
 def test_refuses_to_mix_fleets(tmp_path):

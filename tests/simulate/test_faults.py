@@ -126,6 +126,44 @@ def test_network_retransmits(make_fleet):
     assert statistics.median(inside) > 2.5 * statistics.median(outside)
 
 
+def test_slow_link_queues_one_hop_and_drops_nothing(make_fleet):
+    """A link that queues (slowlink) between the straggler and the next node: its bytes
+    take milliseconds from send to arrival against tens of microseconds on every other
+    hop, collectives are slower for everyone inside the window, nobody arrives late and
+    nothing is retransmitted."""
+    f = make_fleet(fault="slowlink", straggler=2, fault_windows=((20, 50),))
+    assert f.truth["fault"]["detail"]["link"] == [STRAGGLER, "node-03"]
+    addr = {n["name"]: n["address"] for n in f.truth["nodes"]}
+    window = f.truth["fault"]["windows"][0]
+    lo, hi = window["start_utc_ns"], window["end_utc_ns"]
+    transit = {}
+    for node in f.bundles:
+        sends = sorted((o, f.true_ns(node, t)) for o, t in f.q(
+            node, "SELECT stream_offset, timestamp_ns FROM tcp_progress "
+                  "WHERE direction = 'send'"))
+        (dst,) = {d for (d,) in f.q(node, "SELECT daddr FROM tcp_progress "
+                                          "WHERE direction = 'send'")}
+        peer = next(n for n, a in addr.items() if a == dst)
+        inside = []
+        for o, b, t in f.q(peer, "SELECT stream_offset, bytes, timestamp_ns FROM tcp_progress "
+                                 "WHERE direction = 'arrive' AND daddr = ?", (addr[node],)):
+            below = [s for off, s in sends if off < o + b]
+            tt = f.true_ns(peer, t)
+            if below and lo <= tt < hi:
+                inside.append(tt - max(below))
+        transit[(node, peer)] = statistics.median(inside) / 1e6
+    slow = transit.pop((STRAGGLER, "node-03"))
+    assert slow > 2.0, (slow, transit)
+    assert max(transit.values()) < 0.2, transit
+    assert max(abs(v) for v in f.lateness_ms().values()) < 2
+    for node in f.bundles:
+        assert f.q(node, "SELECT count(*) FROM tcp_events WHERE scope = 'job'")[0][0] < 10
+    waits = _collective_ms(f)
+    inside = [v for s, v in waits.items() if 20 <= s < 50]
+    outside = [v for s, v in waits.items() if s < 20 or s >= 50]
+    assert statistics.median(inside) > statistics.median(outside) + 3
+
+
 def _collective_ms(f):
     """Per step: observed completion of the last gradient bucket minus the last entry.
 
