@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from .causal import CausalSystem, message_bounds, project_messages
+from .fitting import (bin_constraints, error_bound, median, robust_line, solve_graph,
+                      weighted_median)
 
 #: A jump of CLOCK_REALTIME - CLOCK_MONOTONIC larger than this between consecutive
 #: samples is an NTP step (slewing changes it by at most 500 ppm x the sample interval).
@@ -61,7 +63,6 @@ CENTRE_CLAIM_NS = 50_000
 #: A TCP send/receive pair that contradicts two lines the collectives placed by more
 #: than their relative uncertainties plus this (ns) is refused (align._apply_messages).
 MESSAGE_REFUSE_NS = 1_000_000
-LINE_BINS = 16
 
 
 @dataclass
@@ -120,101 +121,6 @@ class NodeAlignment:
 
     def aligned(self, mono: int) -> int:
         return self.offset_ns + mono + round(mono * self.slope)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-def median(values) -> float:
-    s = sorted(values)
-    n = len(s)
-    if not n:
-        raise ValueError("median of nothing")
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
-def weighted_median(pairs: list[tuple[float, float]]) -> float:
-    """pairs of (value, weight)."""
-    pairs = sorted(pairs)
-    total = sum(w for _, w in pairs)
-    acc = 0.0
-    for v, w in pairs:
-        acc += w
-        if acc >= total / 2:
-            return v
-    return pairs[-1][0]
-
-
-def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (small dense systems)."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-300:
-            raise ZeroDivisionError("singular system")
-        m[col], m[piv] = m[piv], m[col]
-        p = m[col][col]
-        for r in range(col + 1, n):
-            f = m[r][col] / p
-            if f:
-                row, prow = m[r], m[col]
-                for c in range(col, n + 1):
-                    row[c] -= f * prow[c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        s = m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))
-        x[r] = s / m[r][r]
-    return x
-
-
-def robust_line(xs, ys) -> tuple[float, float, float, int]:
-    """Fit y = a + b x robustly: bin medians (twice, the second time detrended), a
-    weighted least-squares line through them with one round of bin rejection.
-    Returns (a, b, scale, n_used), scale = 1.4826 MAD of the point residuals."""
-    n = len(xs)
-    if n == 0:
-        raise ValueError("no points")
-    lo, hi = min(xs), max(xs)
-    a, b = median(ys), 0.0
-    if hi - lo > 0 and n >= 6:
-        width = (hi - lo) / LINE_BINS
-        for _ in range(2):
-            bins: list[list[tuple[float, float]]] = [[] for _ in range(LINE_BINS)]
-            for x, y in zip(xs, ys):
-                k = min(int((x - lo) / width), LINE_BINS - 1)
-                bins[k].append((x, y - b * x))
-            pts = [(median([p[0] for p in bn]), median([p[1] for p in bn]), len(bn))
-                   for bn in bins if len(bn) >= 2]
-            if len(pts) < 2:
-                break
-            da, db = _wls_line(pts)
-            res = [abs(r - (da + db * x)) for x, r, _ in pts]
-            cut = 5 * 1.4826 * median(res) if len(pts) > 3 else math.inf
-            kept = [p for p, e in zip(pts, res) if e <= max(cut, 1e-9)]
-            if len(kept) >= 2 and len(kept) < len(pts):
-                da, db = _wls_line(kept)
-            a, b = da, b + db
-    res = [y - (a + b * x) for x, y in zip(xs, ys)]
-    mad = median([abs(r) for r in res])
-    scale = 1.4826 * mad
-    cut = max(5 * scale, 1000.0)
-    used = sum(1 for r in res if abs(r) <= cut)
-    # Re-centre on the inliers (the bin medians are robust but coarse).
-    inl = [r for r in res if abs(r) <= cut]
-    if inl:
-        a += median(inl)
-    return a, b, scale, used
-
-
-def _wls_line(pts) -> tuple[float, float]:
-    sw = sum(w for _, _, w in pts)
-    mx = sum(x * w for x, _, w in pts) / sw
-    my = sum(y * w for _, y, w in pts) / sw
-    sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
-    if sxx <= 0:
-        return my, 0.0
-    b = sum(w * (x - mx) * (y - my) for x, y, w in pts) / sxx
-    return my - b * mx, b
 
 
 # ------------------------------------------------------------------ step 1: one node
@@ -280,61 +186,6 @@ def describe_segments(segs) -> list[dict]:
                     "offset_ns": round(median([s.realtime - s.mid for s in seg])),
                     "claimed_error_ns": round(median(claims)) if claims else None})
     return out
-
-
-# -------------------------------------------------------- step 3: bounds and liars
-
-def error_bound(cons: list[tuple[float, float, float]], t0: float, t1: float,
-                rate_bound: float) -> float | None:
-    """Worst |a + b t| for t in {t0, t1} over all (a, b) with lo <= a + b t_k <= hi for
-    every constraint (t_k, lo, hi) and |b| <= rate_bound. None if infeasible.
-    Vertex enumeration: the constraint sets are small (best sample per time bin)."""
-    lines = []  # (ca, cb, rhs): ca*a + cb*b = rhs
-    for t, lo, hi in cons:
-        lines.append((1.0, t, lo))
-        lines.append((1.0, t, hi))
-    lines.append((0.0, 1.0, rate_bound))
-    lines.append((0.0, 1.0, -rate_bound))
-    tol = 1e-6 + 1e-9 * max((abs(c[1]) + abs(c[2]) for c in cons), default=0.0)
-
-    def feasible(a, b):
-        if abs(b) > rate_bound * (1 + 1e-12) + 1e-12:
-            return False
-        for t, lo, hi in cons:
-            v = a + b * t
-            if v < lo - tol or v > hi + tol:
-                return False
-        return True
-
-    best = None
-    for i in range(len(lines)):
-        a1, b1, r1 = lines[i]
-        for j in range(i + 1, len(lines)):
-            a2, b2, r2 = lines[j]
-            det = a1 * b2 - a2 * b1
-            if abs(det) < 1e-12:
-                continue
-            a = (r1 * b2 - r2 * b1) / det
-            b = (a1 * r2 - a2 * r1) / det
-            if feasible(a, b):
-                v = max(abs(a + b * t0), abs(a + b * t1))
-                best = v if best is None else max(best, v)
-    return best
-
-
-def _bin_constraints(items: list[tuple[float, float, float]], t0: float, t1: float,
-                     bins: int = LINE_BINS) -> list[tuple[float, float, float]]:
-    """Keep the tightest constraint per time bin (fewer constraints = a looser but still
-    valid bound)."""
-    if not items:
-        return []
-    width = (t1 - t0) / bins if t1 > t0 else 1.0
-    best: dict[int, tuple[float, float, float]] = {}
-    for c in items:
-        k = min(max(int((c[0] - t0) / width), 0), bins - 1)
-        if k not in best or (c[2] - c[1]) < (best[k][2] - best[k][1]):
-            best[k] = c
-    return list(best.values())
 
 
 # --------------------------------------------------------------------------- the solve
@@ -495,7 +346,7 @@ def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: i
         if len(members) < 2:
             continue
         cedges = {e: f for e, f in fits.items() if e[0] in members}
-        sol = _solve_graph(sorted(members), cedges)
+        sol = solve_graph(sorted(members), cedges)
         for nid in members:
             rel[nid] = sol[nid]
             comp_of[nid] = min(members)
@@ -882,54 +733,6 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
 
 
 
-def _solve_graph(members: list[int], cedges: dict) -> dict[int, tuple[float, float]]:
-    """Weighted least squares over the graph: rates first, then offsets at each edge's
-    own centre of data; edges inconsistent with the solution are down-weighted."""
-    idx = {nid: k for k, nid in enumerate(members)}
-    n = len(members)
-    # edge: d = u_i - u_j ~ a + b x  ->  want (x_i - x_j) + (y_i - y_j) x = -(a + b x)
-    wy = {e: max(f[3], 1) * max(f[5], 1e-3) ** 2 / f[2] ** 2 for e, f in cedges.items()}
-    wx = {e: max(f[3], 1) / f[2] ** 2 for e, f in cedges.items()}
-
-    def lap_solve(weights, target):
-        a = [[0.0] * n for _ in range(n)]
-        b = [0.0] * n
-        for (i, j), w in weights.items():
-            p, q = idx[i], idx[j]
-            t = target[(i, j)]
-            a[p][p] += w
-            a[q][q] += w
-            a[p][q] -= w
-            a[q][p] -= w
-            b[p] += w * t
-            b[q] -= w * t
-        # gauge: the mean correction is zero (the common mode is fixed later)
-        big = max((a[k][k] for k in range(n)), default=1.0) or 1.0
-        for p in range(n):
-            for q in range(n):
-                a[p][q] += big / n
-        return solve_linear(a, b)
-
-    for _round in range(3):
-        ty = {e: -f[1] for e, f in cedges.items()}
-        y = lap_solve(wy, ty)
-        tx = {e: -(f[0] + f[1] * f[4]) - (y[idx[e[0]]] - y[idx[e[1]]]) * f[4]
-              for e, f in cedges.items()}
-        x = lap_solve(wx, tx)
-        changed = False
-        for e, f in cedges.items():
-            i, j = idx[e[0]], idx[e[1]]
-            r = (x[i] - x[j]) - tx[e]
-            tol = max(5 * f[2] / math.sqrt(max(f[3], 1)), 1000.0)
-            if abs(r) > tol and wx[e] > 1e-30:
-                wx[e] *= 1e-4
-                wy[e] *= 1e-4
-                changed = True
-        if not changed:
-            break
-    return {nid: (x[idx[nid]], y[idx[nid]]) for nid in members}
-
-
 def _common_mode(members, nodes, pre, rel, t_ref, rel_unc):
     """Fit one offset and rate for the component from its clock samples (robust, weighted
     by each sample's own error estimate); bound the absolute error by the honest claims;
@@ -964,7 +767,7 @@ def _common_mode(members, nodes, pre, rel, t_ref, rel_unc):
         cons, t0, t1 = constraints(exclude, alpha, beta)
         if not cons:
             return None, False
-        b = error_bound(_bin_constraints(cons, t0, t1), t0, t1, DRIFT_BOUND_PPM * 1e3)
+        b = error_bound(bin_constraints(cons, t0, t1), t0, t1, DRIFT_BOUND_PPM * 1e3)
         return b, b is not None
 
     while True:

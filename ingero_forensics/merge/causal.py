@@ -46,6 +46,26 @@ CENTRE_PASSES = 3
 MARGIN_NS = 1000.0
 
 
+def _enter(ext: tuple, nid: int, e, s, sh: float) -> tuple:
+    """(s1, s2, e1, e2), a row's two earliest observations and two latest entries as
+    (time, node), with one more node's entry e and observation s (None: none) shifted by
+    sh. Earlier nodes win ties, as in the row's order."""
+    s1, s2, e1, e2 = ext
+    if s is not None:
+        v = s + sh
+        if s1 is None or v < s1[0]:
+            s1, s2 = (v, nid), s1
+        elif s2 is None or v < s2[0]:
+            s2 = (v, nid)
+    if e is not None:
+        v = e + sh
+        if e1 is None or v > e1[0]:
+            e1, e2 = (v, nid), e1
+        elif e2 is None or v > e2[0]:
+            e2 = (v, nid)
+    return s1, s2, e1, e2
+
+
 @dataclass
 class NodeBounds:
     moved_ns: float = 0.0           # largest |shift| applied at either end of the capture
@@ -74,14 +94,54 @@ class CausalSystem:
             self.tau.append(ts[len(ts) // 2] / 1e9 if ts else 0.0)
         self.corr: dict[int, tuple[float, float]] = {}
         self.span: dict[int, tuple[float, float]] = {}
-        for r, tau in zip(self.rows, self.tau):
-            for nid, _, _ in r:
+        #: per node, its entries (row index, entry, observed) in row order: the
+        #: constraints of a few nodes read those, not every row (a fleet-wide collective
+        #: is a row of every node: centring each of 1,000 nodes against every row was
+        #: quadratic in the nodes)
+        self.entries_of: dict[int, list[tuple[int, float | None, float | None]]] = {}
+        for k, (r, tau) in enumerate(zip(self.rows, self.tau)):
+            for nid, e, s in r:
                 lo, hi = self.span.get(nid, (tau, tau))
                 self.span[nid] = (min(lo, tau), max(hi, tau))
+                self.entries_of.setdefault(nid, []).append((k, e, s))
+        #: per row, its two earliest observations and two latest entries on the current
+        #: lines (_extremes), dropped when the line of a node in it changes (_set_corr)
+        self._ext: dict[int, tuple] = {}
 
     def _shift(self, nid: int, tau: float) -> float:
         a, b = self.corr.get(nid, (0.0, 0.0))
         return a + b * tau
+
+    def _set_corr(self, nid: int, a: float, b: float) -> None:
+        """A node's new line; each row's extremes kept where the node is not among
+        them before (its new times enter them where they are earlier or later), made
+        again on the next read where it is."""
+        self.corr[nid] = (a, b)
+        for k, e, s in self.entries_of.get(nid, ()):
+            ext = self._ext.get(k)
+            if ext is None:
+                continue
+            if any(x is not None and x[1] == nid for x in ext):
+                del self._ext[k]
+                continue
+            self._ext[k] = _enter(ext, nid, e, s, a + b * self.tau[k])
+
+    def _extremes(self, k: int, among=None) -> tuple:
+        """Row k's two earliest observations and two latest entries, (time, node) each
+        (None where there is none), on the current lines, of the nodes ``among``
+        (default: all; only that case is kept between calls)."""
+        if among is None:
+            hit = self._ext.get(k)
+            if hit is not None:
+                return hit
+        tau = self.tau[k]
+        out = (None, None, None, None)
+        for nid, e, s in self.rows[k]:
+            if among is None or nid in among:
+                out = _enter(out, nid, e, s, self._shift(nid, tau))
+        if among is None:
+            self._ext[k] = out
+        return out
 
     def constraints(self, among=None, only=None, bins: int = BINS,
                     ) -> dict[int, list[tuple[float, float, float]]]:
@@ -89,28 +149,19 @@ class CausalSystem:
         against the nodes ``among`` (default: all), for the nodes ``only`` (default:
         all)."""
         per: dict[int, dict[int, list[float]]] = {}
-        for r, tau in zip(self.rows, self.tau):
-            # the two earliest observations and the two latest entries, with their nodes
-            s1 = s2 = e1 = e2 = None
-            for nid, e, s in r:
-                if among is not None and nid not in among:
-                    continue
-                sh = self._shift(nid, tau)
-                if s is not None:
-                    v = s + sh
-                    if s1 is None or v < s1[0]:
-                        s1, s2 = (v, nid), s1
-                    elif s2 is None or v < s2[0]:
-                        s2 = (v, nid)
-                if e is not None:
-                    v = e + sh
-                    if e1 is None or v > e1[0]:
-                        e1, e2 = (v, nid), e1
-                    elif e2 is None or v > e2[0]:
-                        e2 = (v, nid)
-            for nid, e, s in r:
-                if only is not None and nid not in only:
-                    continue
+        nodes = self.entries_of if only is None else [n for n in self.entries_of if n in only]
+        among_ext: dict[int, tuple] = {}       # this call's, for a set of nodes
+        for nid in nodes:
+            for row, e, s in self.entries_of[nid]:
+                tau = self.tau[row]
+                # the two earliest observations and the two latest entries, with their nodes
+                if among is None:
+                    s1, s2, e1, e2 = self._extremes(row)
+                else:
+                    ext = among_ext.get(row)
+                    if ext is None:
+                        ext = among_ext[row] = self._extremes(row, among)
+                    s1, s2, e1, e2 = ext
                 sh = self._shift(nid, tau)
                 hi = lo = None
                 if e is not None:
@@ -213,7 +264,7 @@ class CausalSystem:
                 else:
                     a, b = pa, b0
                 moved = max(abs(a - a0 + (b - b0) * t0), abs(a - a0 + (b - b0) * t1))
-                self.corr[nid] = (a, b)
+                self._set_corr(nid, a, b)
                 info[nid].moved_ns = max(info[nid].moved_ns, moved)
 
     def _place(self, order_hint, rate_bound, info) -> None:
@@ -241,7 +292,7 @@ class CausalSystem:
                         a = pa - b * t0
                     else:
                         a, b = pa, b0
-                    self.corr[nid] = (a, b)
+                    self._set_corr(nid, a, b)
                     # the binned polygon holds at each bin's tightest points; a tilted
                     # line may still graze a point between them: settle the offset on
                     # every point
@@ -254,7 +305,7 @@ class CausalSystem:
                         a += up + room
                     elif down < room and up <= down:
                         a += down - room
-                    self.corr[nid] = (a, b)
+                    self._set_corr(nid, a, b)
                     info[nid].violation_ns = v
                     info[nid].moved_ns = max(abs(a - a0 + (b - b0) * t0),
                                              abs(a - a0 + (b - b0) * t1))
@@ -473,10 +524,18 @@ def message_bounds(pairs, min_latency_ns: float
     return out
 
 
+#: Nodes up to which _cycle_bounds computes every shortest chain (a Dijkstra from each
+#: node: quadratic in the nodes); above, it bounds them through HUBS of them.
+EXACT_CYCLE_NODES = 128
+HUBS = 16
+
+
 def _cycle_bounds(slack: dict[tuple[int, int], float], nodes) -> dict[int, float]:
     adj: dict[int, list[tuple[int, float]]] = {n: [] for n in nodes}
     for (u, v), w in slack.items():
         adj[u].append((v, w))
+    if len(nodes) > EXACT_CYCLE_NODES:
+        return _hub_bounds(adj, nodes)
     dist = {n: _dijkstra(adj, n) for n in nodes}
     out = {}
     for n in nodes:
@@ -489,6 +548,36 @@ def _cycle_bounds(slack: dict[tuple[int, int], float], nodes) -> dict[int, float
                 break
             worst = max(worst, a, b)
         else:
+            out[n] = worst
+    return out
+
+
+def _hub_bounds(adj, nodes) -> dict[int, float]:
+    """_cycle_bounds through a few hubs, for large fleets: the chain from n to any m is
+    at most the chain from n to a hub r plus the longest chain out of r (and the chain
+    from any m to n at most the longest chain into r plus r's to n), the least over the
+    hubs; valid bounds, looser than every chain computed (in a ring of N nodes about
+    (1 + 1/HUBS) times the exact one), at 2 x HUBS Dijkstras instead of N."""
+    order = sorted(nodes)
+    hubs = order[::max(1, len(order) // HUBS)][:HUBS]
+    radj: dict[int, list[tuple[int, float]]] = {n: [] for n in nodes}
+    for u, edges in adj.items():
+        for v, w in edges:
+            radj[v].append((u, w))
+    out_of, into = {}, {}
+    for r in hubs:
+        out_of[r] = _dijkstra(adj, r)      # r to every node
+        into[r] = _dijkstra(radj, r)       # every node to r
+    ecc_out = {r: max(d.values()) if len(d) == len(order) else math.inf
+               for r, d in out_of.items()}
+    ecc_in = {r: max(d.values()) if len(d) == len(order) else math.inf
+              for r, d in into.items()}
+    out = {}
+    for n in order:
+        to_any = min(into[r].get(n, math.inf) + ecc_out[r] for r in hubs)
+        from_any = min(ecc_in[r] + out_of[r].get(n, math.inf) for r in hubs)
+        worst = max(to_any, from_any)
+        if worst < math.inf:
             out[n] = worst
     return out
 

@@ -126,3 +126,38 @@ def test_a_fitted_line_moved_by_causality_keeps_its_bound():
     assert a.method == "causal"
     assert max(a.causal_early_ns, a.causal_late_ns) > 40_000_000       # the loose side
     assert a.relative_uncertainty_ns == 300_000 + a.causal_moved_ns
+
+
+def test_hub_bounds_are_valid_and_near_the_exact_ones():
+    """Above EXACT_CYCLE_NODES the messages' cycle bounds go through a few hubs: never
+    below the exact bound (they must stay bounds), and near it; exact at the hubs."""
+    import random
+
+    from ingero_forensics.merge import causal
+
+    rng = random.Random(5)
+    n = 300
+    slack = {}
+    for k in range(n):          # a ring both ways, as the job's TCP ring gives, plus chords
+        slack[(k, (k + 1) % n)] = rng.uniform(5e3, 40e3)
+        slack[((k + 1) % n, k)] = rng.uniform(5e3, 40e3)
+    for _ in range(200):
+        u, v = rng.randrange(n), rng.randrange(n)
+        if u != v:
+            slack[(u, v)] = rng.uniform(5e3, 400e3)
+    nodes = set(range(n))
+    adj = {k: [] for k in nodes}
+    for (u, v), w in slack.items():
+        adj[u].append((v, w))
+    dist = {k: causal._dijkstra(adj, k) for k in nodes}
+    exact = {k: max(max(dist[k][m], dist[m][k]) for m in nodes if m != k) for k in nodes}
+    hub = causal._cycle_bounds(slack, nodes)        # n > EXACT_CYCLE_NODES: the hubs
+    assert n > causal.EXACT_CYCLE_NODES and hub.keys() == nodes
+    assert all(hub[k] >= exact[k] - 1e-6 for k in nodes)
+    assert max(hub[k] / exact[k] for k in nodes) < 2.0
+    hubs = sorted(nodes)[::n // causal.HUBS][:causal.HUBS]
+    assert all(hub[r] == pytest.approx(exact[r]) for r in hubs)
+    # a node no chain reaches is bounded by none
+    slack = {e: w for e, w in slack.items() if 7 not in e}
+    slack[(7, 8)] = 1e4
+    assert 7 not in causal._cycle_bounds(slack, nodes)
