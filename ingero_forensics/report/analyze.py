@@ -528,7 +528,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         # rule 4c was asked (two links or more measured, a transfer worth a share): say so
         links_asked = len(a.links) >= 2 and transfer_share >= MIN_COST_SHARE
         checked = ["no period of the run has collectives slow for everyone"] + (
-            ["no link of the job is far slower than the others"]
+            ["no link of the job is far slower than the others over the run"]
             if links_asked and not a.link_unsure else [])
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
