@@ -19,7 +19,7 @@ from .config import FleetConfig, node_name
 from .model import (BUCKET_BYTES, DATA_WAIT, DSTATE, LAUNCHES, MS, N_BUCKETS, RUNQ_BENIGN,
                     RUNQ_COMPETITOR, S, US, FaultPlan, NodeClock, RankTimeline, Schedule,
                     rng_for, subseed, tri)
-from .progress import hop_ends
+from .progress import NCCL_PORT_BASE, hop_ends
 
 CHUNK_STEPS = 48
 HOST_TICK_NS = 100 * MS        # host_samples at 10 Hz
@@ -31,7 +31,6 @@ DATA_NIC = "ens108np0"
 MGMT_NIC = "eno1"
 NCPUS = 192
 INIT_NETNS = 4026531840        # inode of the initial network namespace
-NCCL_PORT_BASE = 43000
 STA_PLL, STA_NANO = 0x0001, 0x2000
 GIB = 1 << 30
 
@@ -619,9 +618,11 @@ class NodeGenerator:
             lr = int(r.random() * self.R)
             sock = int(r.random() * 4)
             peer_addr = self.addrs[peer]["data"]
+            # ports the same on every node (the addresses tell them apart): under 65536
+            # in a fleet of 1,024 nodes
             out.append((int(m0 + t * k), "tcp_retransmit_skb", 4, me["data"], peer_addr,
-                        NCCL_PORT_BASE + self.node * 64 + lr * 4 + sock,
-                        NCCL_PORT_BASE + 32 + peer * 64 + lr * 4 + sock, "ESTABLISHED",
+                        NCCL_PORT_BASE + lr * 4 + sock,
+                        NCCL_PORT_BASE + 100 + lr * 4 + sock, "ESTABLISHED",
                         r.choice((0, self.pids[lr], self.pids[lr] + 40)), INIT_NETNS,
                         self.pids[lr], "job", None, None))
         self._tcp_job_next = t

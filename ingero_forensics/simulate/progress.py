@@ -55,10 +55,10 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def hop_ports(sender: int, ranks_per_node: int) -> tuple[int, int]:
-    """(sending port, receiving port) of the hop from node ``sender`` to the next."""
-    return (NCCL_PORT_BASE + sender * 64 + (ranks_per_node - 1) * 4 + 2,
-            NCCL_PORT_BASE + 32 + ((sender + 1) * 64) + 2)
+def hop_ports(ranks_per_node: int) -> tuple[int, int]:
+    """(sending port, receiving port) of a hop: the same on every node (its address
+    tells the nodes apart), under 65536 whatever the fleet's size."""
+    return NCCL_PORT_BASE + (ranks_per_node - 1) * 4 + 2, NCCL_PORT_BASE + 100 + 2
 
 
 class HopEnd:
@@ -72,7 +72,7 @@ class HopEnd:
         self.payload = [ring_bytes(b, n) for b in BUCKET_BYTES]
         self.per_step = sum(self.payload)
         send_node, recv_node = hop, (hop + 1) % cfg.nodes
-        sport, rport = hop_ports(hop, cfg.ranks_per_node)
+        sport, rport = hop_ports(cfg.ranks_per_node)
         saddr, raddr = gen.addrs[send_node]["data"], gen.addrs[recv_node]["data"]
         lr = cfg.ranks_per_node - 1 if sending else 0
         pid = gen.pids[lr]

@@ -187,3 +187,18 @@ def test_the_merge_pairs_them_and_stays_within_truth(make_fleet, tmp_path, fault
         common = sorted(med.values())[len(med) // 2]
         errors[progress] = max(abs(v - common) for v in med.values())
     assert errors[True] < 20_000, errors
+
+
+def test_ports_are_ports_whatever_the_fleet_size(make_fleet):
+    """The job's ports do not grow with the node index (a 1,024-node fleet's would have
+    passed 65535): every row's ports are valid, the same on every node."""
+    f = make_fleet(fault="network", straggler=2)
+    ports = set()
+    for node in f.bundles:
+        for table in ("tcp_progress", "tcp_events"):
+            ports |= {p for row in f.q(node, f"SELECT sport, dport FROM {table}")
+                      for p in row}
+    assert ports and all(0 < p < 65536 for p in ports)
+    send = {r for node in f.bundles for r in f.q(
+        node, "SELECT sport, dport FROM tcp_progress WHERE direction = 'send'")}
+    assert len(send) == 1, send
