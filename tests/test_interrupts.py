@@ -94,6 +94,43 @@ def test_entry_point_ignores_ctrl_c_once_the_command_is_over(monkeypatch):
         signal.signal(signal.SIGINT, before)
 
 
+def test_ctrl_c_is_ignored_once_the_interpreter_shuts_down(tmp_path):
+    """Python puts SIGINT's default action back late in its shutdown: a Ctrl-C there
+    killed a finished command (a shell's 130 after an error line, exit 1 meant). The
+    entry point ignores SIGINT from its exit handler on: a signal sent from an exit
+    handler that runs after it (registered before the command ran) changes nothing,
+    nor does one sent after Python's own clean-up, from a thread that outlives it."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import atexit, os, signal, sys, threading, time\n"
+        "from ingero_forensics import entry\n"
+        "def late():\n"
+        "    print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    def flood():\n"
+        "        while True:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            time.sleep(0.0002)\n"
+        "    threading.Thread(target=flood, daemon=True).start()\n"
+        "    time.sleep(0.05)\n"
+        "atexit.register(late)\n"
+        "class Failed:\n"
+        "    @staticmethod\n"
+        "    def main():\n"
+        "        sys.stderr.write('Error: x: it failed\\n')\n"
+        "        raise SystemExit(1)\n"
+        "entry.importlib.import_module = lambda name: Failed\n"
+        "entry.merge()\n")
+    codes = set()
+    for _ in range(5):
+        p = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                           timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert p.stdout == "True\n", (p.stdout, p.stderr)
+        assert p.stderr == "Error: x: it failed\n", p.stderr
+        codes.add(p.returncode)
+    assert codes == {1}
+
+
 def _interrupt(argv, ready, second_after) -> tuple[int, str]:
     """Run the console script argv[0] in a session of its own; once ready() holds, send
     SIGINT to its group as a terminal's Ctrl-C does, and a second one second_after
