@@ -11,6 +11,7 @@ Exit codes (documented in docs/cli.md and each --help):
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import math
 import os
@@ -170,6 +171,24 @@ class SafeStream:
         return getattr(self.raw, name)
 
 
+class ClosedStream:
+    """Standard output when the command was started with it closed (`>&-`: Python then
+    has none): a write fails as a full disk's does, and says why (handle_errors)."""
+
+    def write(self, text):
+        raise OSError(errno.EBADF, "standard output is closed")
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+    @property
+    def buffer(self):
+        return self
+
+
 def raw_stream(stream):
     """The stream under a SafeStream (for deliberate terminal control)."""
     return getattr(stream, "raw", stream) if isinstance(stream, SafeStream) else stream
@@ -179,6 +198,8 @@ def raw_stream(stream):
 def safe_output():
     """stdout and stderr as SafeStreams while a command runs."""
     saved = sys.stdout, sys.stderr
+    if sys.stdout is None:
+        sys.stdout = ClosedStream()
     sys.stdout = SafeStream(sys.stdout) if not isinstance(sys.stdout, SafeStream) else sys.stdout
     sys.stderr = SafeStream(sys.stderr) if not isinstance(sys.stderr, SafeStream) else sys.stderr
     try:

@@ -39,6 +39,13 @@ def _run(name: str):
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         raise
+    except OSError as e:
+        # what click writes itself (--help, --version) onto a full or closed standard
+        # output; the commands' own output is handled by cliutil.handle_errors
+        code = 1
+        sys.stderr.write(f"Error: <stdout>: cannot write: {e.strerror or e}\n")
+        sys.stdout = None       # nothing more goes there, not even at exit
+        sys.exit(code)
     finally:
         # The command is over, its outputs written or refused and its code set: a
         # Ctrl-C from here to the process's end (a slow exit, say) ends it at once with

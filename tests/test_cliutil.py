@@ -43,6 +43,41 @@ def test_a_full_standard_output_is_one_error_line(fleet, argv):
     assert p.stderr == "Error: <stdout>: cannot write: No space left on device\n", p.stderr
 
 
+@pytest.mark.parametrize("argv", [
+    ["ingero-query", "{db}", "SELECT * FROM nodes"],
+    ["ingero-report", "{db}", "--json"],
+    ["ingero-merge", "--list", "{b}"],
+])
+def test_a_closed_standard_output_is_one_error_line(fleet, argv):
+    """Started with standard output closed (`>&-`), a command that prints says so in one
+    line; one that writes only its -o file is not disturbed."""
+    args = [_cli(argv[0])] + [a.format(db=fleet / "fleet.db", b=fleet / "b") for a in argv[1:]]
+    p = subprocess.run(args, stderr=subprocess.PIPE, text=True, timeout=120,
+                       preexec_fn=lambda: os.close(1))
+    assert p.returncode == 1, p.stderr
+    assert p.stderr == "Error: <stdout>: cannot write: standard output is closed\n"
+
+
+def test_an_output_file_needs_no_standard_output(fleet, tmp_path):
+    p = subprocess.run([_cli("ingero-report"), str(fleet / "fleet.db"), "-o",
+                        str(tmp_path / "r.html"), "-q"], stderr=subprocess.PIPE, text=True,
+                       timeout=120, preexec_fn=lambda: os.close(1))
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert (tmp_path / "r.html").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("cmd", ["ingero-simulate", "ingero-redact", "ingero-merge",
+                                 "ingero-capture"])
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_onto_a_full_disk(cmd, flag):
+    """What click prints itself, onto a full medium: the same one line."""
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([_cli(cmd), flag], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr == "Error: <stdout>: cannot write: No space left on device\n"
+
+
 def test_evidence_kind_reads_the_first_bytes(fleet, tmp_path):
     bundle = next((fleet / "b").glob("*.bundle"))
     assert evidence_kind(fleet / "fleet.db") == "a fleet.db"

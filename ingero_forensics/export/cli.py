@@ -115,6 +115,8 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
         raise click.BadParameter("names no node", param_hint="--nodes")
     if kinds and not _split(kinds):
         raise click.BadParameter("names no kind", param_hint="--kinds")
+    if ranks is not None and not _split([ranks]):
+        raise click.BadParameter("names no rank", param_hint="--ranks")
     kind_set = frozenset(_split(kinds)) if kinds else frozenset(KINDS)
     bad = sorted(kind_set - set(KINDS))
     if bad:

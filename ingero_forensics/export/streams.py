@@ -545,13 +545,17 @@ class EventStreams:
     def findings(self, sink: Sink) -> None:
         """ingero-report's straggler windows as slices on the straggler node's process."""
         from ..report.analyze import CAUSE_TITLES
+        from ..report.links import LINK_CAUSE_TITLE
         a = self.analysis
         windows = self.finding_windows()
         if not windows:
             return
         cp = self.tracks.by_node[a.straggler_node_id].pid
         tid = self.tracks.synthetic(cp, ("findings",), -1, "ingero-report findings")
-        cause = CAUSE_TITLES.get(a.cause, a.cause) if a.cause else "cause not determined"
+        # a slow link names the network as its cause, but nothing was retransmitted: its
+        # own title, as the page and the text say it
+        cause = (LINK_CAUSE_TITLE if a.link_suspect else
+                 CAUSE_TITLES.get(a.cause, a.cause) if a.cause else "cause not determined")
         if a.cause and a.cause_confidence == "weak":
             cause += " (weak evidence)"
         for w in windows:
@@ -560,6 +564,8 @@ class EventStreams:
                 "args": {"straggler": a.straggler, "late_ranks": a.late_ranks,
                          "lateness_ms": w.lateness_ms, "cause": a.cause,
                          "cause_confidence": a.cause_confidence,
+                         **({"link": [a.link_suspect["from"], a.link_suspect["to"]]}
+                            if a.link_suspect else {}),
                          "start_utc": iso_utc(w.start_ns), "end_utc": iso_utc(w.end_ns),
                          "verdict": a.verdict}}).decode()
             # ts/dur formatted as SQLite's printf('%.3f') formats every other event

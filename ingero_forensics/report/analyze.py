@@ -497,7 +497,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 "aligned to within " + ("an unbounded error" if worst is None else
                                        f"{worst:.2f} ms") + f" of each other ({_why_loose(a)}"
                 f"), more than the fleet's jitter ({a.noise_ms:.2f} ms). The "
-                "lateness table shows what each node's clock says; see the clock section.")
+                "lateness table shows what each node's clock says; each node's clock bound is "
+                "listed (the page's clock section, the text's caveats).")
             if a.link_unsure:
                 a.verdict += " " + link_unsure_text(a.link_unsure)
             with con.figure("slow_collectives"):
@@ -527,7 +528,14 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                               "min_bins": min_bins, "bin_s": bin_ns / 1e9}
         # rule 4c was asked (two links or more measured, a transfer worth a share): say so
         links_asked = len(a.links) >= 2 and transfer_share >= MIN_COST_SHARE
-        checked = ["no period of the run has collectives slow for everyone"] + (
+        # slow bins that named no one (no node's connections retransmitted enough): said
+        # as they are, not as none (a link that queued for a third of the run: 2 bins)
+        slow_said = ("no period of the run has collectives slow for everyone"
+                     if not a.slow_bins else
+                     f"the time from the last arrival to completion was over 3 times the "
+                     f"run's median in {a.slow_bins} time bin{'s' if a.slow_bins != 1 else ''}"
+                     " with no node's job connections retransmitting markedly")
+        checked = [slow_said] + (
             ["no link of the job is far slower than the others over the run"]
             if links_asked and not a.link_unsure else [])
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "

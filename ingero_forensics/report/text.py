@@ -204,6 +204,13 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                        + "." + _bpf_cost(a)), ""]
     warn = [r for r in a.alignment if r["exceeds_claim"] or r["rate_clamped"]
             or r["causal_moved_us"] or r["violations_after"]]
+    if a.clock_limited:
+        # the verdict rests on the clocks: each node's bound too, the loosest first (an
+        # unbounded one first of all), as many as a mail can hold
+        rest = sorted((r for r in a.alignment if r not in warn),
+                      key=lambda r: (r["relative_uncertainty_us"] is not None,
+                                     -(r["relative_uncertainty_us"] or 0)))
+        warn += rest[:max(0, CLOCK_LINES - len(warn))]
     inferred = a.inferred_communicators
     if warn or a.capture_issues or inferred:
         lines += [h("Caveats"), ""]
@@ -216,7 +223,8 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                    if c["matched"] else f"matched with nothing: {c['why_alone']}"), "- "))
         for r in warn:
             lines.append(para(f"clock of {r['node']}: method {r['method']}, relative "
-                              f"uncertainty {r['relative_uncertainty_us']} us"
+                              + ("uncertainty unbounded" if r["relative_uncertainty_us"] is None
+                                 else f"uncertainty {r['relative_uncertainty_us']} us")
                               + (", time service claims wrong" if r["exceeds_claim"] else "")
                               + (", rate clamped" if r["rate_clamped"] else "")
                               + (f", moved {r['causal_moved_us']:,.0f} us by causal bounds"
@@ -229,6 +237,10 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                               "- "))
         lines.append("")
     return "\n".join(lines)
+
+
+#: clock lines the text gives when the verdict rests on the clocks
+CLOCK_LINES = 20
 
 
 def _bpf_cost(a) -> str:

@@ -70,10 +70,10 @@ def clock_unsure_text(unsure: list[dict], also: bool = False) -> str:
             if also else
             f"Cannot tell whether {nodes} {'is a straggler' if len(unsure) == 1 else 'are stragglers'}: ")
     return (head + "; ".join(parts) + ". The clock error alone could make a node look "
-            "that late, so not even which node was late is known. The clock section says "
-            "what bounds each node's clock; clocks synchronized better (PTP, or chrony "
-            "on every node), or a capture that sees the job's TCP traffic (tcp_progress), "
-            "would tell.")
+            "that late, so not even which node was late is known. Each node's clock bound "
+            "is listed (the page's clock section, the text's caveats); clocks "
+            "synchronized better (PTP, or chrony on every node), or a capture that sees "
+            "the job's TCP traffic (tcp_progress), would tell.")
 
 
 def _windows_text(windows) -> str:

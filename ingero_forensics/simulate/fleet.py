@@ -161,9 +161,16 @@ def build_truth(cfg: FleetConfig, plan, clocks, sched, bundles) -> dict:
         elif plan.kind == "slowlink":
             to = (plan.node + 1) % cfg.nodes
             fault["ranks"] = node_ranks
+            # the values drawn in the fault's steps (the queue each transfer's last byte
+            # waited; the hop's bytes waited 0.5-1.0 of it), not the ranges drawn from
+            queues = [m[4] for moves in sched.transfers for m in moves if m[4]]
+            rates = [x for x in sched.net_factor if x > 1.0]
             fault["detail"] = {"link": [node_name(plan.node), node_name(to)],
                                "addresses": [addrs[plan.node]["data"], addrs[to]["data"]],
-                               "queue_ms": [4.0, 12.0], "rate_factor": [2.0, 4.0]}
+                               "queue_ms": [round(min(queues) / 1e6, 3),
+                                            round(max(queues) / 1e6, 3)] if queues else None,
+                               "rate_factor": [round(min(rates), 3),
+                                               round(max(rates), 3)] if rates else None}
         else:
             fault["ranks"] = fault["late_ranks"] = node_ranks
             if plan.kind == "cpu":

@@ -19,7 +19,7 @@ from .config import FleetConfig, node_name
 from .model import (BUCKET_BYTES, DATA_WAIT, DSTATE, LAUNCHES, MS, N_BUCKETS, RUNQ_BENIGN,
                     RUNQ_COMPETITOR, S, US, FaultPlan, NodeClock, RankTimeline, Schedule,
                     rng_for, subseed, tri)
-from .progress import NCCL_PORT_BASE, hop_ends
+from .progress import NCCL_PORT_BASE, hop_ends, hop_ports
 
 CHUNK_STEPS = 48
 HOST_TICK_NS = 100 * MS        # host_samples at 10 Hz
@@ -619,10 +619,14 @@ class NodeGenerator:
             sock = int(r.random() * 4)
             peer_addr = self.addrs[peer]["data"]
             # ports the same on every node (the addresses tell them apart): under 65536
-            # in a fleet of 1,024 nodes
+            # in a fleet of 1,024 nodes; towards the next node, the ring's own hop (the
+            # connection tcp_progress counts)
+            sport, dport = NCCL_PORT_BASE + lr * 4 + sock, NCCL_PORT_BASE + 100 + lr * 4 + sock
+            if peer == (self.node + 1) % self.cfg.nodes and self.cfg.nodes > 1:
+                lr = self.R - 1
+                sport, dport = hop_ports(self.R)
             out.append((int(m0 + t * k), "tcp_retransmit_skb", 4, me["data"], peer_addr,
-                        NCCL_PORT_BASE + lr * 4 + sock,
-                        NCCL_PORT_BASE + 100 + lr * 4 + sock, "ESTABLISHED",
+                        sport, dport, "ESTABLISHED",
                         r.choice((0, self.pids[lr], self.pids[lr] + 40)), INIT_NETNS,
                         self.pids[lr], "job", None, None))
         self._tcp_job_next = t

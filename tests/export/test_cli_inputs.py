@@ -67,7 +67,7 @@ def test_unknown_rank_is_an_error_like_an_unknown_node(copy, tmp_path):
     assert json.loads(out.read_bytes())["traceEvents"]
 
 
-@pytest.mark.parametrize("opt", ["--nodes", "--kinds"])
+@pytest.mark.parametrize("opt", ["--nodes", "--kinds", "--ranks"])
 @pytest.mark.parametrize("value", ["", " , "])
 def test_an_empty_selection_is_a_usage_error(copy, tmp_path, opt, value):
     """`--nodes "$NODES"` with NODES unset would otherwise export every node."""

@@ -71,6 +71,21 @@ def test_windows_marked_on_the_straggler_node(cpu_fleet, tmp_path):
     assert meta["counts"]["by_kind"]["findings"] == len(a.windows)
 
 
+def test_a_slow_link_is_marked_as_one(tmp_path):
+    """A slow link names the network as its cause, and nothing retransmitted: its
+    windows say "slow network link" and which link, as the page and the text do."""
+    _cli("ingero_forensics.simulate.cli", "-o", tmp_path / "sim", "--nodes", 4,
+         "--ranks-per-node", 1, "--steps", 100, "--fault", "slowlink", "--seed", 3)
+    _cli("ingero_forensics.merge.cli", tmp_path / "sim", "-o", tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    assert a.link_suspect is not None and a.cause == "network", a.verdict
+    got = markers(export(tmp_path / "fleet.db", tmp_path))
+    assert got and {e["name"] for e in got} == {"straggler window: slow network link"}
+    assert {tuple(e["args"]["link"]) for e in got} == {
+        (a.link_suspect["from"], a.link_suspect["to"])}
+    assert "retransmits" not in " ".join(e["name"] for e in got)
+
+
 def test_no_findings_leaves_them_out(cpu_fleet, tmp_path):
     fleet_db, a = cpu_fleet
     with_, without = export(fleet_db, tmp_path), export(fleet_db, tmp_path, "--no-findings")

@@ -394,3 +394,19 @@ def test_the_simulator_s_own_ring_rows(tmp_path, fault):
         ("node-04", "node-05", "node-04", "network", "clear"), a.verdict
     assert a.network_basis == "slow_link" and a.stragglers == []
     assert s["median_ms"] > 2.0 and s["others_ms"] < 0.1, s
+
+
+def test_slow_bins_that_name_no_one_are_said(tmp_path):
+    """A link that queues for a third of the run only is not named (rule 4c compares
+    whole-run medians), and no node retransmits: "No straggler" then says the slow
+    bins it saw, not that no period had collectives slow for everyone."""
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=150, seed=5,
+                                               fault="slowlink", fault_windows=((40, 90),)))
+    merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    assert a.straggler is None and a.link_suspect is None, a.verdict
+    assert a.slow_bins >= 1
+    assert a.verdict.startswith("No straggler"), a.verdict
+    assert ("the time from the last arrival to completion was over 3 times the run's "
+            f"median in {a.slow_bins} time bin") in a.verdict, a.verdict
+    assert "no period of the run has collectives slow for everyone" not in a.verdict

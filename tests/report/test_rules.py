@@ -843,6 +843,11 @@ def test_lateness_within_the_clock_uncertainty_names_no_one(tmp_path):
             a.verdict
         assert "not even which node was late is known" in a.verdict
         assert "No straggler" not in a.verdict
+        # the verdict rests on the clocks: the text form lists every node's bound
+        from ingero_forensics.report.text import render_text
+        text = render_text(a)
+        assert "Caveats" in text and all(f"clock of node-0{k}: method" in text
+                                         for k in range(6)), text
 
 
 def test_the_clock_check_shows_the_figures_it_compares(tmp_path):

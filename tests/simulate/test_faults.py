@@ -132,7 +132,10 @@ def test_slow_link_queues_one_hop_and_drops_nothing(make_fleet):
     hop, collectives are slower for everyone inside the window, nobody arrives late and
     nothing is retransmitted."""
     f = make_fleet(fault="slowlink", straggler=2, fault_windows=((20, 50),))
-    assert f.truth["fault"]["detail"]["link"] == [STRAGGLER, "node-03"]
+    detail = f.truth["fault"]["detail"]
+    assert detail["link"] == [STRAGGLER, "node-03"]
+    assert 4.0 <= detail["queue_ms"][0] <= detail["queue_ms"][1] <= 12.0
+    assert 2.0 <= detail["rate_factor"][0] <= detail["rate_factor"][1] <= 4.0
     addr = {n["name"]: n["address"] for n in f.truth["nodes"]}
     window = f.truth["fault"]["windows"][0]
     lo, hi = window["start_utc_ns"], window["end_utc_ns"]
