@@ -46,6 +46,9 @@ CENTRE_PASSES = 3
 MARGIN_NS = 1000.0
 
 
+_NONE = (None, None, None, None)
+
+
 def _enter(ext: tuple, nid: int, e, s, sh: float) -> tuple:
     """(s1, s2, e1, e2), a row's two earliest observations and two latest entries as
     (time, node), with one more node's entry e and observation s (None: none) shifted by
@@ -143,14 +146,18 @@ class CausalSystem:
             self._ext[k] = out
         return out
 
-    def constraints(self, among=None, only=None, bins: int = BINS,
+    def constraints(self, among=None, only=None, bins: int = BINS, among_ext=None,
                     ) -> dict[int, list[tuple[float, float, float]]]:
         """Per node: (tau, lo, hi) bounds on its extra shift at tau (binned, tightest),
         against the nodes ``among`` (default: all), for the nodes ``only`` (default:
-        all)."""
+        all). ``among_ext``: the rows' extremes among those nodes, where the caller keeps
+        them (_place: the set only grows, and its lines no longer move)."""
         per: dict[int, dict[int, list[float]]] = {}
-        nodes = self.entries_of if only is None else [n for n in self.entries_of if n in only]
-        among_ext: dict[int, tuple] = {}       # this call's, for a set of nodes
+        nodes = self.entries_of if only is None else sorted(n for n in only
+                                                            if n in self.entries_of)
+        kept = among_ext is not None
+        if not kept:
+            among_ext = {}                     # this call's, for a set of nodes
         for nid in nodes:
             for row, e, s in self.entries_of[nid]:
                 tau = self.tau[row]
@@ -160,7 +167,9 @@ class CausalSystem:
                 else:
                     ext = among_ext.get(row)
                     if ext is None:
-                        ext = among_ext[row] = self._extremes(row, among)
+                        ext = _NONE if kept else self._extremes(row, among)
+                        if not kept:
+                            among_ext[row] = ext
                     s1, s2, e1, e2 = ext
                 sh = self._shift(nid, tau)
                 hi = lo = None
@@ -272,13 +281,31 @@ class CausalSystem:
         first = min(todo, key=lambda n: (order_hint.get(n, 1), n))
         placed = {first}
         todo.discard(first)
+        # the rows' extremes among the placed nodes, each node entered once placed (its
+        # line final then): reading them again for every candidate at every step was
+        # quadratic in the nodes times the rows' length
+        placed_ext: dict[int, tuple] = {}
+
+        def enter(n):
+            for k, e, s in self.entries_of.get(n, ()):
+                placed_ext[k] = _enter(placed_ext.get(k, _NONE), n, e, s,
+                                       self._shift(n, self.tau[k]))
+        enter(first)
         while todo:
             best_rank = min(order_hint.get(n, 1) for n in todo)
             cands = [n for n in todo if order_hint.get(n, 1) == best_rank]
-            cons = self.constraints(among=placed, only=set(cands))
-            nid = min(cands, key=lambda n: (_violation(cons.get(n, [])), n))
-            cs = cons.get(nid, [])
-            v = _violation(cs)
+            # the least contradicted, the smallest id among equals: in id order, the first
+            # that nothing contradicts ends the search (with consistent clocks, at once)
+            best = None
+            for n in sorted(cands):
+                cs_n = self.constraints(among=placed, only={n},
+                                        among_ext=placed_ext).get(n, [])
+                v_n = _violation(cs_n)
+                if best is None or v_n < best[0]:
+                    best = (v_n, n, cs_n)
+                if v_n <= 0.0:
+                    break
+            v, nid, cs = best
             if v > 0:
                 a0, b0 = self.corr.get(nid, (0.0, 0.0))
                 t0, t1 = self.span[nid]
@@ -297,7 +324,8 @@ class CausalSystem:
                     # line may still graze a point between them: settle the offset on
                     # every point
                     every = self.constraints(among=placed, only={nid},
-                                             bins=len(self.rows)).get(nid, [])
+                                             bins=len(self.rows),
+                                             among_ext=placed_ext).get(nid, [])
                     up = max((lo for _, lo, _ in every), default=-math.inf)
                     down = min((hi for _, _, hi in every), default=math.inf)
                     room = max(0.0, min(MARGIN_NS, (down - up) / 2))
@@ -310,6 +338,7 @@ class CausalSystem:
                     info[nid].moved_ns = max(abs(a - a0 + (b - b0) * t0),
                                              abs(a - a0 + (b - b0) * t1))
             placed.add(nid)
+            enter(nid)
             todo.discard(nid)
 
 
