@@ -64,15 +64,18 @@ def alignment_errors(truth: dict, db: Path) -> list[tuple[str, float, float | No
 
 
 def run_case(root: Path, nodes: int, rpn: int, fault: str, seed: int, steps: int,
-             report_only: bool, ntp_step: bool = False) -> dict:
-    d = root / f"{nodes}x{rpn}-{fault}-{seed}{'-ntp' if ntp_step else ''}"
+             report_only: bool, ntp_step: bool = False, window=None) -> dict:
+    window = window if fault != "none" else None
+    d = root / (f"{nodes}x{rpn}-{fault}-{seed}{'-ntp' if ntp_step else ''}"
+                + (f"-w{window[0]}-{window[1]}" if window else ""))
     db = d / "fleet.db"
     if not report_only or not db.exists():
         if d.exists():
             import shutil
             shutil.rmtree(d)
         simulate_fleet(d / "b", FleetConfig(nodes=nodes, ranks_per_node=rpn, steps=steps,
-                                            fault=fault, seed=seed, ntp_step=ntp_step))
+                                            fault=fault, seed=seed, ntp_step=ntp_step,
+                                            fault_windows=(window,) if window else ()))
         merge_bundles([d / "b"], db)
     truth = json.loads((d / "b" / "truth.json").read_text())
     a = analyze_fleet(db)
@@ -106,8 +109,18 @@ def main() -> None:
                          "--ntp-step); fleets kept apart from the unstepped ones")
     ap.add_argument("--faults", default=",".join(FAULTS),
                     help="fault kinds to run (comma-separated; default: all)")
+    ap.add_argument("--fault-window", metavar="START:END",
+                    help="every fault only in steps [START, END) (ingero-simulate "
+                         "--fault-window); fleets kept apart from the whole-run ones")
     ap.add_argument("--json", type=Path, help="write every case as JSON here")
     args = ap.parse_args()
+    window = None
+    if args.fault_window:
+        try:
+            window = tuple(int(x) for x in args.fault_window.split(":"))
+            assert len(window) == 2 and 0 <= window[0] < window[1] <= args.steps
+        except (ValueError, AssertionError):
+            ap.error(f"--fault-window: START:END within the {args.steps} steps")
     faults = [f for f in args.faults.split(",") if f]
     if set(faults) - set(FAULTS):
         ap.error(f"--faults: unknown {', '.join(sorted(set(faults) - set(FAULTS)))}")
@@ -120,7 +133,7 @@ def main() -> None:
         plan += [("none", 200 + k) for k in range(args.clean_seeds)]
         for fault, seed in plan:
             c = run_case(args.dir, nodes, rpn, fault, seed, args.steps, args.report_only,
-                         args.ntp_step)
+                         args.ntp_step, window)
             cases.append(c)
             print(f"  {nodes}x{rpn} {fault:<8} seed {seed}: truth {c['truth']}, said "
                   f"{c['said']} {c['cause']} ({c['confidence']})", flush=True)

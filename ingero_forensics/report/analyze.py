@@ -60,9 +60,9 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
 from .network import _network_suspect, retransmits_in, retransmits_towards
 from .gpuwait import gpu_suspect
 from .model import Analysis, NodeLateness, Straggler
-from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_next_step, link_series,
-                    link_transits, link_unsure_text, slow_link,
-                    also_slow_link_text)
+from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_finding, link_next_step,
+                    link_series, link_transits, link_unsure_text, period_transfer, slow_link,
+                    slow_link_windows, also_slow_link_text)
 from .victims import demote_victims
 from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, clock_unsure_text, ms_text, natural_key,
@@ -415,11 +415,21 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     if transfer_share >= MIN_COST_SHARE:
         # -- 3c. a link far slower than the others: named alone where nobody is late and
         # nothing retransmits, else a second finding away from the nodes named ----------
-        link = slow_link([lk for lk in links if lk.sender in nodes and lk.receiver in nodes],
-                         lambda s, r: _link_uncertainty_ms(s, r, rel_unc, clock_of),
-                         CLOCK_MARGIN)
+        measured = [lk for lk in links if lk.sender in nodes and lk.receiver in nodes]
+        pair_ms = lambda s, r: _link_uncertainty_ms(s, r, rel_unc, clock_of)  # noqa: E731
+        link = slow_link(measured, pair_ms, CLOCK_MARGIN)
+        if link is None:
+            # slow in a period of the run only: its whole-run median is not; named where
+            # the transfer in its periods cost the job a share of the run
+            link = slow_link_windows(measured, pair_ms, CLOCK_MARGIN, t0, bin_ns, min_bins)
+            if link is not None:
+                period = period_transfer(link, tr_med, transfer, t0, bin_ns, run_ns)
+                if period["period_cost_share"] < MIN_COST_SHARE:
+                    link = None
     if link is not None:
-        suspect = _link_finding(link, links, nodes, transfer_share)
+        suspect = link_finding(link, nodes, transfer_share, t0)
+        if link.windows:
+            suspect.update(period)
         ends = {n for s, r, _ in link.slow for n in (s, r)} | {link.suspect}
         if named_ids:
             # Beside a straggler (or a lossy link) already named: a second, separate
@@ -536,7 +546,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                      f"run's median in {a.slow_bins} time bin{'s' if a.slow_bins != 1 else ''}"
                      " with no node's job connections retransmitting markedly")
         checked = [slow_said] + (
-            ["no link of the job is far slower than the others over the run"]
+            [f"no link of the job is far slower than the others, over the run or in any "
+             f"period of {min_bins} time bins or more"]
             if links_asked and not a.link_unsure else [])
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
@@ -590,7 +601,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     elif primary is None and link is not None:
         name, ranks = nodes[link.suspect]
         primary = Straggler(node=name, node_id=link.suspect, ranks=ranks, late_ranks=[],
-                            windows=run_windows, lateness_ms=0.0, peak_ms=0.0, late_bins=0,
+                            windows=([Window(s, e, 0.0) for s, e in link.windows]
+                                     or run_windows),
+                            lateness_ms=0.0, peak_ms=0.0, late_bins=0,
                             cost_s=0.0, cost_share=0.0,
                             relative_uncertainty_ms=_pair_uncertainty_ms(
                                 link.suspect, rel_unc, clock_of),
@@ -657,20 +670,6 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
 def _late_ranks(con, node_id, windows, ranks_of) -> list[int]:
     with con.figure(f"late_ranks:{node_id}"):
         return late_ranks(con, node_id, [(w.start_ns, w.end_ns) for w in windows], ranks_of)
-
-
-def _link_finding(link, links, nodes, transfer_share: float) -> dict:
-    """The slow link's figures as the JSON gives them (link_suspect, link_unsure,
-    also_slow_link)."""
-    slowest = next(lk for lk in links if (lk.sender, lk.receiver) == (link.sender,
-                                                                      link.receiver))
-    return {"from": nodes[link.sender][0], "to": nodes[link.receiver][0],
-            "median_ms": link.median_ms, "p90_ms": slowest.p90_ms,
-            "others_ms": link.others_ms, "score": link.score,
-            "side": link.side, "clock_bound_ms": link.clock_bound_ms,
-            "transfer_share": transfer_share, "node": nodes[link.suspect][0],
-            "slow_links": [{"from": nodes[s][0], "to": nodes[r][0], "median_ms": m}
-                           for s, r, m in link.slow]}
 
 
 def _link_uncertainty_ms(s: int, r: int, rel_unc, clock_of) -> float | None:

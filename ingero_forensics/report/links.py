@@ -24,6 +24,7 @@ returns late, which is the reader's delay, not the link's.
 
 from __future__ import annotations
 
+import datetime as _dt
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -218,6 +219,8 @@ class SlowLink:
     sender: int
     receiver: int
     median_ms: float          # the slow link's transit at the median
+    p90_ms: float             # ... and at the 90th percentile
+    transits: int             # its arrivals measured
     others_ms: float          # the median of the other links' medians
     score: float
     #: "sender" (every other link out of the sender is slow too), "receiver" (every other
@@ -231,6 +234,11 @@ class SlowLink:
     clock_limited: bool = False
     #: every slow link (the slowest first): (sender, receiver, median ms)
     slow: list = field(default_factory=list)
+    #: where the link was slow only in periods of the run (slow_link_windows): those
+    #: periods, (start ns, end ns), and the report bins in them where it was slow; the
+    #: figures above are then the arrivals in those periods only. Empty: the whole run.
+    windows: list = field(default_factory=list)
+    slow_bins: int = 0
 
 
 def slow_link(links: list[Link], pair_uncertainty_ms, clock_margin: float) -> SlowLink | None:
@@ -269,10 +277,127 @@ def slow_link(links: list[Link], pair_uncertainty_ms, clock_margin: float) -> Sl
         side, suspect = "receiver", worst.receiver
     else:
         side, suspect = "path", worst.sender
-    return SlowLink(worst.sender, worst.receiver, worst.median_ms, round(med, 3),
+    return SlowLink(worst.sender, worst.receiver, worst.median_ms, worst.p90_ms,
+                    worst.transits, round(med, 3),
                     round(score, 1), side, suspect, bound,
                     clock_limited=bound is None or excess <= clock_margin * bound,
                     slow=[(lk.sender, lk.receiver, lk.median_ms) for lk in slow])
+
+
+#: bins without an arrival on a link that its slow period may span (the job's transfers
+#: pause between steps: a link queueing for a period can show no arrival for a bin or two)
+WINDOW_GAP_BINS = 4
+
+
+def _slow_runs(bin_medians: dict[int, float], threshold: float) -> list[tuple[int, int, int]]:
+    """(first bin, last bin, slow bins) of each period where a link's bins with arrivals
+    are slow (median above threshold): a single bin that is not slow between slow ones is
+    bridged, as are up to WINDOW_GAP_BINS bins without arrivals."""
+    out: list[tuple[int, int, int]] = []
+    run = None          # [first, last, slow bins]
+    fast = 0            # bins with arrivals, not slow, since the run's last slow bin
+    prev = None         # the last bin with arrivals
+    for b in sorted(bin_medians):
+        if run is not None and b - prev > WINDOW_GAP_BINS + 1:
+            out.append(tuple(run))
+            run, fast = None, 0
+        prev = b
+        if bin_medians[b] > threshold:
+            if run is None:
+                run = [b, b, 0]
+            run[1], run[2], fast = b, run[2] + 1, 0
+        elif run is not None:
+            fast += 1
+            if fast > 1:
+                out.append(tuple(run))
+                run, fast = None, 0
+    if run is not None:
+        out.append(tuple(run))
+    return out
+
+
+def slow_link_windows(links: list[Link], pair_uncertainty_ms, clock_margin: float,
+                      t0: int, bin_ns: int, min_bins: int) -> SlowLink | None:
+    """Rule 4c over periods of the run, for a link slow in part of it only (a switch port
+    congested for minutes, a shaper switched on mid-run), which the whole-run medians of
+    slow_link miss. A link's report bins are slow where its median transit is above what
+    would name a link over the whole run (the links' median plus CLEAR_SCORE times their
+    spread, floored at LINK_FLOOR_MS); its slow periods are those bins joined
+    (_slow_runs). The link with the most excess over at least min_bins slow bins (and
+    MIN_LINK_PAIRS arrivals in its periods) is a candidate; slow_link then judges it
+    against every link's arrivals in the same periods only (score, side, clocks), and
+    it is named only where it is that comparison's slowest link too."""
+    if len(links) < 2:
+        return None
+    med = median([lk.median_ms for lk in links])
+    spread = 1.4826 * median([abs(lk.median_ms - med) for lk in links])
+    threshold = med + CLEAR_SCORE * max(spread, LINK_FLOOR_MS)
+    best = None
+    for lk in links:
+        per: dict[int, array] = defaultdict(lambda: array("d"))
+        for t, v in zip(lk.times, lk.values):
+            per[(t - t0) // bin_ns].append(v)
+        bin_medians = {b: median(v) for b, v in per.items()}
+        runs = _slow_runs(bin_medians, threshold)
+        slow_bins = sum(n for _, _, n in runs)
+        arrivals = sum(len(per[b]) for first, last, _ in runs for b in per
+                       if first <= b <= last)
+        if slow_bins < min_bins or arrivals < MIN_LINK_PAIRS:
+            continue
+        excess = sum(bin_medians[b] - med for first, last, _ in runs for b in bin_medians
+                     if first <= b <= last)
+        if best is None or excess > best[0]:
+            best = (excess, lk, runs, slow_bins)
+    if best is None:
+        return None
+    _, cand, runs, slow_bins = best
+    spans = [(t0 + first * bin_ns, t0 + (last + 1) * bin_ns) for first, last, _ in runs]
+    inside = []
+    for lk in links:
+        keep = [(t, v) for t, v in zip(lk.times, lk.values)
+                if any(s <= t < e for s, e in spans)]
+        if len(keep) < 3:       # too few to stand for the link in those periods
+            continue
+        values = array("d", (v for _, v in keep))
+        inside.append(Link(lk.sender, lk.receiver, len(keep), round(median(values), 3),
+                           round(quantile(values, 0.9), 3),
+                           array("q", (t for t, _ in keep)), values))
+    found = slow_link(inside, pair_uncertainty_ms, clock_margin)
+    if found is None or (found.sender, found.receiver) != (cand.sender, cand.receiver):
+        return None
+    found.windows, found.slow_bins = spans, slow_bins
+    return found
+
+
+def period_transfer(link, tr_med: dict, transfer: dict, t0: int, bin_ns: int,
+                     run_ns: int) -> dict:
+    """The collectives' transfer (last arrival to completion) in a slow link's periods:
+    its median there, the run's, and what it cost beyond the run's median (the sum over
+    the periods' collectives, as a share of the run: collectives of one communicator run
+    one after another, so their excess adds up)."""
+    base = median(list(tr_med.values())) if tr_med else 0.0
+    inside = [b for b in tr_med if any(s <= t0 + b * bin_ns < e for s, e in link.windows)]
+    excess_ns = sum(max(0.0, tr_med[b] - base) * 1e6 * transfer[b].n for b in inside)
+    return {"period_transfer_ms": round(median([tr_med[b] for b in inside]), 3) if inside
+            else 0.0, "run_transfer_ms": round(base, 3),
+            "period_cost_share": round(excess_ns / run_ns, 4) if run_ns else 0.0}
+
+
+def link_finding(link, nodes, transfer_share: float, t0: int) -> dict:
+    """The slow link's figures as the JSON gives them (link_suspect, link_unsure,
+    also_slow_link); where it was slow in periods of the run only, those periods (fleet
+    times, and s from the first collective) and the slow bins in them (none: the whole
+    run)."""
+    period = {"windows": [{"start_ns": s, "end_ns": e, "start_s": round((s - t0) / 1e9, 3),
+                           "end_s": round((e - t0) / 1e9, 3)} for s, e in link.windows],
+              "slow_bins": link.slow_bins}
+    return {**period, "from": nodes[link.sender][0], "to": nodes[link.receiver][0],
+            "median_ms": link.median_ms, "p90_ms": link.p90_ms, "transits": link.transits,
+            "others_ms": link.others_ms, "score": link.score,
+            "side": link.side, "clock_bound_ms": link.clock_bound_ms,
+            "transfer_share": transfer_share, "node": nodes[link.suspect][0],
+            "slow_links": [{"from": nodes[s][0], "to": nodes[r][0], "median_ms": m}
+                           for s, r, m in link.slow]}
 
 
 #: the cause's title where a slow link named it (the JSON's cause stays "network")
@@ -301,26 +426,59 @@ def side_text(s: dict) -> str:
             f"queueing discipline, the switch ports between them, or {s['to']}'s NIC.")
 
 
+def _clock(ns: int) -> str:
+    """A fleet time as the UTC time of day to the millisecond (the page gives the date)."""
+    t = _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc)
+    return t.strftime("%H:%M:%S.") + f"{t.microsecond // 1000:03d}"
+
+
+def period_text(s: dict) -> str:
+    """Where the link was slow in periods of the run only (slow_link_windows): " in the
+    period from 12:39:34.184 to 12:39:41.684 UTC (7.5 s)", the times the page's table
+    and chart show; else ""."""
+    w = s.get("windows")
+    if not w:
+        return ""
+    if len(w) == 1:
+        return (f" in the period from {_clock(w[0]['start_ns'])} to {_clock(w[0]['end_ns'])} "
+                f"UTC ({(w[0]['end_ns'] - w[0]['start_ns']) / 1e9:,.1f} s)")
+    total = sum(x["end_ns"] - x["start_ns"] for x in w) / 1e9
+    shown = ", ".join(f"{_clock(x['start_ns'])}-{_clock(x['end_ns'])}" for x in w[:4])
+    return (f" in {len(w)} periods of the run ({shown}{', ...' if len(w) > 4 else ''} UTC; "
+            f"{total:,.1f} s in all)")
+
+
+def _there(s: dict) -> str:
+    """" in those periods" after a figure, where the link was slow in periods only."""
+    if not s.get("windows"):
+        return ""
+    return " in that period" if len(s["windows"]) == 1 else " in those periods"
+
+
 def link_evidence(s: dict, links: list[dict]) -> list[str]:
     """The figures that named the link, each in a sentence."""
-    mine = next(lk for lk in links if (lk["from"], lk["to"]) == (s["from"], s["to"]))
     clock = ("Both nodes run on one clock (one boot): the transit needs no alignment."
              if s["clock_bound_ms"] == 0 else
              f"The clocks of the two nodes are aligned to within {s['clock_bound_ms']:.3f} ms "
              "of each other, well under the excess.")
     return [
         f"Bytes of the job's connections from {s['from']} to {s['to']} took "
-        f"{s['median_ms']:,.3f} ms from sender to receiver at the median (90th percentile "
-        f"{s['p90_ms']:,.3f} ms, {mine['transits']:,} arrivals measured), against "
-        f"{s['others_ms']:,.3f} ms at the median on the job's other links (score "
-        f"{s['score']:g}): the bytes wait in a queue on that link.",
+        f"{s['median_ms']:,.3f} ms from sender to receiver at the median{period_text(s)} "
+        f"(90th percentile {s['p90_ms']:,.3f} ms, {s['transits']:,} arrivals measured), "
+        f"against {s['others_ms']:,.3f} ms at the median on the job's other links"
+        f"{_there(s)} (score {s['score']:g}): the bytes wait in a queue on that link.",
         "No node's job connections retransmitted markedly: the link is slow, not lossy.",
         side_text(s),
         clock,
-        f"The collectives spent {s['transfer_share']:.0%} of the run between the last "
-        "arrival and completion: the transfer, which a slow link lengthens (how much of "
-        "it this link added, one run cannot tell; a slowdown that lasts the whole run "
-        "does not show in the per-bin chart of that time)."]
+        (f"The link was slow in {s['slow_bins']} time bins of the run; the collectives' "
+         f"transfer (the last arrival to completion) took {s['period_transfer_ms']:,.3f} ms "
+         f"at the median{_there(s)}, against {s['run_transfer_ms']:,.3f} ms over the run: "
+         f"beyond that median, {s['period_cost_share']:.1%} of the run."
+         if s.get("windows") else
+         f"The collectives spent {s['transfer_share']:.0%} of the run between the last "
+         "arrival and completion: the transfer, which a slow link lengthens (how much of "
+         "it this link added, one run cannot tell; a slowdown that lasts the whole run "
+         "does not show in the per-bin chart of that time).")]
 
 
 def link_next_step(s: dict) -> str:
@@ -344,9 +502,9 @@ def also_slow_link_text(s: dict) -> str:
     """A slow link beside the finding the verdict leads with: what it is, which end,
     what to check."""
     return (f"Separately, a second problem: the job's link from {s['from']} to {s['to']} "
-            f"is far slower than the job's other links ({s['median_ms']:,.3f} ms from "
-            f"sender to receiver at the median, against {s['others_ms']:,.3f} ms on the "
-            "others). Neither of its ends is a node named above, so it does not explain "
+            f"is far slower than the job's other links{period_text(s)} ({s['median_ms']:,.3f} "
+            f"ms from sender to receiver at the median, against {s['others_ms']:,.3f} ms on "
+            "the others). Neither of its ends is a node named above, so it does not explain "
             "that finding and needs fixing on its own. " + side_text(s) + " "
             + link_next_step(s))
 
@@ -355,7 +513,7 @@ def link_unsure_text(s: dict) -> str:
     """A slow-looking link whose excess the clocks cannot rule out, in a sentence."""
     bound = ("an unbounded error" if s["clock_bound_ms"] is None
              else f"{s['clock_bound_ms']:,.3f} ms")
-    return (f"The job's link from {s['from']} to {s['to']} looks slower than the others "
-            f"({s['median_ms']:,.3f} ms at the median against {s['others_ms']:,.3f} ms), "
+    return (f"The job's link from {s['from']} to {s['to']} looks slower than the others"
+            f"{period_text(s)} ({s['median_ms']:,.3f} ms at the median against {s['others_ms']:,.3f} ms), "
             f"but the clocks of the two nodes are aligned only to within {bound} of each "
             "other: clock error cannot be ruled out, and the link is not named.")

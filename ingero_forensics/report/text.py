@@ -152,6 +152,12 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             rows.append([lk["from"], lk["to"], f"{lk['transits']:,}", f"{lk['median_ms']:.3f}",
                          f"{lk['p90_ms']:.3f}"])
         lines += _table(rows, markdown) + [""]
+        marked = a.link_suspect or a.also_slow_link
+        if marked.get("windows"):
+            lines += [para(f"The table's figures are over the whole run; the link from "
+                           f"{marked['from']} to {marked['to']} was slow in "
+                           f"{len(marked['windows'])} period"
+                           f"{'s' if len(marked['windows']) != 1 else ''} of it only."), ""]
         if a.link_suspect:
             notes = a.evidence
         else:

@@ -5,8 +5,12 @@ here the rule's edges, on a clean simulated fleet given tcp_progress rows of a T
 as a capture writes them (simulated without its own: --no-tcp-progress), with chosen
 transit times."""
 
+import json
 import random
 import shlex
+from array import array
+from datetime import datetime, timezone
+from statistics import median
 import subprocess
 
 import apsw
@@ -15,8 +19,9 @@ import pytest
 from ingero_forensics.merge import merge_bundles
 from ingero_forensics.report import analyze_fleet
 from ingero_forensics.merge.messages import SAME_CONNECTION_NS
-from ingero_forensics.report.links import (LINK_TRANSITS_SQL, MIN_LINK_PAIRS, link_pairs,
-                                           link_transits)
+from ingero_forensics.report.links import (LINK_TRANSITS_SQL, MIN_LINK_PAIRS, Link,
+                                           _slow_runs, link_pairs, link_transits,
+                                           slow_link_windows)
 from ingero_forensics.report.render import render_html
 from ingero_forensics.report.text import render_text
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
@@ -44,11 +49,12 @@ def addr(k: int) -> str:
 
 
 def _connection(con, ids, bundles, span, s, r, transit_us, rng, port, recv_late_us=0,
-                sender_node=None):
+                sender_node=None, part=(0.0, 1.0)):
     """tcp_progress rows of one connection from node s to node r: the sender's 'unsent'
     row at each grid position (and a send call's start before every fourth), the
     receiver's 'arrive' row transit_us later (jittered) and its 'recv' return
-    recv_late_us after that. sender_node: the node id the sending rows are written
+    recv_late_us after that (transit_us over the share ``part`` of the positions,
+    HEALTHY_US elsewhere). sender_node: the node id the sending rows are written
     under (another node's: a 4-tuple two nodes claim)."""
     t0, t1 = span
     sid, rid = ids[s] if sender_node is None else sender_node, ids[r]
@@ -59,7 +65,8 @@ def _connection(con, ids, bundles, span, s, r, transit_us, rng, port, recv_late_
         if i % 4 == 0:
             rows.append((t - 200_000, "send", addr(s), port, addr(r), 29500, pos, 0, sid))
         rows.append((t, "unsent", addr(s), port, addr(r), 29500, pos, 1, sid))
-        arrive = t + int(transit_us * 1000 * rng.uniform(0.7, 1.3))
+        us = transit_us if part[0] <= i / POSITIONS < part[1] else HEALTHY_US
+        arrive = t + int(us * 1000 * rng.uniform(0.7, 1.3))
         # the receiver's rows: its own address first, the bytes up to pos + 1448
         rows.append((arrive, "arrive", addr(r), 29500, addr(s), port, pos - 4096, 5544, rid))
         rows.append((arrive + recv_late_us * 1000, "recv", addr(r), 29500, addr(s), port,
@@ -73,9 +80,10 @@ def _connection(con, ids, bundles, span, s, r, transit_us, rng, port, recv_late_
 
 
 def _fleet(tmp_path, clean, slow=(), slow_ms=8.0, extra=(), recv_late_us=0,
-           uncertainty_us=None, two_senders=False):
+           uncertainty_us=None, two_senders=False, slow_part=(0.0, 1.0)):
     """The clean fleet with a TCP ring node k -> k+1; links in ``slow`` take slow_ms,
-    every other HEALTHY_US; ``extra``: more (s, r) links, slow if listed in ``slow``.
+    every other HEALTHY_US (over the share of the run in slow_part only, HEALTHY_US
+    before and after); ``extra``: more (s, r) links, slow if listed in ``slow``.
     uncertainty_us: every node's relative alignment uncertainty set to that (each its
     own boot already: the simulator's nodes are separate machines)."""
     path = tmp_path / "fleet.db"
@@ -92,7 +100,7 @@ def _fleet(tmp_path, clean, slow=(), slow_ms=8.0, extra=(), recv_late_us=0,
         for i, (s, r) in enumerate(links):
             _connection(con, ids, bundles, span, s, r,
                         slow_ms * 1000 if (s, r) in slow else HEALTHY_US, rng, 40000 + i,
-                        recv_late_us=recv_late_us)
+                        recv_late_us=recv_late_us, part=slow_part)
         if two_senders:
             # the same 4-tuple as link 0 -> 1, its sending rows also claimed by node 3
             _connection(con, ids, bundles, span, 0, 1, slow_ms * 1000, rng, 40000,
@@ -162,8 +170,8 @@ def test_healthy_ring_names_no_link(tmp_path, clean):
     assert a.straggler is None and a.link_suspect is None, a.verdict
     assert len(a.links) == NODES and all(lk["median_ms"] < 0.05 for lk in a.links)
     assert a.verdict.endswith("no period of the run has collectives slow for everyone, and "
-                              "no link of the job is far slower than the others over the "
-                              "run."), a.verdict
+                              "no link of the job is far slower than the others, over the "
+                              "run or in any period of 3 time bins or more."), a.verdict
 
 
 def test_no_links_measured_claims_none(tmp_path, clean):
@@ -384,8 +392,8 @@ def test_the_simulator_s_own_ring_rows(tmp_path, fault):
     assert len(a.links) == NODES and all(lk["transits"] >= MIN_LINK_PAIRS for lk in a.links)
     if fault == "none":
         assert a.link_suspect is None and a.link_unsure is None and a.straggler is None
-        assert "no link of the job is far slower than the others over the run" in \
-            a.verdict, a.verdict
+        assert "no link of the job is far slower than the others, over the run or in any " \
+            "period" in a.verdict, a.verdict
         assert max(lk["median_ms"] for lk in a.links) < 0.1, a.links
         return
     s = a.link_suspect
@@ -396,15 +404,108 @@ def test_the_simulator_s_own_ring_rows(tmp_path, fault):
     assert s["median_ms"] > 2.0 and s["others_ms"] < 0.1, s
 
 
-def test_slow_bins_that_name_no_one_are_said(tmp_path):
-    """A link that queues for a third of the run only is not named (rule 4c compares
-    whole-run medians), and no node retransmits: "No straggler" then says the slow
-    bins it saw, not that no period had collectives slow for everyone."""
+def test_a_link_slow_for_a_third_of_the_run_is_named_with_its_period(tmp_path):
+    """A link that queues for steps 40-90 of 150 only: its whole-run median is not far
+    above the others', but in its period it is (rule 4c over periods). It is named with
+    that period, which matches the injected one within a time bin at each end, and the
+    verdict, the evidence and the JSON say the period and its cost."""
     simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=150, seed=5,
                                                fault="slowlink", fault_windows=((40, 90),)))
     merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
     a = analyze_fleet(tmp_path / "fleet.db")
-    assert a.straggler is None and a.link_suspect is None, a.verdict
+    truth = json.loads((tmp_path / "b" / "truth.json").read_text())["fault"]
+    s = a.link_suspect
+    assert s is not None, a.verdict
+    assert [s["from"], s["to"]] == truth["detail"]["link"], (s, truth)
+    assert (a.straggler, a.cause, a.cause_confidence) == (truth["straggler"], "network",
+                                                          "clear"), a.verdict
+    whole = next(lk for lk in a.links if (lk["from"], lk["to"]) == (s["from"], s["to"]))
+    assert whole["median_ms"] < 1.0 < s["median_ms"], (whole, s)   # why whole-run misses it
+    (w,) = s["windows"]
+    start = (truth["windows"][0]["start_utc_ns"] - a.start_ns) / 1e9
+    end = (truth["windows"][0]["end_utc_ns"] - a.start_ns) / 1e9
+    bin_s = a.bin_ns / 1e9
+    assert abs(w["start_s"] - start) <= bin_s and abs(w["end_s"] - end) <= bin_s, (w, start, end)
+    assert s["slow_bins"] >= 0.8 * (end - start) / bin_s
+    assert s["period_transfer_ms"] > 2 * s["run_transfer_ms"] and s["period_cost_share"] >= 0.01
+    (aw,) = a.windows       # the page shades that period
+    assert abs((aw.start_ns - a.start_ns) / 1e9 - w["start_s"]) < 1e-3
+    assert abs((aw.end_ns - a.start_ns) / 1e9 - w["end_s"]) < 1e-3
+    period = "in the period from {} to {} UTC".format(*(
+        datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+        for ns in (w["start_ns"], w["end_ns"])))
+    assert period in a.verdict and period in a.evidence[0], (a.verdict, a.evidence)
+    assert "took" in a.evidence[-1] and "in that period" in a.evidence[-1], a.evidence
+
+
+def test_a_link_slow_for_a_period_that_cost_nothing_is_not_named(tmp_path, clean):
+    """Bytes slow on one link in part of the run while the collectives were not slower
+    (rows written into a clean fleet): the link is slow there, but it cost the job
+    nothing measurable, so it is not named."""
+    _, a = _fleet(tmp_path, clean, slow={(2, 3)}, slow_part=(0.3, 0.6))
+    assert a.straggler is None and a.link_suspect is None and a.also_slow_link is None, \
+        a.verdict
+    assert a.verdict.startswith("No straggler"), a.verdict
+
+
+def test_slow_runs_join_slow_bins_into_periods():
+    slow, fast = 5.0, 0.1
+    # one fast bin inside is bridged, two end the period; bins without arrivals are
+    # spanned up to WINDOW_GAP_BINS
+    meds = {0: fast, 1: slow, 2: slow, 3: fast, 4: slow, 5: fast, 6: fast, 7: slow, 8: slow}
+    assert _slow_runs(meds, 1.0) == [(1, 4, 3), (7, 8, 2)]
+    assert _slow_runs({1: slow, 4: slow, 6: slow}, 1.0) == [(1, 6, 3)]
+    assert _slow_runs({1: slow, 7: slow}, 1.0) == [(1, 1, 1), (7, 7, 1)]
+    assert _slow_runs({b: fast for b in range(20)}, 1.0) == []
+
+
+def _links(spec, bins=40, per_bin=4, bin_ns=10**9):
+    """Link objects, one per (sender, receiver) in spec: ms per bin (a function)."""
+    out = []
+    for (s, r), ms_of in spec.items():
+        times = array("q", (b * bin_ns + k * bin_ns // per_bin for b in range(bins)
+                            for k in range(per_bin)))
+        values = array("d", (ms_of(t // bin_ns) for t in times))
+        out.append(Link(s, r, len(values), median(values), max(values), times, values))
+    return out
+
+
+def test_slow_link_windows_finds_one_link_slow_in_a_period():
+    ring = {(k, (k + 1) % 6): (lambda b: 0.03) for k in range(6)}
+    ring[(2, 3)] = lambda b: 6.0 if 10 <= b < 22 else 0.03
+    found = slow_link_windows(_links(ring), lambda s, r: 0.01, 3.0, 0, 10**9, 3)
+    assert (found.sender, found.receiver, found.slow_bins) == (2, 3, 12)
+    assert found.windows == [(10 * 10**9, 22 * 10**9)] and found.median_ms == 6.0
+    assert found.others_ms == pytest.approx(0.03) and not found.clock_limited
+    # the same excess within the clock uncertainty: found, but clock-limited
+    assert slow_link_windows(_links(ring), lambda s, r: 5.0, 3.0, 0, 10**9, 3).clock_limited
+    # slow in fewer bins than min_bins: nothing
+    ring[(2, 3)] = lambda b: 6.0 if b in (5, 6) else 0.03
+    assert slow_link_windows(_links(ring), lambda s, r: 0.01, 3.0, 0, 10**9, 3) is None
+    # slow again and again, a bin at a time (traffic of its own every 5 s): each a period
+    ring[(2, 3)] = lambda b: 6.0 if b % 5 == 0 else 0.03
+    found = slow_link_windows(_links(ring), lambda s, r: 0.01, 3.0, 0, 10**9, 3)
+    assert found.slow_bins == 8 and found.windows[:2] == [(0, 10**9), (5 * 10**9, 6 * 10**9)]
+    # slow but not far above the others (1 ms against 0.03: under the 0.5 ms floor's
+    # clear score): nothing
+    ring[(2, 3)] = lambda b: 1.0 if 10 <= b < 22 else 0.03
+    assert slow_link_windows(_links(ring), lambda s, r: 0.01, 3.0, 0, 10**9, 3) is None
+    # every link slow in the same period (the fabric, not a link): no contrast, nothing
+    slow_all = {k: (lambda b: 6.0 if 10 <= b < 22 else 0.03) for k in ring}
+    assert slow_link_windows(_links(slow_all), lambda s, r: 0.01, 3.0, 0, 10**9, 3) is None
+
+
+def test_slow_bins_that_name_no_one_are_said(tmp_path):
+    """A link that queues for a third of the run, and no tcp_progress to measure links
+    by (an older capture): nobody is named, and no node retransmits. "No straggler"
+    then says the slow bins it saw, not that no period had collectives slow for
+    everyone."""
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=150, seed=5,
+                                               fault="slowlink", fault_windows=((40, 90),),
+                                               tcp_progress=False))
+    merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    assert a.straggler is None and a.link_suspect is None and a.links == [], a.verdict
     assert a.slow_bins >= 1
     assert a.verdict.startswith("No straggler"), a.verdict
     assert ("the time from the last arrival to completion was over 3 times the run's "

@@ -37,7 +37,9 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +98,9 @@ TBF = ("rate", "300mbit", "burst", "3000", "latency", "1ms")
 #: negotiated a lower speed or a congested switch port (the ring's steps take 2.5 times
 #: as long, its bytes 5-6 ms across that link; no retransmits)
 TBF_SLOW = ("rate", "200mbit", "burst", "64kb", "latency", "400ms")
+#: the shaping switched off without a drop: a rate no veth reaches (its 12.5 MB queue
+#: holds what TBF_SLOW's 10 MB held)
+TBF_DRAIN = ("rate", "100gbit", "burst", "4mb", "latency", "1ms")
 
 
 class RigError(RuntimeError):
@@ -146,6 +151,8 @@ class RunResult:
     capture_stop_s: float = 0.0               # SIGTERM until every capture exited
     #: CLOCK_MONOTONIC ns: captures launched, every source on
     capture_window_ns: tuple[int, int] = (0, 0)
+    #: CLOCK_MONOTONIC ns: the fault switched on and off, where it had a period
+    fault_window_ns: tuple[int, ...] = ()
 
     @property
     def step_ns(self) -> dict[int, list[int]]:
@@ -311,14 +318,17 @@ class Rig:
     def run_scenario(self, scenario: str, steps: int | str = 200, settle_s: float = 1.5,
                      capture_args: tuple[str, ...] = (), captures: bool = True,
                      attach_after_s: float | None = None,
-                     slow_link: int | None = None) -> RunResult:
+                     slow_link: int | None = None,
+                     fault_period_s: tuple[float, float] | None = None) -> RunResult:
         """Run the job once with ``scenario``'s fault on the straggler node, each node
         traced by its own capture (``captures=False``: no capture, for overhead figures).
         ``attach_after_s``: the captures start that long after the job did, as an operator
         attaches to a running job (``steps`` as "SECONDSs" keeps it running meanwhile).
         ``slow_link``: the index of a node whose link queues (``TBF_SLOW`` on its veth)
         beside the scenario's own fault: two faults at once, on different nodes.
-        Returns the bundles, the truth and the job's own timings."""
+        ``fault_period_s``: the fault is on only from that many seconds after the job
+        started to the second figure (a congestion episode), its times kept in
+        ``fault_window_ns``. Returns the bundles, the truth and the job's own timings."""
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
         if slow_link is not None and not 0 <= slow_link < len(self.nodes):
@@ -347,11 +357,15 @@ class Rig:
                 return t, time.monotonic_ns()
             if attach_after_s is None:
                 window = start_captures()
-            fault_off = self._fault_on(scenario, local, slow_link)
+            switched: list[int] = []
+            if fault_period_s is None:
+                fault_off = self._fault_on(scenario, local, slow_link)
             before = {n.name: retrans_segs(ranks[n.ranks[0]].pid) for n in self.nodes}
             for p in ranks.values():
                 p.stdin.write("go\n")
                 p.stdin.flush()
+            if fault_period_s is not None:
+                fault_off = self._fault_in_period(scenario, local, fault_period_s, switched)
             if attach_after_s is not None:
                 time.sleep(attach_after_s)
                 window = start_captures()
@@ -390,7 +404,39 @@ class Rig:
             retransmits={k: after[k] - before[k] for k in after}, capture_stderr=stderr,
             seconds=round(time.monotonic() - started, 1),
             capture_start_s=round((window[1] - window[0]) / 1e9, 1),
-            capture_stop_s=round(cap_stop, 1), capture_window_ns=window)
+            capture_stop_s=round(cap_stop, 1), capture_window_ns=window,
+            fault_window_ns=tuple(switched))
+
+    def _fault_in_period(self, scenario: str, local: list, period_s: tuple[float, float],
+                         switched: list) -> Callable[[], None]:
+        """The scenario's fault switched on period_s[0] seconds from now and off at
+        period_s[1] (or when the returned function is called, if sooner), by a thread;
+        the CLOCK_MONOTONIC times of both switches are appended to ``switched``."""
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def period():
+            try:
+                if stop.wait(period_s[0]):
+                    return
+                off = self._fault_on(scenario, local)
+                switched.append(time.monotonic_ns())
+                try:
+                    stop.wait(period_s[1] - period_s[0])
+                finally:
+                    off()
+                    switched.append(time.monotonic_ns())
+            except BaseException as e:       # raised in the run's thread, below
+                failed.append(e)
+        th = threading.Thread(target=period, name="rig-fault-period", daemon=True)
+        th.start()
+
+        def end():
+            stop.set()
+            th.join()
+            if failed:
+                raise failed[0]
+        return end
 
     def _start_ranks(self, scenario: str, steps: int, out: Path,
                      local: list) -> dict[int, subprocess.Popen]:
@@ -477,8 +523,16 @@ class Rig:
             for tc, veth in links:
                 run(*tc, "add", "dev", veth, "root", "tbf",
                     *(TBF if scenario == "network" else TBF_SLOW))
-            return lambda: [run(*tc, "del", "dev", veth, "root", check=False)
-                            for tc, veth in links]
+
+            def links_off():
+                # mid-run, deleting a qdisc drops what it queues (TCP then retransmits):
+                # its rate is raised first, which drains the queue, then it goes
+                for tc, veth in links:
+                    run(*tc, "change", "dev", veth, "root", "tbf", *TBF_DRAIN, check=False)
+                time.sleep(0.05)
+                for tc, veth in links:
+                    run(*tc, "del", "dev", veth, "root", check=False)
+            return links_off
         if scenario == "memory":
             for k in self.stragglers:
                 n = self.nodes[k]

@@ -1,0 +1,93 @@
+"""The rig with a link that queues for a period of the run only: tbf with a long queue
+(the scenario "slowlink") switched on on the straggler's veth one second into the job
+and off (drained, not dropped) two seconds later, as a congested switch port comes and
+goes. Rule 4c compared the links' medians over the whole run, so a link slow for less
+than about half of it went unnamed and the report said "No straggler". It must be named
+with its period, which must be where the rig really switched the queue on and off (the
+namespaces share one clock: fleet.db's times map to CLOCK_MONOTONIC exactly).
+Real faults, real captures, the same commands as test_rig.py."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from . import measure, verdict
+from .conftest import Outcome, merge_and_report, skip_without_rig
+from .rig import Rig
+
+pytestmark = [pytest.mark.ebpf, pytest.mark.slow]
+
+#: about 35 ms a step outside the period and 65 ms inside it: 2 s of queueing in a job
+#: of about 5 s (20 time bins of 0.25 s, the period 8 of them)
+STEPS = 120
+PERIOD_S = (1.0, 3.0)
+
+
+@pytest.fixture(scope="module")
+def period(tmp_path_factory):
+    skip_without_rig()
+    with Rig(tmp_path_factory.mktemp("period")) as rig:
+        run = rig.run_scenario("slowlink", steps=STEPS, fault_period_s=PERIOD_S,
+                               capture_args=("--start-priority", "normal"))
+        fleet, report = merge_and_report(run.all_bundles(), rig.workdir / "merged")
+        yield Outcome(run, fleet, report)
+
+
+def _fleet_offset_ns(fleet_db) -> int:
+    """fleet.db's time minus CLOCK_MONOTONIC (one clock on the rig: the same for every
+    row of every node)."""
+    with measure.connect(fleet_db) as con:
+        offsets = {o for (o,) in con.execute(
+            "SELECT DISTINCT timestamp_ns - mono_ns FROM nccl_events")}
+    assert len(offsets) == 1, sorted(offsets)[:5]
+    return offsets.pop()
+
+
+def test_the_rig_queued_the_link_for_its_period_only(period):
+    """The rig's own check: the queue was switched on and off at the times asked, the
+    steps in it were slower than those before and after, nothing was dropped."""
+    run = period.run
+    on, off = run.fault_window_ns
+    assert 1.8e9 <= off - on <= 2.5e9, run.fault_window_ns
+    # each step's end on the shared clock, from the job's own timings (rank 0's: its
+    # steps follow one another from start_mono_ns)
+    inside, outside = [], []
+    end = run.results[0]["start_mono_ns"]
+    for ns in run.step_ns[0]:
+        end += ns
+        (inside if on + 0.2e9 <= end <= off else outside).append(ns)
+    assert len(inside) >= 10 and len(outside) >= 10, (len(inside), len(outside))
+    assert statistics.median(inside) >= 1.4 * statistics.median(outside), (inside, outside)
+    assert run.retransmits[run.truth.node] < 50, run.retransmits
+
+
+def test_a_link_slow_for_a_period_is_named_with_that_period(period):
+    o, report = period, period.report
+    truth = o.run.truth
+    named = verdict.stragglers(report)
+    assert [s.node for s in named] == [truth.node], verdict.summary(report)
+    assert (named[0].cause, named[0].confidence) == ("network", "clear"), \
+        verdict.summary(report)
+    nxt = o.run.node_of_rank[(max(truth.ranks) + 1) % len(o.run.results)]
+    s = report["link_suspect"]
+    assert s is not None and (s["from"], s["to"]) == (truth.node, nxt), \
+        verdict.summary(report)
+    assert s["median_ms"] >= 2.5 and s["median_ms"] >= 20 * s["others_ms"], s
+    # the whole run's median of that link is not what named it
+    whole = next(lk for lk in report["links"] if (lk["from"], lk["to"]) == (s["from"], s["to"]))
+    assert whole["median_ms"] < s["median_ms"], (whole, s)
+    # the named period is where the queue was, within a time bin (and the queue's own
+    # drain, at most its 400 ms) at each end
+    on, off = o.run.fault_window_ns
+    shift = _fleet_offset_ns(o.fleet_db) - report["start_ns"]
+    start, end = s["windows"][0]["start_s"], s["windows"][-1]["end_s"]
+    true_start, true_end = (on + shift) / 1e9, (off + shift) / 1e9
+    bin_s = report["bin_ns"] / 1e9
+    assert true_start - bin_s <= start <= true_start + bin_s, (s["windows"], true_start, true_end)
+    assert true_end - bin_s <= end <= true_end + bin_s + 0.4, (s["windows"], true_start, true_end)
+    assert "in the period from" in report["verdict"] or "periods of the run" in \
+        report["verdict"], report["verdict"]
+    assert report["also_slow_link"] is None and report["stragglers"] == [], \
+        verdict.summary(report)
