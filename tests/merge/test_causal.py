@@ -128,6 +128,48 @@ def test_a_fitted_line_moved_by_causality_keeps_its_bound():
     assert a.relative_uncertainty_ns == 300_000 + a.causal_moved_ns
 
 
+def test_a_clamped_rate_keeps_its_departure_in_the_causal_room():
+    """Two lines whose fitted rates were beyond the drift bound and clamped (each leaves
+    its fitted line by 3 ms at the ends of its data) where causality then moves one by
+    200 us into a room of a few hundred microseconds: that room is among lines of the
+    clamped rate, and the fitted rate's line (the truth, if the fit was right) leaves
+    them by the 3 ms. The stated uncertainty keeps it; it was the bare room before (a
+    1,000-node fleet of 500 ppm clocks: nodes 2.6 ms off, 0.4 ms stated, 20,359 pair ends
+    outside the report's pair bound)."""
+    from ingero_forensics.merge.align import (DRIFT_BOUND_PPM, NodeAlignment, NodeInput,
+                                              _apply_causal)
+
+    departure = 3_000_000
+
+    def clamped(nid):
+        return NodeAlignment(
+            node_id=nid, method="collectives", offset_ns=0, slope=DRIFT_BOUND_PPM * 1e-6,
+            drift_ppm=0.0, uncertainty_ns=None, relative_uncertainty_ns=10_000 + departure,
+            component=1, sync_points=100, sync_points_used=100, residual_ns=1_000,
+            clock_samples=0, steps=0, claimed_error_ns=None, max_correction_ns=None,
+            exceeds_claim=False, segments=[], pre_offset_ns=0,
+            fit_relative_ns=10_000 + departure, rate_clamped=True,
+            clamp_departure_ns=departure)
+
+    def groups():
+        for k in range(100):
+            t = 10**12 + k * 100_000_000
+            # node 2 enters 200 us after node 1 observed the completion, and observes it
+            # 300 us after entering; node 1 enters 100 us before node 2's entry
+            yield (("c", k), True, [(1, t - 100_000, t - 200_000, t - 200_000),
+                                    (2, t, t + 300_000, t + 300_000)])
+
+    result = {1: clamped(1), 2: clamped(2)}
+    _apply_causal(result, {1: NodeInput(1), 2: NodeInput(2)}, groups, 1000)
+    moved = [a for a in result.values() if a.causal_moved_ns]
+    assert moved and all(a.method == "causal" for a in moved), result
+    for a in moved:
+        room = max(a.causal_early_ns, a.causal_late_ns)
+        assert room < 1_000_000, a                    # what was stated before
+        assert a.relative_uncertainty_ns >= departure, a
+        assert a.relative_uncertainty_ns <= 10_000 + departure + a.causal_moved_ns, a
+
+
 def test_hub_bounds_are_valid_and_near_the_exact_ones():
     """Above EXACT_CYCLE_NODES the messages' cycle bounds go through a few hubs: never
     below the exact bound (they must stay bounds), and near it; exact at the hubs."""
