@@ -62,7 +62,7 @@ from .gpuwait import gpu_suspect
 from .model import Analysis, NodeLateness, Straggler
 from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_finding, link_next_step,
                     link_series, link_transits, link_unsure_text, period_transfer, slow_link,
-                    slow_link_windows, also_slow_link_text)
+                    slow_link_windows, also_slow_link_text, unnamed_link_text)
 from .victims import demote_victims
 from .coverage import uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, clock_unsure_text, ms_text, natural_key,
@@ -410,7 +410,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.links = [{"from": nodes[lk.sender][0], "to": nodes[lk.receiver][0],
                 "transits": lk.transits, "median_ms": lk.median_ms, "p90_ms": lk.p90_ms}
                for lk in links if lk.sender in nodes and lk.receiver in nodes]
-    link = None
+    link = link_period = None
     transfer_share = round(min(1.0, transfer_total_ns / run_ns), 4) if run_ns else 0.0
     if transfer_share >= MIN_COST_SHARE:
         # -- 3c. a link far slower than the others: named alone where nobody is late and
@@ -418,18 +418,22 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         measured = [lk for lk in links if lk.sender in nodes and lk.receiver in nodes]
         pair_ms = lambda s, r: _link_uncertainty_ms(s, r, rel_unc, clock_of)  # noqa: E731
         link = slow_link(measured, pair_ms, CLOCK_MARGIN)
-        if link is None:
-            # slow in a period of the run only: its whole-run median is not; named where
-            # the transfer in its periods cost the job a share of the run
-            link = slow_link_windows(measured, pair_ms, CLOCK_MARGIN, t0, bin_ns, min_bins)
-            if link is not None:
-                period = period_transfer(link, tr_med, transfer, t0, bin_ns, run_ns)
-                if period["period_cost_share"] < MIN_COST_SHARE:
-                    link = None
+        # slow in periods of the run only (the whole-run medians miss it, or one early
+        # period carries them): named with its periods where enough of its arrivals lie
+        # in them and the collectives' transfer in them cost the job a share of the run
+        periods = slow_link_windows(measured, pair_ms, CLOCK_MARGIN, t0, bin_ns, min_bins,
+                                    whole=link)
+        if periods is not None:
+            period = period_transfer(periods, tr_med, transfer, t0, bin_ns, run_ns)
+            why = "thin" if periods.thin else (
+                "costless" if period["period_cost_share"] < MIN_COST_SHARE else None)
+            if why is None:
+                link, link_period = periods, period
+            elif link is None:
+                a.link_unnamed = {**link_finding(periods, nodes, transfer_share, bin_ns,
+                                                 period), "why": why}
     if link is not None:
-        suspect = link_finding(link, nodes, transfer_share, t0)
-        if link.windows:
-            suspect.update(period)
+        suspect = link_finding(link, nodes, transfer_share, bin_ns, link_period)
         ends = {n for s, r, _ in link.slow for n in (s, r)} | {link.suspect}
         if named_ids:
             # Beside a straggler (or a lossy link) already named: a second, separate
@@ -546,8 +550,9 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                      f"run's median in {a.slow_bins} time bin{'s' if a.slow_bins != 1 else ''}"
                      " with no node's job connections retransmitting markedly")
         checked = [slow_said] + (
-            [f"no link of the job is far slower than the others, over the run or in any "
-             f"period of {min_bins} time bins or more"]
+            [unnamed_link_text(a.link_unnamed) if a.link_unnamed else
+             f"no link of the job is far slower than the others, over the run or in "
+             f"{min_bins} of its time bins or more"]
             if links_asked and not a.link_unsure else [])
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "

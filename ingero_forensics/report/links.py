@@ -25,7 +25,9 @@ returns late, which is the reader's delay, not the link's.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from array import array
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -239,6 +241,8 @@ class SlowLink:
     #: figures above are then the arrivals in those periods only. Empty: the whole run.
     windows: list = field(default_factory=list)
     slow_bins: int = 0
+    #: fewer than MIN_PERIOD_ARRIVALS arrivals in those periods: said, not named
+    thin: bool = False
 
 
 def slow_link(links: list[Link], pair_uncertainty_ms, clock_margin: float) -> SlowLink | None:
@@ -316,88 +320,120 @@ def _slow_runs(bin_medians: dict[int, float], threshold: float) -> list[tuple[in
     return out
 
 
+#: arrivals a link's slow periods need before they name it (fewer over the whole run:
+#: MIN_LINK_PAIRS; each of its slow bins is itself a median above the bar)
+MIN_PERIOD_ARRIVALS = 10
+#: a link found slow over the whole run but slow in less than this share of its time
+#: bins with arrivals is named with its periods instead (a queue early in the run, when
+#: the connections' first bytes make the most arrivals, can carry the whole-run median)
+WHOLE_RUN_SHARE = 0.5
+
+
+def _in_spans(t: int, starts: list[int], spans: list[tuple[int, int]]) -> bool:
+    k = bisect_right(starts, t) - 1
+    return k >= 0 and t < spans[k][1]
+
+
+def _link_bins(lk: Link, t0: int, bin_ns: int) -> dict[int, array]:
+    per: dict[int, array] = defaultdict(lambda: array("d"))
+    for t, v in zip(lk.times, lk.values):
+        per[(t - t0) // bin_ns].append(v)
+    return per
+
+
 def slow_link_windows(links: list[Link], pair_uncertainty_ms, clock_margin: float,
-                      t0: int, bin_ns: int, min_bins: int) -> SlowLink | None:
+                      t0: int, bin_ns: int, min_bins: int,
+                      whole: SlowLink | None = None) -> SlowLink | None:
     """Rule 4c over periods of the run, for a link slow in part of it only (a switch port
     congested for minutes, a shaper switched on mid-run), which the whole-run medians of
     slow_link miss. A link's report bins are slow where its median transit is above what
     would name a link over the whole run (the links' median plus CLEAR_SCORE times their
     spread, floored at LINK_FLOOR_MS); its slow periods are those bins joined
-    (_slow_runs). The link with the most excess over at least min_bins slow bins (and
-    MIN_LINK_PAIRS arrivals in its periods) is a candidate; slow_link then judges it
-    against every link's arrivals in the same periods only (score, side, clocks), and
-    it is named only where it is that comparison's slowest link too."""
+    (_slow_runs). Links slow in at least min_bins bins in all are candidates, the most
+    excess first; slow_link judges each against every link's arrivals in its periods
+    only (score, side, clocks), and the first that is that comparison's slowest link is
+    the answer, with its periods (``thin`` where fewer than MIN_PERIOD_ARRIVALS of its
+    arrivals lie in them: not enough to name it). ``whole``: the link slow_link found
+    over the whole run; it is answered with its periods where it was slow in less than
+    WHOLE_RUN_SHARE of its bins, else None (the whole run it is)."""
     if len(links) < 2:
         return None
     med = median([lk.median_ms for lk in links])
     spread = 1.4826 * median([abs(lk.median_ms - med) for lk in links])
     threshold = med + CLEAR_SCORE * max(spread, LINK_FLOOR_MS)
-    best = None
+    candidates = []
     for lk in links:
-        per: dict[int, array] = defaultdict(lambda: array("d"))
-        for t, v in zip(lk.times, lk.values):
-            per[(t - t0) // bin_ns].append(v)
+        if whole is not None and (lk.sender, lk.receiver) != (whole.sender, whole.receiver):
+            continue
+        per = _link_bins(lk, t0, bin_ns)
         bin_medians = {b: median(v) for b, v in per.items()}
         runs = _slow_runs(bin_medians, threshold)
         slow_bins = sum(n for _, _, n in runs)
-        arrivals = sum(len(per[b]) for first, last, _ in runs for b in per
-                       if first <= b <= last)
-        if slow_bins < min_bins or arrivals < MIN_LINK_PAIRS:
+        if slow_bins < min_bins:
             continue
-        excess = sum(bin_medians[b] - med for first, last, _ in runs for b in bin_medians
-                     if first <= b <= last)
-        if best is None or excess > best[0]:
-            best = (excess, lk, runs, slow_bins)
-    if best is None:
-        return None
-    _, cand, runs, slow_bins = best
-    spans = [(t0 + first * bin_ns, t0 + (last + 1) * bin_ns) for first, last, _ in runs]
-    inside = []
-    for lk in links:
-        keep = [(t, v) for t, v in zip(lk.times, lk.values)
-                if any(s <= t < e for s, e in spans)]
-        if len(keep) < 3:       # too few to stand for the link in those periods
-            continue
-        values = array("d", (v for _, v in keep))
-        inside.append(Link(lk.sender, lk.receiver, len(keep), round(median(values), 3),
-                           round(quantile(values, 0.9), 3),
-                           array("q", (t for t, _ in keep)), values))
-    found = slow_link(inside, pair_uncertainty_ms, clock_margin)
-    if found is None or (found.sender, found.receiver) != (cand.sender, cand.receiver):
-        return None
-    found.windows, found.slow_bins = spans, slow_bins
-    return found
+        if whole is not None and slow_bins >= WHOLE_RUN_SHARE * len(bin_medians):
+            return None
+        arrivals = excess = 0.0
+        for b in sorted(bin_medians):
+            k = bisect_right(runs, (b, math.inf)) - 1
+            if k >= 0 and b <= runs[k][1]:
+                arrivals += len(per[b])
+                excess += bin_medians[b] - med
+        candidates.append((-excess, lk.sender, lk.receiver, runs, slow_bins, int(arrivals)))
+    for _, sender, receiver, runs, slow_bins, arrivals in sorted(candidates):
+        spans = [(t0 + first * bin_ns, t0 + (last + 1) * bin_ns) for first, last, _ in runs]
+        starts = [s for s, _ in spans]
+        inside = []
+        for lk in links:
+            keep = [(t, v) for t, v in zip(lk.times, lk.values) if _in_spans(t, starts, spans)]
+            if len(keep) < 3:       # too few to stand for the link in those periods
+                continue
+            values = array("d", (v for _, v in keep))
+            inside.append(Link(lk.sender, lk.receiver, len(keep), round(median(values), 3),
+                               round(quantile(values, 0.9), 3),
+                               array("q", (t for t, _ in keep)), values))
+        found = slow_link(inside, pair_uncertainty_ms, clock_margin)
+        if found is not None and (found.sender, found.receiver) == (sender, receiver):
+            found.windows, found.slow_bins = spans, slow_bins
+            found.thin = arrivals < MIN_PERIOD_ARRIVALS
+            return found
+    return None
 
 
-def period_transfer(link, tr_med: dict, transfer: dict, t0: int, bin_ns: int,
-                     run_ns: int) -> dict:
+def period_transfer(link: SlowLink, tr_med: dict, transfer: dict, t0: int, bin_ns: int,
+                    run_ns: int) -> dict:
     """The collectives' transfer (last arrival to completion) in a slow link's periods:
     its median there, the run's, and what it cost beyond the run's median (the sum over
     the periods' collectives, as a share of the run: collectives of one communicator run
     one after another, so their excess adds up)."""
     base = median(list(tr_med.values())) if tr_med else 0.0
-    inside = [b for b in tr_med if any(s <= t0 + b * bin_ns < e for s, e in link.windows)]
+    starts = [s for s, _ in link.windows]
+    inside = [b for b in tr_med if _in_spans(t0 + b * bin_ns, starts, link.windows)]
     excess_ns = sum(max(0.0, tr_med[b] - base) * 1e6 * transfer[b].n for b in inside)
     return {"period_transfer_ms": round(median([tr_med[b] for b in inside]), 3) if inside
             else 0.0, "run_transfer_ms": round(base, 3),
             "period_cost_share": round(excess_ns / run_ns, 4) if run_ns else 0.0}
 
 
-def link_finding(link, nodes, transfer_share: float, t0: int) -> dict:
+def link_finding(link: SlowLink, nodes, transfer_share: float, bin_ns: int,
+                 period: dict | None = None) -> dict:
     """The slow link's figures as the JSON gives them (link_suspect, link_unsure,
-    also_slow_link); where it was slow in periods of the run only, those periods (fleet
-    times, and s from the first collective) and the slow bins in them (none: the whole
-    run)."""
-    period = {"windows": [{"start_ns": s, "end_ns": e, "start_s": round((s - t0) / 1e9, 3),
-                           "end_s": round((e - t0) / 1e9, 3)} for s, e in link.windows],
-              "slow_bins": link.slow_bins}
-    return {**period, "from": nodes[link.sender][0], "to": nodes[link.receiver][0],
+    also_slow_link, link_unnamed): where it was slow in periods of the run only, those
+    periods (fleet times, as the straggler windows), the slow bins in them, the bins
+    they span, and period_transfer's figures; the same keys, empty or None, where it was
+    slow over the whole run."""
+    return {"from": nodes[link.sender][0], "to": nodes[link.receiver][0],
             "median_ms": link.median_ms, "p90_ms": link.p90_ms, "transits": link.transits,
             "others_ms": link.others_ms, "score": link.score,
             "side": link.side, "clock_bound_ms": link.clock_bound_ms,
             "transfer_share": transfer_share, "node": nodes[link.suspect][0],
             "slow_links": [{"from": nodes[s][0], "to": nodes[r][0], "median_ms": m}
-                           for s, r, m in link.slow]}
+                           for s, r, m in link.slow],
+            "windows": [{"start_ns": s, "end_ns": e} for s, e in link.windows],
+            "slow_bins": link.slow_bins,
+            "period_bins": sum(e - s for s, e in link.windows) // bin_ns,
+            "period_transfer_ms": None, "run_transfer_ms": None, "period_cost_share": None,
+            **(period or {})}
 
 
 #: the cause's title where a slow link named it (the JSON's cause stays "network")
@@ -433,15 +469,13 @@ def _clock(ns: int) -> str:
 
 
 def period_text(s: dict) -> str:
-    """Where the link was slow in periods of the run only (slow_link_windows): " in the
-    period from 12:39:34.184 to 12:39:41.684 UTC (7.5 s)", the times the page's table
-    and chart show; else ""."""
+    """Where the link was slow in periods of the run only (slow_link_windows): " from
+    12:39:34.184 to 12:39:41.684 UTC", the times of the page's table of them; else ""."""
     w = s.get("windows")
     if not w:
         return ""
     if len(w) == 1:
-        return (f" in the period from {_clock(w[0]['start_ns'])} to {_clock(w[0]['end_ns'])} "
-                f"UTC ({(w[0]['end_ns'] - w[0]['start_ns']) / 1e9:,.1f} s)")
+        return f" from {_clock(w[0]['start_ns'])} to {_clock(w[0]['end_ns'])} UTC"
     total = sum(x["end_ns"] - x["start_ns"] for x in w) / 1e9
     shown = ", ".join(f"{_clock(x['start_ns'])}-{_clock(x['end_ns'])}" for x in w[:4])
     return (f" in {len(w)} periods of the run ({shown}{', ...' if len(w) > 4 else ''} UTC; "
@@ -463,22 +497,37 @@ def link_evidence(s: dict, links: list[dict]) -> list[str]:
              "of each other, well under the excess.")
     return [
         f"Bytes of the job's connections from {s['from']} to {s['to']} took "
-        f"{s['median_ms']:,.3f} ms from sender to receiver at the median{period_text(s)} "
-        f"(90th percentile {s['p90_ms']:,.3f} ms, {s['transits']:,} arrivals measured), "
+        f"{s['median_ms']:,.3f} ms from sender to receiver at the median{period_text(s)}, "
         f"against {s['others_ms']:,.3f} ms at the median on the job's other links"
-        f"{_there(s)} (score {s['score']:g}): the bytes wait in a queue on that link.",
+        f"{_there(s)} (score {s['score']:g}; 90th percentile {s['p90_ms']:,.3f} ms, "
+        f"{s['transits']:,} arrivals measured): the bytes wait in a queue on that link.",
         "No node's job connections retransmitted markedly: the link is slow, not lossy.",
         side_text(s),
         clock,
-        (f"The link was slow in {s['slow_bins']} time bins of the run; the collectives' "
-         f"transfer (the last arrival to completion) took {s['period_transfer_ms']:,.3f} ms "
-         f"at the median{_there(s)}, against {s['run_transfer_ms']:,.3f} ms over the run: "
+        (f"The link was slow in {s['slow_bins']} of the {s['period_bins']} time bins "
+         f"{_there(s).strip() or 'of the run'} (a bin between slow ones, or without an "
+         "arrival, is bridged); the collectives' transfer (the last arrival to "
+         f"completion) took {s['period_transfer_ms']:,.3f} ms at the median{_there(s)}, against {s['run_transfer_ms']:,.3f} ms over the run: "
          f"beyond that median, {s['period_cost_share']:.1%} of the run."
          if s.get("windows") else
          f"The collectives spent {s['transfer_share']:.0%} of the run between the last "
          "arrival and completion: the transfer, which a slow link lengthens (how much of "
          "it this link added, one run cannot tell; a slowdown that lasts the whole run "
          "does not show in the per-bin chart of that time).")]
+
+
+def unnamed_link_text(s: dict) -> str:
+    """A link slow in periods of the run that is not named (link_unnamed): why, in a
+    clause of "No straggler"'s list."""
+    lead = (f"the job's link from {s['from']} to {s['to']} was far slower than the others"
+            f"{period_text(s)} ({s['median_ms']:,.3f} ms at the median against "
+            f"{s['others_ms']:,.3f} ms), but ")
+    if s["why"] == "thin":
+        return (lead + f"only {s['transits']:,} of its arrivals were measured"
+                f"{_there(s)}, too few to name it")
+    return (lead + f"the collectives were not measurably slower then ("
+            f"{s['period_cost_share']:.1%} of the run beyond the run's median transfer, "
+            "under 1 %), so it is not named")
 
 
 def link_next_step(s: dict) -> str:

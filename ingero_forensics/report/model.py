@@ -125,9 +125,13 @@ class Analysis:
     #: tcp_progress 'arrive' rows
     links: list[dict] = field(default_factory=list)
     #: a link far slower than the others while nobody is late and nothing retransmits
-    #: (rule 4c): {from, to, median_ms, p90_ms, others_ms, score, side, clock_bound_ms,
-    #: transfer_share}; the named node (``straggler``) is its sender, or its receiver
-    #: where every other link into that node is slow too
+    #: (rule 4c): {from, to, median_ms, p90_ms, transits, others_ms, score, side,
+    #: clock_bound_ms, transfer_share, node, slow_links, and for a link slow in periods of
+    #: the run only: windows [{start_ns, end_ns}], slow_bins, period_bins,
+    #: period_transfer_ms, run_transfer_ms, period_cost_share (empty, 0 or None where it
+    #: was slow over the whole run; the other figures are then the periods')}; the named
+    #: node (``straggler``) is its sender, or its receiver where every other link into
+    #: that node is slow too
     link_suspect: dict | None = None
     #: such a link whose excess is not well above the alignment uncertainty between its
     #: two nodes: the same fields; not named, the verdict says that clocks cannot rule it out
@@ -135,6 +139,10 @@ class Analysis:
     #: a slow link (the link_suspect's fields and test) found beside a straggler or a
     #: lossy link already named, away from every node named: a second, separate finding
     also_slow_link: dict | None = None
+    #: a link slow in periods of the run only that is not named: the same fields and
+    #: ``why``: "thin" (too few of its arrivals in them) or "costless" (the collectives'
+    #: transfer in them cost under 1 % of the run)
+    link_unnamed: dict | None = None
     #: a node whose ranks wait for their own GPU work far longer than every other node's
     #: while nobody arrives late (report/gpuwait.py): the GpuSuspect's fields; None without
     gpu_suspect: dict | None = None

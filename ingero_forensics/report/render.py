@@ -20,7 +20,7 @@ from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
-from .links import LINK_CAUSE_TITLE, LINK_METRIC, LINK_SIGNAL_PREFIX
+from .links import LINK_CAUSE_TITLE, LINK_METRIC, LINK_SIGNAL_PREFIX, period_text
 from .wording import clock_check_text, grouped_issues, per_node_text, seconds_text
 
 _ENV: jinja2.Environment | None = None
@@ -260,7 +260,9 @@ def render_html(a: Analysis) -> str:
                                  windows_s, t_end=t_end, origin_s=origin_s)
     transfer_chart = Markup("")
     transfer_ms = [p["transfer_ms"] for p in a.timeline if p.get("transfer_ms")]
-    if a.slow_bins:
+    if a.slow_bins or (a.link_suspect and a.link_suspect["windows"]):
+        # (a link named for its periods: the transfer it lengthened there, whether or not
+        # a bin crossed 3 times the run's median)
         transfer_chart = _line_chart(
             a.timeline, [("transfer_ms", "last arrival to completion", "line fleet")],
             "last arrival to completion, ms (median per bin)", windows_s, t_end=t_end,
@@ -294,7 +296,7 @@ def render_html(a: Analysis) -> str:
         capture_issues=grouped_issues(a.capture_issues, every=True),
         cause_title=(LINK_CAUSE_TITLE if a.link_suspect else
                      CAUSE_TITLES.get(a.cause or "", "")), cause_titles=CAUSE_TITLES,
-        link_title=LINK_CAUSE_TITLE, link_signal=LINK_SIGNAL_PREFIX,
+        link_title=LINK_CAUSE_TITLE, link_signal=LINK_SIGNAL_PREFIX, link_period=period_text,
         lateness_chart=lateness_chart, timeline_chart=timeline_chart,
         transfer_chart=transfer_chart, cause_chart=cause_chart, t0=t0,
         transfer_median=_num(sorted(transfer_ms)[len(transfer_ms) // 2], 0.01)

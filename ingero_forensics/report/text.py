@@ -13,6 +13,7 @@ import textwrap
 from .analyze import CAUSE_TITLES, Analysis
 from .wording import (clock_check_sentence, clock_check_text, grouped_issues, per_node_text,
                       rank_text, seconds_text)
+from .links import period_text
 from .render import report_title
 
 
@@ -153,11 +154,10 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                          f"{lk['p90_ms']:.3f}"])
         lines += _table(rows, markdown) + [""]
         marked = a.link_suspect or a.also_slow_link
-        if marked.get("windows"):
+        if marked["windows"]:
             lines += [para(f"The table's figures are over the whole run; the link from "
-                           f"{marked['from']} to {marked['to']} was slow in "
-                           f"{len(marked['windows'])} period"
-                           f"{'s' if len(marked['windows']) != 1 else ''} of it only."), ""]
+                           f"{marked['from']} to {marked['to']} was slow"
+                           f"{period_text(marked)} only."), ""]
         if a.link_suspect:
             notes = a.evidence
         else:

@@ -260,9 +260,9 @@ def slow_link_text(a: Analysis) -> str:
         cost = (f"the collectives spent {s['transfer_share']:.0%} of the run between the "
                 "last arrival and completion, the transfer a slow link lengthens")
     return (f"No node arrives late at collectives and no job connection retransmits "
-            f"markedly, but the job's link from {s['from']} to {s['to']} is slow"
-            f"{period_text(s)}: its bytes took {ms_text(s['median_ms'])} from sender to "
-            f"receiver at the median, against {ms_text(s['others_ms'])} on the job's other "
+            f"markedly, but the job's link from {s['from']} to {s['to']} "
+            f"{'was' if s.get('windows') else 'is'} slow{period_text(s)}: its bytes took "
+            f"{ms_text(s['median_ms'])} from sender to receiver at the median, against {ms_text(s['others_ms'])} on the job's other "
             f"links{_there(s)} (score {s['score']:g}); {cost}. {side_text(s)} "
             f"{a.straggler} is named. Root cause: {LINK_CAUSE_TITLE}. Next step: "
             f"{a.next_step}")
