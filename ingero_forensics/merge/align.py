@@ -118,8 +118,10 @@ class NodeAlignment:
     #: stored: what the causal step compares a node's room with)
     fit_relative_ns: int | None = None
     rate_clamped: bool = False    # its fitted rate exceeded the bound and was clamped
-    #: how far the clamped line leaves the fitted one at the ends of the node's data (not
-    #: stored): bounds found among lines of the clamped rate widen by as much
+    #: how far the clamped line leaves the fitted one at the ends of the node's data, from
+    #: its middle (not stored): a bound found later among lines of the clamped rate, at
+    #: the times its constraints hold, widens by twice that over the whole capture (the
+    #: rate difference times the capture's length: the constraints may sit at one end)
     clamp_departure_ns: int = 0
 
     def aligned(self, mono: int) -> int:
@@ -633,8 +635,8 @@ def _bound_by_messages(result: dict[int, NodeAlignment], nodes, messages,
         if worst is not None:
             old = a.relative_uncertainty_ns
             # (extended at rates within the drift bound: a clamped rate's line leaves
-            # that by the clamp's departure)
-            a.relative_uncertainty_ns = max(math.ceil(worst), 1) + a.clamp_departure_ns
+            # that by up to twice the clamp's departure over the capture)
+            a.relative_uncertainty_ns = max(math.ceil(worst), 1) + 2 * a.clamp_departure_ns
             fitted = a.fit_relative_ns
             if fitted is not None and a.causal_moved_ns <= fitted:
                 # Tight sync points placed this line, and causality moved it less than
@@ -723,11 +725,12 @@ def _apply_causal(result: dict[int, NodeAlignment], nodes, groups, min_latency_n
             if b.early_ns is None or b.late_ns is None:
                 a.relative_uncertainty_ns = None
             else:
-                # (the room is among lines of the line's own rate: where that rate was
-                # clamped, the fitted rate's line leaves them by the clamp's departure;
+                # (the room is among lines of the line's own rate, where its constraints
+                # hold: where that rate was clamped, the fitted rate's line leaves them by
+                # up to the rate difference times the capture, twice the departure;
                 # 1,000 nodes with 500 ppm clocks: 2.6 ms off with a room of 0.4 ms)
                 a.relative_uncertainty_ns = math.ceil(max(b.early_ns, b.late_ns)) + \
-                    a.clamp_departure_ns
+                    2 * a.clamp_departure_ns
             if fitted is not None and a.causal_moved_ns <= fitted:
                 # (moved further than the fit's bound: that bound was wrong, drop it)
                 room = a.relative_uncertainty_ns

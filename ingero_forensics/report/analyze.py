@@ -422,18 +422,22 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         # period carries them): named with its periods where enough of its arrivals lie
         # in them and the collectives' transfer in them cost the job a share of the run
         periods = slow_link_windows(measured, pair_ms, CLOCK_MARGIN, t0, bin_ns, min_bins,
-                                    whole=link)
+                                    whole=link, end_ns=span[1])
         if periods is not None:
+            # (a link the whole-run test found, slow in under half of its bins: these
+            # periods decide for it too)
+            link = None
             period = period_transfer(periods, tr_med, transfer, t0, bin_ns, run_ns)
             why = "thin" if periods.thin else (
                 "costless" if period["period_cost_share"] < MIN_COST_SHARE else None)
             if why is None:
                 link, link_period = periods, period
-            elif link is None:
-                a.link_unnamed = {**link_finding(periods, nodes, transfer_share, bin_ns,
+            elif not periods.clock_limited:
+                # (within clock error as well: nothing about it is known, nothing said)
+                a.link_unnamed = {**link_finding(periods, nodes, transfer_share,
                                                  period), "why": why}
     if link is not None:
-        suspect = link_finding(link, nodes, transfer_share, bin_ns, link_period)
+        suspect = link_finding(link, nodes, transfer_share, link_period)
         ends = {n for s, r, _ in link.slow for n in (s, r)} | {link.suspect}
         if named_ids:
             # Beside a straggler (or a lossy link) already named: a second, separate

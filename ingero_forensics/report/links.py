@@ -241,6 +241,7 @@ class SlowLink:
     #: figures above are then the arrivals in those periods only. Empty: the whole run.
     windows: list = field(default_factory=list)
     slow_bins: int = 0
+    period_bins: int = 0      # the bins the periods span
     #: fewer than MIN_PERIOD_ARRIVALS arrivals in those periods: said, not named
     thin: bool = False
 
@@ -343,7 +344,8 @@ def _link_bins(lk: Link, t0: int, bin_ns: int) -> dict[int, array]:
 
 def slow_link_windows(links: list[Link], pair_uncertainty_ms, clock_margin: float,
                       t0: int, bin_ns: int, min_bins: int,
-                      whole: SlowLink | None = None) -> SlowLink | None:
+                      whole: SlowLink | None = None,
+                      end_ns: int | None = None) -> SlowLink | None:
     """Rule 4c over periods of the run, for a link slow in part of it only (a switch port
     congested for minutes, a shaper switched on mid-run), which the whole-run medians of
     slow_link miss. A link's report bins are slow where its median transit is above what
@@ -355,7 +357,9 @@ def slow_link_windows(links: list[Link], pair_uncertainty_ms, clock_margin: floa
     the answer, with its periods (``thin`` where fewer than MIN_PERIOD_ARRIVALS of its
     arrivals lie in them: not enough to name it). ``whole``: the link slow_link found
     over the whole run; it is answered with its periods where it was slow in less than
-    WHOLE_RUN_SHARE of its bins, else None (the whole run it is)."""
+    WHOLE_RUN_SHARE of its bins, else None (the whole run it is). The periods are
+    clipped to the run, from t0 to end_ns (a bin can reach past the last collective,
+    one with arrivals before the first lies before t0)."""
     if len(links) < 2:
         return None
     med = median([lk.median_ms for lk in links])
@@ -383,6 +387,9 @@ def slow_link_windows(links: list[Link], pair_uncertainty_ms, clock_margin: floa
     for _, sender, receiver, runs, slow_bins, arrivals in sorted(candidates):
         spans = [(t0 + first * bin_ns, t0 + (last + 1) * bin_ns) for first, last, _ in runs]
         starts = [s for s, _ in spans]
+        # (arrivals are kept over the whole bins; the periods said are the run's part)
+        shown = [(max(s, t0), min(e, end_ns) if end_ns is not None else e) for s, e in spans]
+        shown = [(s, e) for s, e in shown if e > s] or spans
         inside = []
         for lk in links:
             keep = [(t, v) for t, v in zip(lk.times, lk.values) if _in_spans(t, starts, spans)]
@@ -394,7 +401,8 @@ def slow_link_windows(links: list[Link], pair_uncertainty_ms, clock_margin: floa
                                array("q", (t for t, _ in keep)), values))
         found = slow_link(inside, pair_uncertainty_ms, clock_margin)
         if found is not None and (found.sender, found.receiver) == (sender, receiver):
-            found.windows, found.slow_bins = spans, slow_bins
+            found.windows, found.slow_bins = shown, slow_bins
+            found.period_bins = sum(last - first + 1 for first, last, _ in runs)
             found.thin = arrivals < MIN_PERIOD_ARRIVALS
             return found
     return None
@@ -403,19 +411,24 @@ def slow_link_windows(links: list[Link], pair_uncertainty_ms, clock_margin: floa
 def period_transfer(link: SlowLink, tr_med: dict, transfer: dict, t0: int, bin_ns: int,
                     run_ns: int) -> dict:
     """The collectives' transfer (last arrival to completion) in a slow link's periods:
-    its median there, the run's, and what it cost beyond the run's median (the sum over
-    the periods' collectives, as a share of the run: collectives of one communicator run
-    one after another, so their excess adds up)."""
-    base = median(list(tr_med.values())) if tr_med else 0.0
+    its median there, its median in the rest of the run (the run's where the periods
+    cover it all), and what the periods cost beyond the rest's median (the sum over
+    their collectives, as a share of the run: collectives of one communicator run one
+    after another, so their excess adds up). Against the whole run's median, a link
+    slow for most of the run would be measured against itself (a queue over steps
+    10-150 of 150: 1.4 % of the run, against about 6 ms more per collective)."""
     starts = [s for s, _ in link.windows]
     inside = [b for b in tr_med if _in_spans(t0 + b * bin_ns, starts, link.windows)]
+    inside_set = set(inside)
+    rest = [v for b, v in tr_med.items() if b not in inside_set] or list(tr_med.values())
+    base = median(rest) if rest else 0.0
     excess_ns = sum(max(0.0, tr_med[b] - base) * 1e6 * transfer[b].n for b in inside)
     return {"period_transfer_ms": round(median([tr_med[b] for b in inside]), 3) if inside
-            else 0.0, "run_transfer_ms": round(base, 3),
+            else None, "rest_transfer_ms": round(base, 3),
             "period_cost_share": round(excess_ns / run_ns, 4) if run_ns else 0.0}
 
 
-def link_finding(link: SlowLink, nodes, transfer_share: float, bin_ns: int,
+def link_finding(link: SlowLink, nodes, transfer_share: float,
                  period: dict | None = None) -> dict:
     """The slow link's figures as the JSON gives them (link_suspect, link_unsure,
     also_slow_link, link_unnamed): where it was slow in periods of the run only, those
@@ -431,8 +444,8 @@ def link_finding(link: SlowLink, nodes, transfer_share: float, bin_ns: int,
                            for s, r, m in link.slow],
             "windows": [{"start_ns": s, "end_ns": e} for s, e in link.windows],
             "slow_bins": link.slow_bins,
-            "period_bins": sum(e - s for s, e in link.windows) // bin_ns,
-            "period_transfer_ms": None, "run_transfer_ms": None, "period_cost_share": None,
+            "period_bins": link.period_bins,
+            "period_transfer_ms": None, "rest_transfer_ms": None, "period_cost_share": None,
             **(period or {})}
 
 
@@ -506,14 +519,24 @@ def link_evidence(s: dict, links: list[dict]) -> list[str]:
         clock,
         (f"The link was slow in {s['slow_bins']} of the {s['period_bins']} time bins "
          f"{_there(s).strip() or 'of the run'} (a bin between slow ones, or without an "
-         "arrival, is bridged); the collectives' transfer (the last arrival to "
-         f"completion) took {s['period_transfer_ms']:,.3f} ms at the median{_there(s)}, against {s['run_transfer_ms']:,.3f} ms over the run: "
-         f"beyond that median, {s['period_cost_share']:.1%} of the run."
+         f"arrival, is bridged); {period_cost_text(s, lambda ms: f'{ms:,.3f} ms')}."
          if s.get("windows") else
          f"The collectives spent {s['transfer_share']:.0%} of the run between the last "
          "arrival and completion: the transfer, which a slow link lengthens (how much of "
          "it this link added, one run cannot tell; a slowdown that lasts the whole run "
          "does not show in the per-bin chart of that time).")]
+
+
+def period_cost_text(s: dict, ms) -> str:
+    """What the collectives' transfer did in a slow link's periods, in a clause; ``ms``
+    formats milliseconds."""
+    if s["period_transfer_ms"] is None:
+        return "no collective completed in them" if len(s["windows"]) > 1 else \
+            "no collective completed in it"
+    return (f"the collectives' transfer (the last arrival to completion) took "
+            f"{ms(s['period_transfer_ms'])} at the median{_there(s)}, against "
+            f"{ms(s['rest_transfer_ms'])} in the rest of the run: beyond that, "
+            f"{s['period_cost_share']:.1%} of the run")
 
 
 def unnamed_link_text(s: dict) -> str:
@@ -526,8 +549,8 @@ def unnamed_link_text(s: dict) -> str:
         return (lead + f"only {s['transits']:,} of its arrivals were measured"
                 f"{_there(s)}, too few to name it")
     return (lead + f"the collectives were not measurably slower then ("
-            f"{s['period_cost_share']:.1%} of the run beyond the run's median transfer, "
-            "under 1 %), so it is not named")
+            f"{s['period_cost_share']:.1%} of the run beyond their transfer in the rest of "
+            "the run, under 1 %), so it is not named")
 
 
 def link_next_step(s: dict) -> str:

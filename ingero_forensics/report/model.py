@@ -128,7 +128,7 @@ class Analysis:
     #: (rule 4c): {from, to, median_ms, p90_ms, transits, others_ms, score, side,
     #: clock_bound_ms, transfer_share, node, slow_links, and for a link slow in periods of
     #: the run only: windows [{start_ns, end_ns}], slow_bins, period_bins,
-    #: period_transfer_ms, run_transfer_ms, period_cost_share (empty, 0 or None where it
+    #: period_transfer_ms, rest_transfer_ms, period_cost_share (empty, 0 or None where it
     #: was slow over the whole run; the other figures are then the periods')}; the named
     #: node (``straggler``) is its sender, or its receiver where every other link into
     #: that node is slow too

@@ -248,22 +248,19 @@ def _cause_tail(st: Straggler) -> str:
 
 def slow_link_text(a: Analysis) -> str:
     """Rule 4c's verdict: nobody late, nothing retransmitted, one link far slower."""
-    from .links import (LINK_CAUSE_TITLE, _there, period_text,  # noqa: PLC0415
-                        side_text)  # (links imports evidence)
+    from .links import (LINK_CAUSE_TITLE, _there, period_cost_text,  # noqa: PLC0415
+                        period_text, side_text)  # (links imports evidence)
     s = a.link_suspect
     if s.get("windows"):
-        cost = (f"the collectives' transfer (the last arrival to completion) took "
-                f"{ms_text(s['period_transfer_ms'])} at the median{_there(s)}, against "
-                f"{ms_text(s['run_transfer_ms'])} over the run ({s['period_cost_share']:.1%} "
-                "of the run beyond that median)")
+        cost = period_cost_text(s, ms_text)
     else:
         cost = (f"the collectives spent {s['transfer_share']:.0%} of the run between the "
                 "last arrival and completion, the transfer a slow link lengthens")
     return (f"No node arrives late at collectives and no job connection retransmits "
             f"markedly, but the job's link from {s['from']} to {s['to']} "
             f"{'was' if s.get('windows') else 'is'} slow{period_text(s)}: its bytes took "
-            f"{ms_text(s['median_ms'])} from sender to receiver at the median, against {ms_text(s['others_ms'])} on the job's other "
-            f"links{_there(s)} (score {s['score']:g}); {cost}. {side_text(s)} "
+            f"{ms_text(s['median_ms'])} from sender to receiver at the median, against "
+            f"{ms_text(s['others_ms'])} on the job's other links{_there(s)} (score {s['score']:g}); {cost}. {side_text(s)} "
             f"{a.straggler} is named. Root cause: {LINK_CAUSE_TITLE}. Next step: "
             f"{a.next_step}")
 
