@@ -98,7 +98,7 @@ def next_commands(a) -> list[dict]:
                                        f"{node}-window.json.gz")})
         if st is a and a.link_suspect:
             # nobody arrived late and nothing retransmitted: what named it is the transit
-            out.append(_link_transits_command(a))
+            out.append(_link_transits_command(a, a.link_suspect))
             continue
         if st is a and a.gpu_suspect:
             # nobody arrived late: what named it is its waits for its own GPU work
@@ -131,17 +131,25 @@ def next_commands(a) -> list[dict]:
                                 + (f" ({k} of {len(cited)})" if len(cited) > 1 else ""),
                         "command": _query(a.fleet, e["sql"])})
     if a.also_slow_link:
-        out.append(_link_transits_command(a))   # the second finding's figures
+        out.append(_link_transits_command(a, a.also_slow_link))   # the second finding's
     return out
 
 
-def _link_transits_command(a) -> dict:
-    return {"what": "Transit of the job's bytes per link, as the report paired them (mean "
-                    "and longest: SQLite has no median, which the verdict quotes)",
+def _link_transits_command(a, s: dict) -> dict:
+    """The per-link transits as the report paired them; where the link was slow in
+    periods of the run only, the arrivals in those periods (the figures the verdict
+    quotes, for every link)."""
+    periods = " OR ".join(f"(t.arrival_ns >= {w['start_ns']} AND t.arrival_ns < {w['end_ns']})"
+                          for w in s["windows"])
+    n = len(s["windows"])
+    return {"what": "Transit of the job's bytes per link, as the report paired them"
+                    + (f", in the link's {'period' if n == 1 else f'{n} periods'}" if n else "")
+                    + " (mean and longest: SQLite has no median, which the verdict quotes)",
             "command": _query(a.fleet, (
                 "SELECT s.name AS sender, r.name AS receiver, COUNT(*) AS "
                 "arrivals, ROUND(AVG(t.transit_ns) / 1e6, 3) AS mean_ms, "
                 "ROUND(MAX(t.transit_ns) / 1e6, 3) AS max_ms FROM ("
                 + inline(LINK_TRANSITS_SQL, {"same": SAME_CONNECTION_NS})
                 + ") t JOIN nodes s ON s.node_id = t.sender JOIN nodes r ON "
-                "r.node_id = t.receiver GROUP BY 1, 2 ORDER BY mean_ms DESC"))}
+                "r.node_id = t.receiver" + (f" WHERE {periods}" if periods else "")
+                + " GROUP BY 1, 2 ORDER BY mean_ms DESC"))}

@@ -527,6 +527,23 @@ def link_evidence(s: dict, links: list[dict]) -> list[str]:
          "does not show in the per-bin chart of that time).")]
 
 
+def periods_list(s: dict) -> str:
+    """Every period of a link slow in periods, "12:39:34.184-12:39:41.684, ..." (UTC)."""
+    return ", ".join(f"{_clock(w['start_ns'])}-{_clock(w['end_ns'])}" for w in s["windows"])
+
+
+def link_note(a) -> str | None:
+    """What the transit table (over the whole run) shows of a link said but not named,
+    in a sentence: slow within clock error (link_unsure) or in periods that name no one
+    (link_unnamed); None without one."""
+    if a.link_unnamed:
+        return (f"The link from {a.link_unnamed['from']} to {a.link_unnamed['to']}: "
+                + unnamed_link_text(a.link_unnamed) + ".")
+    if a.link_unsure:
+        return link_unsure_text(a.link_unsure)
+    return None
+
+
 def period_cost_text(s: dict, ms) -> str:
     """What the collectives' transfer did in a slow link's periods, in a clause; ``ms``
     formats milliseconds."""
@@ -548,9 +565,9 @@ def unnamed_link_text(s: dict) -> str:
     if s["why"] == "thin":
         return (lead + f"only {s['transits']:,} of its arrivals were measured"
                 f"{_there(s)}, too few to name it")
-    return (lead + f"the collectives were not measurably slower then ("
-            f"{s['period_cost_share']:.1%} of the run beyond their transfer in the rest of "
-            "the run, under 1 %), so it is not named")
+    return (lead + f"the collectives' transfer{_there(s)} cost only "
+            f"{s['period_cost_share']:.1%} of the run beyond its median in the rest of the "
+            "run (under 1 %), so it is not named")
 
 
 def link_next_step(s: dict) -> str:

@@ -20,7 +20,8 @@ from .. import __version__
 from ..errors import IngeroError
 from .analyze import CAUSE_TITLES, Analysis
 from .evidence import utc
-from .links import LINK_CAUSE_TITLE, LINK_METRIC, LINK_SIGNAL_PREFIX, period_text
+from .links import (LINK_CAUSE_TITLE, LINK_METRIC, LINK_SIGNAL_PREFIX, link_note,
+                    period_text, periods_list)
 from .wording import clock_check_text, grouped_issues, per_node_text, seconds_text
 
 _ENV: jinja2.Environment | None = None
@@ -297,6 +298,7 @@ def render_html(a: Analysis) -> str:
         cause_title=(LINK_CAUSE_TITLE if a.link_suspect else
                      CAUSE_TITLES.get(a.cause or "", "")), cause_titles=CAUSE_TITLES,
         link_title=LINK_CAUSE_TITLE, link_signal=LINK_SIGNAL_PREFIX, link_period=period_text,
+        link_note=link_note, all_periods=periods_list,
         lateness_chart=lateness_chart, timeline_chart=timeline_chart,
         transfer_chart=transfer_chart, cause_chart=cause_chart, t0=t0,
         transfer_median=_num(sorted(transfer_ms)[len(transfer_ms) // 2], 0.01)

@@ -13,7 +13,7 @@ import textwrap
 from .analyze import CAUSE_TITLES, Analysis
 from .wording import (clock_check_sentence, clock_check_text, grouped_issues, per_node_text,
                       rank_text, seconds_text)
-from .links import period_text
+from .links import link_note, periods_list
 from .render import report_title
 
 
@@ -146,20 +146,25 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
             if st.next_step:
                 lines.append(para(f"{st.node}: {st.next_step}", "- " if markdown else "* "))
         lines.append("")
-    if a.link_suspect or a.also_slow_link:
+    marked = a.link_suspect or a.also_slow_link or a.link_unsure or a.link_unnamed
+    if marked:
         lines += [h("Transit on the job's links"), ""]
         rows = [["from", "to", "arrivals", "median, ms", "p90, ms"]]
         for lk in a.links:
             rows.append([lk["from"], lk["to"], f"{lk['transits']:,}", f"{lk['median_ms']:.3f}",
                          f"{lk['p90_ms']:.3f}"])
         lines += _table(rows, markdown) + [""]
-        marked = a.link_suspect or a.also_slow_link
         if marked["windows"]:
             lines += [para(f"The table's figures are over the whole run; the link from "
-                           f"{marked['from']} to {marked['to']} was slow"
-                           f"{period_text(marked)} only."), ""]
+                           f"{marked['from']} to {marked['to']} was slow in "
+                           + (f"the period {periods_list(marked)} UTC"
+                              if len(marked["windows"]) == 1 else
+                              f"{len(marked['windows'])} periods only: "
+                              f"{periods_list(marked)} UTC") + "."), ""]
         if a.link_suspect:
             notes = a.evidence
+        elif not a.also_slow_link:
+            notes = [link_note(a)]
         else:
             s = a.also_slow_link
             notes = [f"The link from {s['from']} to {s['to']} is the verdict's second "

@@ -7,6 +7,7 @@ transit times."""
 
 import json
 import random
+from html import unescape
 import shlex
 from array import array
 from datetime import datetime, timezone
@@ -21,7 +22,7 @@ from ingero_forensics.report import analyze_fleet
 from ingero_forensics.merge.messages import SAME_CONNECTION_NS
 from ingero_forensics.report.links import (LINK_TRANSITS_SQL, MIN_LINK_PAIRS, Link,
                                            _slow_runs, link_pairs, link_transits,
-                                           slow_link, slow_link_windows)
+                                           periods_list, slow_link, slow_link_windows)
 from ingero_forensics.report.render import render_html
 from ingero_forensics.report.text import render_text
 from ingero_forensics.simulate import FleetConfig, simulate_fleet
@@ -366,8 +367,9 @@ def test_a_link_slow_in_a_period_beside_a_straggler_says_its_period(tmp_path, la
     html = render_html(a)
     # in the verdict, and in the links section's paragraph on the second finding: once
     assert html.count(period) == 2 and "the table below is over the whole run" in html
-    text = render_text(a)
-    assert f"was slow {period} only" in text
+    text = " ".join(render_text(a).split())
+    assert f"was slow in the period {period.replace('from ', '').replace(' to ', '-')}." \
+        in text, text
 
 
 def test_slow_link_at_the_straggler_is_no_second_finding(tmp_path, late):
@@ -486,6 +488,36 @@ def test_a_link_slow_for_a_third_of_the_run_is_named_with_its_period(tmp_path, s
     html = render_html(a)
     assert "Nothing unusual: no bin was slow" not in html and period in html
     assert "A slowdown that lasts the whole run does not show here" not in html
+    # the next command gives the period's transits, as quoted: the same arrivals
+    a = run_commands(tmp_path / "fleet.db", tmp_path)
+    cmd = next(c["command"] for c in a.commands
+               if c["what"].startswith("Transit of the job's bytes per link, as the report "
+                                       "paired them, in the link's period"))
+    out = subprocess.run(shlex.split(cmd), cwd=tmp_path / "work", capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[2].split()[:3] == [s["from"], s["to"], str(s["transits"])], (out, s)
+
+
+def test_a_link_slow_again_and_again_is_named_with_every_period(tmp_path):
+    """Six queueing episodes of 15 steps in 300: named with six periods, one per
+    episode; the verdict shows four and says how many, the page and the text list all
+    six (from a review: the text lost the last two)."""
+    episodes = ((20, 35), (70, 85), (120, 135), (170, 185), (220, 235), (270, 285))
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=300, seed=61,
+                                               fault="slowlink", fault_windows=episodes))
+    merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    truth = json.loads((tmp_path / "b" / "truth.json").read_text())["fault"]
+    s = a.link_suspect
+    assert s is not None and [s["from"], s["to"]] == truth["detail"]["link"], a.verdict
+    assert len(s["windows"]) == len(truth["windows"]) == 6, (s["windows"], truth["windows"])
+    for w, t in zip(s["windows"], truth["windows"]):
+        assert w["start_ns"] < t["end_utc_ns"] and t["start_utc_ns"] < w["end_ns"], (w, t)
+    assert "was slow in 6 periods of the run (" in a.verdict and ", ... UTC;" in a.verdict
+    every = periods_list(s)
+    assert every.count("-") == 6
+    assert every in " ".join(render_text(a).split())
+    assert every in unescape(render_html(a))
 
 
 def test_a_link_slow_for_a_period_that_cost_nothing_is_not_named(tmp_path, clean):
@@ -503,7 +535,17 @@ def test_a_link_slow_for_a_period_that_cost_nothing_is_not_named(tmp_path, clean
     # said as it is, not "no link is far slower"
     assert "far slower than the others, over the run" not in a.verdict
     assert ("the job's link from node-02 to node-03 was far slower than the others from "
-            in a.verdict and "the collectives were not measurably slower then" in a.verdict)
+            in a.verdict and f"the collectives' transfer in that period cost only "
+            f"{s['period_cost_share']:.1%} of the run" in a.verdict)
+    # the page and the text show it beside the whole-run table, its row marked there
+    html = render_html(a)
+    assert '<tr class="hi"><td>node-02</td><td>node-03</td>' in html
+    page = unescape(html)
+    assert "The link from node-02 to node-03: the job's link from node-02 to node-03 was " \
+        "far slower" in page and "the figures quoted are the link's periods'" in page
+    text = " ".join(render_text(a).split())
+    assert "Transit on the job's links" in text and "was slow in the period " in text
+    assert "The link from node-02 to node-03: the job's link" in text
 
 
 def test_a_whole_run_link_whose_period_cost_nothing_is_not_named(tmp_path, clean):
