@@ -57,14 +57,14 @@ from .together import EarlyHalf, early_half_ref
 from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cost_ns,
                        _join_bins, _later_in_most_bins, _straggler_windows, active_ns,
                        fleet_noise_ms, late_threshold_ms, rises_ns)
-from .network import _network_suspect, retransmits_in, retransmits_towards
+from .network import _network_suspect, retransmits_in, retransmits_towards, retransmits_unseen
 from .gpuwait import gpu_suspect
 from .model import Analysis, NodeLateness, Straggler
 from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_finding, link_next_step,
                     link_series, link_transits, link_unsure_text, period_transfer, slow_link,
                     slow_link_windows, also_slow_link_text, unnamed_link_text)
 from .victims import demote_victims
-from .coverage import uncaptured_ranks, uncaptured_text
+from .coverage import network_unsure_text, uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, clock_unsure_text, ms_text, natural_key,
                       no_comparison_text, rank_text, verdict_text)
 from .sql import Recorder
@@ -350,9 +350,25 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     # symptom (network.towards_late)
     late_windows = {st.node_id: [(w.start_ns, w.end_ns) for w in st.windows]
                     for st in a.stragglers}
+    with con.figure("uncaptured_ranks"):
+        a.uncaptured = uncaptured_ranks(con)
     with con.figure("network_suspect"):
         network_suspect, net_bins, a.network_basis = _network_suspect(
             con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, late=late_windows)
+        if network_suspect is not None and a.uncaptured:
+            # Ranks went uncaptured: retransmits towards a peer no bundle shows may be
+            # that peer's lossy NIC as much as the sender's. The suspect stands only if
+            # its retransmits towards captured nodes name it too (a review merged a
+            # fleet without the lossy node's bundle: its upstream neighbour was named
+            # "network retransmits, clear" for resending into it).
+            unseen, total = retransmits_unseen(con, network_suspect, list(nodes))
+            if unseen and _network_suspect(con, list(nodes), t0, bin_ns, slow, n_bins,
+                                           n_coll, late=late_windows,
+                                           seen_only=True)[0] != network_suspect:
+                a.network_unsure = {"node": nodes[network_suspect][0],
+                                    "retransmits": total, "unseen": unseen,
+                                    "basis": a.network_basis}
+                network_suspect, net_bins, a.network_basis = None, [], None
         towards_late = None
         if late_ids:
             # who would be the suspect if retransmits towards the late nodes counted
@@ -490,8 +506,6 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             row["suspect_ms"] = round(per[primary.node_id][0] / per[primary.node_id][1], 3)
         a.timeline.append(row)
 
-    with con.figure("uncaptured_ranks"):
-        a.uncaptured = uncaptured_ranks(con)
     unc = sorted(v for v in rel_unc.values() if v is not None)
     worst = None if len(unc) < len(rel_unc) else (unc[-1] / 1e3 if unc else 0.0)
     # a clock error this large could hide (or fake) lateness of the fleet's own jitter:
@@ -572,6 +586,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                          + uncaptured_text(a.uncaptured, rank_text) + " No captured node "
                          "arrives late at collectives beyond the fleet's normal jitter "
                          f"({a.noise_ms:.2f} ms).")
+            if a.network_unsure:
+                a.verdict += " " + network_unsure_text(a.network_unsure)
         if a.link_unsure:
             a.verdict += " " + link_unsure_text(a.link_unsure)
         a.cause_confidence = "none"
@@ -610,7 +626,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     elif primary is None and link is not None:
         name, ranks = nodes[link.suspect]
         primary = Straggler(node=name, node_id=link.suspect, ranks=ranks, late_ranks=[],
-                            windows=([Window(s, e, 0.0) for s, e in link.windows]
+                            windows=([Window(s, e, None) for s, e in link.windows]
                                      or run_windows),
                             lateness_ms=0.0, peak_ms=0.0, late_bins=0,
                             cost_s=0.0, cost_share=0.0,
@@ -673,6 +689,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.verdict += " " + clock_unsure_text(a.clock_unsure, also=True)
     if a.uncaptured:
         a.verdict += " " + uncaptured_text(a.uncaptured, rank_text)
+    if a.network_unsure:
+        a.verdict += " " + network_unsure_text(a.network_unsure)
     return a
 
 

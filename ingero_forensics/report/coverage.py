@@ -59,3 +59,13 @@ def uncaptured_text(u: dict, rank_text) -> str:
             f"{u['ranks_seen']} ranks at the median): a straggler among them would not show, "
             "as the others would wait for it at every collective. Merge the bundles of "
             "every node of the job.")
+
+
+def network_unsure_text(u: dict) -> str:
+    """One sentence: the network suspect not named because its retransmits went towards
+    a peer no bundle captured (analyze.py, rule 4)."""
+    return (f"{u['node']}'s job connections retransmitted {u['retransmits']:,} segments, "
+            f"{u['unseen']:,} of them towards addresses that no merged bundle owns, and "
+            "its retransmits towards the captured nodes alone do not single it out: a "
+            "lossy NIC or link at that uncaptured peer would look the same from here, so "
+            "no node's network is named.")

@@ -32,7 +32,8 @@ COST_FLOOR_MS = 0.5
 class Window:
     start_ns: int
     end_ns: int
-    lateness_ms: float  # mean lateness of the straggler in the window
+    lateness_ms: float | None  # mean lateness of the straggler in the window; None for a
+    #                             suspect that arrives on time (network, GPU, a link)
 
 
 def _mad(vals) -> float:
@@ -165,13 +166,13 @@ def _join_bins(bins_: list[int], t0: int, bin_ns: int, cell, node,
     run: list[int] = []
     for b in bins_ + [None]:
         if run and (b is None or b - run[-1] > 2):   # bridge gaps of one bin
-            lat = 0.0
+            lat = None
             if node is not None:
                 span = [(cell[(x, node)], counts.get((x, node), 1) if counts else 1)
                         for x in range(run[0], run[-1] + 1) if (x, node) in cell]
                 lat = sum(v * k for v, k in span) / max(1, sum(k for _, k in span))
             out.append(Window(t0 + run[0] * bin_ns, t0 + (run[-1] + 1) * bin_ns,
-                              round(lat, 3)))
+                              None if lat is None else round(lat, 3)))
             run = []
         if b is not None:
             run.append(b)

@@ -85,6 +85,10 @@ class Analysis:
     #: saw (coverage.py): {comm_id_hash, nranks, ranks_seen, collectives, short,
     #: missing}; "no straggler" cannot be said, and a named one comes with a caveat
     uncaptured: dict | None = None
+    #: the network suspect, left unnamed where ranks went uncaptured and its
+    #: retransmits towards captured nodes alone do not name it: {node, retransmits,
+    #: unseen (those towards addresses no captured node owns), basis}
+    network_unsure: dict | None = None
     #: nodes late by no more than the clock alignment uncertainty between them and their
     #: peers (or an unbounded one): which node was late is not known, so none of them
     #: is named; [{node, ranks, peak_ms, lateness_ms, relative_uncertainty_ms}]

@@ -38,7 +38,7 @@ def towards_late(con, late: dict) -> tuple[str, list]:
 
 
 def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
-                     late=None) -> tuple[int | None, list[int], str | None]:
+                     late=None, seen_only=False) -> tuple[int | None, list[int], str | None]:
     """The node whose own job connections retransmit, when collectives are slow for
     everyone while nobody arrives late: retransmits far above the other nodes' (a
     persistent fault leaves no contrast in time, but it does across nodes) and often
@@ -49,6 +49,9 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     retransmitted is that node's victim, not a lossy link of its own (the issue's cpu run
     blamed exactly that peer).
 
+    seen_only: count only retransmits towards the addresses of captured nodes (where
+    ranks went uncaptured: the loss towards a peer no bundle shows may be that peer's).
+
     Returns (node, bins, basis): basis "contrast" (its retransmits far above the other
     nodes'; bins: those of its retransmits and the slow ones) or "slow_bins" (the most
     retransmits in the slow bins; bins: the slow ones)."""
@@ -57,10 +60,13 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     in_slow: dict[int, int] = defaultdict(int)
     slow_set = set(slow)
     skip, skip_params = towards_late(con, late) if late else ("0", [])
+    seen, seen_params = ((f"{_plain('daddr')} IN {addresses_of(con, '?')}",
+                          [json.dumps(sorted(node_ids))]) if seen_only else ("1", []))
     for nid, b, n in con.execute(
             "SELECT node_id, (timestamp_ns - ?) / ?, COUNT(*) FROM tcp_events "
             f"WHERE scope = 'job' AND event = 'tcp_retransmit_skb' AND {LEAVES_NODE} "
-            f"AND NOT {skip} GROUP BY 1, 2", [t0, bin_ns] + skip_params):
+            f"AND NOT {skip} AND {seen} GROUP BY 1, 2", [t0, bin_ns] + skip_params
+            + seen_params):
         per[nid].add(b)
         count[nid] += n
         if b in slow_set:
@@ -78,6 +84,16 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and max(in_slow.values()) >= 10:
         return max(in_slow, key=in_slow.get), sorted(slow_set), "slow_bins"
     return None, [], None
+
+
+def retransmits_unseen(con, node_id: int, node_ids) -> tuple[int, int]:
+    """(towards addresses no captured node owns, all) of node_id's job retransmits that
+    leave the node."""
+    return con.execute(
+        f"SELECT COALESCE(SUM({_plain('daddr')} NOT IN {addresses_of(con, '?')}), 0), "
+        "COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
+        f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE}",
+        (json.dumps(sorted(node_ids)), node_id)).fetchone()
 
 
 def addresses_of(con, param: str) -> str:

@@ -48,6 +48,44 @@ def test_a_named_straggler_says_which_ranks_were_not_captured(cpu_fleet, tmp_pat
     assert "Ranks 0-1 of the 8 in the job's largest communicator were not captured" in a.verdict
 
 
+@pytest.fixture(scope="module")
+def lossy_fleet(tmp_path_factory):
+    """4 nodes x 2 ranks, node-01's NIC lossy the whole run: (bundle dir, truth)."""
+    d = tmp_path_factory.mktemp("lossy")
+    simulate_fleet(d / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=150,
+                                        fault="network", straggler=1, seed=43))
+    return d / "b", json.loads((d / "b" / "truth.json").read_text())
+
+
+def test_a_lossy_node_not_collected_is_not_blamed_on_its_neighbour(lossy_fleet, tmp_path):
+    """From a review: without the lossy node's bundles, its upstream neighbour, whose
+    sends into it are resent, was named "network retransmits, clear" (7 fleets of 7).
+    Those retransmits go to an address no merged bundle owns: said, not named."""
+    bundles, truth = lossy_fleet
+    assert (truth["fault"]["straggler"], truth["fault"]["kind"]) == ("node-01", "network")
+    a = analyze_fleet(_merge(bundles, tmp_path / "f.db", skip=("node-01",)))
+    assert a.straggler is None and a.cause_confidence == "none", a.verdict
+    u = a.network_unsure
+    assert u is not None and u["node"] == "node-02" and u["unseen"] == u["retransmits"] > 0, u
+    assert a.verdict.startswith("Cannot tell whether a node is a straggler"), a.verdict
+    assert (f"node-02's job connections retransmitted {u['retransmits']:,} segments, "
+            f"{u['unseen']:,} of them towards addresses that no merged bundle owns") \
+        in a.verdict and "Ranks 2-3 of the 8" in a.verdict, a.verdict
+    assert json.loads(json.dumps(a.to_json()))["network_unsure"] == u
+
+
+@pytest.mark.parametrize("left_out", ["node-00", "node-02", "node-03"])
+def test_a_lossy_node_is_named_with_a_neighbour_not_collected(lossy_fleet, tmp_path,
+                                                              left_out):
+    """The lossy node captured, any other node left out (its upstream or downstream
+    neighbour too): its retransmits towards the captured nodes still name it."""
+    bundles, _ = lossy_fleet
+    a = analyze_fleet(_merge(bundles, tmp_path / "f.db", skip=(left_out,)))
+    assert (a.straggler, a.cause, a.cause_confidence) == ("node-01", "network", "clear"), \
+        a.verdict
+    assert a.network_unsure is None and "not captured" in a.verdict
+
+
 def test_every_rank_captured_no_caveat(cpu_fleet, tmp_path):
     bundles, _ = cpu_fleet
     a = analyze_fleet(_merge(bundles, tmp_path / "f.db"))

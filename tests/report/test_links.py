@@ -474,6 +474,8 @@ def test_a_link_slow_for_a_third_of_the_run_is_named_with_its_period(tmp_path, s
     # 9.75 ms against the run's 9.66 ms, where the rest took 3.6)
     assert s["period_transfer_ms"] > 2 * s["rest_transfer_ms"] and s["period_cost_share"] >= 0.01
     assert [(x.start_ns, x.end_ns) for x in a.windows] == [(w["start_ns"], w["end_ns"])]
+    # no lateness measured in it: null, not a lateness of 0 ms
+    assert [x["lateness_ms"] for x in json.loads(json.dumps(a.to_json()))["windows"]] == [None]
     period = "from {} to {} UTC".format(*(
         datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
         for ns in (w["start_ns"], w["end_ns"])))
