@@ -383,8 +383,10 @@ TABLES: tuple[Table, ...] = (
     ), indexes=(("pid", "tid", "timestamp_ns"),), required=False),
     Table("tcp_progress", "How far the traced processes' TCP connections had got, sampled "
           "at send and receive calls: the byte position of a call in the connection's "
-          "stream. A connection is counted from the moment it was established, so only "
-          "connections opened while the capture ran have rows. Both ends of a connection "
+          "stream. A connection opened while the capture ran is counted from its "
+          "establishment; one established before it (a capture attached to a running job) "
+          "from its first segment after a traced call, where the kernel has BTF (rows "
+          "attached), and not at all without BTF. Both ends of a connection "
           "count the same bytes, so a receive that returned byte N on one node happened "
           "after the send that began copying byte N on another, and after any instant "
           "the sender had not sent byte N yet: the merge uses these pairs to bound the "

@@ -70,7 +70,7 @@ def _split(values) -> tuple[str, ...]:
               help="Export a redacted copy of FLEET_DB (as ingero-redact writes it), made "
                    "in a private directory beside FLEET_DB (else in TMPDIR), never beside "
                    "the output, and removed after. --nodes then takes the node ids "
-                   "(nodeid-N).")
+                   "(nodeid-N), or the nodes' own names, which select their node ids.")
 @version_option("ingero-export")
 @handle_errors
 def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_events,
@@ -134,9 +134,9 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
                        "with -o")
     refuse_output_over_input(output, fleet_db)
     refuse_output_over_evidence(output, "a trace")
-    check_selection(fleet_db, start=start, end=end, nodes=_split(nodes), ranks=rank_set,
-                    redact=redact)
-    opts = ExportOptions(start=start, end=end, nodes=_split(nodes), ranks=rank_set,
+    chosen = check_selection(fleet_db, start=start, end=end, nodes=_split(nodes),
+                             ranks=rank_set, redact=redact)
+    opts = ExportOptions(start=start, end=end, nodes=chosen, ranks=rank_set,
                          kinds=kind_set, max_events=max_events, findings=not no_findings,
                          jobs=jobs)
     require_output_dir(output)
@@ -167,16 +167,18 @@ def main(fleet_db, chrome_trace, output, start, end, nodes, ranks, kinds, max_ev
 
 
 def check_selection(fleet_db, *, start=None, end=None, nodes=(), ranks=None,
-                    redact=False) -> None:
+                    redact=False) -> tuple:
     """The options that select data, checked against FLEET_DB before any work (and
     before a --redact copy is made, so that errors name FLEET_DB):
 
     * --from/--to that are not times, or --to not after --from: BadUsage (exit 2);
     * a --nodes name or a --ranks rank the fleet does not have: IngeroError (exit 1),
       ``FLEET_DB: no node named node-99 (nodes: ...)``, ``FLEET_DB: no rank 99 (ranks:
-      0-7)``. With redact the nodes are named as in the redacted copy (nodeid-N).
+      0-7)``. With redact the nodes are named as in the redacted copy (nodeid-N),
+      and a node's own name stands for its node id.
 
-    A file that is no fleet.db is left to export_chrome_trace, which says so.
+    Returns the nodes to select, as the (redacted, with redact) copy names them. A file
+    that is no fleet.db is left to export_chrome_trace, which says so.
     """
     for option, text in (("--from", start), ("--to", end)):
         if text:
@@ -185,15 +187,20 @@ def check_selection(fleet_db, *, start=None, end=None, nodes=(), ranks=None,
             except ExportError as e:
                 raise BadUsage(f"{option}: {e}") from None
     if not (nodes or ranks is not None or (start and end)):
-        return
+        return tuple(nodes)
     con = open_fleet(fleet_db)
     try:
         try:
             all_nodes = load_nodes(con)
             if not all_nodes:
-                return                       # export_chrome_trace: "has no nodes"
+                return tuple(nodes)          # export_chrome_trace: "has no nodes"
             names = ([f"{NODE_PREFIX}{i}" for i in sorted(n.node_id for n in all_nodes)]
                      if redact else sorted(n.name for n in all_nodes))
+            if redact:
+                # a node's own name selects its node id (the redacted copy's name for it)
+                own = {n.name: f"{NODE_PREFIX}{n.node_id}" for n in all_nodes}
+                nodes = tuple(dict.fromkeys(n if n in names else own.get(n, n)
+                                            for n in nodes))
             unknown = [n for n in nodes if n not in names]
             if unknown:
                 raise IngeroError(f"{fleet_db}: no node named {', '.join(unknown)} "
@@ -218,3 +225,4 @@ def check_selection(fleet_db, *, start=None, end=None, nodes=(), ranks=None,
                               ) from None
     finally:
         con.close()
+    return tuple(nodes)

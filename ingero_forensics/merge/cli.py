@@ -25,7 +25,8 @@ to a temporary file and renamed at the end, so an error or Ctrl-C leaves the pre
 fleet.db as it was.
 
 A corrupt, truncated or foreign input is skipped with a one-line reason and the rest is
-merged (exit code 3); --strict aborts instead and writes nothing.
+merged (exit code 3); with no usable input at all, exit code 1 and nothing is written
+(an existing fleet.db stays as it was); --strict aborts instead and writes nothing.
 
 --list prints each bundle's manifest as read from its header, without decompressing:
 ERROR and the reason for an input that is no readable bundle (also named on stderr);

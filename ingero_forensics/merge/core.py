@@ -101,7 +101,7 @@ class _Fleet:
     """The connection to the temporary fleet database and small caches."""
 
     def __init__(self, path: Path, fresh: bool):
-        self.path = path
+        self.path, self.fresh = path, fresh
         self.con = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE |
                                    apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_URI)
         harden(self.con)
@@ -414,13 +414,15 @@ def _merge(fl: _Fleet, entries, res: MergeResult, strict, progress, tmpdir, inte
                             "bundle_id": bundle_id, "counts": counts, "skipped": skipped})
             progress(1)
 
-    if not pending and not old_params and not res.bundles_already:
+    if not pending and not res.bundles_already:
+        # (into an existing fleet.db too: nothing to add is an error, not a partial
+        # success, and the file stays as it was)
         reasons = "; ".join(f"{s['input']}: {s['reason']}" for s in res.skipped[:3])
         more = len(res.skipped) - 3
         raise MergeError(f"{res.output}: no usable bundle among the {len(entries)} input"
                          f"{'s' if len(entries) != 1 else ''} ({reasons}"
                          f"{f'; and {more} more' if more > 0 else ''}); "
-                         "nothing was written")
+                         + ("nothing was written" if fl.fresh else "it is unchanged"))
     # collectives of captures attached after their communicators' init: inferred now that
     # every bundle is open, before anything reads sync points from the images
     for item in infer_late_attach(fl, pending):

@@ -47,12 +47,15 @@ def cited_evidence(con, cause, target, windows, nodes,
                       f"to {top[0]['max_ms']} ms per request in the windows (mean "
                       f"{top[0]['mean_ms']} ms).")
     elif cause == "network":
-        for sa, da, dp, n in con.execute(
-                f"SELECT saddr, daddr, dport, COUNT(*) FROM tcp_events WHERE node_id = ? "
-                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND "
-                f"{w} GROUP BY saddr, daddr, dport ORDER BY COUNT(*) DESC LIMIT 5",
-                [target] + p):
-            top.append({"from": sa, "to": da, "port": dp, "retransmits": n})
+        # per peer, not per connection: a lossy NIC resends towards every peer it sends
+        # to, over as many connections as the job opened to each (a review: one
+        # connection to one neighbour and eight to the other, as many segments each)
+        for sa, da, conns, n in con.execute(
+                f"SELECT saddr, daddr, COUNT(DISTINCT sport || ':' || dport), COUNT(*) "
+                f"FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
+                f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND {w} "
+                f"GROUP BY saddr, daddr ORDER BY COUNT(*) DESC, daddr LIMIT 5", [target] + p):
+            top.append({"from": sa, "to": da, "connections": conns, "retransmits": n})
         if top:
             # every connection counts, not only the five the table lists
             total, peers = con.execute(
@@ -146,6 +149,11 @@ def job_memory(con, target, w, p) -> list[dict]:
                                  t["cgroup"]))
 
 
+#: One peer took at least this share of a node's retransmits: its path is the suspect;
+#: below it, what the peers share (the node's own NIC).
+ONE_PEER_SHARE = 0.75
+
+
 def next_step(cause, node: str, top: list[dict]) -> str:
     """What to do about it, from the evidence found (never a generic tip)."""
     if cause == "cpu" and top:
@@ -163,9 +171,19 @@ def next_step(cause, node: str, top: list[dict]) -> str:
                 "or cache of their own.")
     if cause == "network" and top:
         t = top[0]
-        return (f"Retransmits from {t['from']} to {t['to']} (port {t['port']}): check "
-                f"{node}'s NIC, cable and switch port (ethtool -S errors and drops) and "
-                "the path to that peer.")
+        total = sum(x["retransmits"] for x in top)
+        if len(top) == 1 or t["retransmits"] >= ONE_PEER_SHARE * total:
+            return (f"Retransmits from {t['from']} to {t['to']} ({t['retransmits']:,} of "
+                    f"them, on {t['connections']} connection"
+                    f"{'s' if t['connections'] != 1 else ''}): check {node}'s NIC, cable "
+                    "and switch port (ethtool -S errors and drops) and the path to that "
+                    "peer.")
+        peers = [f"{x['to']} ({x['retransmits']:,})" for x in top]
+        peers = ", ".join(peers[:-1]) + " and " + peers[-1]
+        many = f"{len(top)} peers" if len(top) < 5 else "5 peers or more"
+        return (f"Retransmits from {t['from']} towards {many}, {peers}. What "
+                f"they share is {node}'s own NIC, cable and switch port; check them "
+                "(ethtool -S errors and drops) before the paths to the peers.")
     if cause == "gpu" and top:
         t = top[0]
         return (f"GPU {t['gpu']} on {node} ran at {t['sm_clock_mhz']} MHz, "

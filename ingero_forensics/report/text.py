@@ -25,9 +25,16 @@ def _table(rows: list[list[str]], markdown: bool) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _cell(v) -> str:
+#: Columns that hold identifiers, not quantities: printed as they are, to be pasted
+#: into ps, kill or ss (a pid of "1,206" is none).
+_IDENTIFIERS = frozenset({"pid", "tid", "port", "dport", "sport", "rank", "seq"})
+
+
+def _cell(v, key: str = "") -> str:
     if v is None:
         return "-"
+    if key in _IDENTIFIERS:
+        return str(v)
     if isinstance(v, float):
         return f"{v:,.2f}"
     return f"{v:,}" if isinstance(v, int) else str(v)
@@ -208,7 +215,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         lines += [h(t["title"]), "", para(t["note"]), ""]
         rows = [[label for _key, label, _num in t["cols"]]]
         for r in t["rows"]:
-            rows.append([_cell(r[key]) for key, _label, _num in t["cols"]])
+            rows.append([_cell(r[key], key) for key, _label, _num in t["cols"]])
         lines += _table(rows, markdown) + [""]
     if a.capture_cost:
         lines += [para("Capture cost: " + per_node_text(a.capture_cost, "of one core")

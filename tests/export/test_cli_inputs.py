@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import apsw
 import pytest
 from click.testing import CliRunner
 
@@ -79,15 +80,39 @@ def test_an_empty_selection_is_a_usage_error(copy, tmp_path, opt, value):
 
 
 def test_redact_selection_errors_name_the_users_file(copy, tmp_path):
-    r = run(copy, "--chrome-trace", "--redact", "-o", tmp_path / "t.json", "--nodes", "node-00")
+    r = run(copy, "--chrome-trace", "--redact", "-o", tmp_path / "t.json", "--nodes", "node-99")
     assert r.exit_code == 1
     # with --redact the nodes are the redacted copy's; the error names FLEET_DB, not a
     # temporary copy, and comes before the copy is made
-    assert r.stderr == f"Error: {copy}: no node named node-00 (nodes: nodeid-1, nodeid-2)\n"
+    assert r.stderr == f"Error: {copy}: no node named node-99 (nodes: nodeid-1, nodeid-2)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.db"]
     r = run(copy, "--chrome-trace", "--redact", "-q", "-o", tmp_path / "t.json",
             "--nodes", "nodeid-2", "--ranks", "2")
     assert r.exit_code == 0, r.output
+
+
+def test_redact_takes_a_node_s_own_name_for_its_node_id(copy, tmp_path):
+    """The operator knows the nodes by name (a review: "no node named node-05" for a
+    node the fleet has): with --redact its own name selects its node id, and the trace
+    names only that."""
+    con = apsw.Connection(str(copy))
+    (nid,) = con.execute("SELECT node_id FROM nodes WHERE name = 'node-01'").fetchone()
+    con.close()
+    out = {}
+    for name in ("node-01", f"nodeid-{nid}"):
+        r = run(copy, "--chrome-trace", "--redact", "-q", "-o", tmp_path / "t.json",
+                "--nodes", name)
+        assert r.exit_code == 0, r.output
+        out[name] = json.loads((tmp_path / "t.json").read_text())
+    procs = {e["args"]["name"] for e in out["node-01"]["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    nodes = {p for p in procs if not p.startswith("fleet")}
+    assert nodes and all(p.startswith(f"nodeid-{nid} ") for p in nodes), procs
+    assert "node-01" not in json.dumps(out["node-01"])
+    # the same events (each redacted copy has addresses of its own: not compared)
+    shape = lambda t: [(e["ph"], e.get("pid"), e.get("tid"), e.get("ts"))  # noqa: E731
+                       for e in t["traceEvents"]]
+    assert shape(out["node-01"]) == shape(out[f"nodeid-{nid}"])
 
 
 def test_damaged_fleet_db_is_one_line_and_leaves_nothing(copy, tmp_path):

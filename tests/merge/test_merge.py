@@ -229,6 +229,26 @@ def test_strict_leaves_existing_untouched(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".f.db")] == []
 
 
+def test_nothing_usable_to_add_leaves_existing_untouched(tmp_path):
+    """Only unusable bundles into an existing fleet.db: an error (exit 1), not a
+    partial success (exit 3) that rewrote the file with nothing added (a review)."""
+    fleet = make_fleet(tmp_path / "b", nodes=2, seconds=3, seed=8)
+    db = tmp_path / "f.db"
+    merge_bundles(fleet.paths[:1], db)
+    before = _sha(db)
+    trunc = tmp_path / "trunc.bundle"
+    trunc.write_bytes(fleet.paths[1].read_bytes()[:-100])
+    with pytest.raises(MergeError, match=r"no usable bundle among the 1 input \(.*trunc"
+                                         r".*\); it is unchanged$"):
+        merge_bundles([trunc], db)
+    assert _sha(db) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".f.db")] == []
+    # with a bundle already merged beside it: nothing new, a partial success (the
+    # merged one is there)
+    res = merge_bundles([fleet.paths[0], trunc], db)
+    assert res.bundles_already == 1 and res.bundles_merged == 0 and len(res.skipped) == 1
+
+
 @pytest.mark.parametrize("at_call", [2, 4])   # pass 1; pass 3 beside the collectives thread
 def test_interrupt_leaves_previous_fleet(tmp_path, at_call):
     fleet = make_fleet(tmp_path / "b", nodes=3, seconds=3, seed=9)

@@ -51,6 +51,15 @@ def _check(db, lead):
         first = t["rows"][0][t["cols"][0][0]]
         assert str(first) in text
     assert "Every node" not in text
+    # identifiers as they are, to paste into ps or kill; quantities grouped
+    runq = next(t for t in a.host if t["title"] == "Who held their CPUs")
+    pids = [r["pid"] for r in runq["rows"] if r["pid"] is not None]
+    assert pids and any(p >= 1000 for p in pids), runq["rows"]
+    lines = text.splitlines()
+    for r in runq["rows"]:
+        if r["pid"] is not None:
+            assert any(line.split()[:3] == [r["node"], r["task"], str(r["pid"])]
+                       for line in lines), (r, text)
     return a
 
 

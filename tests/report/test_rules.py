@@ -894,3 +894,32 @@ def test_the_clock_check_shows_the_figures_it_compares(tmp_path):
                   if ln.startswith("| node-03 ") and " peak " in ln]
         assert row.endswith(f"ok: peak {s.peak_ms:.1f} ms > {CLOCK_MARGIN:g} x "
                             f"{u:.2f} ms |"), row
+
+
+def test_a_lossy_nic_resending_to_every_peer_points_at_the_node(fleets):
+    """The simulator's lossy NIC resends towards both ring neighbours, over one
+    connection to one and eight to the other, about as many segments each (a review:
+    the next step named the busiest single connection's peer and "the path to that
+    peer"). The evidence table is per peer, and the next step names the node's own NIC
+    as what the peers share. One peer alone keeps "the path to that peer"."""
+    from ingero_forensics.report.citing import ONE_PEER_SHARE, next_step
+    db, truth = fleets("network")
+    a = analyze_fleet(db)
+    assert (a.straggler, a.cause) == (truth["fault"]["straggler"], "network"), a.verdict
+    con = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+    w = " OR ".join("(timestamp_ns >= ? AND timestamp_ns < ?)" for _ in a.windows)
+    by_peer = dict(con.execute(
+        "SELECT daddr, COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
+        f"event = 'tcp_retransmit_skb' AND saddr <> daddr AND ({w}) GROUP BY daddr",
+        [a.straggler_node_id] + [x for win in a.windows for x in (win.start_ns, win.end_ns)]))
+    con.close()
+    assert {t["to"]: t["retransmits"] for t in a.top_offenders} == by_peer
+    assert sorted(by_peer) == sorted(truth["fault"]["detail"]["neighbour_addresses"])
+    assert max(by_peer.values()) < ONE_PEER_SHARE * sum(by_peer.values()), by_peer
+    assert "towards 2 peers, " in a.next_step and \
+        f"What they share is {a.straggler}'s own NIC" in a.next_step, a.next_step
+    assert "the path to that peer" not in a.next_step
+    for peer, n in by_peer.items():
+        assert f"{peer} ({n:,})" in a.next_step
+    one = next_step("network", a.straggler, a.top_offenders[:1])
+    assert one.endswith("and the path to that peer.") and a.top_offenders[0]["to"] in one
