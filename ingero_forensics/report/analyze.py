@@ -572,6 +572,18 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
              f"no link of the job is far slower than the others, over the run or in "
              f"{min_bins} of its time bins or more"]
             if links_asked and not a.link_unsure else [])
+        if len(a.links) < 2 and transfer_share >= MIN_COST_SHARE:
+            # rule 4c could not run: not "no link is slow" by omission (a link queueing
+            # over the whole run leaves no slow bin either, as the bins compare the run
+            # with itself; a review's 3-node fleet without tcp_progress got a plain
+            # "No straggler" while its transfer ran at twice a clean fleet's)
+            a.links_unmeasured = True
+            checked.append(
+                ("no link's transit was measured (fleet.db has no tcp_progress rows of "
+                 "the job's connections: a capture with --no-tcp-progress, an older one, "
+                 "or NCCL over InfiniBand)" if not a.links else
+                 "one link's transit alone was measured, with none to compare it with")
+                + ", so a link slow over the whole run is not ruled out")
         a.verdict = ("No straggler: no node arrives late at collectives beyond the fleet's "
                      f"normal jitter ({a.noise_ms:.2f} ms; late means over "
                      f"{a.threshold_ms:.2f} ms in at least {min_bins} time bins and costing "

@@ -89,6 +89,10 @@ class Analysis:
     #: retransmits towards captured nodes alone do not name it: {node, retransmits,
     #: unseen (those towards addresses no captured node owns), basis}
     network_unsure: dict | None = None
+    #: "No straggler" where fewer than two links' transits were measured (no
+    #: tcp_progress) and the transfer was worth a share of the run: rule 4c could not
+    #: run, and the verdict says a slow link is not ruled out
+    links_unmeasured: bool = False
     #: nodes late by no more than the clock alignment uncertainty between them and their
     #: peers (or an unbounded one): which node was late is not known, so none of them
     #: is named; [{node, ranks, peak_ms, lateness_ms, relative_uncertainty_ms}]

@@ -177,13 +177,32 @@ def test_healthy_ring_names_no_link(tmp_path, clean):
 
 def test_no_links_measured_claims_none(tmp_path, clean):
     """A fleet without tcp_progress (an older capture, InfiniBand) measured no link: the
-    verdict does not say that none is slow."""
+    verdict does not say that none is slow, and says that a slow link is not ruled out."""
     path = tmp_path / "fleet.db"
     path.write_bytes(clean)
     a = analyze_fleet(path)
-    assert a.links == [] and a.link_suspect is None
-    assert a.verdict.endswith("of the run), and no period of the run has collectives slow "
-                              "for everyone."), a.verdict
+    assert a.links == [] and a.link_suspect is None and a.links_unmeasured
+    assert a.verdict.endswith("of the run), no period of the run has collectives slow "
+                              "for everyone, and no link's transit was measured (fleet.db "
+                              "has no tcp_progress rows of the job's connections: a capture "
+                              "with --no-tcp-progress, an older one, or NCCL over "
+                              "InfiniBand), so a link slow over the whole run is not ruled "
+                              "out."), a.verdict
+    assert "no link of the job is far slower" not in a.verdict
+
+
+def test_a_slow_link_without_tcp_progress_is_not_ruled_out(tmp_path):
+    """From a review: three nodes, one link queueing over the whole run, captured with
+    --no-tcp-progress: nothing names the link, and "No straggler" must not read as if
+    every link had been checked."""
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=3, ranks_per_node=2, steps=150, seed=33,
+                                               fault="slowlink", tcp_progress=False))
+    merge_bundles([tmp_path / "b"], tmp_path / "fleet.db")
+    a = analyze_fleet(tmp_path / "fleet.db")
+    assert a.links == [] and a.link_suspect is None and a.straggler is None, a.verdict
+    assert a.links_unmeasured and "so a link slow over the whole run is not ruled out" \
+        in a.verdict, a.verdict
+    assert json.loads(json.dumps(a.to_json()))["links_unmeasured"] is True
 
 
 def test_slow_link_is_named_with_its_figures(tmp_path, clean):

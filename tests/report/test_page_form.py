@@ -70,18 +70,19 @@ def test_offsets_count_from_where_the_export_counts(fleets, tmp_path):
     assert lead_s > 1.0, "captures start with the job here: the case is not exercised"
     page = render_html(a)
     w = a.windows[0]
-    off, length = (float(x) for x in re.search(
-        r'<td class="num">\+([\d.]+) s</td><td class="num">([\d.]+) s</td>', page).groups())
-    # the offset rounded down, the length up: [off, off + length) covers the window
+    off, end, length = (float(x) for x in re.search(
+        r'<td class="num">\+([\d.]+) s to \+([\d.]+) s</td><td class="num">([\d.]+) s</td>',
+        page).groups())
+    # the offsets rounded down and up: [off, end) covers the window; its length as it is
     assert 0 <= w.start_ns - (start + off * 1e9) < 0.1e9, (off, w.start_ns - start)
-    assert start + (off + length) * 1e9 >= w.end_ns > start + (off + length - 0.1) * 1e9
+    assert start + end * 1e9 >= w.end_ns > start + (end - 0.1) * 1e9
+    assert abs(length - (w.end_ns - w.start_ns) / 1e9) <= 0.05 + 1e-9, (length, w)
     # the charts' ticks: the same origin, within the collectives' span
     ticks = [float(t.replace(",", "")) for t in re.findall(
         r'text-anchor="middle">([^<]*) s</text>', re.search(
             r'<svg class="chart".*?</svg>', page, re.S).group(0))]
     step = ticks[1] - ticks[0]
     assert lead_s - step <= ticks[0] and ticks[-1] <= (a.end_ns - start) / 1e9 + step, ticks
-    end = off + length
     r = CliRunner().invoke(export_main, [str(db), "--chrome-trace", "--from", f"+{off}s",
                                          "--to", f"+{end:.1f}s", "--kinds", "nccl",
                                          "-o", str(tmp_path / "w.json"), "--json"])
