@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..merge.messages import plain_address
 from ..merge.ranks import process_ranks
 from ..merge.summaries import JOB_BLOCK
 from .evidence import (LEAVES_NODE, NODE_MEMORY_UNITS, REFAULT_FLOOR, window_clause,
@@ -49,19 +50,21 @@ def cited_evidence(con, cause, target, windows, nodes,
     elif cause == "network":
         # per peer, not per connection: a lossy NIC resends towards every peer it sends
         # to, over as many connections as the job opened to each (a review: one
-        # connection to one neighbour and eight to the other, as many segments each)
-        for sa, da, conns, n in con.execute(
-                f"SELECT saddr, daddr, COUNT(DISTINCT sport || ':' || dport), COUNT(*) "
-                f"FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
-                f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND {w} "
-                f"GROUP BY saddr, daddr ORDER BY COUNT(*) DESC, daddr LIMIT 5", [target] + p):
-            top.append({"from": sa, "to": da, "connections": conns, "retransmits": n})
+        # connection to one neighbour and eight to the other, as many segments each);
+        # an IPv4-mapped address (a v4 peer on a v6 socket) is that IPv4 peer
+        sa, da = plain_address("saddr"), plain_address("daddr")
+        where = (f"FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
+                 f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND {w}")
+        # every connection counts, not only the five the table lists
+        total, peers = con.execute(f"SELECT COUNT(*), COUNT(DISTINCT {da}) {where}",
+                                   [target] + p).fetchone()
+        for src, dst, conns, n in con.execute(
+                f"SELECT {sa} AS src, {da} AS dst, COUNT(DISTINCT sport || ':' || dport), "
+                f"COUNT(*) {where} GROUP BY src, dst ORDER BY COUNT(*) DESC, dst LIMIT 5",
+                [target] + p):
+            top.append({"from": src, "to": dst, "connections": conns, "retransmits": n,
+                        "share": round(n / total, 3)})
         if top:
-            # every connection counts, not only the five the table lists
-            total, peers = con.execute(
-                f"SELECT COUNT(*), COUNT(DISTINCT daddr) FROM tcp_events WHERE node_id = ? "
-                f"AND scope = 'job' AND event = 'tcp_retransmit_skb' AND {LEAVES_NODE} "
-                f"AND {w}", [target] + p).fetchone()
             shown = sorted({t['to'] for t in top})
             more = f" and {peers - len(shown)} more" if peers > len(shown) else ""
             ev.append(f"{total} TCP retransmits on the job's own connections from "
@@ -171,16 +174,18 @@ def next_step(cause, node: str, top: list[dict]) -> str:
                 "or cache of their own.")
     if cause == "network" and top:
         t = top[0]
-        total = sum(x["retransmits"] for x in top)
-        if len(top) == 1 or t["retransmits"] >= ONE_PEER_SHARE * total:
+        if t["share"] >= ONE_PEER_SHARE:
             return (f"Retransmits from {t['from']} to {t['to']} ({t['retransmits']:,} of "
                     f"them, on {t['connections']} connection"
                     f"{'s' if t['connections'] != 1 else ''}): check {node}'s NIC, cable "
                     "and switch port (ethtool -S errors and drops) and the path to that "
                     "peer.")
         peers = [f"{x['to']} ({x['retransmits']:,})" for x in top]
+        more = sum(x["share"] for x in top) < 0.99      # peers beyond the five, 1 % or more
+        if more:
+            peers.append("others")
         peers = ", ".join(peers[:-1]) + " and " + peers[-1]
-        many = f"{len(top)} peers" if len(top) < 5 else "5 peers or more"
+        many = f"more than {len(top)} peers" if more else f"{len(top)} peers"
         return (f"Retransmits from {t['from']} towards {many}, {peers}. What "
                 f"they share is {node}'s own NIC, cable and switch port; check them "
                 "(ethtool -S errors and drops) before the paths to the peers.")

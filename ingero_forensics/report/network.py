@@ -86,14 +86,20 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     return None, [], None
 
 
-def retransmits_unseen(con, node_id: int, node_ids) -> tuple[int, int]:
-    """(towards addresses no captured node owns, all) of node_id's job retransmits that
-    leave the node."""
-    return con.execute(
-        f"SELECT COALESCE(SUM({_plain('daddr')} NOT IN {addresses_of(con, '?')}), 0), "
-        "COUNT(*) FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
-        f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE}",
-        (json.dumps(sorted(node_ids)), node_id)).fetchone()
+def retransmits_unseen(con, node_id: int, node_ids) -> tuple[int, dict[str, int]]:
+    """node_id's job retransmits that leave the node: how many in all, and those towards
+    each address that no captured node owns."""
+    total, unseen = 0, {}
+    for addr, owned, n in con.execute(
+            f"SELECT {_plain('daddr')} AS addr, {_plain('daddr')} IN {addresses_of(con, '?')}, "
+            "COUNT(*) "
+            "FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
+            f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE} GROUP BY addr",
+            (json.dumps(sorted(node_ids)), node_id)):
+        total += n
+        if not owned:
+            unseen[addr] = n
+    return total, unseen
 
 
 def addresses_of(con, param: str) -> str:

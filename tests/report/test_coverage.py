@@ -74,16 +74,60 @@ def test_a_lossy_node_not_collected_is_not_blamed_on_its_neighbour(lossy_fleet, 
     assert json.loads(json.dumps(a.to_json()))["network_unsure"] == u
 
 
-@pytest.mark.parametrize("left_out", ["node-00", "node-02", "node-03"])
+@pytest.mark.parametrize("left_out", [("node-00",), ("node-02",), ("node-03",),
+                                      ("node-00", "node-02")])
 def test_a_lossy_node_is_named_with_a_neighbour_not_collected(lossy_fleet, tmp_path,
                                                               left_out):
     """The lossy node captured, any other node left out (its upstream or downstream
-    neighbour too): its retransmits towards the captured nodes still name it."""
+    neighbour too): its retransmits towards the captured nodes still name it. Both
+    neighbours left out (a review): its retransmits go only where no bundle shows, but
+    to two peers alike, and one lossy peer cannot explain that: it stands."""
     bundles, _ = lossy_fleet
-    a = analyze_fleet(_merge(bundles, tmp_path / "f.db", skip=(left_out,)))
+    a = analyze_fleet(_merge(bundles, tmp_path / "f.db", skip=left_out))
     assert (a.straggler, a.cause, a.cause_confidence) == ("node-01", "network", "clear"), \
         a.verdict
     assert a.network_unsure is None and "not captured" in a.verdict
+
+
+def test_retransmits_into_a_missing_node_beside_a_straggler_are_not_said(cpu_fleet,
+                                                                          tmp_path):
+    """From a review: beside a straggler named for a cause of its own, a node resending
+    into an uncaptured one is no finding either way; the verdict said "no node's
+    network is named" about it."""
+    bundles, _ = cpu_fleet
+    db = _merge(bundles, tmp_path / "f.db", skip=("node-03",))
+    con = apsw.Connection(str(db))
+    nid, sa, pid = con.execute(
+        "SELECT p.node_id, p.saddr, p.pid FROM tcp_progress p JOIN nodes n USING (node_id) "
+        "WHERE n.name = 'node-01' LIMIT 1").fetchone()
+    (bid,) = con.execute("SELECT MIN(bundle_id) FROM bundles WHERE node_id = ?", (nid,)
+                         ).fetchone()
+    t0, t1 = con.execute("SELECT MIN(first_entry_ns), MAX(last_entry_ns) FROM collectives"
+                         ).fetchone()
+    with con:
+        con.executemany(
+            "INSERT INTO tcp_events (timestamp_ns, mono_ns, event, family, saddr, daddr, "
+            "sport, dport, state, pid, owner_pid, scope, node_id, bundle_id) VALUES "
+            "(?, ?, 'tcp_retransmit_skb', 4, ?, '10.250.0.9', 40001, 29500, "
+            "'ESTABLISHED', ?, ?, 'job', ?, ?)",
+            [(t, t, sa, pid, pid, nid, bid)
+             for t in (t0 + (t1 - t0) * k // 3000 for k in range(3000))])
+    con.close()
+    a = analyze_fleet(db)
+    assert [s.node for s in a.stragglers] == ["node-02"] and a.cause == "cpu", a.verdict
+    assert a.network_unsure is None and "network is named" not in a.verdict, a.verdict
+
+
+def test_no_links_measured_is_not_said_in_a_cannot_tell(tmp_path):
+    """From a review: links_unmeasured was true in the JSON while the verdict ("Cannot
+    tell", ranks uncaptured) said nothing of links: set only where it is said."""
+    simulate_fleet(tmp_path / "b", FleetConfig(nodes=4, ranks_per_node=2, steps=150, seed=3,
+                                               tcp_progress=False))
+    a = analyze_fleet(_merge(tmp_path / "b", tmp_path / "f.db", skip=("node-02",)))
+    assert a.verdict.startswith("Cannot tell") and a.uncaptured, a.verdict
+    assert not a.links_unmeasured and "transit was measured" not in a.verdict
+    a = analyze_fleet(_merge(tmp_path / "b", tmp_path / "g.db"))
+    assert a.verdict.startswith("No straggler") and a.links_unmeasured, a.verdict
 
 
 def test_every_rank_captured_no_caveat(cpu_fleet, tmp_path):

@@ -914,6 +914,7 @@ def test_a_lossy_nic_resending_to_every_peer_points_at_the_node(fleets):
         [a.straggler_node_id] + [x for win in a.windows for x in (win.start_ns, win.end_ns)]))
     con.close()
     assert {t["to"]: t["retransmits"] for t in a.top_offenders} == by_peer
+    assert sum(t["share"] for t in a.top_offenders) == pytest.approx(1.0, abs=0.002)
     assert sorted(by_peer) == sorted(truth["fault"]["detail"]["neighbour_addresses"])
     assert max(by_peer.values()) < ONE_PEER_SHARE * sum(by_peer.values()), by_peer
     assert "towards 2 peers, " in a.next_step and \
@@ -921,5 +922,37 @@ def test_a_lossy_nic_resending_to_every_peer_points_at_the_node(fleets):
     assert "the path to that peer" not in a.next_step
     for peer, n in by_peer.items():
         assert f"{peer} ({n:,})" in a.next_step
-    one = next_step("network", a.straggler, a.top_offenders[:1])
+    one = next_step("network", a.straggler, [dict(a.top_offenders[0], share=0.9)])
     assert one.endswith("and the path to that peer.") and a.top_offenders[0]["to"] in one
+
+
+def test_the_network_next_step_counts_peers_as_addresses_and_over_all(fleets, tmp_path):
+    """From a review: an IPv4-mapped address (as the capture writes tcp_events) is the
+    same peer as its IPv4 form, not a second one; and a peer's share is of every
+    retransmit, not of the five peers listed."""
+    db, truth = fleets("network")
+    copy = tmp_path / "fleet.db"
+    shutil.copy(db, copy)
+    before = analyze_fleet(copy)
+    con = apsw.Connection(str(copy))
+    nid = before.straggler_node_id
+    with con:
+        con.execute("UPDATE tcp_events SET daddr = '::ffff:' || daddr, "
+                    "saddr = '::ffff:' || saddr WHERE node_id = ? AND id % 2 = 0", (nid,))
+    a = analyze_fleet(copy)
+    assert a.next_step == before.next_step and a.top_offenders == before.top_offenders, \
+        (a.next_step, before.next_step)
+    # one neighbour's retransmits spread over 20 more addresses: the other holds about
+    # half of them all, not three quarters of the five listed
+    top = before.top_offenders[0]["to"]
+    other = before.top_offenders[1]["to"]
+    with con:
+        con.execute("UPDATE tcp_events SET daddr = '10.99.0.' || (id % 20) WHERE "
+                    "node_id = ? AND scope = 'job' AND event = 'tcp_retransmit_skb' AND "
+                    "daddr IN (?, ?)", (nid, other, "::ffff:" + other))
+    con.close()
+    a = analyze_fleet(copy)
+    share = a.top_offenders[0]["share"]
+    assert a.top_offenders[0]["to"] == top and 0.4 < share < 0.6, a.top_offenders
+    assert len(a.top_offenders) == 5 and "towards more than 5 peers" in a.next_step and \
+        a.next_step.count(" and others. What they share") == 1, a.next_step
