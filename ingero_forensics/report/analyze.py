@@ -68,7 +68,7 @@ from .coverage import network_unsure_text, uncaptured_ranks, uncaptured_text
 from .wording import (bins_limited_text, clock_unsure_text, ms_text, natural_key,
                       no_comparison_text, rank_text, verdict_text)
 from .sql import Recorder
-from .citing import ONE_PEER_SHARE, cited_evidence, next_step
+from .citing import cited_evidence, next_step
 from .evidence import (CAUSE_TITLES, CAUSES, CLEAR_SCORE, OWN_RUNQ_NOTE, RUNQ_SIGNAL, SAMPLE,
                        TOWARDS_LATE_SIGNAL, WEAK_SCORE, Reservoir, Signal, late_ranks, median,
                        node_signals, quantile, table_exists, utc, window_seconds)
@@ -356,23 +356,23 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         network_suspect, net_bins, a.network_basis = _network_suspect(
             con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, late=late_windows)
         if network_suspect is not None and a.uncaptured:
-            # Ranks went uncaptured: retransmits towards one peer no bundle shows may be
-            # that peer's lossy NIC as much as the sender's. The suspect stands if its
-            # retransmits towards captured nodes name it too, or if the unseen ones
-            # spread over several peers (what they share is the sender's own NIC). A
-            # review merged a fleet without the lossy node's bundle: its upstream
-            # neighbour was named "network retransmits, clear" for resending into it.
+            # Ranks went uncaptured: retransmits towards peers no bundle shows may be
+            # their lossy NIC as much as the sender's. The suspect stands only if its
+            # retransmits towards captured nodes name it too. (Not where the unseen
+            # ones spread over several addresses: one uncaptured node may own them all,
+            # two NICs or an IPv4 and an IPv6 address.) A review merged a fleet without
+            # the lossy node's bundle: its upstream neighbour was named "network
+            # retransmits, clear" for resending into it.
             total, unseen = retransmits_unseen(con, network_suspect, list(nodes))
-            one_peer = bool(unseen) and max(unseen.values()) >= \
-                ONE_PEER_SHARE * sum(unseen.values())
-            if one_peer and _network_suspect(con, list(nodes), t0, bin_ns, slow, n_bins,
-                                             n_coll, late=late_windows,
-                                             seen_only=True)[0] != network_suspect:
+            if unseen and _network_suspect(con, list(nodes), t0, bin_ns, slow, n_bins,
+                                           n_coll, late=late_windows,
+                                           seen_only=True)[0] != network_suspect:
                 if not a.stragglers:
                     # (beside a straggler the suspect only sorts victims: none is sure)
                     a.network_unsure = {"node": nodes[network_suspect][0],
                                         "retransmits": total,
                                         "unseen": sum(unseen.values()),
+                                        "unseen_addresses": len(unseen),
                                         "basis": a.network_basis}
                 network_suspect, net_bins, a.network_basis = None, [], None
         towards_late = None

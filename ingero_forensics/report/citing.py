@@ -58,12 +58,13 @@ def cited_evidence(con, cause, target, windows, nodes,
         # every connection counts, not only the five the table lists
         total, peers = con.execute(f"SELECT COUNT(*), COUNT(DISTINCT {da}) {where}",
                                    [target] + p).fetchone()
-        for src, dst, conns, n in con.execute(
-                f"SELECT {sa} AS src, {da} AS dst, COUNT(DISTINCT sport || ':' || dport), "
-                f"COUNT(*) {where} GROUP BY src, dst ORDER BY COUNT(*) DESC, dst LIMIT 5",
-                [target] + p):
-            top.append({"from": src, "to": dst, "connections": conns, "retransmits": n,
-                        "share": round(n / total, 3)})
+        # (by peer alone: a node with two source addresses still has one path to it)
+        for dst, srcs, conns, n in con.execute(
+                f"SELECT {da} AS dst, group_concat(DISTINCT {sa}), "
+                f"COUNT(DISTINCT {sa} || ' ' || sport || ' ' || dport), COUNT(*) {where} "
+                f"GROUP BY dst ORDER BY COUNT(*) DESC, dst LIMIT 5", [target] + p):
+            top.append({"from": ", ".join(sorted(srcs.split(","))), "to": dst,
+                        "connections": conns, "retransmits": n, "share": n / total})
         if top:
             shown = sorted({t['to'] for t in top})
             more = f" and {peers - len(shown)} more" if peers > len(shown) else ""
@@ -181,8 +182,8 @@ def next_step(cause, node: str, top: list[dict]) -> str:
                     "and switch port (ethtool -S errors and drops) and the path to that "
                     "peer.")
         peers = [f"{x['to']} ({x['retransmits']:,})" for x in top]
-        more = sum(x["share"] for x in top) < 0.99      # peers beyond the five, 1 % or more
-        if more:
+        more = sum(x["retransmits"] for x in top) < round(t["retransmits"] / t["share"])
+        if more:                    # peers beyond the five listed
             peers.append("others")
         peers = ", ".join(peers[:-1]) + " and " + peers[-1]
         many = f"more than {len(top)} peers" if more else f"{len(top)} peers"

@@ -67,5 +67,7 @@ def network_unsure_text(u: dict) -> str:
     return (f"{u['node']}'s job connections retransmitted {u['retransmits']:,} segments, "
             f"{u['unseen']:,} of them towards addresses that no merged bundle owns, and "
             "its retransmits towards the captured nodes alone do not single it out: a "
-            "lossy NIC or link at that uncaptured peer would look the same from here, so "
-            "no node's network is named.")
+            "lossy NIC or link at " + ("that uncaptured peer" if u["unseen_addresses"] == 1
+                                        else f"the uncaptured peers it resent to "
+                                             f"({u['unseen_addresses']} addresses)")
+            + " would look the same from here, so no node's network is named.")

@@ -87,7 +87,7 @@ class Analysis:
     uncaptured: dict | None = None
     #: the network suspect, left unnamed where ranks went uncaptured and its
     #: retransmits towards captured nodes alone do not name it: {node, retransmits,
-    #: unseen (those towards addresses no captured node owns), basis}
+    #: unseen (those towards addresses no captured node owns), unseen_addresses, basis}
     network_unsure: dict | None = None
     #: "No straggler" where fewer than two links' transits were measured (no
     #: tcp_progress) and the transfer was worth a share of the run: rule 4c could not

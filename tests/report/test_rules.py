@@ -922,6 +922,13 @@ def test_a_lossy_nic_resending_to_every_peer_points_at_the_node(fleets):
     assert "the path to that peer" not in a.next_step
     for peer, n in by_peer.items():
         assert f"{peer} ({n:,})" in a.next_step
+    # the page's table: shares as percentages of the node's retransmits, counts grouped
+    from ingero_forensics.report.render import render_html
+    page = render_html(a)
+    assert "<th>share of its retransmits</th>" in page
+    for t in a.top_offenders:
+        assert (f'<td class="num">{t["retransmits"]:,}</td>'
+                f'<td class="num">{t["share"] * 100:.1f}%</td>') in page
     one = next_step("network", a.straggler, [dict(a.top_offenders[0], share=0.9)])
     assert one.endswith("and the path to that peer.") and a.top_offenders[0]["to"] in one
 
@@ -942,6 +949,16 @@ def test_the_network_next_step_counts_peers_as_addresses_and_over_all(fleets, tm
     a = analyze_fleet(copy)
     assert a.next_step == before.next_step and a.top_offenders == before.top_offenders, \
         (a.next_step, before.next_step)
+    # a second source address of the node's (a second NIC): the same two peers, not four
+    src = before.top_offenders[0]["from"]
+    with con:
+        con.execute("UPDATE tcp_events SET saddr = '10.98.0.1' WHERE node_id = ? AND "
+                    "id % 3 = 0", (nid,))
+    a = analyze_fleet(copy)
+    assert [(t["to"], t["retransmits"]) for t in a.top_offenders] == \
+        [(t["to"], t["retransmits"]) for t in before.top_offenders], a.top_offenders
+    assert a.top_offenders[0]["from"] == ", ".join(sorted([src, "10.98.0.1"]))
+    assert "towards 2 peers, " in a.next_step, a.next_step
     # one neighbour's retransmits spread over 20 more addresses: the other holds about
     # half of them all, not three quarters of the five listed
     top = before.top_offenders[0]["to"]
