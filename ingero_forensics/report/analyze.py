@@ -693,6 +693,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                                                    primary.clock_caveat)
     a.close_cause = primary.close_cause
     a.signals, a.evidence, a.top_offenders = primary.signals, primary.evidence, primary.top_offenders
+    a.evidence_facts = primary.evidence_facts
     a.next_step = primary.next_step
     with con.figure("cause_series"):
         a.cause_series = (link_series(links, link, t0, bin_ns) if link is not None else
@@ -787,8 +788,8 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
             2 * runner_score >= best_score:
         st.close_cause = runner
     with con.figure(f"evidence:{st.node_id}"):
-        st.evidence, st.top_offenders = cited_evidence(con, st.cause, st.node_id, windows, nodes,
-                                                       bins)
+        st.evidence, st.top_offenders, st.evidence_facts = cited_evidence(
+            con, st.cause, st.node_id, windows, nodes, bins)
     own = next((s for s in st.signals if s.name.startswith(RUNQ_SIGNAL + OWN_RUNQ_NOTE[:14])),
                None)
     if own is not None and st.cause != "cpu":
@@ -814,7 +815,7 @@ def _diagnose(con, st: Straggler, node_ids, nodes, network: bool, bins=None,
                 "that node's" if len(late) == 1 else "their") + " victim."))
         if not clear:     # a clear cause of its own: a straggler of its own, not a victim
             st.victim_of = late
-    st.next_step = next_step(st.cause, st.node, st.top_offenders)
+    st.next_step = next_step(st.cause, st.node, st.top_offenders, st.evidence_facts)
 
 
 def _cpu_short_of_cost(st: Straggler, secs: float) -> str | None:

@@ -13,13 +13,21 @@ from .evidence import (LEAVES_NODE, NODE_MEMORY_UNITS, REFAULT_FLOOR, window_cla
                        window_seconds)
 from .gpus import gpu_ranks
 
+def _and_list(items) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def cited_evidence(con, cause, target, windows, nodes,
-                   bins=None) -> tuple[list[str], list[dict]]:
+                   bins=None) -> tuple[list[str], list[dict], dict]:
+    """(evidence sentences, the table's rows, facts the next step needs beyond the rows:
+    for the network, every peer and source address in the windows)."""
     w, p = window_clause(windows)
     wb = bins.clause(windows) if bins is not None else None
     secs = window_seconds(windows)
     ev: list[str] = []
     top: list[dict] = []
+    facts: dict = {}
     if cause == "cpu":
         for comm, opid, n, tot in con.execute(
                 f"SELECT other_comm, other_pid, COUNT(*), SUM(duration_ns) FROM sched_events "
@@ -56,21 +64,24 @@ def cited_evidence(con, cause, target, windows, nodes,
         where = (f"FROM tcp_events WHERE node_id = ? AND scope = 'job' AND "
                  f"event = 'tcp_retransmit_skb' AND {LEAVES_NODE} AND {w}")
         # every connection counts, not only the five the table lists
-        total, peers = con.execute(f"SELECT COUNT(*), COUNT(DISTINCT {da}) {where}",
-                                   [target] + p).fetchone()
+        total, peers, sources = con.execute(
+            f"SELECT COUNT(*), COUNT(DISTINCT {da}), group_concat(DISTINCT {sa}) {where}",
+            [target] + p).fetchone()
+        facts = {"peers": peers, "sources": sorted(sources.split(",")) if sources else []}
         # (by peer alone: a node with two source addresses still has one path to it)
         for dst, srcs, conns, n in con.execute(
                 f"SELECT {da} AS dst, group_concat(DISTINCT {sa}), "
                 f"COUNT(DISTINCT {sa} || ' ' || sport || ' ' || dport), COUNT(*) {where} "
                 f"GROUP BY dst ORDER BY COUNT(*) DESC, dst LIMIT 5", [target] + p):
             top.append({"from": ", ".join(sorted(srcs.split(","))), "to": dst,
-                        "connections": conns, "retransmits": n, "share": n / total})
+                        "connections": conns, "retransmits": n,
+                        "share": round(n / total, 4)})
         if top:
             shown = sorted({t['to'] for t in top})
             more = f" and {peers - len(shown)} more" if peers > len(shown) else ""
-            ev.append(f"{total} TCP retransmits on the job's own connections from "
-                      f"{top[0]['from']} ({total / secs:.1f}/s in the windows), to "
-                      + ", ".join(shown) + more + ".")
+            ev.append(f"{total:,} TCP retransmits on the job's own connections "
+                      f"({total / secs:.1f}/s in the windows) from "
+                      f"{_and_list(facts['sources'])} to " + ", ".join(shown) + more + ".")
         bg = con.execute(f"SELECT COUNT(*) FROM tcp_events WHERE scope = 'background' AND {w}",
                          p).fetchone()[0]
         if bg:
@@ -89,7 +100,7 @@ def cited_evidence(con, cause, target, windows, nodes,
                       f"in the windows{stall}.")
         if top:
             # the job's own figures say it; the node's are every tenant's
-            return ev, top
+            return ev, top, facts
         sql, params = (
             (bins.memory_peaks_sql(wb[0]), wb[1]) if wb is not None else
             ("SELECT metric, MAX(value) FROM host_samples WHERE node_id = ? AND metric IN "
@@ -121,7 +132,7 @@ def cited_evidence(con, cause, target, windows, nodes,
                     if top[0]["ranks"] else " (no rank known to use it)")
             ev.append(f"GPU {top[0]['gpu']}{used} ran at {top[0]['sm_clock_mhz']} MHz SM "
                       f"clock, {top[0]['temp_c']} °C, in the windows.")
-    return ev, top
+    return ev, top, facts
 
 
 def job_memory(con, target, w, p) -> list[dict]:
@@ -158,8 +169,10 @@ def job_memory(con, target, w, p) -> list[dict]:
 ONE_PEER_SHARE = 0.75
 
 
-def next_step(cause, node: str, top: list[dict]) -> str:
-    """What to do about it, from the evidence found (never a generic tip)."""
+def next_step(cause, node: str, top: list[dict], facts: dict | None = None) -> str:
+    """What to do about it, from the evidence found (never a generic tip); facts:
+    cited_evidence's third part."""
+    facts = facts or {}
     if cause == "cpu" and top:
         t = top[0]
         return (f"On {node}, {t['task']} (pid {t['pid']}) kept the job's threads waiting "
@@ -175,21 +188,24 @@ def next_step(cause, node: str, top: list[dict]) -> str:
                 "or cache of their own.")
     if cause == "network" and top:
         t = top[0]
+        sources = facts.get("sources") or sorted(t["from"].split(", "))
+        nics = (f"{node}'s NIC, cable and switch port" if len(sources) == 1 else
+                f"{node}'s NICs, cables and switch ports, those of its source addresses "
+                f"{_and_list(sources)}")
         if t["share"] >= ONE_PEER_SHARE:
-            return (f"Retransmits from {t['from']} to {t['to']} ({t['retransmits']:,} of "
-                    f"them, on {t['connections']} connection"
-                    f"{'s' if t['connections'] != 1 else ''}): check {node}'s NIC, cable "
-                    "and switch port (ethtool -S errors and drops) and the path to that "
-                    "peer.")
-        peers = [f"{x['to']} ({x['retransmits']:,})" for x in top]
-        more = sum(x["retransmits"] for x in top) < round(t["retransmits"] / t["share"])
-        if more:                    # peers beyond the five listed
-            peers.append("others")
-        peers = ", ".join(peers[:-1]) + " and " + peers[-1]
-        many = f"more than {len(top)} peers" if more else f"{len(top)} peers"
-        return (f"Retransmits from {t['from']} towards {many}, {peers}. What "
-                f"they share is {node}'s own NIC, cable and switch port; check them "
-                "(ethtool -S errors and drops) before the paths to the peers.")
+            return (f"Retransmits to {t['to']} ({t['retransmits']:,} of them, "
+                    f"{t['share']:.0%}, on {t['connections']} connection"
+                    f"{'s' if t['connections'] != 1 else ''}): check {nics} (ethtool -S "
+                    "errors and drops) and the path to that peer.")
+        peers = facts.get("peers") or len(top)
+        listed = [f"{x['to']} ({x['retransmits']:,})" for x in top]
+        if peers > len(top):
+            listed.append(f"{peers - len(top)} more")
+        what = (f"What they share is {node}'s own NIC, cable and switch port: check them"
+                if len(sources) == 1 else f"What they share is {node}: check {nics}")
+        return (f"Retransmits towards {peers} peers, {_and_list(listed)}, none with three "
+                f"quarters of them. {what} (ethtool -S errors and drops) before the paths "
+                "to the peers.")
     if cause == "gpu" and top:
         t = top[0]
         return (f"GPU {t['gpu']} on {node} ran at {t['sm_clock_mhz']} MHz, "

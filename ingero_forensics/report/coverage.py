@@ -68,6 +68,6 @@ def network_unsure_text(u: dict) -> str:
             f"{u['unseen']:,} of them towards addresses that no merged bundle owns, and "
             "its retransmits towards the captured nodes alone do not single it out: a "
             "lossy NIC or link at " + ("that uncaptured peer" if u["unseen_addresses"] == 1
-                                        else f"the uncaptured peers it resent to "
-                                             f"({u['unseen_addresses']} addresses)")
+                                        else f"the uncaptured node or nodes behind those "
+                                             f"{u['unseen_addresses']} addresses")
             + " would look the same from here, so no node's network is named.")

@@ -45,6 +45,8 @@ class Straggler:
     evidence: list[str] = field(default_factory=list)
     signals: list[Signal] = field(default_factory=list)
     top_offenders: list[dict] = field(default_factory=list)
+    #: what the next step needs beyond the rows (network: every peer and source address)
+    evidence_facts: dict = field(default_factory=dict)
     next_step: str = ""
     #: what its lateness is measured against: "median" (the median arrival; the other
     #: node's with two nodes) or "early_half" (late together with other nodes: together.py)
@@ -157,6 +159,7 @@ class Analysis:
     timeline: list[dict] = field(default_factory=list)   # per bin: t, suspect_ms, fleet_ms, transfer_ms
     cause_series: dict = field(default_factory=dict)     # metric over time, suspect vs others
     top_offenders: list[dict] = field(default_factory=list)
+    evidence_facts: dict = field(default_factory=dict)
     slow_collectives: list[dict] = field(default_factory=list)
     alignment: list[dict] = field(default_factory=list)
     capture_issues: list[dict] = field(default_factory=list)

@@ -441,7 +441,7 @@ def test_diagnose_downgrades_cpu_that_cannot_account_for_the_wait(monkeypatch):
     def run(suspect, others, cost_s):
         monkeypatch.setattr(analyze, "node_signals", lambda *a, **k: [
             Signal("cpu", RUNQ_SIGNAL, suspect, others, 5.74)])
-        monkeypatch.setattr(analyze, "cited_evidence", lambda *a, **k: (["cited"], []))
+        monkeypatch.setattr(analyze, "cited_evidence", lambda *a, **k: (["cited"], [], {}))
         st = analyze.Straggler(node="n", node_id=1, ranks=[0], late_ranks=[0],
                                windows=[analyze.Window(0, 10**9, 28.7)], lateness_ms=28.7,
                                late_bins=3, peak_ms=208.0, cost_s=cost_s, cost_share=0.07,
@@ -473,7 +473,7 @@ def test_diagnose_names_a_close_runner_up_with_a_weak_cause(monkeypatch):
         monkeypatch.setattr(analyze, "node_signals", lambda *a, **k: [
             Signal("cpu", RUNQ_SIGNAL, 90.5, 43.9, cpu),
             Signal("io", "block I/O time of the job's processes", 40.0, 0.0, io)])
-        monkeypatch.setattr(analyze, "cited_evidence", lambda *a, **k: (["cited"], []))
+        monkeypatch.setattr(analyze, "cited_evidence", lambda *a, **k: (["cited"], [], {}))
         st = analyze.Straggler(node="n", node_id=1, ranks=[0], late_ranks=[0],
                                windows=[analyze.Window(0, 10**9, 20.0)], lateness_ms=20.0,
                                late_bins=3, peak_ms=30.0, cost_s=0.01, cost_share=0.07,
@@ -959,6 +959,11 @@ def test_the_network_next_step_counts_peers_as_addresses_and_over_all(fleets, tm
         [(t["to"], t["retransmits"]) for t in before.top_offenders], a.top_offenders
     assert a.top_offenders[0]["from"] == ", ".join(sorted([src, "10.98.0.1"]))
     assert "towards 2 peers, " in a.next_step, a.next_step
+    # the evidence and the next step name every source address, not the first peer's
+    both = " and ".join(sorted([src, "10.98.0.1"]))
+    assert f"from {both} to " in a.evidence[0], a.evidence
+    assert f"{a.straggler}'s NICs, cables and switch ports, those of its source addresses "\
+        f"{both}" in a.next_step, a.next_step
     # one neighbour's retransmits spread over 20 more addresses: the other holds about
     # half of them all, not three quarters of the five listed
     top = before.top_offenders[0]["to"]
@@ -971,5 +976,8 @@ def test_the_network_next_step_counts_peers_as_addresses_and_over_all(fleets, tm
     a = analyze_fleet(copy)
     share = a.top_offenders[0]["share"]
     assert a.top_offenders[0]["to"] == top and 0.4 < share < 0.6, a.top_offenders
-    assert len(a.top_offenders) == 5 and "towards more than 5 peers" in a.next_step and \
-        a.next_step.count(" and others. What they share") == 1, a.next_step
+    peers = a.evidence_facts["peers"]
+    assert peers == 21 and len(a.top_offenders) == 5, a.evidence_facts
+    assert f"Retransmits towards {peers} peers, " in a.next_step and \
+        f" and {peers - 5} more, none with three quarters" in a.next_step, a.next_step
+    assert f"and {peers - 5} more." in a.evidence[0], a.evidence
