@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 import struct
 from pathlib import Path
@@ -335,13 +336,21 @@ def write_bundle(db_path, out_path, manifest: dict, *, level: int = 3) -> Path:
     manifest = dict(manifest)
     manifest["database"] = {"size": size, "sha256": "0" * 64, "compression": "zstd"}
     placeholder = encode_header(manifest)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    # An unpredictable name, created here or not at all, never through a symlink: the
+    # capture runs as root, and another user who can write to the bundle directory
+    # could otherwise plant a link at a predictable name and have root write through
+    # it (a review: a file of that user's overwritten with the bundle).
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True,
                                     write_content_size=True, threads=-1)
     h = hashlib.sha256()
     got = 0
+    created = False
     try:
-        with open(db_path, "rb") as src, open(tmp, "wb") as dst:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        created = True
+        with open(db_path, "rb") as src, os.fdopen(fd, "wb") as dst:
             dst.write(placeholder)
             # compressobj, not stream_writer: leaving a stream_writer early (Ctrl-C) makes
             # its __exit__ raise "Src size is incorrect" over the real exception.
@@ -365,7 +374,8 @@ def write_bundle(db_path, out_path, manifest: dict, *, level: int = 3) -> Path:
         tmp.unlink()
         fsync_dir(out_path.parent)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if created:
+            tmp.unlink(missing_ok=True)
         raise
     return out_path
 

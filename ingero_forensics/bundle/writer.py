@@ -123,7 +123,12 @@ class BundleWriter:
         self._stack_lists: dict[int, tuple[list, int]] = {}
         self.rows = {name: 0 for name in self._buf}
         self.rejected = {name: 0 for name in self._buf}
-        self.con = connect_writable(self.spool_path, wal=True)
+        try:
+            self.con = connect_writable(self.spool_path, wal=True)
+        except apsw.FullError:
+            raise DiskFullError(f"{self.spool_path}: file system full") from None
+        except apsw.IOError as e:
+            raise IngeroError(f"{self.spool_path}: cannot write ({e})") from None
         host = dict(host, tool_version=host.get("tool_version", __version__))
         meta = {
             "format_version": FORMAT_VERSION,
@@ -142,6 +147,8 @@ class BundleWriter:
                                      [(k, json.dumps(v)) for k, v in meta.items()])
         except apsw.FullError:
             raise DiskFullError(f"{self.spool_path}: file system full") from None
+        except apsw.IOError as e:
+            raise IngeroError(f"{self.spool_path}: cannot write ({e})") from None
 
     # -- rows ---------------------------------------------------------------------
     def add(self, table: str, row: tuple) -> None:
@@ -207,6 +214,11 @@ class BundleWriter:
         except apsw.FullError:
             # The batch stays buffered: a later flush may succeed once space is freed.
             raise DiskFullError(f"{self.spool_path}: file system full") from None
+        except apsw.IOError as e:
+            # (a failing disk, a file system remounted read-only): what was committed
+            # stays in the spool, which the next start seals
+            raise IngeroError(f"{self.spool_path}: cannot write ({e}); what was written "
+                              "stays in the spool, sealed at the next start") from None
         for name, rows in self._buf.items():
             self.rows[name] += written.get(name, 0)
             rows.clear()
@@ -340,7 +352,12 @@ def seal_spool(spool_path, out_dir, *, level: int = 3, recovered: bool = False) 
     out = Path(out_dir) / bundle_filename(meta["node"], start_utc, meta["segment"]["index"])
     try:
         write_bundle(spool_path, out, manifest, level=level)
-    except FileExistsError:
+    except FileExistsError as e:
+        if e.filename2 is None:     # the temporary file's open (O_EXCL), not the link
+            raise IngeroError(f"{e.filename}: something is already there, at the sealing's "
+                              f"temporary name (put there by another user of "
+                              f"{out.parent}?); nothing was written through it, the spool "
+                              f"{spool_path} is kept") from None
         raise IngeroError(f"{out}: a bundle with this name exists already; the spool "
                           f"{spool_path} is kept") from None
     except OSError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -52,6 +53,18 @@ def _path(ctx, param, value):
 EXIT_SOURCE_OFF = 4
 
 
+def _comm_names(ctx, param, values):
+    # the kernel keeps 15 bytes of a process name (/proc/PID/comm): a longer one would
+    # match nothing, and the capture would trace nothing without saying why (a review)
+    for v in values:
+        if len(v.encode()) > 15:
+            short = v.encode()[:15].decode(errors="ignore")
+            raise click.BadParameter(f"{v!r} is longer than the 15 bytes the kernel keeps "
+                                     f"of a process name: it would match nothing (the "
+                                     f"process is named {short!r} there)")
+    return values
+
+
 @click.command(name="ingero-capture", context_settings={"help_option_names": ["-h", "--help"]},
                epilog="Exit codes: 0 success (including stop by SIGTERM/SIGINT); 1 error "
                       "(bad configuration, directory in use, file system full: sealed "
@@ -70,7 +83,7 @@ EXIT_SOURCE_OFF = 4
 @click.option("-p", "--pid", "pids", type=int, multiple=True,
               help="Trace this process and its children, e.g. data-loader workers "
                    "(repeatable).")
-@click.option("--comm", "comms", multiple=True,
+@click.option("--comm", "comms", multiple=True, callback=_comm_names,
               help="Trace processes with this name, and their children (repeatable). "
                    "Without --pid/--comm: "
                    "processes that map libnccl/libcudart or have RANK in their environment.")
@@ -195,20 +208,30 @@ def main(bundle_dir, node, config_file, pids, comms, duration, segment_seconds, 
         idle_start=start_priority == "idle")
     if check:
         statuses = check_sources(config)
-        if as_json:
-            echo_json([s.__dict__ for s in statuses])
-        else:
-            for s in statuses:
-                line = f"{s.name:<14} {'ok ' if s.available else 'off'}  {s.reason or ''}"
-                if not s.available and s.fix:
-                    line += f" (fix: {s.fix})"
-                click.echo(line)
         node_ok = statuses[0].available
         failed = strict_failures(statuses) if strict else []
+        # the verdict first, on stderr and in the exit code: a table piped into `head`
+        # that closes early must not turn a failed check into a success (a review)
+        if not node_ok:
+            click.echo(f"Error: {statuses[0].reason}", err=True)
         for s in failed:
             if s.name != "node":
                 click.echo(f"Error: {s.name} source off: {s.reason} (--strict)", err=True)
-        sys.exit(0 if node_ok and not failed else EXIT_ERROR)
+        code = 0 if node_ok and not failed else EXIT_ERROR
+        try:
+            if as_json:
+                echo_json([s.__dict__ for s in statuses])
+            else:
+                for s in statuses:
+                    line = f"{s.name:<14} {'ok ' if s.available else 'off'}  {s.reason or ''}"
+                    if not s.available and s.fix:
+                        line += f" (fix: {s.fix})"
+                    click.echo(line)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            with contextlib.suppress(Exception):
+                sys.stdout = None
+        sys.exit(code)
     # bundles hold the traced processes' (masked) command lines, ranks and job ids:
     # what the capture creates is its owner's alone, whatever the caller's umask
     old_umask = os.umask(0o077)

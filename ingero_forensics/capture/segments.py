@@ -12,6 +12,7 @@ segment) while the next one is already recording, so rotation loses nothing.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -92,8 +93,14 @@ def lock_directory(spool_dir: Path):
         os.close(fd)
         raise IngeroError(f"{spool_dir.parent}: another ingero-capture (pid {other or '?'}) "
                           "is writing to this directory") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(f"{path}: file system full") from None
+        raise IngeroError(f"{path}: cannot write ({e.strerror or e})") from None
     return fd
 
 

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -121,6 +122,32 @@ def test_seal_is_atomic_when_it_fails(tmp_path, monkeypatch):
         assert table_rows(b.con, "threads") == [(1, 1, "a", T0, T0)]
 
 
+def test_seal_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    """From a review: root's capture sealed into a directory another user could write
+    to, through a symlink planted at the predictable temporary name, and overwrote that
+    user's file. The name is now unpredictable, and a link there is never followed."""
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    w.add("threads", (1, 1, "a", T0, T0))
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious data")
+    monkeypatch.setattr(container.secrets, "token_hex", lambda n: "ab" * n)
+    final = out / container.bundle_filename("n1", START[0], 0)
+    planted = out / f".{final.name}.{os.getpid()}.{'ab' * 6}.tmp"
+    planted.symlink_to(victim)
+    with pytest.raises(IngeroError, match="something is already there, at the sealing's "
+                                          "temporary name"):
+        w.seal(out, capture_end=END)
+    assert victim.read_bytes() == b"precious data" and planted.is_symlink()
+    assert (tmp_path / "s.db").exists()        # the spool is kept for a retry
+    monkeypatch.undo()
+    planted.unlink()
+    path = seal_spool(tmp_path / "s.db", out)
+    assert path.name == final.name and not path.is_symlink()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and victim.read_bytes() == b"precious data"
+
+
 def test_seal_interrupted_mid_compression_leaves_nothing(tmp_path, monkeypatch):
     w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
     w.add_many("host_samples", [(T0 + i, "cpu.busy_pct", None, float(i)) for i in range(50000)])
@@ -206,6 +233,31 @@ def test_disk_full_keeps_the_batch_for_a_retry(tmp_path):
     assert w.flush() == 20000
     path = w.seal(tmp_path, capture_end=END)
     assert read_manifest(path)["tables"]["host_samples"] == 20000
+
+
+def test_an_io_error_on_the_spool_is_one_line(tmp_path, monkeypatch):
+    """From a review: a failing disk (here SQLite's I/O error on the commit) ended the
+    capture in a traceback; it is one line naming the spool, the batch kept."""
+    import contextlib
+
+    import apsw
+
+    from ingero_forensics.bundle import writer as writer_mod
+    w = BundleWriter(tmp_path / "s.db", node="n1", host=HOST, capture_start=START)
+    w.add_many("host_samples", [(T0 + i, "mem.dirty_bytes", None, float(i)) for i in range(10)])
+
+    @contextlib.contextmanager
+    def failing(con):
+        raise apsw.IOError("disk I/O error")
+        yield
+    monkeypatch.setattr(writer_mod, "transaction", failing)
+    with pytest.raises(IngeroError) as ei:
+        w.flush()
+    assert str(ei.value) == (f"{tmp_path / 's.db'}: cannot write (disk I/O error); "
+                             "what was written stays in the spool, sealed at the next start")
+    assert w.pending == 10
+    monkeypatch.undo()
+    assert w.flush() == 10
 
 
 def test_refusals(tmp_path):

@@ -44,8 +44,37 @@ def test_check_json_and_ebpf_reason():
 def test_check_with_invalid_node_exits_1():
     r = CliRunner().invoke(main, ["--check", "--node", "no good", "--no-ebpf"])
     assert r.exit_code == 1
-    assert r.output.splitlines()[0].startswith("node")
+    assert r.stdout.splitlines()[0].startswith("node")
     assert "invalid node name 'no good' (from --node)" in r.output
+    # the reason on stderr too, one line (a review: stdout alone had it)
+    assert r.stderr.splitlines() == ["Error: invalid node name 'no good' (from --node): use "
+                                     "1-63 characters of A-Z a-z 0-9 . _ -, not starting "
+                                     "with - or ."], r.stderr
+
+
+@pytest.mark.parametrize("extra", [(), ("--json",)])
+def test_a_failed_check_piped_into_a_closed_pipe_still_fails(extra):
+    """`ingero-capture --check --strict | head -1` in a roll-out script: stdout closed
+    before the table is written must not turn the failed check into exit 0."""
+    import shlex
+    import subprocess
+    cmd = ["ingero-capture", "--check", "--strict", "--node", "bad/name", *extra]
+    r = subprocess.run(["bash", "-c", f"{shlex.join(cmd)} | true; echo ${{PIPESTATUS[0]}}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "1", (r.stdout, r.stderr)
+    assert "Error: invalid node name 'bad/name'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_comm_longer_than_the_kernel_keeps_is_a_usage_error(tmp_path):
+    """From a review: --comm my_long_trainer_name matched nothing (the kernel keeps 15
+    bytes of a name) and the capture traced nothing without saying why."""
+    r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--no-ebpf",
+                                  "--comm", "my_long_trainer_name", "--duration", "1"])
+    assert r.exit_code == 2, r.output
+    assert ("'my_long_trainer_name' is longer than the 15 bytes the kernel keeps of a "
+            "process name: it would match nothing (the process is named 'my_long_trainer' "
+            "there)") in r.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_help_and_version():
