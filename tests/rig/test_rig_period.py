@@ -72,7 +72,10 @@ def test_the_rig_queued_the_link_for_its_period_only(period):
     inside, outside = _steps_in_and_out(run, 1.8e9, 2.5e9)
     assert len(inside) >= 10 and len(outside) >= 10, (len(inside), len(outside))
     assert statistics.median(inside) >= 1.4 * statistics.median(outside), (inside, outside)
-    assert run.retransmits[run.truth.node] < 50, run.retransmits
+    # Not lossy: the network scenario's link resends 1,000 segments or more. A queue
+    # switched on mid-run can make a few spurious timeouts while TCP's RTT estimate
+    # catches up with the 400 ms queue (51 in one CI run, under 50 in the others).
+    assert run.retransmits[run.truth.node] < 200, run.retransmits
 
 
 def _steps_in_and_out(run, shortest_ns, longest_ns):
