@@ -77,6 +77,27 @@ _ROW_ERRORS = (apsw.ConstraintError, apsw.BindingsError, TypeError, OverflowErro
                ValueError)
 
 
+#: free space below which SQLite's "disk I/O error" on the spool is a full file system
+FULL_BELOW_BYTES = 1 << 20
+
+
+def write_error(path, err: apsw.IOError, tail: str = "") -> IngeroError:
+    """What an I/O error writing the spool was. SQLite reports some writes into a full
+    file system as a plain I/O error, not SQLITE_FULL (measured: a tmpfs with 16 KiB
+    left, at the first commit): the file system's free space tells them apart, so a
+    full disk gets the DiskFullError that the capture handles (eviction, exit 1 with
+    its documented line)."""
+    try:
+        st = os.statvfs(os.path.dirname(os.fspath(path)) or ".")
+        # root may use the blocks reserved for it; others may not
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    except OSError:
+        free = None
+    if free is not None and free < FULL_BELOW_BYTES:
+        return DiskFullError(f"{path}: file system full ({free // 1024} KiB free)")
+    return IngeroError(f"{path}: cannot write ({err}){tail}")
+
+
 class BundleWriter:
     """Write one segment. Not thread-safe: one writer thread owns it.
 
@@ -128,7 +149,7 @@ class BundleWriter:
         except apsw.FullError:
             raise DiskFullError(f"{self.spool_path}: file system full") from None
         except apsw.IOError as e:
-            raise IngeroError(f"{self.spool_path}: cannot write ({e})") from None
+            raise write_error(self.spool_path, e) from None
         host = dict(host, tool_version=host.get("tool_version", __version__))
         meta = {
             "format_version": FORMAT_VERSION,
@@ -148,7 +169,7 @@ class BundleWriter:
         except apsw.FullError:
             raise DiskFullError(f"{self.spool_path}: file system full") from None
         except apsw.IOError as e:
-            raise IngeroError(f"{self.spool_path}: cannot write ({e})") from None
+            raise write_error(self.spool_path, e) from None
 
     # -- rows ---------------------------------------------------------------------
     def add(self, table: str, row: tuple) -> None:
@@ -217,8 +238,8 @@ class BundleWriter:
         except apsw.IOError as e:
             # (a failing disk, a file system remounted read-only): what was committed
             # stays in the spool, which the next start seals
-            raise IngeroError(f"{self.spool_path}: cannot write ({e}); what was written "
-                              "stays in the spool, sealed at the next start") from None
+            raise write_error(self.spool_path, e, "; what was written stays in the "
+                              "spool, sealed at the next start") from None
         for name, rows in self._buf.items():
             self.rows[name] += written.get(name, 0)
             rows.clear()

@@ -224,6 +224,19 @@ def read_stat_ppid(pid: int, proc: str = "/proc") -> int | None:
         return None
 
 
+def read_tgid(pid: int, proc: str = "/proc") -> int | None:
+    """The process a task id belongs to (``Tgid:`` in /proc/PID/status): the id itself
+    for a process, another for one of its threads; None if gone."""
+    raw = _read(f"{proc}/{pid}/status", "rb")
+    for line in (raw or b"").splitlines():
+        if line.startswith(b"Tgid:"):
+            try:
+                return int(line.split()[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
 def read_comm(pid: int, proc: str = "/proc", tid: int | None = None) -> str | None:
     path = f"{proc}/{pid}/comm" if tid is None else f"{proc}/{pid}/task/{tid}/comm"
     raw = _read(path)

@@ -25,8 +25,9 @@ from .clock import ClockSource
 from .distro import packages
 from .host import HostSource
 from .identity import ConfigError, host_facts, resolve_node_name
-from .procs import TargetSet
-from .segments import (SPOOL_DIR, Sealer, evict, lock_directory, new_writer, next_index,
+from .procs import TargetSet, is_kernel_thread, read_comm, read_stat_starttime, read_tgid
+from .segments import (SPOOL_DIR, Sealer, check_bundle_dir, evict, lock_directory,
+                       new_writer, next_index, remove_seal_temporaries,
                        recover_spools, sealed_bundles)
 from .source import CaptureContext, CaptureOptions, Source, SourceStatus, SourceUnavailable
 from .status import Reporter, status_text
@@ -265,6 +266,21 @@ def check_sources(config: CaptureConfig) -> list[SourceStatus]:
     return out
 
 
+def _check_pid(pid: int) -> None:
+    """A --pid that names what the target scan can never trace is said at start, not
+    found out from an empty bundle: a thread's id (/proc lists processes only) and a
+    kernel thread (no user space to probe; its children would be every kernel thread)."""
+    if pid <= 0 or read_stat_starttime(pid) is None:
+        raise ConfigError(f"--pid {pid}: no such process")
+    tgid = read_tgid(pid)
+    if tgid is not None and tgid != pid:
+        raise ConfigError(f"--pid {pid}: a thread of process {tgid}, not a process; "
+                          f"pass --pid {tgid} (its threads are traced with it)")
+    if is_kernel_thread(pid):
+        raise ConfigError(f"--pid {pid}: a kernel thread ({read_comm(pid) or '?'}), not a "
+                          "user process: nothing of it can be traced")
+
+
 def run_capture(config: CaptureConfig, *, reporter: Reporter | None = None,
                 stop_event: threading.Event | None = None) -> CaptureSummary:
     """Capture into config.bundle_dir until --duration, a signal or stop_event.
@@ -276,8 +292,7 @@ def run_capture(config: CaptureConfig, *, reporter: Reporter | None = None,
     rep = reporter or Reporter(config.output)
     node, origin = _resolve(config)
     for p in config.pids:
-        if not os.path.exists(f"/proc/{p}"):
-            raise ConfigError(f"--pid {p}: no such process")
+        _check_pid(p)
     if config.segment_seconds <= 0 or config.segment_size <= 0:
         raise ConfigError("--segment-seconds and --segment-size must be positive")
     bundle_dir = Path(config.bundle_dir)
@@ -288,8 +303,10 @@ def run_capture(config: CaptureConfig, *, reporter: Reporter | None = None,
                     exist_ok=True)
         except OSError as e:
             raise IngeroError(f"{d}: cannot create {what}: {e.strerror}") from None
-    if not os.access(bundle_dir, os.W_OK):
-        raise IngeroError(f"{bundle_dir}: not writable")
+        if d == bundle_dir:
+            if not os.access(bundle_dir, os.W_OK):
+                raise IngeroError(f"{bundle_dir}: not writable")
+            check_bundle_dir(bundle_dir)     # before anything is created in it
     lock_fd = lock_directory(spool_dir)
     run = _Run(config, rep)
     if stop_event is not None:
@@ -331,6 +348,9 @@ def _capture(run: _Run, node: str, bundle_dir: Path, spool_dir: Path,
                                                 level=cfg.compression_level):
             run.log(level, "capture", event, msg)
             summary.recovered.append(msg)
+        for name in remove_seal_temporaries(bundle_dir):
+            run.log("warning", "capture", "removed_seal_temporary",
+                    f"removed {name}, left by a capture killed while it sealed a segment")
         host = host_facts()
         index = next_index(bundle_dir, spool_dir, node)
         run.writer = new_writer(spool_dir, node, host, index)

@@ -29,6 +29,9 @@ SPOOL_DIR = ".spool"
 _BUNDLE_NAME = re.compile(r"^(?P<node>[A-Za-z0-9._-]{1,63})\+(?P<stamp>\d{8}T\d{6})Z\+"
                           r"(?P<index>\d{6,})" + re.escape(BUNDLE_SUFFIX) + "$")
 _SPOOL_NAME = re.compile(r"^segment-(?P<index>\d+)\.db$")
+#: a seal's temporary file (bundle/container.py: ``.<bundle name>.<pid>.<12 hex>.tmp``)
+_SEAL_TEMP = re.compile(r"^\.(?P<bundle>[A-Za-z0-9._+-]+" + re.escape(BUNDLE_SUFFIX)
+                        + r")\.\d+\.[0-9a-f]{12}\.tmp$")
 
 
 @dataclass
@@ -69,6 +72,44 @@ def check_spool_dir(spool_dir: Path) -> None:
     if st.st_uid != os.geteuid():
         raise IngeroError(f"{spool_dir}: owned by uid {st.st_uid}, not by this user "
                           f"(uid {os.geteuid()})")
+
+
+def check_bundle_dir(bundle_dir: Path) -> None:
+    """A bundle directory every user may write is refused: anyone could plant a file
+    under a bundle's name for the operator to copy off and merge as this node's
+    evidence, or (without the sticky bit) replace or delete the sealed ones. The
+    capture creates its own directory owner-only; a group-writable one is the
+    administrator's choice of whom to trust."""
+    try:
+        st = os.stat(bundle_dir)
+    except OSError as e:
+        raise IngeroError(f"{bundle_dir}: cannot use as bundle directory: "
+                          f"{e.strerror or e}") from None
+    if st.st_mode & stat.S_IWOTH:
+        raise IngeroError(f"{bundle_dir}: writable by every user (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): another user could plant or "
+                          "replace bundles; use a directory of its own, or chmod o-w it")
+
+
+def remove_seal_temporaries(bundle_dir: Path) -> list[str]:
+    """Remove the temporary files of seals that a killed capture left (SIGKILL or a
+    power cut between its creation and its rename). Called under the directory's lock,
+    so no seal of a live capture is in progress; the segment itself is either sealed
+    already or still in the spool, which recover_spools seals. Only regular files of
+    this user with the seal's exact name pattern are touched. Returns their names."""
+    gone = []
+    for entry in os.scandir(bundle_dir):
+        if not _SEAL_TEMP.match(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        gone.append(entry.name)
+    return sorted(gone)
 
 
 def lock_directory(spool_dir: Path):

@@ -1,5 +1,7 @@
 """Node identity: precedence --node > config file > $INGERO_NODE > hostname, and validation."""
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -110,3 +112,39 @@ def test_cli_missing_pid_is_one_line_error(tmp_path):
                                   "--pid", "999999999", "--duration", "1"])
     assert r.exit_code == 1
     assert r.output == "Error: --pid 999999999: no such process\n"
+
+
+def test_cli_pid_of_a_thread_names_its_process(tmp_path):
+    """/proc lists processes only: a thread's id given as --pid traced nothing, with a
+    warning only at the end (a review). It is a usage mistake said at start."""
+    import threading
+    import time
+    done = threading.Event()
+    t = threading.Thread(target=done.wait, args=(30,))
+    t.start()
+    try:
+        while t.native_id is None:
+            time.sleep(0.01)
+        r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--node", "n",
+                                      "--no-ebpf", "--pid", str(t.native_id),
+                                      "--duration", "1"])
+    finally:
+        done.set()
+        t.join()
+    me = os.getpid()
+    assert r.exit_code == 1
+    assert r.output == (f"Error: --pid {t.native_id}: a thread of process {me}, not a "
+                        f"process; pass --pid {me} (its threads are traced with it)\n")
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_pid_of_a_kernel_thread_is_refused(tmp_path):
+    """kthreadd (pid 2) has no user space, and its children are every kernel thread: a
+    --pid of it traced them all, where the docs say kernel threads are skipped."""
+    with open("/proc/2/comm") as f:
+        comm = f.read().strip()
+    r = CliRunner().invoke(main, ["--bundle", str(tmp_path / "b"), "--node", "n",
+                                  "--no-ebpf", "--pid", "2", "--duration", "1"])
+    assert r.exit_code == 1
+    assert r.output == (f"Error: --pid 2: a kernel thread ({comm}), not a user process: "
+                        "nothing of it can be traced\n")

@@ -260,3 +260,71 @@ def test_a_bundle_directory_that_refuses_the_last_seal_is_one_line_and_loses_not
     r = run_capture("--bundle", out, "--node", "ro", *FAST, "--duration", "1")
     assert r.returncode == 0, r.stderr
     assert any(read_manifest(pth)["segment"]["recovered"] for pth in bundles(out))
+
+
+@pytest.mark.parametrize("left_kib", [0, 4, 16])
+def test_a_start_on_a_full_file_system_says_so(small_tmpfs, left_kib):
+    """With 16 KiB left SQLite calls the first commit's failure a disk I/O error, and
+    the line said "cannot write (disk I/O error)" (a review); whatever SQLite calls
+    it, a full file system is said as one."""
+    import os
+    st = os.statvfs(small_tmpfs)
+    with open(small_tmpfs / "filler", "wb") as f:
+        f.write(b"\0" * (st.f_bavail * st.f_frsize - left_kib * 1024))
+    out = small_tmpfs / "b"
+    r = run_capture("--bundle", out, "--node", "full", *FAST, "--duration", "1")
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"Error: {out}/.spool/") and ": file system full" in last, last
+    assert not bundles(out)
+
+
+def test_a_bundle_directory_every_user_may_write_is_refused(tmp_path):
+    """Another user could plant a file under a bundle's name there, to be copied off
+    and merged as this node's evidence (a review): refused before anything is written
+    in it. A group-writable directory is the administrator's choice, and is used."""
+    import os
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    r = run_capture("--bundle", shared, "--node", "ow", *FAST, "--duration", "1")
+    assert r.returncode == 1
+    assert r.stderr == (f"Error: {shared}: writable by every user (mode 1777): another user "
+                        "could plant or replace bundles; use a directory of its own, or "
+                        "chmod o-w it\n")
+    assert not list(shared.iterdir())
+    os.chmod(shared, 0o770)
+    r = run_capture("--bundle", shared, "--node", "ow", *FAST, "--duration", "1")
+    assert r.returncode == 0, r.stderr
+    assert len(bundles(shared)) == 1
+
+
+def test_a_seal_temporary_left_by_a_killed_capture_is_removed(tmp_path, open_all):
+    """SIGKILL between the seal's temporary file and its link left the temporary file
+    for good (a review). The next start, holding the directory's lock, removes the
+    seal temporaries of this user, and nothing else."""
+    import os
+    out = tmp_path / "b"
+    r = run_capture("--bundle", out, "--node", "kill", *FAST, "--duration", "1")
+    assert r.returncode == 0, r.stderr
+    [sealed] = bundles(out)
+    stale = out / f".{sealed.name}.4242.0123456789ab.tmp"
+    os.link(sealed, stale)                       # a kill after the link, before the unlink
+    orphan = out / ".kill+20260101T000000Z+000009.bundle.99.abcdefabcdef.tmp"
+    orphan.write_bytes(b"half a seal")           # a kill mid-write
+    kept = [out / ".notes.tmp", out / f".{sealed.name}.1.short.tmp"]
+    for k in kept:
+        k.write_text("not a seal's")
+    link = out / ".kill+20260101T000000Z+000010.bundle.7.0123456789ab.tmp"
+    link.symlink_to(tmp_path / "elsewhere")
+    r = run_capture("--bundle", out, "--node", "kill", *FAST, "--duration", "1")
+    assert r.returncode == 0, r.stderr
+    assert not stale.exists() and not orphan.exists()
+    assert all(k.exists() for k in kept) and link.is_symlink()
+    assert sealed.exists() and len(bundles(out)) == 2
+    newest = open_all(out)[-1]
+    logged = rows(newest, "SELECT message FROM capture_log "
+                          "WHERE event = 'removed_seal_temporary' ORDER BY message")
+    assert logged == [(f"removed {n}, left by a capture killed while it sealed a segment",)
+                      for n in sorted([stale.name, orphan.name])]
