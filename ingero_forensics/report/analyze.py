@@ -60,7 +60,7 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
 from .network import _network_suspect, retransmits_in, retransmits_towards, retransmits_unseen
 from .gpuwait import gpu_suspect
 from .model import Analysis, NodeLateness, Straggler
-from .links import (LINK_SIGNAL_PREFIX, link_evidence, link_finding, link_next_step,
+from .links import (LINK_SIGNAL_PREFIX, SMALL_LINK_SCORE, link_evidence, link_finding, link_next_step,
                     link_series, link_transits, link_unsure_text, period_transfer, slow_link,
                     slow_link_windows, also_slow_link_text, unnamed_link_text)
 from .victims import demote_victims
@@ -458,6 +458,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 # (within clock error as well: nothing about it is known, nothing said)
                 a.link_unnamed = {**link_finding(periods, nodes, transfer_share,
                                                  period), "why": why}
+        elif link is None:
+            # slower than every other link over the run, but under the bar that names
+            # one: said where the verdict would otherwise say that no link is slow
+            small = slow_link(measured, pair_ms, CLOCK_MARGIN, min_score=SMALL_LINK_SCORE)
+            if small is not None and not small.clock_limited:
+                a.link_unnamed = {**link_finding(small, nodes, transfer_share), "why": "small"}
     if link is not None:
         suspect = link_finding(link, nodes, transfer_share, link_period)
         ends = {n for s, r, _ in link.slow for n in (s, r)} | {link.suspect}

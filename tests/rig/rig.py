@@ -75,9 +75,9 @@ FAULT_ENV = {"gpu": {"INGERO_SHIM_KERNEL_PCT": "400"},
 #: all on the straggler's CPU at nice -10, so its ranks' host threads get a small share.
 HOG_PROCS = 4
 #: Busy until stopped, or until the rig's process (argv[1]) is gone.
-HOG = f"""import os, sys
+HOG = """import os, sys
 rig = "/proc/" + sys.argv[1]
-for _ in range({HOG_PROCS} - 1):
+for _ in range(int(sys.argv[2]) - 1):
     if os.fork() == 0:
         break
 while os.path.exists(rig):
@@ -98,6 +98,17 @@ TBF = ("rate", "300mbit", "burst", "3000", "latency", "1ms")
 #: negotiated a lower speed or a congested switch port (the ring's steps take 2.5 times
 #: as long, its bytes 5-6 ms across that link; no retransmits)
 TBF_SLOW = ("rate", "200mbit", "burst", "64kb", "latency", "400ms")
+#: Milder faults (``Rig(severity="mild")``, bench/bench_rig_accuracy.py): what each
+#: fault's knob is set to instead, so that the report's evidence is weaker and a verdict
+#: may rightly be "cannot tell", never another node's. A single hog at nice 0 (about
+#: half the CPU for the ranks' host threads), a sixth of the O_DIRECT reads, twice the
+#: lossy link's rate and one and a half times the queueing link's, a memory limit
+#: nearer the shard, a GPU twice as slow instead of four times.
+MILD = {"hog": ("1", "0"), "env": {"io": {"INGERO_JOB_HEAVY_READ_BYTES": str(2 << 20)},
+                                   "gpu": {"INGERO_SHIM_KERNEL_PCT": "200"}},
+        "tbf": ("rate", "600mbit", "burst", "3000", "latency", "1ms"),
+        "tbf_slow": ("rate", "300mbit", "burst", "64kb", "latency", "400ms"),
+        "memory_limit_per_rank": 20 << 20}
 #: the shaping switched off without a drop: a rate no veth reaches (its 12.5 MB queue
 #: holds what TBF_SLOW's 10 MB held)
 TBF_DRAIN = ("rate", "100gbit", "burst", "4mb", "latency", "1ms")
@@ -201,11 +212,16 @@ class Rig:
     tuple of indices: those nodes all at once (one CPU hog shared by their ranks, each
     node's own loader or link). ``tensor_parallel``: each node's ranks also all-reduce on
     a communicator of their own (communicator-local ranks, as PyTorch's new_group).
+    ``severity``: "strong" (the tests' faults) or "mild" (``MILD``).
     """
 
     def __init__(self, workdir: Path, nodes: int = 4, ranks_per_node: int = 1,
                  straggler: int | tuple[int, ...] = 2, fixtures: Fixtures | None = None,
-                 tensor_parallel: bool = False):
+                 tensor_parallel: bool = False, severity: str = "strong"):
+        if severity not in ("strong", "mild"):
+            raise ValueError(f"severity is strong or mild, not {severity!r}")
+        self.severity = severity
+        self.mild = severity == "mild"    # of the run under way (run_scenario)
         self.stragglers = straggler if isinstance(straggler, tuple) else (straggler,)
         if not 1 < nodes < 200 or not self.stragglers or \
                 not all(0 <= k < nodes for k in self.stragglers):
@@ -319,7 +335,8 @@ class Rig:
                      capture_args: tuple[str, ...] = (), captures: bool = True,
                      attach_after_s: float | None = None,
                      slow_link: int | None = None,
-                     fault_period_s: tuple[float, float] | None = None) -> RunResult:
+                     fault_period_s: tuple[float, float] | None = None,
+                     severity: str | None = None) -> RunResult:
         """Run the job once with ``scenario``'s fault on the straggler node, each node
         traced by its own capture (``captures=False``: no capture, for overhead figures).
         ``attach_after_s``: the captures start that long after the job did, as an operator
@@ -328,7 +345,11 @@ class Rig:
         beside the scenario's own fault: two faults at once, on different nodes.
         ``fault_period_s``: the fault is on only from that many seconds after the job
         started to the second figure (a congestion episode), its times kept in
-        ``fault_window_ns``. Returns the bundles, the truth and the job's own timings."""
+        ``fault_window_ns``. ``severity``: this run's, instead of the rig's. Returns the
+        bundles, the truth and the job's own timings."""
+        if severity not in (None, "strong", "mild"):
+            raise ValueError(f"severity is strong or mild, not {severity!r}")
+        self.mild = (severity or self.severity) == "mild"
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
         if slow_link is not None and not 0 <= slow_link < len(self.nodes):
@@ -468,6 +489,8 @@ class Rig:
                     env.update(INGERO_JOB_TP=str(self.ranks_per_node), INGERO_JOB_TP_ID=str(tp_id))
                 if n in stragglers:
                     env.update(FAULT_ENV.get(scenario, {}))
+                    if self.mild:
+                        env.update(MILD["env"].get(scenario, {}))
                 pin = []
                 if n in stragglers and (scenario == "cpu" or len(stragglers) == 1):
                     # (several stragglers share the hog's CPU only when it is the fault)
@@ -513,16 +536,21 @@ class Rig:
             # at nice -10 (about ten times a rank's weight): the contention is then the
             # same on every run, whatever else the machine does and however the
             # scheduler credits a rank that sleeps in its syncs
-            hog = self._spawn(["nice", "-n", "-10", "taskset", "-c", str(self.straggler_cpu()),
-                               sys.executable, "-c", HOG, str(os.getpid())], process_group=0)
+            procs, nice = MILD["hog"] if self.mild else (str(HOG_PROCS), "-10")
+            hog = self._spawn(["nice", "-n", nice, "taskset", "-c", str(self.straggler_cpu()),
+                               sys.executable, "-c", HOG, str(os.getpid()), procs],
+                              process_group=0)
             local.append(hog)
             return lambda: stop_process(hog)
         if scenario in ("network", "slowlink"):
             links = [(["tc", "-n", self.nodes[k].netns, "qdisc"], self.nodes[k].veth)
                      for k in self.stragglers]
             for tc, veth in links:
-                run(*tc, "add", "dev", veth, "root", "tbf",
-                    *(TBF if scenario == "network" else TBF_SLOW))
+                if scenario == "network":
+                    shape = MILD["tbf"] if self.mild else TBF
+                else:
+                    shape = MILD["tbf_slow"] if self.mild else TBF_SLOW
+                run(*tc, "add", "dev", veth, "root", "tbf", *shape)
 
             def links_off():
                 # mid-run, deleting a qdisc drops what it queues (TCP then retransmits):
@@ -536,7 +564,9 @@ class Rig:
         if scenario == "memory":
             for k in self.stragglers:
                 n = self.nodes[k]
-                self.cgroups.limit_memory(n.netns, MEMORY_LIMIT_PER_RANK * len(n.ranks))
+                per_rank = (MILD["memory_limit_per_rank"] if self.mild
+                            else MEMORY_LIMIT_PER_RANK)
+                self.cgroups.limit_memory(n.netns, per_rank * len(n.ranks))
                 # the shards were written before the limit: their pages are charged
                 # elsewhere and cached; evict them, so that what the ranks read is theirs
                 for shard in (self._out / "loader" / n.name).glob("shard-*.bin"):
