@@ -13,10 +13,14 @@ Each run is one of:
 
 - right: the degraded node, alone, with the fault's cause (counted by confidence);
 - node only: the right node, alone, with no cause ("cannot tell") or another one;
-- cannot tell: no node named where one was degraded;
+- said: no node named, but the verdict says the degraded node's link or GPU under
+  the bar that names one (link_unnamed, gpu_unnamed); "said (other)" where it says
+  another node's;
+- cannot tell: no node named or said where one was degraded;
 - wrong: another node named (beside the right one, or instead of it), with its
   confidence: a wrong node said "clear" is the failure the report must not have;
-- a clean run naming anyone is a false positive.
+- a clean run naming anyone is a false positive; one saying a link or a GPU under the
+  bar is "said (clean)".
 
 Usage: python bench/bench_rig_accuracy.py [--nodes 4] [--ranks-per-node 1]
            [--positions 0,1,2,3] [--scenarios none,cpu,io,network,slowlink,memory,gpu]
@@ -42,11 +46,28 @@ from tests.rig.conftest import STEPS_OF, merge_and_report  # noqa: E402
 from tests.rig.rig import SCENARIOS, Rig  # noqa: E402
 
 
-def classify(truth, named: list) -> tuple[str, str | None]:
+def said_nodes(report: dict) -> set[str]:
+    """The nodes the verdict says without naming them: a link's ends, a GPU's node."""
+    out = set()
+    link = report.get("link_unnamed")
+    if link:
+        out |= {link["from"], link["to"]}
+    gpu = report.get("gpu_unnamed")
+    if gpu:
+        out.add(gpu["node"])
+    return out
+
+
+def classify(truth, named: list, report: dict) -> tuple[str, str | None]:
     """(outcome, confidence of what decided it)."""
+    said = said_nodes(report)
     if truth.node is None:
-        return ("right", None) if not named else ("false positive", named[0].confidence)
+        if named:
+            return "false positive", named[0].confidence
+        return ("said (clean)", None) if said else ("right", None)
     if not named:
+        if said:
+            return ("said", None) if truth.node in said else ("said (other)", None)
         return "cannot tell", None
     others = [s for s in named if s.node != truth.node]
     if others:
@@ -95,7 +116,7 @@ def main() -> None:
                         out = workdir / f"merged-{scenario}-{rep}"
                         fleet, report = merge_and_report(run.all_bundles(), out)
                         named = verdict.stragglers(report)
-                        outcome, confidence = classify(run.truth, named)
+                        outcome, confidence = classify(run.truth, named, report)
                         late = measure.true_lateness(fleet)
                         row = {
                             "scenario": scenario, "position": pos, "repeat": rep,
@@ -109,6 +130,8 @@ def main() -> None:
                             "median_step_ms": round(run.median_step_ms(), 2),
                             "retransmits": run.retransmits,
                             "verdict": report.get("verdict"),
+                            "link_unnamed": report.get("link_unnamed"),
+                            "gpu_unnamed": report.get("gpu_unnamed"),
                             "seconds": round(time.monotonic() - t0, 1),
                         }
                         runs.append(row)

@@ -81,12 +81,18 @@ _ROW_ERRORS = (apsw.ConstraintError, apsw.BindingsError, TypeError, OverflowErro
 FULL_BELOW_BYTES = 1 << 20
 
 
-def write_error(path, err: apsw.IOError, tail: str = "") -> IngeroError:
+def write_error(path, err: apsw.IOError, tail: str = "", con=None) -> IngeroError:
     """What an I/O error writing the spool was. SQLite reports some writes into a full
     file system as a plain I/O error, not SQLITE_FULL (measured: a tmpfs with 16 KiB
-    left, at the first commit): the file system's free space tells them apart, so a
-    full disk gets the DiskFullError that the capture handles (eviction, exit 1 with
-    its documented line)."""
+    left, at the first commit). The errno SQLite saw tells them apart where the
+    connection kept it (``con.system_errno``); otherwise the file system's free space
+    does. A full disk gets the DiskFullError that the capture handles (eviction, exit 1
+    with its documented line)."""
+    seen = getattr(con, "system_errno", 0) if con is not None else 0
+    if seen == errno.ENOSPC:
+        return DiskFullError(f"{path}: file system full")
+    if seen:
+        return IngeroError(f"{path}: cannot write ({err}: {os.strerror(seen)}){tail}")
     try:
         st = os.statvfs(os.path.dirname(os.fspath(path)) or ".")
         # root may use the blocks reserved for it; others may not
@@ -169,7 +175,7 @@ class BundleWriter:
         except apsw.FullError:
             raise DiskFullError(f"{self.spool_path}: file system full") from None
         except apsw.IOError as e:
-            raise write_error(self.spool_path, e) from None
+            raise write_error(self.spool_path, e, con=self.con) from None
 
     # -- rows ---------------------------------------------------------------------
     def add(self, table: str, row: tuple) -> None:
@@ -239,7 +245,7 @@ class BundleWriter:
             # (a failing disk, a file system remounted read-only): what was committed
             # stays in the spool, which the next start seals
             raise write_error(self.spool_path, e, "; what was written stays in the "
-                              "spool, sealed at the next start") from None
+                              "spool, sealed at the next start", con=self.con) from None
         for name, rows in self._buf.items():
             self.rows[name] += written.get(name, 0)
             rows.clear()

@@ -299,8 +299,9 @@ def run_capture(config: CaptureConfig, *, reporter: Reporter | None = None,
     spool_dir = bundle_dir / SPOOL_DIR
     for d, what in ((bundle_dir, "bundle directory"), (spool_dir, "its spool directory")):
         try:
-            d.mkdir(mode=0o700 if d == spool_dir else 0o777, parents=d == bundle_dir,
-                    exist_ok=True)
+            # owner-only, whatever the umask of a program that calls run_capture (the
+            # CLI sets 077 itself)
+            d.mkdir(mode=0o700, parents=d == bundle_dir, exist_ok=True)
         except OSError as e:
             raise IngeroError(f"{d}: cannot create {what}: {e.strerror}") from None
         if d == bundle_dir:
@@ -344,13 +345,15 @@ def _capture(run: _Run, node: str, bundle_dir: Path, spool_dir: Path,
     t_start = time.monotonic()
     old_signals = _install_signals(run)
     try:
+        # first: a killed seal's temporary holds a whole compressed segment, the space
+        # that sealing what the spool kept may need (a review)
+        for name in remove_seal_temporaries(bundle_dir):
+            run.log("warning", "capture", "removed_seal_temporary",
+                    f"removed {name}, left by a capture killed while it sealed a segment")
         for level, event, msg in recover_spools(spool_dir, bundle_dir,
                                                 level=cfg.compression_level):
             run.log(level, "capture", event, msg)
             summary.recovered.append(msg)
-        for name in remove_seal_temporaries(bundle_dir):
-            run.log("warning", "capture", "removed_seal_temporary",
-                    f"removed {name}, left by a capture killed while it sealed a segment")
         host = host_facts()
         index = next_index(bundle_dir, spool_dir, node)
         run.writer = new_writer(spool_dir, node, host, index)

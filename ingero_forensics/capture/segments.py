@@ -78,8 +78,8 @@ def check_bundle_dir(bundle_dir: Path) -> None:
     """A bundle directory every user may write is refused: anyone could plant a file
     under a bundle's name for the operator to copy off and merge as this node's
     evidence, or (without the sticky bit) replace or delete the sealed ones. The
-    capture creates its own directory owner-only; a group-writable one is the
-    administrator's choice of whom to trust."""
+    capture creates its own directory owner-only (run_capture); a group-writable one is
+    the administrator's choice of whom to trust."""
     try:
         st = os.stat(bundle_dir)
     except OSError as e:
@@ -98,17 +98,18 @@ def remove_seal_temporaries(bundle_dir: Path) -> list[str]:
     already or still in the spool, which recover_spools seals. Only regular files of
     this user with the seal's exact name pattern are touched. Returns their names."""
     gone = []
-    for entry in os.scandir(bundle_dir):
-        if not _SEAL_TEMP.match(entry.name):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    with os.scandir(bundle_dir) as entries:
+        for entry in entries:
+            if not _SEAL_TEMP.fullmatch(entry.name):
                 continue
-            os.unlink(entry.path)
-        except FileNotFoundError:
-            continue
-        gone.append(entry.name)
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    continue
+                os.unlink(entry.path)
+            except OSError:     # gone already, or not ours to remove (EPERM, EROFS)
+                continue
+            gone.append(entry.name)
     return sorted(gone)
 
 

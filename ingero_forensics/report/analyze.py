@@ -58,7 +58,7 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
                        _join_bins, _later_in_most_bins, _straggler_windows, active_ns,
                        fleet_noise_ms, late_threshold_ms, rises_ns)
 from .network import _network_suspect, retransmits_in, retransmits_towards, retransmits_unseen
-from .gpuwait import gpu_suspect
+from .gpuwait import SMALL_GPU_RATIO, SMALL_GPU_SCORE, gpu_suspect, gpu_unnamed_text
 from .model import Analysis, NodeLateness, Straggler
 from .links import (LINK_SIGNAL_PREFIX, SMALL_LINK_SCORE, link_evidence, link_finding, link_next_step,
                     link_series, link_transits, link_unsure_text, period_transfer, slow_link,
@@ -458,9 +458,11 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 # (within clock error as well: nothing about it is known, nothing said)
                 a.link_unnamed = {**link_finding(periods, nodes, transfer_share,
                                                  period), "why": why}
-        elif link is None:
+        elif link is None and not a.stragglers and network_suspect is None:
             # slower than every other link over the run, but under the bar that names
-            # one: said where the verdict would otherwise say that no link is slow
+            # one: said where the verdict would otherwise say that no link is slow (not
+            # beside a finding: a lossy link's own transit is slow too; cleared below
+            # where a GPU is named)
             small = slow_link(measured, pair_ms, CLOCK_MARGIN, min_score=SMALL_LINK_SCORE)
             if small is not None and not small.clock_limited:
                 a.link_unnamed = {**link_finding(small, nodes, transfer_share), "why": "small"}
@@ -500,7 +502,21 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             with con.figure("gpu_suspect"):
                 gpu = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
                                   [(w.start_ns, w.end_ns) for w in run_windows])
+            if gpu is None:
+                # under the bar that names a GPU, but waiting far longer than every
+                # other node: said in "No straggler", not named
+                with con.figure("gpu_unnamed"):
+                    small = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
+                                        [(w.start_ns, w.end_ns) for w in run_windows],
+                                        min_score=SMALL_GPU_SCORE)
+                if small is not None and small.wait_ms >= SMALL_GPU_RATIO * small.others_ms:
+                    a.gpu_unnamed = {"node": nodes[small.node_id][0],
+                                     "rank": ranks_of.get((small.node_id, small.pid)),
+                                     "wait_ms": small.wait_ms, "others_ms": small.others_ms,
+                                     "score": small.score, "extra_s": small.extra_s}
         if gpu is not None:
+            if a.link_unnamed and a.link_unnamed["why"] == "small":
+                a.link_unnamed = None
             a.gpu_suspect = asdict(gpu)
             a.gpu_suspect.update(
                 same_work=gpu.same_work, same_syncs=gpu.same_syncs, clear=gpu.clear,
@@ -584,6 +600,8 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
              f"no link of the job is far slower than the others, over the run or in "
              f"{min_bins} of its time bins or more"]
             if links_asked and not a.link_unsure else [])
+        if a.gpu_unnamed:
+            checked.append(gpu_unnamed_text(a.gpu_unnamed))
         if len(a.links) < 2 and transfer_share >= MIN_COST_SHARE:
             # rule 4c could not run: not "no link is slow" by omission (a link queueing
             # over the whole run leaves no slow bin either, as the bins compare the run

@@ -66,15 +66,25 @@ def _within(value: float, reference: float) -> bool:
     return reference > 0 and 1 / SAME_WORK_RATIO <= value / reference <= SAME_WORK_RATIO
 
 
+#: the least score of a node said, not named, to wait longer for its own GPU work
+#: than every other node where nothing else is found (the excess at least the wait
+#: floor), and how many times the others' median wait it must be: on the rig a GPU
+#: twice as slow waited 0.82 ms against 0.37-0.39 (score 1.8), the job 25 % slower,
+#: and "No straggler" said nothing of it
+SMALL_GPU_SCORE = 1.0
+SMALL_GPU_RATIO = 1.5
+
+
 def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float,
-                windows) -> GpuSuspect | None:
+                windows, min_score: float = WEAK_SCORE) -> GpuSuspect | None:
     """The node whose ranks wait for their own GPU work longer than every other
     node's (rule 5's GPU-wait score >= WEAK_SCORE; at CLEAR_SCORE a median wait beyond
     nine in ten of their waits, and 1.25 ms and 1.25 times their median above it at
     least) and long enough to matter (its extra wait at least ``min_cost_share`` of the
     run), or None; none where its run-queue delay is itself a signal over ``windows``
     (the run), as a woken thread that waits for a CPU returns late from every wait (rule
-    5 leaves such waits unscored). Weak evidence names it too: on a busy host a slower GPU blurs into
+    5 leaves such waits unscored). ``min_score``: below WEAK_SCORE, for what is said
+    but not named (SMALL_GPU_SCORE). Weak evidence names it too: on a busy host a slower GPU blurs into
     the waits of ranks that wait for a CPU (the real-kernel rig with eight ranks on two
     cores and one GPU three times slower: score 3.4, the job 38 % slower, and "No
     straggler" said otherwise). Read over the whole run: a persistent
@@ -90,7 +100,7 @@ def gpu_suspect(con, node_ids, run_ns: int, min_cost_share: float,
     score = (stats[top].median_ms - med) / max(spread, wait_floor(top, stats))
     s = stats[top]
     extra_ms = max(0.0, s.total_ms - s.count * med)
-    if score < WEAK_SCORE or extra_ms * 1e6 < min_cost_share * run_ns:
+    if score < min_score or extra_ms * 1e6 < min_cost_share * run_ns:
         return None
     if signal_score(top, [n for n in stats if n != top], runq_ms_per_s(con, windows),
                     RUNQ_FLOOR, relative=RUNQ_RELATIVE) >= WEAK_SCORE:
@@ -118,3 +128,17 @@ def launch_rates(con) -> dict[int, float]:
         if ns and count is not None:
             out[nid] = count / (ns / 1e9)
     return out
+
+
+def gpu_unnamed_text(s: dict) -> str:
+    """A node waiting far longer for its own GPU work than every other, under the bar
+    that names a GPU (Analysis.gpu_unnamed), in a clause of "No straggler"'s list."""
+    who = s["node"] + (f" (rank {s['rank']})" if s.get("rank") is not None else "")
+    return (f"{who} waited for its own GPU work far longer than every other node "
+            f"({s['wait_ms']:,.2f} ms at the median against {s['others_ms']:,.2f} ms, "
+            f"{s['extra_s']:,.2f} s more over the run), but its score, {s['score']:.1f}, is "
+            f"under the {WEAK_SCORE:g} at which the GPU rule names a node, so it is not "
+            "named: a GPU slower than its peers' shows so, and so do ranks whose threads "
+            "wait for a CPU after each wait; if the job ran slower than it should, check "
+            "its GPU (nvidia-smi: clocks, throttle reasons) and what else runs on its "
+            "CPUs")

@@ -247,6 +247,9 @@ class SlowLink:
     windows: list = field(default_factory=list)
     slow_bins: int = 0
     period_bins: int = 0      # the bins the periods span
+    #: the excess over the other links' median that names a link here (CLEAR_SCORE
+    #: floored spreads, ms): what a link said under the bar fell short of
+    bar_ms: float = 0.0
     #: fewer than MIN_PERIOD_ARRIVALS arrivals in those periods: said, not named
     thin: bool = False
 
@@ -292,7 +295,8 @@ def slow_link(links: list[Link], pair_uncertainty_ms, clock_margin: float,
                     worst.transits, round(med, 3),
                     round(score, 1), side, suspect, bound,
                     clock_limited=bound is None or excess <= clock_margin * bound,
-                    slow=[(lk.sender, lk.receiver, lk.median_ms) for lk in slow])
+                    slow=[(lk.sender, lk.receiver, lk.median_ms) for lk in slow],
+                    bar_ms=round(CLEAR_SCORE * max(spread, LINK_FLOOR_MS), 3))
 
 
 #: bins without an arrival on a link that its slow period may span (the job's transfers
@@ -450,7 +454,7 @@ def link_finding(link: SlowLink, nodes, transfer_share: float,
                            for s, r, m in link.slow],
             "windows": [{"start_ns": s, "end_ns": e} for s, e in link.windows],
             "slow_bins": link.slow_bins,
-            "period_bins": link.period_bins,
+            "period_bins": link.period_bins, "bar_ms": link.bar_ms,
             "period_transfer_ms": None, "rest_transfer_ms": None, "period_cost_share": None,
             **(period or {})}
 
@@ -566,11 +570,9 @@ def unnamed_link_text(s: dict) -> str:
     """A link slow in periods of the run that is not named (link_unnamed): why, in a
     clause of "No straggler"'s list."""
     if s["why"] == "small":
-        # the excess that would have named it: CLEAR_SCORE floored spreads
-        needed = CLEAR_SCORE * (s["median_ms"] - s["others_ms"]) / s["score"]
         return (f"the job's link from {s['from']} to {s['to']} was slower than every other "
                 f"link ({s['median_ms']:,.3f} ms at the median against "
-                f"{s['others_ms']:,.3f} ms), but by less than the {needed:,.1f} ms beyond "
+                f"{s['others_ms']:,.3f} ms), but by less than the {s['bar_ms']:,.1f} ms beyond "
                 "them that names a link (busy healthy links queue hundreds of "
                 "microseconds), so it is not named: check it if the job ran slower than "
                 "it should")

@@ -146,6 +146,10 @@ class Analysis:
     #: such a link whose excess is not well above the alignment uncertainty between its
     #: two nodes: the same fields; not named, the verdict says that clocks cannot rule it out
     link_unsure: dict | None = None
+    #: "No straggler", and one node waited for its own GPU work far longer than every
+    #: other (SMALL_GPU_RATIO times their median) but under the score that names a GPU
+    #: (rule 4b): {node, rank, wait_ms, others_ms, score, extra_s}, said, not named
+    gpu_unnamed: dict | None = None
     #: a slow link (the link_suspect's fields and test) found beside a straggler or a
     #: lossy link already named, away from every node named: a second, separate finding
     also_slow_link: dict | None = None

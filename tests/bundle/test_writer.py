@@ -352,3 +352,27 @@ def test_version_1_0_layouts_stay_readable(tmp_path):
     con = apsw.Connection(str(tmp_path / "f.db"))
     assert con.execute("SELECT COUNT(*), COUNT(queued_ops) FROM cuda_events").fetchone() == (2, 0)
     con.close()
+
+
+def test_an_io_error_is_a_full_disk_only_where_it_was_one(tmp_path):
+    """SQLite reports some writes into a full file system as an I/O error. The errno it
+    saw decides where the connection kept one; free space only where it did not."""
+    import errno
+
+    import apsw
+
+    from ingero_forensics.bundle.writer import write_error
+    from ingero_forensics.errors import DiskFullError
+
+    class Seen:
+        def __init__(self, e):
+            self.system_errno = e
+    err = apsw.IOError("disk I/O error")
+    path = tmp_path / "s.db"
+    assert isinstance(write_error(path, err, con=Seen(errno.ENOSPC)), DiskFullError)
+    eio = write_error(path, err, "; kept", con=Seen(errno.EIO))
+    assert type(eio) is IngeroError and str(eio) == \
+        f"{path}: cannot write (disk I/O error: {os.strerror(errno.EIO)}); kept"
+    # no errno kept: this file system has room, so it is no full disk
+    plain = write_error(path, err, con=Seen(0))
+    assert type(plain) is IngeroError and str(plain) == f"{path}: cannot write (disk I/O error)"
