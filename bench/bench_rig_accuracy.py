@@ -46,28 +46,36 @@ from tests.rig.conftest import STEPS_OF, merge_and_report  # noqa: E402
 from tests.rig.rig import SCENARIOS, Rig  # noqa: E402
 
 
-def said_nodes(report: dict) -> set[str]:
-    """The nodes the verdict says without naming them: a link's ends, a GPU's node."""
-    out = set()
-    link = report.get("link_unnamed")
-    if link:
-        out |= {link["from"], link["to"]}
-    gpu = report.get("gpu_unnamed")
-    if gpu:
-        out.add(gpu["node"])
+#: scenarios whose fault is the straggler's link (its sending side)
+LINK_FAULTS = ("network", "slowlink")
+
+
+def said(report: dict) -> list[tuple[str, str]]:
+    """What a "No straggler" verdict says without naming it: ("link", its sender) and
+    ("gpu", its node)."""
+    if not (report.get("verdict") or "").startswith("No straggler"):
+        return []
+    out = []
+    if report.get("link_unnamed"):
+        out.append(("link", report["link_unnamed"]["from"]))
+    if report.get("gpu_unnamed"):
+        out.append(("gpu", report["gpu_unnamed"]["node"]))
     return out
 
 
 def classify(truth, named: list, report: dict) -> tuple[str, str | None]:
     """(outcome, confidence of what decided it)."""
-    said = said_nodes(report)
+    told = said(report)
     if truth.node is None:
         if named:
             return "false positive", named[0].confidence
-        return ("said (clean)", None) if said else ("right", None)
+        return ("said (clean)", None) if told else ("right", None)
     if not named:
-        if said:
-            return ("said", None) if truth.node in said else ("said (other)", None)
+        # the degraded node's own link for a link fault, its GPU waits otherwise (a
+        # CPU-starved rank's waits are long too: the clause names both readings)
+        want = ("link" if truth.scenario in LINK_FAULTS else "gpu", truth.node)
+        if told:
+            return ("said", None) if want in told else ("said (other)", None)
         return "cannot tell", None
     others = [s for s in named if s.node != truth.node]
     if others:

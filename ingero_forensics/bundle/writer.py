@@ -84,15 +84,15 @@ FULL_BELOW_BYTES = 1 << 20
 def write_error(path, err: apsw.IOError, tail: str = "", con=None) -> IngeroError:
     """What an I/O error writing the spool was. SQLite reports some writes into a full
     file system as a plain I/O error, not SQLITE_FULL (measured: a tmpfs with 16 KiB
-    left, at the first commit). The errno SQLite saw tells them apart where the
-    connection kept it (``con.system_errno``); otherwise the file system's free space
-    does. A full disk gets the DiskFullError that the capture handles (eviction, exit 1
+    left, at the first commit). ENOSPC as the errno SQLite saw (``con.system_errno``)
+    says so; otherwise the file system's free space decides, and another errno only
+    words the message (it may be stale). A full disk gets the DiskFullError that the capture handles (eviction, exit 1
     with its documented line)."""
     seen = getattr(con, "system_errno", 0) if con is not None else 0
     if seen == errno.ENOSPC:
         return DiskFullError(f"{path}: file system full")
-    if seen:
-        return IngeroError(f"{path}: cannot write ({err}: {os.strerror(seen)}){tail}")
+    # (an errno other than ENOSPC may be stale, left by an earlier call: it words the
+    # message, the free space still decides)
     try:
         st = os.statvfs(os.path.dirname(os.fspath(path)) or ".")
         # root may use the blocks reserved for it; others may not
@@ -101,7 +101,8 @@ def write_error(path, err: apsw.IOError, tail: str = "", con=None) -> IngeroErro
         free = None
     if free is not None and free < FULL_BELOW_BYTES:
         return DiskFullError(f"{path}: file system full ({free // 1024} KiB free)")
-    return IngeroError(f"{path}: cannot write ({err}){tail}")
+    why = f"{err}: {os.strerror(seen)}" if seen else f"{err}"
+    return IngeroError(f"{path}: cannot write ({why}){tail}")
 
 
 class BundleWriter:

@@ -432,7 +432,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     a.links = [{"from": nodes[lk.sender][0], "to": nodes[lk.receiver][0],
                 "transits": lk.transits, "median_ms": lk.median_ms, "p90_ms": lk.p90_ms}
                for lk in links if lk.sender in nodes and lk.receiver in nodes]
-    link = link_period = None
+    link = link_period = small_link = None
     transfer_share = round(min(1.0, transfer_total_ns / run_ns), 4) if run_ns else 0.0
     if transfer_share >= MIN_COST_SHARE:
         # -- 3c. a link far slower than the others: named alone where nobody is late and
@@ -465,7 +465,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # where a GPU is named)
             small = slow_link(measured, pair_ms, CLOCK_MARGIN, min_score=SMALL_LINK_SCORE)
             if small is not None and not small.clock_limited:
-                a.link_unnamed = {**link_finding(small, nodes, transfer_share), "why": "small"}
+                small_link = {**link_finding(small, nodes, transfer_share), "why": "small"}
     if link is not None:
         suspect = link_finding(link, nodes, transfer_share, link_period)
         ends = {n for s, r, _ in link.slow for n in (s, r)} | {link.suspect}
@@ -487,7 +487,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             a.link_unsure, link = suspect, None
         else:
             a.network_basis, a.link_suspect = "slow_link", suspect
-    gpu = one_sided = None
+    gpu = one_sided = small_gpu = None
     late = []
     run_windows = _join_bins(sorted(bins), t0, bin_ns, cell, None)   # the run, its pauses out
     if not a.stragglers and network_suspect is None and link is None:
@@ -499,24 +499,20 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # -- 3b. nobody late and the network quiet: a GPU slower than its peers' ----
             # (not where lateness itself cannot be told: two nodes one of which is later
             # by as much as they vary, or a run too short for the bins rule)
+            # (read once at the lower score: the cost and run-queue checks do not
+            # depend on it; under WEAK_SCORE it is only said, in "No straggler")
             with con.figure("gpu_suspect"):
-                gpu = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
-                                  [(w.start_ns, w.end_ns) for w in run_windows])
-            if gpu is None:
-                # under the bar that names a GPU, but waiting far longer than every
-                # other node: said in "No straggler", not named
-                with con.figure("gpu_unnamed"):
-                    small = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
-                                        [(w.start_ns, w.end_ns) for w in run_windows],
-                                        min_score=SMALL_GPU_SCORE)
-                if small is not None and small.wait_ms >= SMALL_GPU_RATIO * small.others_ms:
-                    a.gpu_unnamed = {"node": nodes[small.node_id][0],
-                                     "rank": ranks_of.get((small.node_id, small.pid)),
-                                     "wait_ms": small.wait_ms, "others_ms": small.others_ms,
-                                     "score": small.score, "extra_s": small.extra_s}
+                found = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
+                                    [(w.start_ns, w.end_ns) for w in run_windows],
+                                    min_score=SMALL_GPU_SCORE)
+            if found is not None and found.score >= WEAK_SCORE:
+                gpu = found
+            elif found is not None and found.wait_ms >= SMALL_GPU_RATIO * found.others_ms:
+                small_gpu = {"node": nodes[found.node_id][0],
+                             "rank": ranks_of.get((found.node_id, found.pid)),
+                             "wait_ms": found.wait_ms, "others_ms": found.others_ms,
+                             "score": found.score, "extra_s": found.extra_s}
         if gpu is not None:
-            if a.link_unnamed and a.link_unnamed["why"] == "small":
-                a.link_unnamed = None
             a.gpu_suspect = asdict(gpu)
             a.gpu_suspect.update(
                 same_work=gpu.same_work, same_syncs=gpu.same_syncs, clear=gpu.clear,
@@ -586,6 +582,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # and costly is not "no straggler"
             a.bins_limited = {"nodes": [nl.name for nl in late], "bins": n_bins,
                               "min_bins": min_bins, "bin_s": bin_ns / 1e9}
+        if not a.bins_limited and not a.uncaptured:
+            # a link or a GPU under the bar that names one: said in "No straggler" only
+            # (not under a verdict that cannot tell, where the JSON would hold what the
+            # verdict does not say)
+            a.link_unnamed = a.link_unnamed or small_link
+            a.gpu_unnamed = small_gpu
         # rule 4c was asked (two links or more measured, a transfer worth a share): say so
         links_asked = len(a.links) >= 2 and transfer_share >= MIN_COST_SHARE
         # slow bins that named no one (no node's connections retransmitted enough): said

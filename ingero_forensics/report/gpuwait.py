@@ -15,6 +15,7 @@ Its forward pass's event synchronization waited 3.4 ms against 0.9 ms on the oth
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .evidence import (CLEAR_SCORE, RUNQ_FLOOR, RUNQ_RELATIVE, WEAK_SCORE, median,
@@ -69,8 +70,8 @@ def _within(value: float, reference: float) -> bool:
 #: the least score of a node said, not named, to wait longer for its own GPU work
 #: than every other node where nothing else is found (the excess at least the wait
 #: floor), and how many times the others' median wait it must be: on the rig a GPU
-#: twice as slow waited 0.82 ms against 0.37-0.39 (score 1.8), the job 25 % slower,
-#: and "No straggler" said nothing of it
+#: twice as slow waited 0.79-1.0 ms against 0.38-0.39 (score 1.6-2.2), the job 25 %
+#: slower, and "No straggler" said nothing of it
 SMALL_GPU_SCORE = 1.0
 SMALL_GPU_RATIO = 1.5
 
@@ -134,9 +135,11 @@ def gpu_unnamed_text(s: dict) -> str:
     """A node waiting far longer for its own GPU work than every other, under the bar
     that names a GPU (Analysis.gpu_unnamed), in a clause of "No straggler"'s list."""
     who = s["node"] + (f" (rank {s['rank']})" if s.get("rank") is not None else "")
-    return (f"{who} waited for its own GPU work far longer than every other node "
+    # rounded down: a score of 2.96 is not "3.0, under the 3"
+    score = math.floor(s["score"] * 10) / 10
+    return (f"{who} waited for its own GPU work longer than every other node "
             f"({s['wait_ms']:,.2f} ms at the median against {s['others_ms']:,.2f} ms, "
-            f"{s['extra_s']:,.2f} s more over the run), but its score, {s['score']:.1f}, is "
+            f"{s['extra_s']:,.2f} s more over the run), but its score, {score:.1f}, is "
             f"under the {WEAK_SCORE:g} at which the GPU rule names a node, so it is not "
             "named: a GPU slower than its peers' shows so, and so do ranks whose threads "
             "wait for a CPU after each wait; if the job ran slower than it should, check "

@@ -3,6 +3,8 @@ arrives late (report/gpuwait.py). The real-kernel proof is tests/rig (scenario "
 here the rule's edges, on a clean simulated fleet whose one node's waits for its own GPU
 work (and launch counts) are scaled in fleet.db."""
 
+import math
+
 import apsw
 import pytest
 
@@ -161,8 +163,9 @@ def test_the_page_shows_the_waits_that_named_it_and_its_sql_runs(tmp_path, clean
 @pytest.mark.parametrize("wait_factor", [1.2, 1.55])
 def test_waits_over_half_again_the_peers_under_the_bar_are_said(tmp_path, clean,
                                                                  wait_factor):
-    """On the real-kernel rig a GPU twice as slow waited 0.82 ms against 0.37-0.39 ms on
-    the others (score 1.8), the job 25 % slower, and "No straggler" said nothing of it.
+    """On the real-kernel rig a GPU twice as slow waited 0.79-1.0 ms against 0.38-0.39 ms
+    on the others (score 1.6-2.2), the job 25 % slower, and "No straggler" said nothing
+    of it.
     Under the score that names a GPU (3) but at least 1 and one and a half times the
     others' median wait, it is said, not named; 20 % longer waits are not."""
     a = _fleet(tmp_path, clean, wait_factor=wait_factor)
@@ -176,8 +179,8 @@ def test_waits_over_half_again_the_peers_under_the_bar_are_said(tmp_path, clean,
     assert g["node"] == NODE and 1.0 <= g["score"] < 3.0, g
     assert g["wait_ms"] >= 1.5 * g["others_ms"] and g["extra_s"] > 0.01 * a.run_s, g
     assert g["rank"] is not None
-    assert (f"{NODE} (rank {g['rank']}) waited for its own GPU work far longer than every "
+    assert (f"{NODE} (rank {g['rank']}) waited for its own GPU work longer than every "
             f"other node ({g['wait_ms']:,.2f} ms at the median against "
             f"{g['others_ms']:,.2f} ms") in a.verdict, a.verdict
-    assert f"its score, {g['score']:.1f}, is under the 3 at which the GPU rule names a " \
-        "node, so it is not named" in a.verdict
+    assert f"its score, {math.floor(g['score'] * 10) / 10:.1f}, is under the 3 at which " \
+        "the GPU rule names a node, so it is not named" in a.verdict
