@@ -14,8 +14,9 @@ Each run is one of:
 - right: the degraded node, alone, with the fault's cause (counted by confidence);
 - node only: the right node, alone, with no cause ("cannot tell") or another one;
 - said: no node named, but the verdict says the degraded node's link or GPU under
-  the bar that names one (link_unnamed, gpu_unnamed); "said (other)" where it says
-  another node's;
+  the bar that names one (link_unnamed, gpu_unnamed), or, for the CPU hog, its waits
+  for its GPU work as its threads' waits for a CPU (gpu_unnamed.cpu_bound); "said
+  (other)" where it says another node's or another reading;
 - cannot tell: no node named or said where one was degraded;
 - wrong: another node named (beside the right one, or instead of it), with its
   confidence: a wrong node said "clear" is the failure the report must not have;
@@ -24,7 +25,7 @@ Each run is one of:
 
 Usage: python bench/bench_rig_accuracy.py [--nodes 4] [--ranks-per-node 1]
            [--positions 0,1,2,3] [--scenarios none,cpu,io,network,slowlink,memory,gpu]
-           [--repeat 1] [--severity strong|mild] [--json FILE] [--keep DIR]
+           [--repeat 1] [--severity strong|mild] [--json FILE] [--keep DIR [--keep-all]]
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def said(report: dict) -> list[tuple[str, str]]:
     if report.get("link_unnamed"):
         out.append(("link", report["link_unnamed"]["from"]))
     if report.get("gpu_unnamed"):
-        out.append(("gpu", report["gpu_unnamed"]["node"]))
+        # long waits for its own GPU work, said as a GPU's or as its threads' waits for
+        # a CPU (cpu_bound)
+        g = report["gpu_unnamed"]
+        out.append(("cpu" if g.get("cpu_bound") else "gpu", g["node"]))
     return out
 
 
@@ -71,9 +75,10 @@ def classify(truth, named: list, report: dict) -> tuple[str, str | None]:
             return "false positive", named[0].confidence
         return ("said (clean)", None) if told else ("right", None)
     if not named:
-        # the degraded node's own link for a link fault, its GPU waits otherwise (a
-        # CPU-starved rank's waits are long too: the clause names both readings)
-        want = ("link" if truth.scenario in LINK_FAULTS else "gpu", truth.node)
+        # the degraded node's own link for a link fault, its waits said as a CPU's for
+        # the CPU hog, its GPU waits otherwise
+        want = ("link" if truth.scenario in LINK_FAULTS else
+                "cpu" if truth.scenario == "cpu" else "gpu", truth.node)
         if told:
             return ("said", None) if want in told else ("said (other)", None)
         return "cannot tell", None
@@ -99,6 +104,8 @@ def main() -> None:
                     help="write every run's truth, verdict and timings here")
     ap.add_argument("--keep", default=None,
                     help="move the bundles of every run not right into this directory")
+    ap.add_argument("--keep-all", action="store_true",
+                    help="with --keep: keep the bundles of the runs that were right too")
     args = ap.parse_args()
     scenarios = args.scenarios.split(",")
     for s in scenarios:
@@ -149,7 +156,7 @@ def main() -> None:
                               f"{confidence or '':<6} named: {said}  "
                               f"({row['seconds']} s)", flush=True)
                         bundles = run.bundle_dirs[next(iter(run.bundle_dirs))].parent
-                        if args.keep and outcome != "right":
+                        if args.keep and (outcome != "right" or args.keep_all):
                             kept = Path(args.keep) / f"{scenario}-node{pos}-{rep}"
                             shutil.move(str(bundles), str(kept))
                             row["kept"] = str(kept)

@@ -505,17 +505,26 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 found = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
                                     [(w.start_ns, w.end_ns) for w in run_windows],
                                     min_score=SMALL_GPU_SCORE)
-            if found is not None and found.score >= WEAK_SCORE:
+            if found is not None and found.score >= WEAK_SCORE and not found.cpu_bound:
                 gpu = found
-            elif found is not None and found.wait_ms >= SMALL_GPU_RATIO * found.others_ms:
+            elif found is not None and (found.wait_ms >= SMALL_GPU_RATIO * found.others_ms
+                                        or found.score >= WEAK_SCORE):
+                # under the bar, or waits that were its threads waiting for a CPU (said
+                # whatever their score: not a GPU, but why its waits are long)
                 small_gpu = {"node": nodes[found.node_id][0],
                              "rank": ranks_of.get((found.node_id, found.pid)),
                              "wait_ms": found.wait_ms, "others_ms": found.others_ms,
-                             "score": found.score, "extra_s": found.extra_s}
+                             "score": found.score, "extra_s": found.extra_s,
+                             "free_ms": found.free_ms,
+                             "others_free_ms": found.others_free_ms,
+                             "runq_ms_per_s": found.runq_ms_per_s,
+                             "others_runq_ms_per_s": found.others_runq_ms_per_s,
+                             "cpu_bound": found.cpu_bound}
         if gpu is not None:
             a.gpu_suspect = asdict(gpu)
             a.gpu_suspect.update(
                 same_work=gpu.same_work, same_syncs=gpu.same_syncs, clear=gpu.clear,
+                gpu_share=round(gpu.gpu_share, 2),
                 min_bins=min_bins,
                 rank=ranks_of.get((gpu.node_id, gpu.pid)),
                 lateness_ms=next(nl.median_ms for nl in a.lateness

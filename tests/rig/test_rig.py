@@ -156,6 +156,27 @@ def test_a_milder_gpu_is_said(rig, tmp_path):
             "longer than every other node" in report["verdict"], report["verdict"]
 
 
+def test_a_milder_cpu_hog_is_not_named_a_gpu(rig, tmp_path):
+    """One busy process at nice 0 on the rank's CPU instead of four at nice -10 (MILD):
+    the rank's waits for its own GPU work were 1.1-1.4 ms against 0.38 (score 2.8-3.9),
+    and in 4 runs of 16 the GPU rule named that node "GPU slowdown, weak". Those waits
+    were its threads waiting for a CPU (the woken rank behind the hog, its "GPU" threads
+    on the other, crowded core): with that run-queue delay taken out they took what the
+    others' did. No GPU is named; where the waits are said, they are said as waits for
+    a CPU, of the hog's node."""
+    run = rig.run_scenario("cpu", steps=100, severity="mild",
+                           capture_args=("--start-priority", "normal"))
+    _, report = merge_and_report(run.all_bundles(), tmp_path / "merged")
+    named = verdict.stragglers(report)
+    assert all(s.node == run.truth.node for s in named), json.dumps(verdict.summary(report))
+    assert all(s.cause != "gpu" for s in named), report["verdict"]
+    said = report.get("gpu_unnamed")
+    if said:
+        assert said["node"] == run.truth.node and said["cpu_bound"], report["verdict"]
+        assert "but its threads were waiting for a CPU" in report["verdict"], \
+            report["verdict"]
+
+
 def test_rig_gpu_fault_slows_the_job_from_the_gpu(runs):
     """A GPU four times slower on one node slows every rank's steps, while that node's
     host is barely late at the collectives (its all-reduces start late on the GPU):
