@@ -58,7 +58,8 @@ from .lateness import (COST_FLOOR_MS, LATE_FLOOR_MS, MIN_LATE_BINS, Window, _cos
                        _join_bins, _later_in_most_bins, _straggler_windows, active_ns,
                        fleet_noise_ms, late_threshold_ms, rises_ns)
 from .network import _network_suspect, retransmits_in, retransmits_towards, retransmits_unseen
-from .gpuwait import SMALL_GPU_RATIO, SMALL_GPU_SCORE, gpu_suspect, gpu_unnamed_text
+from .gpuwait import (GPU_UNNAMED_FIELDS, SMALL_GPU_RATIO, SMALL_GPU_SCORE, gpu_suspect,
+                      gpu_unnamed_text)
 from .model import Analysis, NodeLateness, Straggler
 from .links import (LINK_SIGNAL_PREFIX, SMALL_LINK_SCORE, link_evidence, link_finding, link_next_step,
                     link_series, link_transits, link_unsure_text, period_transfer, slow_link,
@@ -513,18 +514,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 # whatever their score: not a GPU, but why its waits are long)
                 small_gpu = {"node": nodes[found.node_id][0],
                              "rank": ranks_of.get((found.node_id, found.pid)),
-                             "wait_ms": found.wait_ms, "others_ms": found.others_ms,
-                             "score": found.score, "extra_s": found.extra_s,
-                             "free_ms": found.free_ms,
-                             "others_free_ms": found.others_free_ms,
-                             "runq_ms_per_s": found.runq_ms_per_s,
-                             "others_runq_ms_per_s": found.others_runq_ms_per_s,
-                             "cpu_bound": found.cpu_bound}
+                             **{k: getattr(found, k) for k in GPU_UNNAMED_FIELDS}}
         if gpu is not None:
             a.gpu_suspect = asdict(gpu)
             a.gpu_suspect.update(
                 same_work=gpu.same_work, same_syncs=gpu.same_syncs, clear=gpu.clear,
-                gpu_share=round(gpu.gpu_share, 2),
+                gpu_share=round(gpu.gpu_share, 2), cpu_bound=gpu.cpu_bound,
                 min_bins=min_bins,
                 rank=ranks_of.get((gpu.node_id, gpu.pid)),
                 lateness_ms=next(nl.median_ms for nl in a.lateness

@@ -148,10 +148,9 @@ class Analysis:
     link_unsure: dict | None = None
     #: "No straggler", and one node waited for its own GPU work far longer than every
     #: other (SMALL_GPU_RATIO times their median) but under the score that names a GPU
-    #: (rule 4b): {node, rank, wait_ms, others_ms, score, extra_s, free_ms,
-    #: others_free_ms, runq_ms_per_s, others_runq_ms_per_s, cpu_bound}, said, not named;
-    #: ``cpu_bound``: its threads were waiting for a CPU, inside the waits (free_ms: the
-    #: median without that) or over the run (runq_ms_per_s), said whatever the score
+    #: (rule 4b): {node, rank} and gpuwait.GPU_UNNAMED_FIELDS, said, not named;
+    #: ``cpu_bound``: its threads were waiting for a CPU, inside the waits (gpu_share,
+    #: from free_ms) or over the run (cpu_busy, runq_ms_per_s), said at a score of 3 too
     gpu_unnamed: dict | None = None
     #: a slow link (the link_suspect's fields and test) found beside a straggler or a
     #: lossy link already named, away from every node named: a second, separate finding

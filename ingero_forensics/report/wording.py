@@ -298,14 +298,14 @@ def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
                f"{st.node} may be the suspect, on weak evidence (its waits score "
                f"{g['score']:g}, under the 5 of a clear difference: on a busy host, ranks "
                "that wait for a CPU wait longer for their GPU work too)."))
-    if "free_ms" in g and g["free_ms"] < 0.95 * g["wait_ms"]:
-        # some of its waits were its threads waiting for a CPU: how much is left
-        share = g["gpu_share"]
-        left = ("all of the difference is left" if share >= 0.95 else
-                f"{max(share, 0.0):.0%} of the difference is left")
-        text += (f" With its threads' run-queue delay inside the waits taken out (waiting "
-                 f"for a CPU, not for the GPU), they took {ms_text(g['free_ms'])} against "
-                 f"{ms_text(g['others_free_ms'])}: {left}.")
+    if g.get("gpu_share", 1.0) < 0.9:
+        # some of its excess was its threads waiting for a CPU: how much is left
+        text += (f" With each node's run-queue delay inside the waits taken out (threads "
+                 f"waiting for a CPU, not for the GPU), its waits took "
+                 f"{ms_text(g['free_ms'])} against {ms_text(g['others_free_ms'])} at the "
+                 f"median, {g['free_ratio']:.1f} times the others' against "
+                 f"{g['wait_ratio']:.1f} times with it: {max(g['gpu_share'], 0.0):.0%} of "
+                 "its excess is left.")
     launches, peers = g["launches_per_s"], g["others_launches_per_s"]
     if not g["same_syncs"]:
         text += (f" It waited {g['waits']:,} times against {g['others_waits']:,.0f} for its "

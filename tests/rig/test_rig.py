@@ -24,6 +24,7 @@ import pytest
 
 from ingero_forensics.bundle.reader import open_bundle
 from ingero_forensics.report.analyze import CLOCK_MARGIN
+from ingero_forensics.report.gpuwait import GPU_SHARE_LEFT, gpu_suspect
 
 from . import measure, verdict
 from .conftest import merge_and_report
@@ -137,6 +138,21 @@ def test_a_slow_link_under_the_bar_is_said(rig, tmp_path, monkeypatch):
         report["verdict"]
 
 
+def _longest_waits(fleet):
+    """(node name, rule 4b's suspect) of a fleet.db read with no bar (report/gpuwait.py):
+    the node whose process waits longest for its own GPU work, and its measures."""
+    con = measure.connect(fleet)
+    try:
+        names = measure.node_names(con)
+        first, last = con.execute("SELECT MIN(timestamp_ns), MAX(timestamp_ns) "
+                                  "FROM sync_waits").fetchone()
+        g = gpu_suspect(con, list(names), last - first, 0.0, [(first, last)],
+                        min_score=float("-inf"))
+    finally:
+        con.close()
+    return names[g.node_id], g
+
+
 def test_a_milder_gpu_is_said(rig, tmp_path):
     """A GPU twice as slow instead of four times (tests/rig/rig.py MILD): its node was
     0.7-1.5 ms late, its waits for its own GPU work 0.79-1.0 ms against 0.38-0.39
@@ -145,9 +161,13 @@ def test_a_milder_gpu_is_said(rig, tmp_path):
     node, and no other node is named."""
     run = rig.run_scenario("gpu", steps=100, severity="mild",
                            capture_args=("--start-priority", "normal"))
-    _, report = merge_and_report(run.all_bundles(), tmp_path / "merged")
+    fleet, report = merge_and_report(run.all_bundles(), tmp_path / "merged")
     named = verdict.stragglers(report)     # (a GPU suspect is among them)
     assert all(s.node == run.truth.node for s in named), json.dumps(verdict.summary(report))
+    # its longer waits are the GPU's: with every node's run-queue delay inside them taken
+    # out, most of the excess is left (0.47-0.84 on the rig)
+    node, g = _longest_waits(fleet)
+    assert node == run.truth.node and g.gpu_share >= GPU_SHARE_LEFT, (node, g)
     if not named:
         said = report["gpu_unnamed"]
         assert said and said["node"] == run.truth.node, json.dumps(verdict.summary(report))
@@ -166,7 +186,13 @@ def test_a_milder_cpu_hog_is_not_named_a_gpu(rig, tmp_path):
     a CPU, of the hog's node."""
     run = rig.run_scenario("cpu", steps=100, severity="mild",
                            capture_args=("--start-priority", "normal"))
-    _, report = merge_and_report(run.all_bundles(), tmp_path / "merged")
+    fleet, report = merge_and_report(run.all_bundles(), tmp_path / "merged")
+    # the rule's own measure, whatever the verdict: where the hog's node waits for its
+    # GPU work half again as long as the others, its threads' run-queue delay inside
+    # those waits is most of the excess (-0.02-0.09 of it left on the rig)
+    node, g = _longest_waits(fleet)
+    if node == run.truth.node and g.wait_ratio >= 1.5:
+        assert g.gpu_share < GPU_SHARE_LEFT, (node, g)
     named = verdict.stragglers(report)
     assert all(s.node == run.truth.node for s in named), json.dumps(verdict.summary(report))
     assert all(s.cause != "gpu" for s in named), report["verdict"]
