@@ -9,7 +9,9 @@ instead (``run_held``), and the interrupt is passed on once it is done.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import signal
 import threading
 
@@ -60,4 +62,32 @@ def run_held(cleanup, *, reraise: bool = True) -> None:
         raise KeyboardInterrupt
 
 
-__all__ = ["interrupts_held", "run_held"]
+_SWEEP: dict[tuple[str, str], None] = {}
+
+
+def sweep_at_exit(directory, prefix: str) -> None:
+    """Remove, when the process ends, the files of ``directory`` whose names start with
+    ``prefix``, a prefix that holds this process's pid: its own temporaries. The last
+    resort where cleanup never ran: a second Ctrl-C that lands in a ``finally`` before
+    its run_held() holds SIGINT skips that cleanup, and helper threads still opening a
+    bundle then keep their images (a CI run: two images and their run files left beside
+    the output, Ctrl-C twice at once). The interpreter joins such threads before atexit
+    handlers run."""
+    if not _SWEEP:
+        atexit.register(_sweep)
+    _SWEEP[(os.fspath(directory), prefix)] = None
+
+
+def _sweep() -> None:
+    for directory, prefix in list(_SWEEP):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):      # (a directory stays)
+                    os.unlink(os.path.join(directory, name))
+
+
+__all__ = ["interrupts_held", "run_held", "sweep_at_exit"]

@@ -30,6 +30,35 @@ def test_interrupts_held_raises_once_the_block_is_done():
         pass
 
 
+def test_sweep_at_exit_removes_the_process_temporaries_after_its_threads(tmp_path):
+    """Where a second Ctrl-C skipped a cleanup, what this process left is removed when it
+    ends: after its helper threads (one still writing an image), only the names with its
+    prefix, never a directory or another's file."""
+    script = f"""
+import os, sys, threading, time
+from ingero_forensics.interrupts import sweep_at_exit
+d = {str(tmp_path)!r}
+prefix = f"ingero-{{os.getpid()}}-"
+sweep_at_exit(d, prefix)
+open(os.path.join(d, prefix + "a.db"), "w").close()
+open(os.path.join(d, prefix + "a.db.run0"), "w").close()
+os.mkdir(os.path.join(d, prefix + "dir"))
+def late():
+    time.sleep(0.3)         # a helper that finishes its image after the main thread
+    open(os.path.join(d, prefix + "late.db"), "w").close()
+threading.Thread(target=late).start()
+sys.exit(130)
+"""
+    (tmp_path / "ingero-1-other.db").write_text("")          # another process's
+    (tmp_path / "fleet.db").write_text("")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert p.returncode == 130, p.stderr
+    left = sorted(x.name for x in tmp_path.iterdir())
+    assert [x for x in left if x.endswith(".db") or ".run" in x] == \
+        ["fleet.db", "ingero-1-other.db"], left
+    assert any(x.endswith("-dir") for x in left), left
+
+
 def test_interrupts_held_passes_the_signal_to_the_handler_before():
     """A command's own SIGINT handler gets the held Ctrl-C (it is not dropped)."""
     from ingero_forensics.interrupts import run_held

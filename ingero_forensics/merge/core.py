@@ -35,7 +35,7 @@ from .. import __version__
 from .. import accel as _accel
 from ..db import harden
 from ..errors import BundleError
-from ..interrupts import run_held
+from ..interrupts import run_held, sweep_at_exit
 from . import align
 from .clocks import (align_nodes, realign_existing, sample_sync_points, warn_violations,
                      write_alignment)
@@ -217,6 +217,10 @@ def _merge_bundles(inputs, out_path, strict, progress, tmpdir, integrity, min_wa
     if not out.parent.exists():
         raise MergeError(f"{out}: directory {out.parent} does not exist")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    # this process's temporaries (images and their run files, named by bundle/reader;
+    # the output's own) are also removed when it ends, should its cleanup not run
+    sweep_at_exit(Path(tmpdir) if tmpdir else out.parent, f"ingero-{os.getpid()}-")
+    sweep_at_exit(out.parent, f".{out.name}.{os.getpid()}.")
     scratch = [out.with_name(f".{out.name}.{os.getpid()}.{x}") for x in ("staging", "completion")]
     pending = []
     try:
