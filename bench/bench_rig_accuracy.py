@@ -15,7 +15,8 @@ Each run is one of:
 - node only: the right node, alone, with no cause ("cannot tell") or another one;
 - said: no node named, but the verdict says the degraded node's link or GPU under
   the bar that names one (link_unnamed, gpu_unnamed), or, for the CPU hog, its waits
-  for its GPU work as its threads' waits for a CPU (gpu_unnamed.cpu_bound); "said
+  for its GPU work as its threads' waits for a CPU (gpu_unnamed.reading "cpu", or
+  "unsure": either); "said
   (other)" where it says another node's or another reading;
 - cannot tell: no node named or said where one was degraded;
 - wrong: another node named (beside the right one, or instead of it), with its
@@ -60,10 +61,11 @@ def said(report: dict) -> list[tuple[str, str]]:
     if report.get("link_unnamed"):
         out.append(("link", report["link_unnamed"]["from"]))
     if report.get("gpu_unnamed"):
-        # long waits for its own GPU work, said as a GPU's or as its threads' waits for
-        # a CPU (cpu_bound)
+        # long waits for its own GPU work, said as a GPU's, as its threads' waits for a
+        # CPU, or as either (reading "unsure")
         g = report["gpu_unnamed"]
-        out.append(("cpu" if g.get("cpu_bound") else "gpu", g["node"]))
+        reading = g.get("reading", "gpu")
+        out.extend((r, g["node"]) for r in ("cpu", "gpu") if reading in (r, "unsure"))
     return out
 
 

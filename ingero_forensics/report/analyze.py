@@ -506,12 +506,12 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
                 found = gpu_suspect(con, list(nodes), run_ns, MIN_COST_SHARE,
                                     [(w.start_ns, w.end_ns) for w in run_windows],
                                     min_score=SMALL_GPU_SCORE)
-            if found is not None and found.score >= WEAK_SCORE and not found.cpu_bound:
+            if found is not None and found.score >= WEAK_SCORE and found.reading == "gpu":
                 gpu = found
-            elif found is not None and (found.wait_ms >= SMALL_GPU_RATIO * found.others_ms
-                                        or found.score >= WEAK_SCORE):
-                # under the bar, or waits that were its threads waiting for a CPU (said
-                # whatever their score: not a GPU, but why its waits are long)
+            elif found is not None and found.wait_ms >= SMALL_GPU_RATIO * found.others_ms:
+                # under the bar, or waits read as its threads' waits for a CPU, or that
+                # cannot be told from them (a score >= 3 is 1.75 times the others' at
+                # least: wait_floor): said, not named
                 small_gpu = {"node": nodes[found.node_id][0],
                              "rank": ranks_of.get((found.node_id, found.pid)),
                              **{k: getattr(found, k) for k in GPU_UNNAMED_FIELDS}}
@@ -519,7 +519,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             a.gpu_suspect = asdict(gpu)
             a.gpu_suspect.update(
                 same_work=gpu.same_work, same_syncs=gpu.same_syncs, clear=gpu.clear,
-                gpu_share=round(gpu.gpu_share, 2), cpu_bound=gpu.cpu_bound,
+                reading=gpu.reading,
                 min_bins=min_bins,
                 rank=ranks_of.get((gpu.node_id, gpu.pid)),
                 lateness_ms=next(nl.median_ms for nl in a.lateness

@@ -149,8 +149,9 @@ class Analysis:
     #: "No straggler", and one node waited for its own GPU work far longer than every
     #: other (SMALL_GPU_RATIO times their median) but under the score that names a GPU
     #: (rule 4b): {node, rank} and gpuwait.GPU_UNNAMED_FIELDS, said, not named;
-    #: ``cpu_bound``: its threads were waiting for a CPU, inside the waits (gpu_share,
-    #: from free_ms) or over the run (cpu_busy, runq_ms_per_s), said at a score of 3 too
+    #: ``reading``: "gpu" (under the bar), "cpu" (its waiting threads' run-queue delay
+    #: inside the waits was most of the excess) or "unsure" (GpuSuspect.reading), said
+    #: at any score
     gpu_unnamed: dict | None = None
     #: a slow link (the link_suspect's fields and test) found beside a straggler or a
     #: lossy link already named, away from every node named: a second, separate finding

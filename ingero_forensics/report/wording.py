@@ -298,10 +298,10 @@ def gpu_suspect_text(a: Analysis, st: Straggler) -> str:
                f"{st.node} may be the suspect, on weak evidence (its waits score "
                f"{g['score']:g}, under the 5 of a clear difference: on a busy host, ranks "
                "that wait for a CPU wait longer for their GPU work too)."))
-    if g.get("gpu_share", 1.0) < 0.9:
+    if g.get("gpu_share") is not None and g["gpu_share"] < 0.9:
         # some of its excess was its threads waiting for a CPU: how much is left
-        text += (f" With each node's run-queue delay inside the waits taken out (threads "
-                 f"waiting for a CPU, not for the GPU), its waits took "
+        text += (f" With the waiting threads' run-queue delay inside the waits taken out "
+                 f"(waiting for a CPU, not for the GPU), its waits took "
                  f"{ms_text(g['free_ms'])} against {ms_text(g['others_free_ms'])} at the "
                  f"median, {g['free_ratio']:.1f} times the others' against "
                  f"{g['wait_ratio']:.1f} times with it: {max(g['gpu_share'], 0.0):.0%} of "

@@ -475,9 +475,12 @@ class Rig:
             mode = LOADER.get(scenario)
             heavy = [mode] if mode and (n in stragglers or mode == "paged") else []
             for lr, r in enumerate(n.ranks):
+                # (INGERO_SHIM_DEVICE_RT: every rank's "GPU" threads run SCHED_FIFO, so
+                # that a busy CPU delays their completions no more than a real GPU's;
+                # see shim_cudart.c)
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world_size),
                            LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(self.ranks_per_node),
-                           NODE_RANK=str(n.index))
+                           NODE_RANK=str(n.index), INGERO_SHIM_DEVICE_RT="1")
                 if self.tensor_parallel:
                     # the node's own communicator: its first rank listens at the node's
                     # address (the world's at node 0's, see idfile)

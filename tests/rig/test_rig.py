@@ -164,8 +164,8 @@ def test_a_milder_gpu_is_said(rig, tmp_path):
     fleet, report = merge_and_report(run.all_bundles(), tmp_path / "merged")
     named = verdict.stragglers(report)     # (a GPU suspect is among them)
     assert all(s.node == run.truth.node for s in named), json.dumps(verdict.summary(report))
-    # its longer waits are the GPU's: with every node's run-queue delay inside them taken
-    # out, most of the excess is left (0.47-0.84 on the rig)
+    # its longer waits are the GPU's: with the waiting threads' run-queue delay inside
+    # them taken out, most of the excess is left (0.72-0.98 on the rig)
     node, g = _longest_waits(fleet)
     assert node == run.truth.node and g.gpu_share >= GPU_SHARE_LEFT, (node, g)
     if not named:
@@ -177,30 +177,29 @@ def test_a_milder_gpu_is_said(rig, tmp_path):
 
 
 def test_a_milder_cpu_hog_is_not_named_a_gpu(rig, tmp_path):
-    """One busy process at nice 0 on the rank's CPU instead of four at nice -10 (MILD):
-    the rank's waits for its own GPU work were 1.1-1.4 ms against 0.38 (score 2.8-3.9),
-    and in 4 runs of 16 the GPU rule named that node "GPU slowdown, weak". Those waits
-    were its threads waiting for a CPU (the woken rank behind the hog, its "GPU" threads
-    on the other, crowded core): with that run-queue delay taken out they took what the
-    others' did. No GPU is named; where the waits are said, they are said as waits for
-    a CPU, of the hog's node."""
+    """One busy process at nice 0 on the rank's CPU instead of four at nice -10 (MILD).
+    The rig's four ranks share two cores: the ranks the scheduler keeps beside the hog
+    wait for a CPU after their GPU waits (1.0-1.2 ms against 0.33-0.41 on the others),
+    and in 4 runs of 16 the GPU rule named such a node "GPU slowdown, weak". With the
+    waiting thread's run-queue delay inside each wait taken out they took what the
+    others' did (-0.02-0.13 of the excess left). No GPU is slower here: the longest waits
+    are read as waits for a CPU, whichever node has them, and no GPU is named."""
     run = rig.run_scenario("cpu", steps=100, severity="mild",
                            capture_args=("--start-priority", "normal"))
     fleet, report = merge_and_report(run.all_bundles(), tmp_path / "merged")
-    # the rule's own measure, whatever the verdict: where the hog's node waits for its
-    # GPU work half again as long as the others, its threads' run-queue delay inside
-    # those waits is most of the excess (-0.02-0.09 of it left on the rig)
+    # the rule's own measure, whatever the verdict: waits half again as long as the
+    # others' are their waiting threads' waits for a CPU
     node, g = _longest_waits(fleet)
-    if node == run.truth.node and g.wait_ratio >= 1.5:
-        assert g.gpu_share < GPU_SHARE_LEFT, (node, g)
+    if g.wait_ratio >= 1.5:
+        assert g.gpu_share is not None and g.gpu_share < GPU_SHARE_LEFT, (node, g)
     named = verdict.stragglers(report)
     assert all(s.node == run.truth.node for s in named), json.dumps(verdict.summary(report))
     assert all(s.cause != "gpu" for s in named), report["verdict"]
     said = report.get("gpu_unnamed")
     if said:
-        assert said["node"] == run.truth.node and said["cpu_bound"], report["verdict"]
-        assert "but its threads were waiting for a CPU" in report["verdict"], \
-            report["verdict"]
+        assert said["reading"] in ("cpu", "unsure"), report["verdict"]
+        assert ("but its threads were waiting for a CPU" if said["reading"] == "cpu" else
+                "cannot be told") in report["verdict"], report["verdict"]
 
 
 def test_rig_gpu_fault_slows_the_job_from_the_gpu(runs):
