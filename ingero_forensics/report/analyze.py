@@ -346,6 +346,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
     base = median(tr_med.values()) if tr_med else 0.0
     slow = sorted(b for b, v in tr_med.items() if v > max(3 * base, base + 5.0))
     a.slow_bins = len(slow)
+    slow_coll = sum(transfer[b].n for b in slow)
     late_ids = {st.node_id for st in a.stragglers}
     # each late node with its windows: what is resent towards it while it is late is its
     # symptom (network.towards_late)
@@ -355,7 +356,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         a.uncaptured = uncaptured_ranks(con)
     with con.figure("network_suspect"):
         network_suspect, net_bins, a.network_basis = _network_suspect(
-            con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, late=late_windows)
+            con, list(nodes), t0, bin_ns, slow, n_bins, n_coll, slow_coll, late=late_windows)
         if network_suspect is not None and a.uncaptured:
             # Ranks went uncaptured: retransmits towards peers no bundle shows may be
             # their lossy NIC as much as the sender's. The suspect stands only if its
@@ -366,7 +367,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # retransmits, clear" for resending into it.
             total, unseen = retransmits_unseen(con, network_suspect, list(nodes))
             if unseen and _network_suspect(con, list(nodes), t0, bin_ns, slow, n_bins,
-                                           n_coll, late=late_windows,
+                                           n_coll, slow_coll, late=late_windows,
                                            seen_only=True)[0] != network_suspect:
                 if not a.stragglers:
                     # (beside a straggler the suspect only sorts victims: none is sure)
@@ -380,7 +381,7 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
         if late_ids:
             # who would be the suspect if retransmits towards the late nodes counted
             towards_late, _, _ = _network_suspect(con, list(nodes), t0, bin_ns, slow,
-                                                  n_bins, n_coll)
+                                                  n_bins, n_coll, slow_coll)
             if towards_late == network_suspect or towards_late in late_ids:
                 towards_late = None
     for st in a.stragglers:

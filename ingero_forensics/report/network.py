@@ -37,12 +37,17 @@ def towards_late(con, late: dict) -> tuple[str, list]:
     return "(" + (" OR ".join(parts) or "0") + ")", params
 
 
-def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
+def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll, slow_coll,
                      late=None, seen_only=False) -> tuple[int | None, list[int], str | None]:
     """The node whose own job connections retransmit, when collectives are slow for
     everyone while nobody arrives late: retransmits far above the other nodes' (a
     persistent fault leaves no contrast in time, but it does across nodes) and often
-    enough to slow every collective, or the most of them in the slow bins.
+    enough to slow every collective, or the most of them in the slow bins, as often
+    there (``slow_coll``: the collectives in the slow bins). A link that queues for a
+    period makes a few spurious timeouts while TCP's round-trip estimate catches up
+    (the rig: 10 segments resent at once, in one of 4 slow bins holding 31
+    collectives); those did not slow the period's collectives, the queue did (rule 4c).
+    A lossy link stalls them on every loss, and few collectives fit in its slow bins.
 
     Retransmits towards a late node while it was late (``late``: node id -> its windows;
     towards_late) do not count: a peer whose sends to a starved or stalled node are
@@ -81,7 +86,8 @@ def _network_suspect(con, node_ids, t0, bin_ns, slow, n_bins, n_coll,
     often = max(10, MIN_RETRANSMITS_PER_COLLECTIVE * n_coll)
     if counts[top] >= often and (counts[top] - med) / max(spread, 3.0) >= CLEAR_SCORE:
         return top, sorted(set(per[top]) | slow_set), "contrast"
-    if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and max(in_slow.values()) >= 10:
+    if len(slow) >= max(2, int(0.02 * n_bins)) and in_slow and \
+            max(in_slow.values()) >= max(10, MIN_RETRANSMITS_PER_COLLECTIVE * slow_coll):
         return max(in_slow, key=in_slow.get), sorted(slow_set), "slow_bins"
     return None, [], None
 
