@@ -234,3 +234,35 @@ def solve_graph(members: list[int], cedges: dict) -> dict[int, tuple[float, floa
         if not changed:
             break
     return {nid: (x[idx[nid]], y[idx[nid]]) for nid in members}
+
+
+def t_within(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with ``dof`` degrees of freedom (dof >= 1): the
+    closed form for whole degrees (Abramowitz and Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(dof))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if dof % 2:
+        if dof == 1:
+            return 2 * theta / math.pi
+        term = total = 1.0
+        for k in range(1, (dof - 3) // 2 + 1):      # 2/3 c^2, 2*4/(3*5) c^4, ...
+            term *= (2 * k) / (2 * k + 1) * c2
+            total += term
+        return 2 / math.pi * (theta + s * math.cos(theta) * total)
+    term = total = 1.0
+    for k in range(1, (dof - 2) // 2 + 1):          # 1/2 c^2, 1*3/(2*4) c^4, ...
+        term *= (2 * k - 1) / (2 * k) * c2
+        total += term
+    return s * total
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """t with P(|T| <= t) = p (bisection on t_within): how many standard errors a mean
+    of dof + 1 values, its spread estimated from them, may lie from the truth."""
+    lo, hi = 0.0, 1.0
+    while t_within(hi, dof) < p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_within(mid, dof) < p else (lo, mid)
+    return (lo + hi) / 2

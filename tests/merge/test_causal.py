@@ -255,3 +255,49 @@ def test_hub_bounds_are_valid_and_near_the_exact_ones():
     slack = {e: w for e, w in slack.items() if 7 not in e}
     slack[(7, 8)] = 1e4
     assert 7 not in causal._cycle_bounds(slack, nodes)
+
+
+def test_a_fit_causality_moved_beyond_its_noise_keeps_no_bound_of_its_own():
+    """Three lines the sync points placed (bound 32 us, residual 8.7 us over 32 sync
+    points: a line precise to about 6 us), tied both ways by TCP messages whose own
+    bound is a few hundred microseconds. A line causality moved by 3 us keeps its fit's
+    bound plus the move, tighter than the messages' (a short job in a long capture);
+    one moved 31 us was placed by biased sync points, which its fit's bound does not
+    cover, and takes the messages' bound. (The rig's slow link: a line moved 31 us,
+    stated 63 us, 68 us off.)"""
+    import math
+
+    from ingero_forensics.merge.align import (FIT_CONFIDENCE, NodeAlignment, NodeInput,
+                                              _bound_by_messages)
+    from ingero_forensics.merge.fitting import t_quantile
+
+    precision = 1000 + t_quantile(FIT_CONFIDENCE, 30) * 8700 / math.sqrt(32)
+    assert 5_000 < precision < 7_000
+
+    def placed(nid, moved):
+        return NodeAlignment(
+            node_id=nid, method="causal" if moved else "collectives", offset_ns=0,
+            slope=0.0, drift_ppm=0.0, uncertainty_ns=None, relative_uncertainty_ns=32_000,
+            component=1, sync_points=40, sync_points_used=32, residual_ns=8_700,
+            clock_samples=0, steps=0, claimed_error_ns=None, max_correction_ns=None,
+            exceeds_claim=False, segments=[], pre_offset_ns=0, causal_moved_ns=moved,
+            fit_relative_ns=32_000, fit_precision_ns=precision)
+
+    result = {1: placed(1, 0), 2: placed(2, 31_000), 3: placed(3, 3_000)}
+    nodes = {n: NodeInput(n, manifest_pairs=[(0, 10**9), (0, 11 * 10**9)]) for n in result}
+    messages = []
+    for k in range(1000):            # a ring both ways, one hop every 10 ms, 150 us each
+        t = 10**9 + k * 10_000_000
+        i = 1 + k % 3
+        j = 1 + (k + 1) % 3
+        messages += [(i, t, j, t + 150_000), (j, t + 1_000_000, i, t + 1_150_000)]
+    _bound_by_messages(result, nodes, messages, 1000)
+    by_messages = result[2].relative_uncertainty_ns
+    assert by_messages > 32_000 + 31_000, result[2]          # not the fit's bound + move
+    assert result[1].relative_uncertainty_ns == 32_000, result[1]
+    assert result[3].relative_uncertainty_ns == 35_000, result[3]
+    # the messages' own bound, where no fit is trusted: a few hundred microseconds
+    result = {n: placed(n, 31_000) for n in (1, 2, 3)}
+    _bound_by_messages(result, nodes, messages, 1000)
+    assert {a.relative_uncertainty_ns for a in result.values()} == {by_messages}, result
+    assert 150_000 <= by_messages <= 1_000_000, by_messages

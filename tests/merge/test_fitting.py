@@ -1,10 +1,10 @@
-"""merge/fitting.py: the sparse Laplacian solve of the node graph."""
+"""merge/fitting.py: the sparse Laplacian solve of the node graph, Student's t."""
 
 import random
 
 import pytest
 
-from ingero_forensics.merge.fitting import solve_laplacian
+from ingero_forensics.merge.fitting import solve_laplacian, t_quantile, t_within
 
 
 def _dense(n, weights, b):
@@ -79,3 +79,19 @@ def test_a_graph_in_two_parts_is_singular():
     w = {(0, 1): 1.0, (2, 3): 1.0}
     with pytest.raises(ZeroDivisionError):
         solve_laplacian(4, w, [1.0, -1.0, 2.0, -2.0])
+
+
+@pytest.mark.parametrize("p, dof, table", [
+    (0.95, 1, 12.706), (0.95, 2, 4.303), (0.95, 3, 3.182), (0.95, 10, 2.228),
+    (0.95, 30, 2.042), (0.99, 5, 4.032), (0.99, 8, 3.355), (0.999, 4, 8.610)])
+def test_t_quantile_matches_the_printed_tables(p, dof, table):
+    """Two-sided quantiles of Student's t, as statistics tables print them (odd and even
+    degrees take different closed forms)."""
+    assert t_quantile(p, dof) == pytest.approx(table, abs=6e-4)
+    assert t_within(table, dof) == pytest.approx(p, abs=1e-4)
+
+
+def test_t_quantile_tends_to_the_normal():
+    """Many degrees of freedom: the normal's 3 standard errors at 99.73 %."""
+    assert t_quantile(0.9973, 5000) == pytest.approx(3.0, abs=0.01)
+    assert t_quantile(0.9973, 3) > t_quantile(0.9973, 30) > t_quantile(0.9973, 5000)
