@@ -175,8 +175,10 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
         else:
             s = a.also_slow_link
             notes = [f"The link from {s['from']} to {s['to']} is the verdict's second "
-                     "finding (above): far slower than the others, away from the nodes "
-                     "named."]
+                     "finding (above): far slower than the others, "
+                     + ("away from the nodes named." if not s.get("named_ends") else
+                        "outside the windows of " + " and ".join(s["named_ends"])
+                        + " as well.")]
         for e in notes:
             lines.append(para(e, "- " if markdown else "* "))
         lines.append("")

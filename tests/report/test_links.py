@@ -427,6 +427,32 @@ def test_slow_link_at_the_straggler_is_no_second_finding(tmp_path, late):
     assert "Separately" not in a.verdict
 
 
+def test_slow_link_at_a_node_late_in_one_window_is_a_second_finding(tmp_path):
+    """A link slow all run into a node that is late in one window only (a CI run of the
+    rig: a CPU hog held that node's rank for 93 ms once, the node was named for one time
+    bin, and a link queueing all run into it, 7.2 ms against 0.02 ms, went unsaid).
+    Without its arrivals in that window the link is still the slow one: a second
+    finding, which says that its end is named for its window only."""
+    d = tmp_path / "sim"
+    simulate_fleet(d / "b", FleetConfig(nodes=NODES, ranks_per_node=2, steps=120, seed=6,
+                                        fault="cpu", straggler=1, tcp_progress=False,
+                                        fault_windows=((50, 70),)))
+    merge_bundles([d / "b"], d / "fleet.db")
+    _, a = _fleet(tmp_path, (d / "fleet.db").read_bytes(), slow={(0, 1)})
+    (st,) = a.stragglers
+    assert (st.node, st.cause) == ("node-01", "cpu"), a.verdict
+    assert sum(w.end_ns - w.start_ns for w in st.windows) < 0.5 * (a.end_ns - a.start_ns)
+    s = a.also_slow_link
+    assert s is not None and (s["from"], s["to"]) == ("node-00", "node-01"), a.verdict
+    assert s["named_ends"] == ["node-01"], s
+    assert ("node-01, at its end, is named above for its windows only; outside them the "
+            "link is still the slowest by far") in a.verdict, a.verdict
+    assert "Neither of its ends" not in a.verdict
+    assert "node-01, at its end, is named above for its windows only" in \
+        unescape(render_html(a))
+    assert "outside the windows of node-01 as well" in " ".join(render_text(a).split())
+
+
 def test_second_slow_link_within_clock_error_is_said_not_named(tmp_path, late):
     """Beside a straggler, as alone: a link whose excess the clocks cannot rule out is
     said to look slower, and not named."""

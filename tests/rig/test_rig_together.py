@@ -46,9 +46,20 @@ def test_two_nodes_late_together_both_named_with_their_cause(together, scenario)
     truth = measure.true_lateness(o.fleet_db)
     assert all(truth[n] > 5 for n in late) and all(truth[n] < 0 for n in truth if n not in late), truth
     named = verdict.stragglers(o.report)
-    assert {s.node for s in named} == late, verdict.summary(o.report)
+    by_node = {s["node"]: s for s in o.report["stragglers"]}
+    # The rig's "nodes" share the machine's 2 CPUs: a healthy rank the scheduler puts
+    # beside the hog for a moment is starved too (a CI run: rank 0 held 93 ms once, late
+    # in one time bin, 1.5 % of the run, against 70 % for each degraded node). Named, it
+    # must be for what happened: the CPU, the hog its top offender, costing far less.
+    extra = {s.node for s in named} - late
+    for n in extra if scenario == "cpu" else ():
+        s = by_node[n]
+        assert s["cause"] == "cpu" and s["top_offenders"][0]["task"] == "python", s
+        assert s["cost_share"] < 0.1 * min(by_node[m]["cost_share"] for m in late), s
+    assert {s.node for s in named} - extra == late and not (
+        extra and scenario != "cpu"), verdict.summary(o.report)
     if scenario == "cpu":
-        assert {(s.node, s.cause, s.confidence) for s in named} == \
+        assert {(s.node, s.cause, s.confidence) for s in named if s.node in late} == \
             {(n, "cpu", "clear") for n in late}, verdict.summary(o.report)
     # io: the two loaders' reads also double those nodes' run-queue delay on 2 cores
     # (88-93 against 44-47 ms/s), so the I/O evidence beats the CPU's by 2-7x, at times
@@ -61,10 +72,9 @@ def test_two_nodes_late_together_both_named_with_their_cause(together, scenario)
             s["cause_confidence"] == "weak" and s["close_cause"] == "io")
         assert ok, (s["node"], s["cause"], s["cause_confidence"], s["close_cause"],
                     s["signals"])
-    by_node = {s["node"]: s for s in o.report["stragglers"]}
     for n in late:
         assert by_node[n]["reference"] == "early_half"
-        assert by_node[n]["late_with"] == sorted(late - {n})
+        assert set(by_node[n]["late_with"]) - extra == late - {n}, by_node[n]
         assert by_node[n]["cost_share"] >= 0.01
 
 
