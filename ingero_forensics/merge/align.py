@@ -121,8 +121,9 @@ class NodeAlignment:
     #: stored: what the causal step compares a node's room with)
     fit_relative_ns: int | None = None
     #: how far from the truth the noise of its sync points alone may leave the fit's
-    #: line (1 us plus FIT_CONFIDENCE's t quantile times the line's standard error; not
-    #: stored): a move by causality beyond it shows them biased (_bound_by_messages)
+    #: line at the ends of their span (1 us plus FIT_CONFIDENCE's t quantile times the
+    #: line's standard error there; not stored): a move by causality beyond it is more
+    #: than that noise explains (_bound_by_messages)
     fit_precision_ns: float = math.inf
     rate_clamped: bool = False    # its fitted rate exceeded the bound and was clamped
     #: how far the clamped line leaves the fitted one at the ends of the node's data, from
@@ -408,9 +409,11 @@ def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: i
                 rel_unc[nid] = None
             else:
                 rel_unc[nid] = 1000.0 + 3.0 * (s or 0.0) / math.sqrt(used) + 3.0 * (s or 0.0)
-                # (Student's t: the spread is estimated from the same few residuals)
-                precision[nid] = math.inf if used <= 2 else \
-                    1000.0 + t_quantile(FIT_CONFIDENCE, used - 2) * (s or 0.0) / math.sqrt(used)
+                # at the ends of its sync points, where a move is measured: a line's
+                # standard error there is twice its middle's (points spread evenly);
+                # Student's t, the spread being estimated from the same few residuals
+                precision[nid] = math.inf if used <= 2 else 1000.0 + t_quantile(
+                    FIT_CONFIDENCE, used - 2) * 2.0 * (s or 0.0) / math.sqrt(used)
         if comp is not None:
             _keep_consistent_priors(members, rel, rel_unc, span)
         common, bound, liars = _common_mode(members, nodes, pre, rel, t_ref, rel_unc)
@@ -447,6 +450,8 @@ def _align_clocks(nodes: dict[int, NodeInput], groups: Groups, min_latency_ns: i
     for a in result.values():
         if a.method == "collectives":
             a.fit_relative_ns = a.relative_uncertainty_ns
+            # (the first clamp's departure, in the bound above, is the precision's too)
+            a.fit_precision_ns += a.clamp_departure_ns
     messages = _apply_messages(result, nodes, messages, connections or {}, min_latency_ns)
     # the messages' projection moves rates too, with no bound of its own
     _clamp_rates(result)
@@ -657,10 +662,10 @@ def _bound_by_messages(result: dict[int, NodeAlignment], nodes, messages,
                 # messages (step 4). The messages' bound can be far looser, extended from
                 # a short job over a long capture (a 3-step run of 0.5 s in a 30 s
                 # capture: 3.4 ms, against the fit's 10 us plus a 7 us move). A move
-                # the noise does not explain shows the sync points biased (the rig's
-                # slow link: a fit 43-62 us off with a bound of 32 us and a precision of
-                # 6 us, moved 31 us: stated 63 us, 68 us off); the messages' bound,
-                # which no such bias enters, stands.
+                # the noise does not explain says the sync points may be biased (the
+                # rig's slow link: a fit 43-62 us off with a bound of 32 us and a
+                # precision of 11 us, moved 31 us: stated 63 us, 68 us off); the
+                # messages' bound, which no such bias enters, stands.
                 a.relative_uncertainty_ns = min(a.relative_uncertainty_ns,
                                                 math.ceil(fitted + a.causal_moved_ns))
             if a.uncertainty_ns is not None and old is not None:

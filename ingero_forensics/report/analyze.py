@@ -478,14 +478,16 @@ def _analyze(con, path: Path, bin_s: float | None) -> Analysis:
             # one node and a shaped link between two others: the hog's node was named
             # and the link, 5.4 ms against 0.05 ms, went unsaid. That holds in the
             # named nodes' windows: a link slow over the whole run, and still the slow
-            # one without its arrivals in the windows of the late nodes at its ends, is
-            # a finding of its own.
+            # one without its arrivals in the windows of the late nodes at its ends,
+            # each with a clear cause of its own (not the link's victim), is a finding
+            # of its own.
             touched = {st.node_id: st for st in a.stragglers if st.node_id in ends}
-            spans = sorted((w.start_ns, w.end_ns) for st in touched.values()
-                           for w in st.windows)
-            if ends & named_ids and (link_period is not None or set(touched) != ends & named_ids
-                                     or not slow_outside(measured, link, spans, pair_ms,
-                                                         CLOCK_MARGIN)):
+            spans = [(w.start_ns, w.end_ns) for st in touched.values() for w in st.windows]
+            if ends & named_ids and (
+                    link_period is not None or set(touched) != ends & named_ids
+                    or any(st.cause_confidence != "clear" or st.cause in (None, "network")
+                           for st in touched.values())
+                    or not slow_outside(measured, link, spans, pair_ms, CLOCK_MARGIN)):
                 pass
             elif link.clock_limited:
                 a.link_unsure = suspect

@@ -359,6 +359,13 @@ def slow_outside(links: list[Link], link: SlowLink, spans: list[tuple[int, int]]
     own lateness cannot be what slows its links (the rig: a link that queued all run,
     7.2 ms against 0.02 ms, went unsaid because a CPU hog once held its receiving
     node's rank for 93 ms, one time bin in which that node was named)."""
+    merged: list[tuple[int, int]] = []        # (_in_spans reads disjoint spans)
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    spans = merged
     starts = [s for s, _ in spans]
     outside = []
     for lk in links:
@@ -637,10 +644,12 @@ def _ends_text(s: dict) -> str:
     if not named:
         return ("Neither of its ends is a node named above, so it does not explain that "
                 "finding and needs fixing on its own. ")
-    who = " and ".join(named)
-    return (f"{who}, at its end, {'is' if len(named) == 1 else 'are'} named above for "
-            f"{'its' if len(named) == 1 else 'their'} windows only; outside them the link "
-            "is still the slowest by far, so it needs fixing on its own. ")
+    one = len(named) == 1
+    return (f"{' and '.join(named)}, at {'an end' if one else 'ends'} of it"
+            f"{' or of a link slow with it' if len(s['slow_links']) > 1 else ''}, "
+            f"{'is' if one else 'are'} named above for {'its' if one else 'their'} windows only, with a clear cause "
+            f"of {'its' if one else 'their'} own; outside them the link is still the "
+            "slowest by far, so it needs fixing on its own. ")
 
 
 def link_unsure_text(s: dict) -> str:

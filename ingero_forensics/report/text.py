@@ -178,7 +178,7 @@ def render_text(a: Analysis, *, markdown: bool = False) -> str:
                      "finding (above): far slower than the others, "
                      + ("away from the nodes named." if not s.get("named_ends") else
                         "outside the windows of " + " and ".join(s["named_ends"])
-                        + " as well.")]
+                        + " (named above) as well.")]
         for e in notes:
             lines.append(para(e, "- " if markdown else "* "))
         lines.append("")
