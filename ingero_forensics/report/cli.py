@@ -55,8 +55,8 @@ def main(fleet_db, output, bin_s, as_json, quiet, redact, fmt, title):
     nobody is late and nothing retransmits, a link whose bytes take far longer from
     sender to receiver than on the job's other links is named (a slow network link);
     beside a late node or a lossy link, such a link away from the nodes named (or slow
-    all run, outside the windows of a named node at its end) is reported as a second
-    finding.
+    all run, outside the windows of a node named at its end with a clear cause of its
+    own) is reported as a second finding.
     The HTML has no scripts and loads nothing: it reads the same in a browser or a mail
     client.
 

@@ -355,7 +355,7 @@ def _link_bins(lk: Link, t0: int, bin_ns: int) -> dict[int, array]:
 def slow_outside(links: list[Link], link: SlowLink, spans: list[tuple[int, int]],
                  pair_uncertainty_ms, clock_margin: float) -> bool:
     """Whether ``link`` is still the slow link (slow_link) with every link's arrivals
-    inside ``spans`` (start, end ns; sorted) left out: outside a late node's windows its
+    inside ``spans`` (start, end ns; in any order, nested or overlapping) left out: outside a late node's windows its
     own lateness cannot be what slows its links (the rig: a link that queued all run,
     7.2 ms against 0.02 ms, went unsaid because a CPU hog once held its receiving
     node's rank for 93 ms, one time bin in which that node was named)."""
@@ -645,8 +645,9 @@ def _ends_text(s: dict) -> str:
         return ("Neither of its ends is a node named above, so it does not explain that "
                 "finding and needs fixing on its own. ")
     one = len(named) == 1
-    return (f"{' and '.join(named)}, at {'an end' if one else 'ends'} of it"
-            f"{' or of a link slow with it' if len(s['slow_links']) > 1 else ''}, "
+    where = ("an end of it" if one else "its ends") if len(s["slow_links"]) <= 1 else \
+        f"{'an end' if one else 'ends'} of it or of a link slow with it"
+    return (f"{' and '.join(named)}, at {where}, "
             f"{'is' if one else 'are'} named above for {'its' if one else 'their'} windows only, with a clear cause "
             f"of {'its' if one else 'their'} own; outside them the link is still the "
             "slowest by far, so it needs fixing on its own. ")

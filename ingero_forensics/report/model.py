@@ -154,8 +154,9 @@ class Analysis:
     #: at any score
     gpu_unnamed: dict | None = None
     #: a slow link (the link_suspect's fields and test) found beside a straggler or a
-    #: lossy link already named, away from every node named or still the slow link
-    #: outside the windows of those at its ends (``named_ends``, their names): a second,
+    #: lossy link already named, away from every node named or, slow all run, still the
+    #: slow link outside the windows of the stragglers at its ends, each named with a
+    #: clear cause of its own, not the network (``named_ends``, their names): a second,
     #: separate finding
     also_slow_link: dict | None = None
     #: a link slow in periods of the run only that is not named: the same fields and

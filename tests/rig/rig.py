@@ -80,6 +80,8 @@ rig = "/proc/" + sys.argv[1]
 for _ in range(int(sys.argv[2]) - 1):
     if os.fork() == 0:
         break
+with open(sys.argv[3], "a") as f:      # each process's pid, for the tests to know it
+    f.write(f"{os.getpid()}\\n")
 while os.path.exists(rig):
     for _ in range(1_000_000):
         pass
@@ -164,6 +166,8 @@ class RunResult:
     capture_window_ns: tuple[int, int] = (0, 0)
     #: CLOCK_MONOTONIC ns: the fault switched on and off, where it had a period
     fault_window_ns: tuple[int, ...] = ()
+    #: the CPU hog's processes ("cpu"; empty otherwise)
+    hog_pids: tuple[int, ...] = ()
 
     @property
     def step_ns(self) -> dict[int, list[int]]:
@@ -426,7 +430,9 @@ class Rig:
             seconds=round(time.monotonic() - started, 1),
             capture_start_s=round((window[1] - window[0]) / 1e9, 1),
             capture_stop_s=round(cap_stop, 1), capture_window_ns=window,
-            fault_window_ns=tuple(switched))
+            fault_window_ns=tuple(switched),
+            hog_pids=tuple(int(x) for x in (out / "hog-pids").read_text().split())
+            if (out / "hog-pids").exists() else ())
 
     def _fault_in_period(self, scenario: str, local: list, period_s: tuple[float, float],
                          switched: list) -> Callable[[], None]:
@@ -541,8 +547,8 @@ class Rig:
             # scheduler credits a rank that sleeps in its syncs
             procs, nice = MILD["hog"] if self.mild else (str(HOG_PROCS), "-10")
             hog = self._spawn(["nice", "-n", nice, "taskset", "-c", str(self.straggler_cpu()),
-                               sys.executable, "-c", HOG, str(os.getpid()), procs],
-                              process_group=0)
+                               sys.executable, "-c", HOG, str(os.getpid()), procs,
+                               str(self._out / "hog-pids")], process_group=0)
             local.append(hog)
             return lambda: stop_process(hog)
         if scenario in ("network", "slowlink"):
